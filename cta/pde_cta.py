@@ -1,0 +1,509 @@
+# coding=utf-8
+"""The Continuous-Time Attention PDE operator.
+
+One definition, several backends. This file holds the readable PyTorch reference (the ground truth for every
+other backend), the stability-guaranteeing coefficient parametrisation, the learnable refinement module and the
+causal decode state that lives in transformers' Cache API.
+
+Layout: ``u`` is ``[batch, seq, channels]``; an optional ``attention_mask`` ``[batch, seq]`` marks real tokens with 1.
+Everything is accumulated in fp32 and returned in the input dtype. ``steps == 0`` is the identity.
+
+Schemes (explicit pseudo-time steps, written in flux form so that walls are exact)
+-------------------------------------------------------------------------------
+Let ``e(i, i+1)`` be 1 when the edge between positions ``i`` and ``i+1`` is open (both are real tokens inside the
+sequence) and 0 otherwise: sequence ends and padding are *walls*. A padded position never changes and is never read.
+
+Bidirectional (encoders), zero-flux walls. With the edge flux into ``i`` from its right neighbour
+``G(i+1/2) = e(i,i+1) * (a * (u[i+1] - u[i]) - b+ * u[i] - b- * u[i+1])`` (``b+ = max(b, 0)``, ``b- = min(b, 0)``):
+
+* ``diffusion``:            ``u[i] += G(i+1/2) - G(i-1/2)`` with ``b = 0`` (the 3-point Laplacian).
+* ``advection_diffusion``:  the same with ``b != 0``: upwind transport with velocity ``b`` (``b > 0`` moves
+  information towards later positions), mass-conservative at walls.
+* ``reaction_diffusion``:   diffusion plus ``b * R(u)`` with the bounded reaction ``R(u) = -tanh(u)`` (a saturating
+  decay towards 0: linear for small ``u``, at most ``b`` per step for large ``u``), ``b >= 0``.
+* ``wave``:                 ``v = (1 - WAVE_DAMPING) * v + a * lap(u); u += v`` with ``v = 0`` at the start and
+  ``a = c**2``. The damping is not optional: with any causal (one-sided) stencil the undamped scheme has a root of
+  modulus > 1 (the product of the two roots is 1 and they are not on the unit circle), so it grows exponentially.
+
+Causal (decoders), zero-inflow walls: position ``i`` reads only its left neighbour ``l = u[i-1]`` (0 at the start of
+the sequence and after padding: the sequence behaves as if preceded by zeros, like causal-conv1d's zero initial
+state), so after any number of steps it depends only on positions ``<= i``:
+
+* ``diffusion``:            ``u[i] += a * (l - u[i])``                  (left flux of the 3-point Laplacian)
+* ``advection_diffusion``:  ``u[i] += (a + b) * (l - u[i])``, ``b >= 0`` (the upwind stencil for causal transport is
+  the same left difference, so causal advection-diffusion is diffusion with coefficient ``a + b``)
+* ``reaction_diffusion``:   ``u[i] += a * (l - u[i]) - b * tanh(u[i])``
+* ``wave``:                 ``v[i] = (1 - WAVE_DAMPING) * v[i] + a * (l - u[i]); u[i] += v[i]``
+
+Stability (the bounds in ``COEFFICIENT_BOUNDS``): every linear scheme above, at every coefficient inside its
+bounds, maps ``u`` by a matrix with non-negative entries whose rows and columns sum to at most 1 (diffusion,
+advection, reaction -- for the reaction write ``tanh(u) = d * u`` with ``0 < d <= 1``), hence its L1, L2 and
+L-infinity operator norms are ``<= 1``: no input grows, whatever the sequence length, padding or step count. The
+amplification factor of a Fourier mode ``exp(i k x)`` is ``1 - 4 a sin^2(k/2)`` (bidirectional diffusion, ``a <= 1/2``)
+and ``1 - a + a exp(-i k)`` (causal diffusion, ``|.| <= 1`` for ``0 <= a <= 1``). For the damped wave the bound was
+found by computing ``max_n ||u_n|| / ||u_0||`` over 64 steps for the worst input (the spectral norm of the step
+matrix power), which stays ``<= 1`` up to ``a = 1/2`` (bidirectional) and ``a = 0.15`` (causal).
+
+The authors' public causal stencil ``u[i] += a * (u[i] - 2 u[i-1] + u[i-2])`` has amplification ``|1 + 4a| > 1`` at
+the alternating mode and is deliberately not provided.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+
+PDE_TYPES = ("diffusion", "wave", "reaction_diffusion", "advection_diffusion")
+PDE_TYPE_ALIASES = {
+    "reaction-diffusion": "reaction_diffusion",
+    "advection-diffusion": "advection_diffusion",
+    "heat": "diffusion",
+}
+PDE_BACKENDS = ("auto", "torch", "triton")
+WAVE_DAMPING = 0.5
+MAX_PDE_STEPS = 64
+
+# (alpha_min, alpha_max), (beta_min, beta_max) or None, for (pde_type, causal).
+COEFFICIENT_BOUNDS = {
+    ("diffusion", False): ((0.0, 0.5), None),
+    ("diffusion", True): ((0.0, 0.5), None),
+    ("wave", False): ((0.0, 0.5), None),
+    ("wave", True): ((0.0, 0.15), None),
+    ("reaction_diffusion", False): ((0.0, 0.25), (0.0, 0.5)),
+    ("reaction_diffusion", True): ((0.0, 0.25), (0.0, 0.5)),
+    ("advection_diffusion", False): ((0.0, 0.25), (-0.5, 0.5)),
+    ("advection_diffusion", True): ((0.0, 0.25), (0.0, 0.5)),
+}
+
+# Coefficients of the paper (Zhang & Zhou 2025): alpha = 0.1 for diffusion; beta values are ours (the paper gives none).
+PAPER_COEFFICIENTS = {
+    "diffusion": (0.1, None),
+    "wave": (0.1, None),
+    "reaction_diffusion": (0.1, 0.05),
+    "advection_diffusion": (0.1, 0.05),
+}
+
+
+def normalize_pde_type(pde_type: str, argument: str = "pde_type") -> str:
+    """Returns the canonical spelling of ``pde_type`` or raises a ValueError naming ``argument``."""
+    if isinstance(pde_type, str):
+        name = PDE_TYPE_ALIASES.get(pde_type.lower(), pde_type.lower())
+        if name in PDE_TYPES:
+            return name
+    raise ValueError(
+        f"`{argument}` must be one of {PDE_TYPES} (aliases: {sorted(PDE_TYPE_ALIASES)}), got {pde_type!r}."
+    )
+
+
+def uses_beta(pde_type: str) -> bool:
+    return COEFFICIENT_BOUNDS[(normalize_pde_type(pde_type), False)][1] is not None
+
+
+def coefficient_bounds(pde_type: str, causal: bool):
+    """``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` inside which the scheme is non-expansive."""
+    return COEFFICIENT_BOUNDS[(normalize_pde_type(pde_type), bool(causal))]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Argument checking shared by every backend
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _as_coefficient(value, name: str, channels: int, device) -> Optional[torch.Tensor]:
+    if value is None:
+        return None
+    if not torch.is_tensor(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"`{name}` must be a float, a 0-d tensor or a tensor of shape [channels], got {value!r}.")
+        value = torch.tensor(float(value), device=device)
+    if value.dim() == 1 and value.shape[0] == 1:
+        value = value.reshape(())
+    if value.dim() not in (0, 1) or (value.dim() == 1 and value.shape[0] != channels):
+        raise ValueError(
+            f"`{name}` must be a scalar or have shape [channels] = [{channels}], got shape {tuple(value.shape)}."
+        )
+    return value
+
+
+def check_pde_arguments(
+    hidden_states: torch.Tensor,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta,
+    attention_mask: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor] = None,
+    causal: bool = False,
+):
+    """Validates the arguments of :func:`pde_refine`; returns ``(pde_type, alpha, beta)`` normalised."""
+    pde_type = normalize_pde_type(pde_type)
+    if not torch.is_tensor(hidden_states) or hidden_states.dim() != 3:
+        shape = tuple(hidden_states.shape) if torch.is_tensor(hidden_states) else type(hidden_states)
+        raise ValueError(f"`hidden_states` must have shape [batch, seq, channels], got {shape}.")
+    if not hidden_states.is_floating_point():
+        raise ValueError(f"`hidden_states` must be a floating point tensor, got dtype {hidden_states.dtype}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps > MAX_PDE_STEPS:
+        raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
+    batch, seq, channels = hidden_states.shape
+    alpha = _as_coefficient(alpha, "alpha", channels, hidden_states.device)
+    if alpha is None:
+        raise ValueError("`alpha` is required.")
+    beta = _as_coefficient(beta, "beta", channels, hidden_states.device)
+    if uses_beta(pde_type) and beta is None:
+        raise ValueError(f"`beta` is required for pde_type={pde_type!r}.")
+    if not uses_beta(pde_type):
+        beta = None
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
+        raise ValueError(
+            f"`attention_mask` must have shape [batch, seq] = [{batch}, {seq}] like `hidden_states`, "
+            f"got {tuple(attention_mask.shape)}."
+        )
+    if initial_state is not None:
+        if not causal:
+            raise ValueError("`initial_state` is only defined for causal=True.")
+        if tuple(initial_state.shape) != (batch, steps, channels):
+            raise ValueError(
+                f"`initial_state` must have shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
+                f"got {tuple(initial_state.shape)}."
+            )
+    return pde_type, alpha, beta
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PyTorch reference
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _bidirectional_step(u, v, pde_type, alpha, beta, open_edge, valid):
+    """One explicit step of the bidirectional scheme in flux form (fp32, [B, L, C])."""
+    diff = u[:, 1:] - u[:, :-1]  # u[i+1] - u[i] on the L-1 edges
+    if pde_type == "wave":
+        lap = torch.nn.functional.pad(diff * open_edge, (0, 0, 0, 1)) - torch.nn.functional.pad(
+            diff * open_edge, (0, 0, 1, 0)
+        )
+        v = (1.0 - WAVE_DAMPING) * v + alpha * lap
+        return u + v, v
+    flux = alpha * diff  # flux into the left cell of each edge
+    if pde_type == "advection_diffusion":
+        flux = flux - beta.clamp(min=0) * u[:, :-1] - beta.clamp(max=0) * u[:, 1:]
+    flux = flux * open_edge
+    update = torch.nn.functional.pad(flux, (0, 0, 0, 1)) - torch.nn.functional.pad(flux, (0, 0, 1, 0))
+    if pde_type == "reaction_diffusion":
+        update = update - beta * torch.tanh(u) * valid
+    return u + update, v
+
+
+def _causal_step(u, v, left, pde_type, alpha, beta, valid):
+    """One explicit causal step; ``left`` holds u[i-1] (already zero at walls)."""
+    pull = left - u
+    if pde_type == "wave":
+        v = (1.0 - WAVE_DAMPING) * v + alpha * pull * valid
+        return u + v, v
+    if pde_type == "advection_diffusion":
+        update = (alpha + beta) * pull
+    else:
+        update = alpha * pull
+    if pde_type == "reaction_diffusion":
+        update = update - beta * torch.tanh(u)
+    return u + update * valid, v
+
+
+def pde_refine_reference(
+    hidden_states: torch.Tensor,
+    *,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta=None,
+    causal: bool = False,
+    attention_mask: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    return_final_state: bool = False,
+):
+    """Readable, vectorised fp32 reference of :func:`pde_refine` (the ground truth of every backend).
+
+    ``initial_state`` / the returned final state (causal only) are ``[batch, steps, channels]``: entry ``s`` is the
+    value of the step-``s`` iterate at the position just before the first one (zeros = start of sequence / wall).
+    """
+    pde_type, alpha, beta = check_pde_arguments(
+        hidden_states, pde_type, steps, alpha, beta, attention_mask, initial_state, causal
+    )
+    batch, seq, channels = hidden_states.shape
+    u = hidden_states.float()
+    alpha = alpha.float()
+    beta = beta.float() if beta is not None else None
+    if attention_mask is None:
+        valid = torch.ones(batch, seq, 1, device=u.device, dtype=torch.float32)
+    else:
+        valid = attention_mask.to(device=u.device, dtype=torch.float32).unsqueeze(-1)
+    v = torch.zeros_like(u) if pde_type == "wave" else None
+    final_state = []
+    if causal:
+        if initial_state is None:
+            initial_state = torch.zeros(batch, steps, channels, device=u.device, dtype=torch.float32)
+        left_valid = torch.nn.functional.pad(valid[:, :-1], (0, 0, 1, 0), value=1.0)
+        for step in range(steps):
+            final_state.append(u[:, -1] * valid[:, -1])
+            left = torch.cat([initial_state[:, step : step + 1].float(), u[:, :-1]], dim=1) * left_valid
+            u, v = _causal_step(u, v, left, pde_type, alpha, beta, valid)
+    else:
+        open_edge = valid[:, 1:] * valid[:, :-1]
+        for step in range(steps):
+            u, v = _bidirectional_step(u, v, pde_type, alpha, beta, open_edge, valid)
+    out = u.to(hidden_states.dtype)
+    if return_final_state:
+        state = (
+            torch.stack(final_state, dim=1)
+            if final_state
+            else torch.zeros(batch, 0, channels, device=u.device, dtype=torch.float32)
+        )
+        return out, state
+    return out
+
+
+def pde_decode_step_reference(
+    hidden_states: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta=None,
+    token_mask: Optional[torch.Tensor] = None,
+):
+    """One causal decode step (the ``update`` to :func:`pde_refine`'s ``fn``, as in causal-conv1d).
+
+    ``hidden_states`` is ``[batch, channels]`` (the new token), ``state`` ``[batch, steps, channels]`` fp32 as returned
+    by ``pde_refine(..., causal=True, return_final_state=True)``; it is updated in place. Returns the refined token.
+    """
+    out, new_state = pde_refine_reference(
+        hidden_states.unsqueeze(1),
+        pde_type=pde_type,
+        steps=steps,
+        alpha=alpha,
+        beta=beta,
+        causal=True,
+        attention_mask=None if token_mask is None else token_mask.reshape(-1, 1),
+        initial_state=state,
+        return_final_state=True,
+    )
+    state.copy_(new_state)
+    return out.squeeze(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backend dispatch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def triton_available() -> bool:
+    try:
+        from .triton_cta import is_available
+    except ImportError:
+        return False
+    return is_available()
+
+
+def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
+    if backend not in PDE_BACKENDS:
+        raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("`backend='triton'` was requested but triton (or cta.triton_cta) cannot be imported.")
+        return True
+    return tensor.is_cuda and triton_available()
+
+
+def pde_refine(
+    hidden_states: torch.Tensor,
+    *,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta=None,
+    causal: bool = False,
+    attention_mask: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    return_final_state: bool = False,
+    backend: str = "auto",
+):
+    """Refines ``hidden_states`` ``[batch, seq, channels]`` with ``steps`` explicit steps of the PDE ``pde_type``.
+
+    Args:
+        pde_type: ``diffusion``, ``wave``, ``reaction_diffusion`` or ``advection_diffusion`` (hyphens accepted).
+        steps: number of explicit pseudo-time steps (0 = identity).
+        alpha: effective diffusion coefficient (``c**2`` for the wave): float, 0-d or ``[channels]`` tensor.
+        beta: effective reaction / advection coefficient (``reaction_diffusion`` / ``advection_diffusion`` only).
+        causal: one-sided stencil: position ``i`` depends only on positions ``<= i``.
+        attention_mask: ``[batch, seq]``, 1 for tokens, 0 for padding (a wall that is returned unchanged).
+        initial_state / return_final_state: causal streaming state ``[batch, steps, channels]`` (see the reference).
+        backend: ``auto`` (Triton on CUDA when importable), ``torch`` (the reference) or ``triton``.
+
+    Coefficients outside :data:`COEFFICIENT_BOUNDS` are accepted here (the functional op does not clip) but lose the
+    stability guarantee; :class:`PDERefinement` keeps its coefficients inside them.
+    """
+    if _use_triton(backend, hidden_states):
+        from .triton_cta import pde_refine_triton
+
+        return pde_refine_triton(
+            hidden_states,
+            pde_type=pde_type,
+            steps=steps,
+            alpha=alpha,
+            beta=beta,
+            causal=causal,
+            attention_mask=attention_mask,
+            initial_state=initial_state,
+            return_final_state=return_final_state,
+        )
+    return pde_refine_reference(
+        hidden_states,
+        pde_type=pde_type,
+        steps=steps,
+        alpha=alpha,
+        beta=beta,
+        causal=causal,
+        attention_mask=attention_mask,
+        initial_state=initial_state,
+        return_final_state=return_final_state,
+    )
+
+
+def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto"):
+    """Dispatching wrapper of :func:`pde_decode_step_reference` (updates ``state`` in place)."""
+    if _use_triton(backend, hidden_states):
+        from .triton_cta import pde_decode_step_triton
+
+        return pde_decode_step_triton(
+            hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask
+        )
+    return pde_decode_step_reference(
+        hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Learnable module
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _StraightThroughClamp(torch.autograd.Function):
+    """Clamps in the forward pass, passes the gradient unchanged (so a coefficient at a bound can come back)."""
+
+    @staticmethod
+    def forward(ctx, raw, low, high):
+        return raw.clamp(low, high)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def project_coefficient(raw: torch.Tensor, bounds) -> torch.Tensor:
+    """The coefficient the scheme uses: ``raw`` projected onto ``bounds`` (straight-through gradient).
+
+    The parameter *is* the coefficient while inside its bounds, so ``init="identity"`` (0) is exact, and no value
+    the optimiser can reach leaves the stable region. (A sigmoid cannot reach 0 and saturates near its bounds.)
+    """
+    return _StraightThroughClamp.apply(raw, bounds[0], bounds[1])
+
+
+class PDERefinement(nn.Module):
+    """Learnable PDE refinement of ``[batch, seq, channels]`` hidden states.
+
+    Parameters ``alpha`` (and ``beta`` for reaction/advection) are scalars or per-channel vectors; the scheme always
+    uses them projected onto the stable interval of :data:`COEFFICIENT_BOUNDS` (see :func:`project_coefficient`).
+    For causal refinement with a transformers ``Cache`` the streaming state of this site is stored as the conv
+    state ``state_idx`` of cache layer ``layer_idx`` (shape ``[batch, channels, steps]``, fp32), so that decoding one
+    token at a time, or prefilling in chunks, gives exactly the full-sequence result.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        pde_type: str = "diffusion",
+        steps: int = 1,
+        causal: bool = False,
+        alpha: float = 0.1,
+        beta: Optional[float] = None,
+        per_channel: bool = False,
+        backend: str = "auto",
+        layer_idx: Optional[int] = None,
+        state_idx: int = 0,
+    ):
+        super().__init__()
+        self.pde_type = normalize_pde_type(pde_type)
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_PDE_STEPS:
+            raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
+        if backend not in PDE_BACKENDS:
+            raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
+        self.channels = channels
+        self.steps = steps
+        self.causal = bool(causal)
+        self.backend = backend
+        self.layer_idx = layer_idx
+        self.state_idx = state_idx
+        alpha_bounds, beta_bounds = coefficient_bounds(self.pde_type, self.causal)
+        self.alpha_bounds, self.beta_bounds = alpha_bounds, beta_bounds
+        shape = (channels,) if per_channel else ()
+        self.alpha = nn.Parameter(torch.full(shape, float(alpha)))
+        if beta_bounds is not None:
+            beta = PAPER_COEFFICIENTS[self.pde_type][1] if beta is None else beta
+            self.beta = nn.Parameter(torch.full(shape, float(beta)))
+        else:
+            self.register_parameter("beta", None)
+
+    def extra_repr(self) -> str:
+        kind = "causal" if self.causal else "bidirectional"
+        return f"{self.pde_type}, steps={self.steps}, {kind}, channels={self.channels}, per_channel={self.alpha.dim() == 1}"
+
+    def coefficients(self):
+        """The effective (projected) ``(alpha, beta)`` used by the scheme."""
+        alpha = project_coefficient(self.alpha, self.alpha_bounds)
+        beta = project_coefficient(self.beta, self.beta_bounds) if self.beta is not None else None
+        return alpha, beta
+
+    def forward(self, hidden_states, attention_mask=None, past_key_values=None):
+        if self.steps == 0:
+            return hidden_states
+        alpha, beta = self.coefficients()
+        kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta, causal=self.causal)
+        if past_key_values is None or not self.causal:
+            return pde_refine(hidden_states, attention_mask=attention_mask, backend=self.backend, **kwargs)
+        if self.layer_idx is None:
+            raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
+        state = cached_pde_state(past_key_values, self.layer_idx, self.state_idx)
+        out, final_state = pde_refine(
+            hidden_states,
+            attention_mask=attention_mask,
+            initial_state=state,
+            return_final_state=True,
+            backend=self.backend,
+            **kwargs,
+        )
+        past_key_values.update_conv_state(final_state.transpose(1, 2), self.layer_idx, state_idx=self.state_idx)
+        return out
+
+
+def cached_pde_state(past_key_values, layer_idx: int, state_idx: int) -> Optional[torch.Tensor]:
+    """The causal PDE state ``[batch, steps, channels]`` stored in a transformers Cache, or None before prefill.
+
+    Reads the layer's ``conv_states`` directly: ``Cache.get_conv_state`` only exists in recent transformers 5.x.
+    """
+    layers = getattr(past_key_values, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if layer is None or not hasattr(layer, "conv_states"):
+        raise ValueError(
+            "A causal PDE refinement needs a cache whose layers hold conv states (transformers' hybrid layers); "
+            "build it with `transformers.DynamicCache(config=model.config)` or let `generate()` create it. "
+            f"Got {type(past_key_values).__name__} with layer {layer_idx} of type {type(layer).__name__}."
+        )
+    if not layer.has_previous_state.get(state_idx, False):
+        return None
+    return layer.conv_states[state_idx].transpose(1, 2)
