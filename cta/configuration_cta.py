@@ -1,0 +1,316 @@
+# coding=utf-8
+"""CTA model configuration."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+
+from .pde_cta import MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, coefficient_bounds, normalize_pde_type
+
+
+PDE_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output", "attention_matrix")
+# Placements applied inside every selected decoder layer, in the order their cache states are numbered.
+LAYER_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
+POSITION_EMBEDDING_TYPES = ("absolute", "rope", "none")
+NORM_TYPES = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("post", "pre")
+MLP_TYPES = ("standard", "gated")
+POOLING_TYPES = ("mean", "cls", "last")
+
+
+def _choice(value, field, allowed):
+    if value not in allowed:
+        raise ValueError(f"`{field}` must be one of {allowed}, got {value!r}.")
+    return value
+
+
+def _positive_int(value, field, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{field}` must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def _probability(value, field):
+    if value is None:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"`{field}` must be a float in [0, 1], got {value!r}.")
+    return float(value)
+
+
+def normalize_placements(placement, field="pde_placement"):
+    """``str`` or list of placements -> sorted unique list (validated)."""
+    items = [placement] if isinstance(placement, str) else placement
+    if not isinstance(items, (list, tuple)) or len(items) == 0:
+        raise ValueError(f"`{field}` must be one of {PDE_PLACEMENTS} or a non-empty list of them, got {placement!r}.")
+    for item in items:
+        _choice(item, field, PDE_PLACEMENTS)
+    return [p for p in PDE_PLACEMENTS if p in items]
+
+
+class CTAConfig(PretrainedConfig):
+    r"""
+    Configuration of a Continuous-Time Attention (CTA) transformer: a standard transformer whose token
+    representations are refined by a few explicit steps of a PDE along the sequence (Zhang & Zhou, EMNLP 2025).
+
+    The defaults are the paper's small text classifier (embedding 128, 4 heads, FFN 256, 2 layers, learned absolute
+    positions, post-LN, GELU, one diffusion step after every block). :meth:`modern_decoder` gives a RoPE / RMSNorm /
+    SwiGLU pre-norm decoder.
+
+    Args:
+        vocab_size (`int`, defaults to 30522): vocabulary size (the paper uses bert-base-uncased).
+        hidden_size (`int`, defaults to 128): dimension of the token representations.
+        num_hidden_layers (`int`, defaults to 2): number of transformer blocks.
+        num_attention_heads (`int`, defaults to 4): attention heads; must divide `hidden_size`.
+        num_key_value_heads (`int`, *optional*): key/value heads for grouped-query attention (default: all heads).
+        intermediate_size (`int`, defaults to 256): inner dimension of the MLP.
+        hidden_act (`str`, defaults to `"gelu"`): MLP activation (any key of `transformers.activations.ACT2FN`).
+        mlp_type (`str`, defaults to `"standard"`): `"standard"` (up, act, down) or `"gated"` (SwiGLU-style).
+        norm_type (`str`, defaults to `"layernorm"`): `"layernorm"` or `"rmsnorm"`.
+        norm_position (`str`, defaults to `"post"`): `"post"` (BERT/paper) or `"pre"` (Llama) normalisation.
+        position_embedding_type (`str`, defaults to `"absolute"`): `"absolute"` (learned), `"rope"` or `"none"`.
+        max_position_embeddings (`int`, defaults to 512): longest sequence for learned positions.
+        rope_theta (`float`, defaults to 10000.0): RoPE base.
+        layer_norm_eps (`float`, defaults to 1e-12): epsilon of the normalisation layers.
+        hidden_dropout_prob (`float`, defaults to 0.1): dropout on embeddings and residual branches.
+        attention_dropout (`float`, defaults to 0.0): dropout on attention probabilities.
+        attention_bias (`bool`, defaults to `True`): bias in the q/k/v/o projections.
+        mlp_bias (`bool`, defaults to `True`): bias in the MLP projections.
+        sliding_window (`int`, *optional*): local attention window (the paper's PDE-Longformer hybrid); `None` = full.
+        initializer_range (`float`, defaults to 0.02): std of the normal weight initialisation.
+        is_causal (`bool`, defaults to `False`): causal attention and causal PDE stencil. `CTAForCausalLM` sets it.
+        pooling (`str`, defaults to `"mean"`): sequence classification pooling, `"mean"` over valid tokens (paper),
+            `"cls"` (first token) or `"last"` (last valid token).
+        classifier_dropout (`float`, *optional*): dropout before the classification head (default: hidden dropout).
+        tie_word_embeddings (`bool`, defaults to `True`): tie the LM head to the input embedding.
+        pde_type (`str`, defaults to `"diffusion"`): `"diffusion"`, `"wave"`, `"reaction_diffusion"` or
+            `"advection_diffusion"` (hyphenated spellings are accepted). See `pde_cta.py` for the schemes.
+        pde_steps (`int`, defaults to 1): explicit PDE steps per refinement site (0 = plain transformer).
+        pde_placement (`str` or `list[str]`, defaults to `"block_output"`): where the PDE refines, one or several of
+            `"embedding"` (after the input embedding), `"value"` (attention values), `"attention_output"`,
+            `"mlp_output"`, `"block_output"` (after each block) and `"attention_matrix"` (Algorithm 1 of the paper:
+            evolve the softmax matrix along the key axis; always computed with eager attention, O(L^2)).
+        pde_layers (`list[int]`, *optional*): the blocks that get per-layer placements (default: all).
+        pde_alpha (`float`, defaults to 0.1): initial diffusion coefficient (`c**2` for the wave); kept inside the
+            stable interval of `pde_cta.COEFFICIENT_BOUNDS` during training.
+        pde_beta (`float`, *optional*): initial reaction / advection coefficient (default per type, see
+            `pde_cta.PAPER_COEFFICIENTS`); unused by diffusion and wave.
+        pde_per_channel (`bool`, defaults to `False`): one coefficient per channel instead of a scalar.
+        pde_backend (`str`, defaults to `"auto"`): `"auto"` (Triton on CUDA when importable), `"torch"` or `"triton"`.
+    """
+
+    model_type = "cta"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=30522,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=None,
+        intermediate_size=256,
+        hidden_act="gelu",
+        mlp_type="standard",
+        norm_type="layernorm",
+        norm_position="post",
+        position_embedding_type="absolute",
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        layer_norm_eps=1e-12,
+        hidden_dropout_prob=0.1,
+        attention_dropout=0.0,
+        attention_bias=True,
+        mlp_bias=True,
+        sliding_window=None,
+        initializer_range=0.02,
+        is_causal=False,
+        pooling="mean",
+        classifier_dropout=None,
+        use_cache=True,
+        tie_word_embeddings=True,
+        pde_type="diffusion",
+        pde_steps=1,
+        pde_placement="block_output",
+        pde_layers=None,
+        pde_alpha=0.1,
+        pde_beta=None,
+        pde_per_channel=False,
+        pde_backend="auto",
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        **kwargs,
+    ):
+        # Derived fields are recomputed below; drop stale copies coming back from a saved config.json.
+        kwargs.pop("layer_types", None)
+        kwargs.pop("number_of_conv_states", None)
+        kwargs.pop("head_dim", None)
+        self.vocab_size = _positive_int(vocab_size, "vocab_size")
+        self.hidden_size = _positive_int(hidden_size, "hidden_size")
+        self.num_hidden_layers = _positive_int(num_hidden_layers, "num_hidden_layers", minimum=0)
+        self.num_attention_heads = _positive_int(num_attention_heads, "num_attention_heads")
+        if hidden_size % num_attention_heads != 0:
+            raise ValueError(
+                f"`hidden_size` ({hidden_size}) must be divisible by `num_attention_heads` ({num_attention_heads})."
+            )
+        if num_key_value_heads is None:
+            num_key_value_heads = num_attention_heads
+        self.num_key_value_heads = _positive_int(num_key_value_heads, "num_key_value_heads")
+        if num_attention_heads % num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_attention_heads` ({num_attention_heads}) must be divisible by `num_key_value_heads` "
+                f"({num_key_value_heads})."
+            )
+        self.head_dim = hidden_size // num_attention_heads
+        self.intermediate_size = _positive_int(intermediate_size, "intermediate_size")
+        from transformers.activations import ACT2FN
+
+        _choice(hidden_act, "hidden_act", tuple(ACT2FN.keys()))
+        self.hidden_act = hidden_act
+        self.mlp_type = _choice(mlp_type, "mlp_type", MLP_TYPES)
+        self.norm_type = _choice(norm_type, "norm_type", NORM_TYPES)
+        self.norm_position = _choice(norm_position, "norm_position", NORM_POSITIONS)
+        self.position_embedding_type = _choice(
+            position_embedding_type, "position_embedding_type", POSITION_EMBEDDING_TYPES
+        )
+        self.max_position_embeddings = _positive_int(max_position_embeddings, "max_position_embeddings")
+        if not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
+            raise ValueError(f"`rope_theta` must be a positive float, got {rope_theta!r}.")
+        self.rope_theta = float(rope_theta)
+        if position_embedding_type == "rope" and self.head_dim % 2 != 0:
+            raise ValueError(f"`position_embedding_type='rope'` needs an even head dim, got {self.head_dim}.")
+        if not isinstance(layer_norm_eps, (int, float)) or layer_norm_eps <= 0:
+            raise ValueError(f"`layer_norm_eps` must be a positive float, got {layer_norm_eps!r}.")
+        self.layer_norm_eps = float(layer_norm_eps)
+        self.hidden_dropout_prob = _probability(hidden_dropout_prob, "hidden_dropout_prob")
+        self.attention_dropout = _probability(attention_dropout, "attention_dropout")
+        self.classifier_dropout = _probability(classifier_dropout, "classifier_dropout")
+        self.attention_bias = bool(attention_bias)
+        self.mlp_bias = bool(mlp_bias)
+        if sliding_window is not None:
+            _positive_int(sliding_window, "sliding_window")
+        self.sliding_window = sliding_window
+        self.initializer_range = float(initializer_range)
+        self.is_causal = bool(is_causal)
+        self.pooling = _choice(pooling, "pooling", POOLING_TYPES)
+        self.use_cache = bool(use_cache)
+
+        self.pde_type = normalize_pde_type(pde_type, "pde_type")
+        if isinstance(pde_steps, bool) or not isinstance(pde_steps, int) or not 0 <= pde_steps <= MAX_PDE_STEPS:
+            raise ValueError(f"`pde_steps` must be an int in [0, {MAX_PDE_STEPS}], got {pde_steps!r}.")
+        self.pde_steps = pde_steps
+        placements = normalize_placements(pde_placement)
+        self.pde_placement = placements[0] if len(placements) == 1 else placements
+        if pde_layers is not None:
+            if not isinstance(pde_layers, (list, tuple)) or not all(
+                isinstance(i, int) and 0 <= i < num_hidden_layers for i in pde_layers
+            ):
+                raise ValueError(
+                    f"`pde_layers` must be a list of layer indices in [0, {num_hidden_layers}), got {pde_layers!r}."
+                )
+            pde_layers = sorted(set(pde_layers))
+        self.pde_layers = pde_layers
+        self.pde_alpha = self._check_coefficient(pde_alpha, "pde_alpha", 0)
+        if pde_beta is None:
+            pde_beta = PAPER_COEFFICIENTS[self.pde_type][1]
+        self.pde_beta = None if pde_beta is None else self._check_coefficient(pde_beta, "pde_beta", 1)
+        self.pde_per_channel = bool(pde_per_channel)
+        self.pde_backend = _choice(pde_backend, "pde_backend", PDE_BACKENDS)
+
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.update_cache_layout()
+
+    def _check_coefficient(self, value, field, which):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"`{field}` must be a float, got {value!r}.")
+        bounds = coefficient_bounds(self.pde_type, False)[which]
+        causal_bounds = coefficient_bounds(self.pde_type, True)[which]
+        low, high = min(bounds[0], causal_bounds[0]), max(bounds[1], causal_bounds[1])
+        if not low <= value <= high:
+            raise ValueError(
+                f"`{field}` must lie in the stable interval {bounds} (bidirectional) / {causal_bounds} (causal) "
+                f"for pde_type={self.pde_type!r}, got {value!r}."
+            )
+        return float(value)
+
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def pde_placements(self) -> list:
+        """``pde_placement`` as a list."""
+        return normalize_placements(self.pde_placement)
+
+    def pde_layer_indices(self) -> list:
+        return list(range(self.num_hidden_layers)) if self.pde_layers is None else list(self.pde_layers)
+
+    def pde_state_indices(self, layer_idx: int) -> dict:
+        """Cache conv-state index of every causal PDE site in block ``layer_idx`` (placement -> index).
+
+        The embedding site stores its state in layer 0 after that layer's own sites. ``attention_matrix`` needs no
+        state: each query row is evolved on its own.
+        """
+        placements = self.pde_placements
+        indices = {}
+        if self.pde_steps > 0 and layer_idx in self.pde_layer_indices():
+            for name in LAYER_PLACEMENTS:
+                if name in placements:
+                    indices[name] = len(indices)
+        if self.pde_steps > 0 and layer_idx == 0 and "embedding" in placements:
+            indices["embedding"] = len(indices)
+        return indices
+
+    def update_cache_layout(self):
+        """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state."""
+        counts = [len(self.pde_state_indices(i)) for i in range(self.num_hidden_layers)]
+        stateful = self.is_causal and any(counts)
+        attention = "sliding_attention" if self.sliding_window is not None else "full_attention"
+        hybrid = "hybrid_sliding" if self.sliding_window is not None else "hybrid"
+        self.layer_types = [hybrid if stateful else attention for _ in range(self.num_hidden_layers)]
+        self.number_of_conv_states = max(counts + [1]) if stateful else 1
+
+    # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def paper_encoder(cls, **kwargs):
+        """The paper's small classifier (Table 1): the defaults of this class, spelled out."""
+        defaults = dict(
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=256,
+            hidden_act="gelu",
+            norm_type="layernorm",
+            norm_position="post",
+            position_embedding_type="absolute",
+            pooling="mean",
+        )
+        defaults.update(kwargs)
+        return cls(**defaults)
+
+    @classmethod
+    def modern_decoder(cls, **kwargs):
+        """A Llama-style decoder: RoPE, RMSNorm, pre-norm, SwiGLU, no biases, causal."""
+        defaults = dict(
+            hidden_act="silu",
+            mlp_type="gated",
+            norm_type="rmsnorm",
+            norm_position="pre",
+            position_embedding_type="rope",
+            layer_norm_eps=1e-6,
+            hidden_dropout_prob=0.0,
+            attention_bias=False,
+            mlp_bias=False,
+            is_causal=True,
+            pooling="last",
+            tie_word_embeddings=False,
+        )
+        defaults.update(kwargs)
+        return cls(**defaults)
+
+
+__all__ = ["CTAConfig", "PDE_PLACEMENTS", "LAYER_PLACEMENTS"]

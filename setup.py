@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="cta",
+    version="0.1.0",
+    description="Continuous-Time Attention (PDE-guided token refinement) for Hugging Face Transformers",
+    long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["cta", "cta.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "transformers>=5.0,<6",
+        "accelerate>=1.0",
+        "safetensors>=0.4",
+        "huggingface_hub>=1.0",
+    ],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "examples": ["datasets>=3.0", "evaluate>=0.4", "matplotlib>=3.7", "scikit-learn>=1.3", "peft>=0.14"],
+        "peft": ["peft>=0.14"],
+        "test": ["pytest>=8", "hypothesis>=6", "triton>=3.0", "peft>=0.14", "datasets>=3.0", "evaluate>=0.4",
+                 "matplotlib>=3.7", "scikit-learn>=1.3"],
+    },
+    entry_points={"console_scripts": ["cta-hub=cta.hub:main"]},
+    classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3"],
+)
