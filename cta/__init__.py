@@ -1,6 +1,14 @@
 """CTA: Continuous-Time Attention (PDE-guided refinement of token representations) for Hugging Face Transformers."""
 
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+)
+
 from .configuration_cta import LAYER_PLACEMENTS, PDE_PLACEMENTS, CTAConfig
+from .modeling_cta import CTAForCausalLM, CTAForSequenceClassification, CTAModel, CTAPreTrainedModel
 from .pde_cta import (
     COEFFICIENT_BOUNDS,
     PDE_TYPES,
@@ -14,3 +22,14 @@ from .pde_cta import (
 )
 
 __version__ = "0.1.0"
+
+AutoConfig.register("cta", CTAConfig, exist_ok=True)
+AutoModel.register(CTAConfig, CTAModel, exist_ok=True)
+AutoModelForCausalLM.register(CTAConfig, CTAForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(CTAConfig, CTAForSequenceClassification, exist_ok=True)
+
+# `save_pretrained` then writes `auto_map` and copies the flat code files next to the weights.
+CTAConfig.register_for_auto_class()
+CTAModel.register_for_auto_class("AutoModel")
+CTAForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+CTAForSequenceClassification.register_for_auto_class("AutoModelForSequenceClassification")

@@ -452,11 +452,13 @@ class PDERefinement(nn.Module):
         alpha_bounds, beta_bounds = coefficient_bounds(self.pde_type, self.causal)
         self.alpha_bounds, self.beta_bounds = alpha_bounds, beta_bounds
         shape = (channels,) if per_channel else ()
-        self.alpha = nn.Parameter(torch.full(shape, float(alpha)))
+        self.alpha_init = float(alpha)
+        self.alpha = nn.Parameter(torch.full(shape, self.alpha_init))
         if beta_bounds is not None:
-            beta = PAPER_COEFFICIENTS[self.pde_type][1] if beta is None else beta
-            self.beta = nn.Parameter(torch.full(shape, float(beta)))
+            self.beta_init = float(PAPER_COEFFICIENTS[self.pde_type][1] if beta is None else beta)
+            self.beta = nn.Parameter(torch.full(shape, self.beta_init))
         else:
+            self.beta_init = None
             self.register_parameter("beta", None)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,611 @@
+# coding=utf-8
+"""PyTorch CTA model: a transformer whose token representations are refined by a PDE along the sequence."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import (
+    create_bidirectional_mask,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+from .configuration_cta import CTAConfig
+from .pde_cta import PDERefinement
+
+
+class CTARMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class CTALayerNorm(nn.LayerNorm):
+    pass
+
+
+def make_norm(config: CTAConfig) -> nn.Module:
+    if config.norm_type == "rmsnorm":
+        return CTARMSNorm(config.hidden_size, eps=config.layer_norm_eps)
+    return CTALayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+def make_pde(config: CTAConfig, channels: int, layer_idx: Optional[int], state_idx: int = 0, per_channel=None):
+    return PDERefinement(
+        channels=channels,
+        pde_type=config.pde_type,
+        steps=config.pde_steps,
+        causal=config.is_causal,
+        alpha=config.pde_alpha,
+        beta=config.pde_beta,
+        per_channel=config.pde_per_channel if per_channel is None else per_channel,
+        backend=config.pde_backend,
+        layer_idx=layer_idx,
+        state_idx=state_idx,
+    )
+
+
+class CTARotaryEmbedding(nn.Module):
+    """Plain RoPE. Frequencies are computed on the fly (no buffer to materialise after meta-device loading)."""
+
+    def __init__(self, config: CTAConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.base = config.rope_theta
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        exponent = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32) / self.head_dim
+        inv_freq = 1.0 / (self.base**exponent)
+        freqs = position_ids[..., None].float() * inv_freq  # [batch, seq, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
+def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    key_states = repeat_kv(key, module.num_key_value_groups)
+    value_states = repeat_kv(value, module.num_key_value_groups)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            attn_weights = attn_weights.masked_fill(~attention_mask, torch.finfo(attn_weights.dtype).min)
+        else:
+            attn_weights = attn_weights + attention_mask
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+    return attn_output.transpose(1, 2).contiguous(), attn_weights
+
+
+def allowed_keys(attention_mask, query_length, key_length, causal, batch, device):
+    """Boolean ``[batch, 1, q, k]``: which keys each query may read, from whatever mask form transformers built."""
+    if attention_mask is None:
+        allowed = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
+        if causal:
+            allowed = torch.tril(allowed, diagonal=key_length - query_length)
+        return allowed[None, None].expand(batch, 1, query_length, key_length)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask[..., :key_length]
+    return attention_mask[..., :key_length] > torch.finfo(attention_mask.dtype).min / 2
+
+
+class CTAAttention(nn.Module):
+    """Multi-head attention with the ``value`` and ``attention_matrix`` PDE placements.
+
+    ``value``: the PDE refines the values along the sequence before attention (O(L)). For a *linear* PDE with a
+    *symmetric* step matrix ``M`` (bidirectional diffusion and wave, with zero-flux walls) ``A (M V) = (A M^T) V``,
+    i.e. it equals evolving every row of the attention matrix along the key axis (the paper's Eq. 2).
+    ``attention_matrix``: the paper's Algorithm 1 literally, ``A -> PDE(A)`` along the key axis, then ``A V``
+    (eager, O(L^2), coefficients per head). The two are equal for bidirectional diffusion and wave; they differ
+    for advection (``M`` is not symmetric), for the reaction term (nonlinear) and for causal stencils (``M`` is
+    lower-triangular, so the value placement equals evolving rows with the adjoint, anti-causal stencil). In causal
+    models keys after the query are walls, so ``A`` stays lower-triangular.
+    """
+
+    def __init__(self, config: CTAConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = config.is_causal
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        active = config.pde_steps > 0 and layer_idx in config.pde_layer_indices()
+        placements = config.pde_placements if active else []
+        states = config.pde_state_indices(layer_idx)
+        self.value_pde = (
+            make_pde(config, self.num_key_value_heads * self.head_dim, layer_idx, states.get("value", 0))
+            if "value" in placements
+            else None
+        )
+        self.matrix_pde = make_pde(config, self.num_heads, layer_idx) if "attention_matrix" in placements else None
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
+                past_key_values=None, output_attentions=False, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        values = self.v_proj(hidden_states)
+        if self.value_pde is not None:
+            values = self.value_pde(values, token_mask, past_key_values)
+        value_states = values.view(hidden_shape).transpose(1, 2)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        dropout = self.attention_dropout if self.training else 0.0
+        if self.matrix_pde is not None:
+            attn_output, attn_weights = self._matrix_pde_attention(
+                query_states, key_states, value_states, attention_mask, dropout
+            )
+        else:
+            implementation = self.config._attn_implementation
+            if output_attentions:
+                implementation = "eager"
+            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+                implementation, eager_attention_forward
+            )
+            attn_output, attn_weights = attention_interface(
+                self,
+                query_states,
+                key_states,
+                value_states,
+                attention_mask,
+                dropout=dropout,
+                scaling=self.scaling,
+                sliding_window=self.config.sliding_window,
+                **kwargs,
+            )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+
+    def _matrix_pde_attention(self, query, key, value, attention_mask, dropout):
+        batch, heads, q_len, _ = query.shape
+        k_len = key.shape[2]
+        allowed = allowed_keys(attention_mask, q_len, k_len, self.is_causal, batch, query.device)
+        key, value = repeat_kv(key, self.num_key_value_groups), repeat_kv(value, self.num_key_value_groups)
+        scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * self.scaling
+        scores = scores.masked_fill(~allowed, torch.finfo(torch.float32).min)
+        weights = nn.functional.softmax(scores, dim=-1)
+        # Evolve each query row along the key axis; heads are the channels, masked keys are walls.
+        rows = weights.permute(0, 2, 3, 1).reshape(batch * q_len, k_len, heads)
+        row_mask = allowed.expand(batch, 1, q_len, k_len).reshape(batch * q_len, k_len)
+        rows = self.matrix_pde(rows, row_mask)
+        weights = rows.reshape(batch, q_len, k_len, heads).permute(0, 3, 1, 2).to(query.dtype)
+        weights = nn.functional.dropout(weights, p=dropout, training=self.training)
+        return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class CTAMLP(nn.Module):
+    def __init__(self, config: CTAConfig):
+        super().__init__()
+        self.gated = config.mlp_type == "gated"
+        bias = config.mlp_bias
+        if self.gated:
+            self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x):
+        if self.gated:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class CTADecoderLayer(GradientCheckpointingLayer):
+    """One transformer block with the ``attention_output``, ``mlp_output`` and ``block_output`` PDE placements."""
+
+    def __init__(self, config: CTAConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = config.norm_position == "pre"
+        self.self_attn = CTAAttention(config, layer_idx)
+        self.mlp = CTAMLP(config)
+        self.attention_norm = make_norm(config)
+        self.mlp_norm = make_norm(config)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        active = config.pde_steps > 0 and layer_idx in config.pde_layer_indices()
+        placements = config.pde_placements if active else []
+        states = config.pde_state_indices(layer_idx)
+        for name in ("attention_output", "mlp_output", "block_output"):
+            module = make_pde(config, config.hidden_size, layer_idx, states.get(name, 0)) if name in placements else None
+            setattr(self, f"{name}_pde", module)
+
+    def forward(self, hidden_states, attention_mask=None, token_mask=None, position_embeddings=None,
+                past_key_values=None, output_attentions=False, **kwargs):
+        residual = hidden_states
+        if self.pre_norm:
+            hidden_states = self.attention_norm(hidden_states)
+        attn_output, attn_weights = self.self_attn(
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            token_mask=token_mask,
+            past_key_values=past_key_values,
+            output_attentions=output_attentions,
+            **kwargs,
+        )
+        if self.attention_output_pde is not None:
+            attn_output = self.attention_output_pde(attn_output, token_mask, past_key_values)
+        hidden_states = residual + self.dropout(attn_output)
+        if not self.pre_norm:
+            hidden_states = self.attention_norm(hidden_states)
+
+        residual = hidden_states
+        if self.pre_norm:
+            hidden_states = self.mlp_norm(hidden_states)
+        mlp_output = self.mlp(hidden_states)
+        if self.mlp_output_pde is not None:
+            mlp_output = self.mlp_output_pde(mlp_output, token_mask, past_key_values)
+        hidden_states = residual + self.dropout(mlp_output)
+        if not self.pre_norm:
+            hidden_states = self.mlp_norm(hidden_states)
+
+        if self.block_output_pde is not None:
+            hidden_states = self.block_output_pde(hidden_states, token_mask, past_key_values)
+        return hidden_states, attn_weights
+
+
+# Every Auto class a saved CTA folder loads with under `trust_remote_code=True`.
+AUTO_MAP = {
+    "AutoConfig": "configuration_cta.CTAConfig",
+    "AutoModel": "modeling_cta.CTAModel",
+    "AutoModelForCausalLM": "modeling_cta.CTAForCausalLM",
+    "AutoModelForSequenceClassification": "modeling_cta.CTAForSequenceClassification",
+}
+
+
+class CTAPreTrainedModel(PreTrainedModel):
+    config_class = CTAConfig
+    config: CTAConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["CTADecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = False
+    _supports_attention_backend = True
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Saves safetensors weights, the config with the full ``auto_map`` and the flat code files."""
+        self.config.auto_map = dict(AUTO_MAP)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, PDERefinement):
+            init.constant_(module.alpha, module.alpha_init)
+            if module.beta is not None:
+                init.constant_(module.beta, module.beta_init)
+        elif isinstance(module, CTARMSNorm):
+            init.ones_(module.weight)
+
+
+class CTAModel(CTAPreTrainedModel):
+    """The bare CTA transformer (bidirectional unless ``config.is_causal``)."""
+
+    def __init__(self, config: CTAConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        if config.position_embedding_type == "absolute":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.rotary_emb = CTARotaryEmbedding(config) if config.position_embedding_type == "rope" else None
+        # Post-norm (BERT/paper) normalises the embeddings; pre-norm (Llama) normalises the final output.
+        self.embedding_norm = make_norm(config) if config.norm_position == "post" else None
+        self.norm = make_norm(config) if config.norm_position == "pre" else None
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout_prob)
+        states = config.pde_state_indices(0)
+        self.embedding_pde = (
+            make_pde(config, config.hidden_size, 0, states.get("embedding", 0))
+            if config.pde_steps > 0 and "embedding" in config.pde_placements
+            else None
+        )
+        self.layers = nn.ModuleList([CTADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ):
+        output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        causal = self.config.is_causal
+        use_cache = (use_cache if use_cache is not None else self.config.use_cache) and causal
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, seq_len = inputs_embeds.shape[:2]
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] != batch:
+            raise ValueError(
+                f"`attention_mask` has batch size {attention_mask.shape[0]} but the inputs have {batch}."
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        if not use_cache:
+            past_key_values = None
+        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+
+        # The PDE walls come from the 2D padding mask of the current tokens.
+        token_mask = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            if attention_mask.shape[1] != past_seen + seq_len:
+                raise ValueError(
+                    f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {past_seen + seq_len}], "
+                    f"got {tuple(attention_mask.shape)}."
+                )
+            if not bool(attention_mask.all()):
+                token_mask = attention_mask[:, -seq_len:]
+        if position_ids is None:
+            if attention_mask is not None and attention_mask.dim() == 2:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
+            else:
+                position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device)[None]
+            position_ids = position_ids.expand(batch, -1)
+
+        hidden_states = inputs_embeds
+        if self.config.position_embedding_type == "absolute":
+            if int(position_ids.max()) >= self.config.max_position_embeddings:
+                raise ValueError(
+                    f"Position {int(position_ids.max())} exceeds `max_position_embeddings` "
+                    f"({self.config.max_position_embeddings})."
+                )
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        if self.embedding_norm is not None:
+            hidden_states = self.embedding_norm(hidden_states)
+        hidden_states = self.embedding_dropout(hidden_states)
+        if self.embedding_pde is not None:
+            hidden_states = self.embedding_pde(hidden_states, token_mask, past_key_values)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
+
+        mask_kwargs = dict(
+            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
+            past_key_values=past_key_values,
+        )
+        if not causal:
+            mask = create_bidirectional_mask(**mask_kwargs)
+        elif self.config.sliding_window is not None:
+            mask = create_sliding_window_causal_mask(position_ids=position_ids, **mask_kwargs)
+        else:
+            mask = create_causal_mask(position_ids=position_ids, **mask_kwargs)
+
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, attn_weights = layer(
+                hidden_states,
+                attention_mask=mask,
+                token_mask=token_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                output_attentions=output_attentions,
+                **kwargs,
+            )
+            if output_attentions:
+                all_attentions += (attn_weights,)
+        if self.norm is not None:
+            hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
+    """CTA decoder with a language-modelling head. Always causal: the config is switched to ``is_causal=True``."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: CTAConfig):
+        if not config.is_causal:
+            config.is_causal = True
+            config.update_cache_layout()
+        super().__init__(config)
+        self.model = CTAModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        inputs_embeds=None,
+        labels=None,
+        use_cache=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class CTAForSequenceClassification(CTAPreTrainedModel):
+    """CTA encoder with a classification / regression head on a pooled representation.
+
+    Pooling (``config.pooling``): ``mean`` over valid tokens (the paper), ``cls`` (first token) or ``last`` (last
+    valid token). ``problem_type`` (single-label, multi-label, regression) follows transformers' heads.
+    """
+
+    def __init__(self, config: CTAConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = CTAModel(config)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(dropout)
+        self.score = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def pool(self, hidden_states, attention_mask):
+        batch, seq_len = hidden_states.shape[:2]
+        mask = (
+            torch.ones(batch, seq_len, device=hidden_states.device)
+            if attention_mask is None
+            else attention_mask[:, -seq_len:].to(hidden_states.device)
+        ).to(hidden_states.dtype)
+        if self.config.pooling == "mean":
+            return (hidden_states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
+        positions = torch.arange(seq_len, device=hidden_states.device)
+        if self.config.pooling == "cls":
+            index = torch.where(mask.bool(), positions, seq_len).min(1).values.clamp(max=seq_len - 1)
+        else:
+            index = torch.where(mask.bool(), positions, -1).max(1).values.clamp(min=0)
+        return hidden_states[torch.arange(batch, device=hidden_states.device), index]
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        output_attentions=None,
+        output_hidden_states=None,
+        return_dict=None,
+        **kwargs,
+    ):
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=False,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            **kwargs,
+        )
+        pooled = self.pool(outputs.last_hidden_state, attention_mask)
+        logits = self.score(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
+        output = SequenceClassifierOutputWithPast(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = ["CTAPreTrainedModel", "CTAModel", "CTAForCausalLM", "CTAForSequenceClassification"]
