@@ -119,7 +119,7 @@ def _as_coefficient(value, name: str, channels: int, device) -> Optional[torch.T
     if not torch.is_tensor(value):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"`{name}` must be a float, a 0-d tensor or a tensor of shape [channels], got {value!r}.")
-        value = torch.tensor(float(value), device=device)
+        value = torch.tensor(float(value), dtype=torch.float64, device=device)  # cast to the compute dtype later
     if value.dim() == 1 and value.shape[0] == 1:
         value = value.reshape(())
     if value.dim() not in (0, 1) or (value.dim() == 1 and value.shape[0] != channels):
@@ -233,22 +233,23 @@ def pde_refine_reference(
         hidden_states, pde_type, steps, alpha, beta, attention_mask, initial_state, causal
     )
     batch, seq, channels = hidden_states.shape
-    u = hidden_states.float()
-    alpha = alpha.float()
-    beta = beta.float() if beta is not None else None
+    compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    u = hidden_states.to(compute_dtype)
+    alpha = alpha.to(compute_dtype)
+    beta = beta.to(compute_dtype) if beta is not None else None
     if attention_mask is None:
-        valid = torch.ones(batch, seq, 1, device=u.device, dtype=torch.float32)
+        valid = torch.ones(batch, seq, 1, device=u.device, dtype=compute_dtype)
     else:
-        valid = attention_mask.to(device=u.device, dtype=torch.float32).unsqueeze(-1)
+        valid = attention_mask.to(device=u.device, dtype=compute_dtype).unsqueeze(-1)
     v = torch.zeros_like(u) if pde_type == "wave" else None
     final_state = []
     if causal:
         if initial_state is None:
-            initial_state = torch.zeros(batch, steps, channels, device=u.device, dtype=torch.float32)
+            initial_state = torch.zeros(batch, steps, channels, device=u.device, dtype=compute_dtype)
         left_valid = torch.nn.functional.pad(valid[:, :-1], (0, 0, 1, 0), value=1.0)
         for step in range(steps):
             final_state.append(u[:, -1] * valid[:, -1])
-            left = torch.cat([initial_state[:, step : step + 1].float(), u[:, :-1]], dim=1) * left_valid
+            left = torch.cat([initial_state[:, step : step + 1].to(compute_dtype), u[:, :-1]], dim=1) * left_valid
             u, v = _causal_step(u, v, left, pde_type, alpha, beta, valid)
     else:
         open_edge = valid[:, 1:] * valid[:, :-1]
@@ -259,7 +260,7 @@ def pde_refine_reference(
         state = (
             torch.stack(final_state, dim=1)
             if final_state
-            else torch.zeros(batch, 0, channels, device=u.device, dtype=torch.float32)
+            else torch.zeros(batch, 0, channels, device=u.device, dtype=compute_dtype)
         )
         return out, state
     return out

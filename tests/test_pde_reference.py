@@ -1,0 +1,289 @@
+"""The PyTorch reference operator against hand-computed cases, closed forms and stability bounds."""
+
+import math
+
+import pytest
+import torch
+
+from cta.pde_cta import (
+    COEFFICIENT_BOUNDS,
+    PDE_TYPES,
+    WAVE_DAMPING,
+    PDERefinement,
+    pde_decode_step_reference,
+    pde_refine,
+    pde_refine_reference,
+)
+
+
+def refine(x, **kwargs):
+    return pde_refine_reference(torch.tensor(x, dtype=torch.float64).reshape(1, -1, 1), **kwargs).flatten().tolist()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Hand-computed small cases
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_bidirectional_diffusion_one_step_by_hand():
+    # u[i] += a (u[i-1] - 2 u[i] + u[i+1]) inside, zero-flux at the ends.
+    out = refine([0.0, 1.0, 0.0, 0.0], pde_type="diffusion", steps=1, alpha=0.25)
+    assert out == pytest.approx([0.25, 0.5, 0.25, 0.0])
+    out = refine([1.0, 0.0, 0.0], pde_type="diffusion", steps=1, alpha=0.25)
+    assert out == pytest.approx([0.75, 0.25, 0.0])  # the wall: u0 += a (u1 - u0)
+
+
+def test_bidirectional_diffusion_two_steps_conserve_mass():
+    out = refine([0.0, 0.0, 4.0, 0.0, 0.0], pde_type="diffusion", steps=2, alpha=0.25)
+    # step 1: [0, 1, 2, 1, 0]; step 2: [0.25, 1, 1.5, 1, 0.25]
+    assert out == pytest.approx([0.25, 1.0, 1.5, 1.0, 0.25])
+    assert sum(out) == pytest.approx(4.0)
+
+
+def test_causal_diffusion_by_hand():
+    # u[i] += a (u[i-1] - u[i]) with u[-1] = 0 (zero inflow).
+    out = refine([1.0, 0.0, 0.0], pde_type="diffusion", steps=1, alpha=0.25, causal=True)
+    assert out == pytest.approx([0.75, 0.25, 0.0])
+    out = refine([1.0, 0.0, 0.0], pde_type="diffusion", steps=2, alpha=0.25, causal=True)
+    assert out == pytest.approx([0.5625, 0.375, 0.0625])
+
+
+def test_wave_by_hand():
+    # v1 = a lap(u0); u1 = u0 + v1; v2 = (1-d) v1 + a lap(u1); u2 = u1 + v2
+    a, d = 0.25, WAVE_DAMPING
+    u0 = [0.0, 1.0, 0.0]
+    v1 = [a * 1, a * -2, a * 1]
+    u1 = [x + y for x, y in zip(u0, v1)]
+    lap1 = [u1[1] - u1[0], u1[0] - 2 * u1[1] + u1[2], u1[1] - u1[2]]
+    v2 = [(1 - d) * v + a * l for v, l in zip(v1, lap1)]
+    u2 = [x + y for x, y in zip(u1, v2)]
+    assert refine(u0, pde_type="wave", steps=2, alpha=a) == pytest.approx(u2)
+
+
+def test_advection_moves_mass_downstream_and_conserves_it():
+    out = refine([0.0, 1.0, 0.0], pde_type="advection_diffusion", steps=1, alpha=0.0, beta=0.5)
+    assert out == pytest.approx([0.0, 0.5, 0.5])
+    out = refine([0.0, 1.0, 0.0], pde_type="advection_diffusion", steps=1, alpha=0.0, beta=-0.5)
+    assert out == pytest.approx([0.5, 0.5, 0.0])
+    out = refine([0.0, 0.0, 1.0], pde_type="advection_diffusion", steps=3, alpha=0.1, beta=0.4)
+    assert sum(out) == pytest.approx(1.0)  # walls keep the mass
+
+
+def test_reaction_is_saturating_decay():
+    out = refine([2.0, 2.0, 2.0], pde_type="reaction_diffusion", steps=1, alpha=0.2, beta=0.5)
+    assert out == pytest.approx([2.0 - 0.5 * math.tanh(2.0)] * 3)
+
+
+def test_steps_zero_is_identity_and_dtype_is_kept():
+    x = torch.randn(2, 7, 5, dtype=torch.bfloat16)
+    for pde_type in PDE_TYPES:
+        y = pde_refine_reference(x, pde_type=pde_type, steps=0, alpha=0.3, beta=0.1)
+        assert y.dtype == torch.bfloat16 and torch.equal(y, x)
+        assert pde_refine_reference(x, pde_type=pde_type, steps=2, alpha=0.1, beta=0.1).dtype == torch.bfloat16
+
+
+def test_bf16_input_is_accumulated_in_fp32():
+    x = torch.randn(1, 64, 8)
+    ref = pde_refine_reference(x.to(torch.bfloat16).float(), pde_type="diffusion", steps=16, alpha=0.3)
+    y = pde_refine_reference(x.to(torch.bfloat16), pde_type="diffusion", steps=16, alpha=0.3)
+    # only the final rounding to bf16 differs
+    assert torch.allclose(y.float(), ref, atol=0, rtol=2**-8)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Closed forms: Fourier modes
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [0.3, 1.1, 2.5, math.pi])
+@pytest.mark.parametrize("steps", [1, 3, 8])
+def test_bidirectional_fourier_mode_decays_by_amplification_factor(k, steps):
+    a, n = 0.3, 200
+    i = torch.arange(n, dtype=torch.float64)
+    u = torch.cos(k * i + 0.4).reshape(1, n, 1)
+    out = pde_refine_reference(u, pde_type="diffusion", steps=steps, alpha=a).flatten()
+    g = 1 - 4 * a * math.sin(k / 2) ** 2
+    inner = slice(steps, n - steps)  # positions that never see a wall
+    assert torch.allclose(out[inner], (g**steps) * u.flatten()[inner], atol=1e-12)
+
+
+@pytest.mark.parametrize("k", [0.3, 1.1, 2.5, math.pi])
+def test_causal_fourier_mode_decays_by_amplification_factor(k):
+    a, n, steps = 0.4, 200, 5
+    i = torch.arange(n, dtype=torch.float64)
+    g = (1 - a + a * complex(math.cos(k), -math.sin(k))) ** steps  # 1 - a + a e^{-ik}
+    u = torch.cos(k * i).reshape(1, n, 1)
+    out = pde_refine_reference(u, pde_type="diffusion", steps=steps, alpha=a, causal=True).flatten()
+    expected = torch.tensor([(g * complex(math.cos(k * j), math.sin(k * j))).real for j in range(n)], dtype=torch.float64)
+    assert abs(g) <= 1 + 1e-12
+    assert torch.allclose(out[steps:], expected[steps:], atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Stability at the largest coefficients the parametrisation can produce
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _extreme_modules(pde_type, causal, channels):
+    """Modules whose raw parameters sit far outside the bounds, so the projection yields the extreme values."""
+    (a_low, a_high), beta_bounds = COEFFICIENT_BOUNDS[(pde_type, causal)]
+    modules = []
+    beta_values = [None] if beta_bounds is None else [1e6, -1e6]
+    for raw_alpha in (1e6, 0.1):
+        for raw_beta in beta_values:
+            module = PDERefinement(channels, pde_type=pde_type, steps=1, causal=causal, alpha=raw_alpha,
+                                   beta=raw_beta, backend="torch")
+            modules.append(module)
+    return modules
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pde_type", PDE_TYPES)
+@pytest.mark.parametrize("signal", ["white_noise", "alternating"])
+def test_no_growth_over_64_steps(pde_type, causal, signal):
+    torch.manual_seed(0)
+    seq, channels = 97, 6
+    if signal == "white_noise":
+        x = torch.randn(3, seq, channels, dtype=torch.float64)
+    else:
+        x = ((-1.0) ** torch.arange(seq, dtype=torch.float64)).reshape(1, seq, 1).expand(3, seq, channels).clone()
+    mask = torch.ones(3, seq)
+    mask[1, :10] = 0  # a left-padded row
+    mask[2, -13:] = 0  # a right-padded row
+    for module in _extreme_modules(pde_type, causal, channels):
+        alpha, beta = (c.detach().double() if c is not None else None for c in module.coefficients())
+        for attention_mask in (None, mask):
+            norm0 = x.norm(dim=(1, 2))
+            # Norm after every step count 1..64 (the wave carries a velocity, so each count is a fresh run).
+            for steps in range(1, 65):
+                out = pde_refine_reference(x, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
+                                           attention_mask=attention_mask)
+                assert bool((out.norm(dim=(1, 2)) <= norm0 * (1 + 1e-9)).all()), (steps, alpha, beta)
+
+
+def test_authors_causal_stencil_would_grow():
+    """The reason for our causal stencil: u_i += a (u_i - 2u_{i-1} + u_{i-2}) amplifies the alternating mode."""
+    u = (-1.0) ** torch.arange(64, dtype=torch.float64)
+    for _ in range(16):
+        left1 = torch.cat([u[:1], u[:-1]])
+        left2 = torch.cat([u[:2], u[:-2]])
+        u = u + 0.1 * (u - 2 * left1 + left2)
+    assert u.norm() > 100 * math.sqrt(64)
+    ours = pde_refine_reference(((-1.0) ** torch.arange(64.0)).reshape(1, 64, 1), pde_type="diffusion", steps=16,
+                                alpha=0.1, causal=True)
+    assert ours.norm() <= math.sqrt(64)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Causality, padding walls, streaming
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pde_type", PDE_TYPES)
+def test_causal_depends_only_on_the_past(pde_type):
+    torch.manual_seed(1)
+    x = torch.randn(2, 40, 4)
+    for t in (0, 7, 38):
+        y = x.clone()
+        y[:, t + 1 :] = torch.randn_like(y[:, t + 1 :])
+        a = pde_refine_reference(x, pde_type=pde_type, steps=8, alpha=0.1, beta=0.2, causal=True)
+        b = pde_refine_reference(y, pde_type=pde_type, steps=8, alpha=0.1, beta=0.2, causal=True)
+        assert torch.equal(a[:, : t + 1], b[:, : t + 1])
+    # and the bidirectional operator does read the future (the test above is not vacuous)
+    a = pde_refine_reference(x, pde_type=pde_type, steps=2, alpha=0.1, beta=0.2)
+    y = x.clone()
+    y[:, 20:] += 1
+    b = pde_refine_reference(y, pde_type=pde_type, steps=2, alpha=0.1, beta=0.2)
+    assert not torch.equal(a[:, 19], b[:, 19])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pde_type", PDE_TYPES)
+def test_padding_is_a_wall(pde_type, causal):
+    torch.manual_seed(2)
+    seq = torch.randn(1, 9, 3)
+    garbage = torch.randn(1, 4, 3) * 100
+    alone = pde_refine_reference(seq, pde_type=pde_type, steps=4, alpha=0.2, beta=0.1, causal=causal)
+    left = torch.cat([garbage, seq], 1)
+    right = torch.cat([seq, garbage], 1)
+    mask_left = torch.cat([torch.zeros(1, 4), torch.ones(1, 9)], 1)
+    mask_right = torch.cat([torch.ones(1, 9), torch.zeros(1, 4)], 1)
+    out_left = pde_refine_reference(left, pde_type=pde_type, steps=4, alpha=0.2, beta=0.1, causal=causal,
+                                    attention_mask=mask_left)
+    out_right = pde_refine_reference(right, pde_type=pde_type, steps=4, alpha=0.2, beta=0.1, causal=causal,
+                                     attention_mask=mask_right)
+    assert torch.allclose(out_left[:, 4:], alone, atol=1e-6)
+    assert torch.allclose(out_right[:, :9], alone, atol=1e-6)
+    assert torch.equal(out_left[:, :4], garbage) and torch.equal(out_right[:, 9:], garbage)
+
+
+@pytest.mark.parametrize("pde_type", PDE_TYPES)
+def test_streaming_state_chunked_and_decode_equal_full(pde_type):
+    torch.manual_seed(3)
+    x = torch.randn(2, 17, 5)
+    full = pde_refine_reference(x, pde_type=pde_type, steps=3, alpha=0.1, beta=0.2, causal=True)
+    first, state = pde_refine_reference(x[:, :6], pde_type=pde_type, steps=3, alpha=0.1, beta=0.2, causal=True,
+                                        return_final_state=True)
+    second, state = pde_refine_reference(x[:, 6:12], pde_type=pde_type, steps=3, alpha=0.1, beta=0.2, causal=True,
+                                         initial_state=state, return_final_state=True)
+    outs = [first, second]
+    for t in range(12, 17):
+        outs.append(pde_decode_step_reference(x[:, t], state, pde_type=pde_type, steps=3, alpha=0.1, beta=0.2)[:, None])
+    assert torch.allclose(torch.cat(outs, 1), full, atol=1e-6)
+
+
+def test_per_channel_coefficients_act_per_channel():
+    torch.manual_seed(4)
+    x = torch.randn(2, 11, 3)
+    alpha = torch.tensor([0.0, 0.2, 0.4])
+    out = pde_refine_reference(x, pde_type="diffusion", steps=2, alpha=alpha)
+    for c in range(3):
+        ref = pde_refine_reference(x[..., c : c + 1], pde_type="diffusion", steps=2, alpha=float(alpha[c]))
+        assert torch.allclose(out[..., c : c + 1], ref, atol=1e-6)
+    assert torch.equal(out[..., 0], x[..., 0])
+
+
+def test_module_gradients_reach_coefficients_and_projection_is_exact():
+    module = PDERefinement(4, pde_type="advection_diffusion", steps=3, alpha=0.1, beta=0.1, per_channel=True)
+    x = torch.randn(2, 9, 4, requires_grad=True)
+    module(x).square().sum().backward()
+    assert module.alpha.grad is not None and module.alpha.grad.abs().sum() > 0
+    assert module.beta.grad is not None and module.beta.grad.abs().sum() > 0
+    with torch.no_grad():
+        module.alpha.fill_(10.0)
+    alpha, _ = module.coefficients()
+    assert torch.all(alpha == COEFFICIENT_BOUNDS[("advection_diffusion", False)][0][1])
+    identity = PDERefinement(4, pde_type="diffusion", steps=5, alpha=0.0)
+    assert torch.equal(identity(x), x)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(pde_type="heat_equation"), "pde_type"),
+        (dict(steps=-1), "steps"),
+        (dict(steps=1.5), "steps"),
+        (dict(alpha=torch.ones(3)), "alpha"),
+        (dict(attention_mask=torch.ones(2, 5)), "attention_mask"),
+        (dict(backend="cuda"), "backend"),
+        (dict(pde_type="advection_diffusion", beta=None), "beta"),
+        (dict(initial_state=torch.zeros(2, 1, 4)), "initial_state"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, name):
+    args = dict(pde_type="diffusion", steps=1, alpha=0.1)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        pde_refine(torch.randn(2, 6, 4), **args)
+
+
+def test_bad_hidden_states_shape():
+    with pytest.raises(ValueError, match="hidden_states"):
+        pde_refine(torch.randn(6, 4), pde_type="diffusion", steps=1, alpha=0.1)
+    with pytest.raises(ValueError, match="pde_type"):
+        PDERefinement(4, pde_type="nope")
