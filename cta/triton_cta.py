@@ -1,0 +1,755 @@
+# coding=utf-8
+"""Triton kernels for the CTA PDE operator (the CUDA path of :func:`pde_cta.pde_refine`).
+
+Optional: this module imports without triton (``is_available()`` is then False). It is loaded as a flat sibling
+module by transformers' remote-code loader, so it imports only ``.pde_cta`` besides torch and triton.
+
+Design
+------
+* Layout ``[batch, seq, channels]``: strided batch/seq, contiguous channels (anything else is made contiguous once),
+  64-bit offsets. Each program owns a tile of ``BLOCK_L`` positions x ``BLOCK_C`` channels: the ``T`` positions it
+  writes plus a halo (``steps`` to the left, and to the right for bidirectional stencils). The tile is loaded once
+  (the halo rows are re-read by the neighbouring program, from L2), all steps run in fp32 registers, and the
+  neighbours of the register tile are taken with ``tl.gather`` along the position axis. Halo rows go stale by one
+  row per step, which is why the halo equals the step count.
+* Backward recomputes from the saved input (no per-step activations are stored; the extra memory is the gradient
+  of the input plus a ``[tiles, channels]`` fp32 partial sum per coefficient). The tile loads ``x`` and ``grad``
+  with a halo that covers the forward trajectory the adjoint needs (``2*steps`` per side for bidirectional,
+  ``steps`` left and ``steps`` right for causal), then runs the adjoint steps backwards. For schemes that are one
+  linear operator ``u -> u + c*A u`` (diffusion, causal advection-diffusion) the coefficient gradient has the closed
+  form ``dL/dc = steps * <g_S, A u_{S-1}>`` (``A`` commutes with ``I + c A``), so the backward is ``2*steps - 1``
+  stencil applications. Every other scheme (wave: second order in pseudo-time; reaction: nonlinear; bidirectional
+  advection: two non-commuting operators; any scheme with a non-zero ``initial_state``) recomputes ``u_s`` from the
+  input tile for each adjoint step ``s`` (``steps*(steps-1)/2`` extra stencil applications, all on chip).
+* Gradients flow to ``hidden_states``, ``alpha`` and ``beta``. ``initial_state`` and the returned final state are
+  treated as constants (no gradient), which is what streaming inference needs.
+* ``steps`` 1..16 run fused; 17..64 fall back to the PyTorch reference; 0 is the identity.
+* The forward / backward / decode kernels are registered as torch custom ops (``cta::pde_refine_fwd``,
+  ``cta::pde_refine_bwd``, ``cta::pde_decode_step``) with fake (meta) implementations and autograd, so that
+  ``torch.compile`` traces through them without graph breaks.
+* With ``TRITON_INTERPRET=1`` (set before triton is imported) the same kernels run on CPU tensors through Triton's
+  interpreter; ``is_available()`` then reports True without CUDA. This is how CI checks parity.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+
+from .pde_cta import (
+    WAVE_DAMPING,
+    check_pde_arguments,
+    pde_decode_step_reference,
+    pde_refine_reference,
+)
+
+try:  # triton is optional
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    _HAS_TRITON = False
+
+MAX_FUSED_STEPS = 16
+_PDE_IDS = {"diffusion": 0, "wave": 1, "reaction_diffusion": 2, "advection_diffusion": 3}
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def is_available() -> bool:
+    """True when triton imports and can run here: on CUDA, or on CPU through ``TRITON_INTERPRET=1``."""
+    if not _HAS_TRITON:
+        return False
+    return _interpret() or torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+if _HAS_TRITON:
+    _DIFF = tl.constexpr(0)
+    _WAVE = tl.constexpr(1)
+    _REACT = tl.constexpr(2)
+    _ADV = tl.constexpr(3)
+    _KEEP = tl.constexpr(1.0 - WAVE_DAMPING)
+
+    @triton.jit
+    def _tanh(x):
+        # 1 - 2 / (exp(2x) + 1): exact limits +-1 for large |x| (exp overflows to inf -> 1).
+        return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+    @triton.jit
+    def _valid_at(M, b64, pos, L, HAS_MASK: tl.constexpr):
+        inseq = (pos >= 0) & (pos < L)
+        if HAS_MASK:
+            val = tl.load(M + b64 * L + pos, mask=inseq, other=0.0)
+        else:
+            val = inseq.to(tl.float32)
+        return val
+
+    @triton.jit
+    def _load_coef(P, cols, cmask, VEC: tl.constexpr):
+        if VEC:
+            c = tl.load(P + cols, mask=cmask, other=0.0)
+        else:
+            c = tl.load(P + cols * 0)
+        return c
+
+    @triton.jit
+    def _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, PDE: tl.constexpr):
+        ur = tl.gather(u, ir, 0)
+        if PDE == _WAVE:
+            ul = tl.gather(u, il, 0)
+            v = _KEEP * v + a * (orr * (ur - u) - ol * (u - ul))
+            u = u + v
+        else:
+            if PDE == _ADV:
+                gr = orr * (a * (ur - u) - bp * u - bm * ur)
+            else:
+                gr = orr * (a * (ur - u))
+            gl = tl.gather(gr, il, 0)  # flux through the left edge = flux of the row before (mask included)
+            upd = gr - gl
+            if PDE == _REACT:
+                upd = upd - b * _tanh(u) * vl
+            u = u + upd
+        return u, v
+
+    @triton.jit
+    def _causal_left(u, il, lv, is_first, init_s):
+        return tl.where(is_first, init_s, tl.gather(u, il, 0) * lv)
+
+    @triton.jit
+    def _causal_step(u, v, il, lv, vl, is_first, init_s, a, b, PDE: tl.constexpr):
+        pull = _causal_left(u, il, lv, is_first, init_s) - u
+        if PDE == _WAVE:
+            v = _KEEP * v + a * pull * vl
+            u = u + v
+        else:
+            if PDE == _ADV:
+                upd = (a + b) * pull
+            else:
+                upd = a * pull
+            if PDE == _REACT:
+                upd = upd - b * _tanh(u)
+            u = u + upd * vl
+        return u, v
+
+    @triton.jit
+    def _step(u, v, s, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask, a, b, bp, bm,
+              PDE: tl.constexpr, CAUSAL: tl.constexpr, HAS_INIT: tl.constexpr, STEPS: tl.constexpr, C):
+        if CAUSAL:
+            if HAS_INIT:
+                init_s = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
+            else:
+                init_s = 0.0
+            u, v = _causal_step(u, v, il, lv, vl, is_first, init_s, a, b, PDE)
+        else:
+            u, v = _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, PDE)
+        return u, v
+
+    @triton.jit
+    def _tile_setup(M, pid_l, pid_c, pid_b, L, C, HL: tl.constexpr, T: tl.constexpr, HAS_MASK: tl.constexpr,
+                    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr):
+        rows = tl.arange(0, BLOCK_L)[:, None]
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]
+        cmask = cols < C
+        b64 = pid_b.to(tl.int64)
+        pos = pid_l.to(tl.int64) * T - HL + rows
+        inseq = (pos >= 0) & (pos < L)
+        vl = _valid_at(M, b64, pos, L, HAS_MASK)
+        vprev = _valid_at(M, b64, pos - 1, L, HAS_MASK)
+        vnext = _valid_at(M, b64, pos + 1, L, HAS_MASK)
+        zero = tl.zeros([BLOCK_L, BLOCK_C], dtype=tl.int32)
+        il = tl.maximum(rows - 1, 0) + zero
+        ir = tl.minimum(rows + 1, BLOCK_L - 1) + zero
+        return rows, cols, cmask, b64, pos, inseq, vl, vprev, vnext, il, ir
+
+    @triton.jit
+    def _pde_fwd_kernel(
+        X, Y, M, A, Bc, INIT, FIN,
+        L, C, sxb, sxl,
+        PDE: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr,
+        HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
+        HAS_INIT: tl.constexpr, WRITE_FINAL: tl.constexpr,
+        HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid_l = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        pid_b = tl.program_id(2)
+        rows, cols, cmask, b64, pos, inseq, vl, vprev, vnext, il, ir = _tile_setup(
+            M, pid_l, pid_c, pid_b, L, C, HL, T, HAS_MASK, BLOCK_L, BLOCK_C)
+        x = tl.load(X + b64 * sxb + pos * sxl + cols, mask=inseq & cmask, other=0.0)
+        u = x.to(tl.float32)
+        v = tl.zeros([BLOCK_L, BLOCK_C], dtype=tl.float32)
+        a = _load_coef(A, cols, cmask, A_VEC)
+        if PDE == _DIFF:
+            b = a * 0.0
+        elif PDE == _WAVE:
+            b = a * 0.0
+        else:
+            b = _load_coef(Bc, cols, cmask, B_VEC)
+        bp = tl.maximum(b, 0.0)
+        bm = tl.minimum(b, 0.0)
+        ol = vl * vprev
+        orr = vl * vnext
+        lv = tl.where(pos == 0, 1.0, vprev)
+        is_first = pos == 0
+        init_off = b64 * STEPS * C
+        last_row = L - 1 - pid_l.to(tl.int64) * T + HL
+        has_last = (last_row >= HL) & (last_row < HL + T)
+        fin_off = b64 * STEPS * C
+        for s in range(STEPS):
+            if WRITE_FINAL:
+                fs = tl.sum(tl.where(rows == last_row, u * vl, 0.0), axis=0, keep_dims=True)
+                tl.store(FIN + fin_off + s * C + cols, fs, mask=cmask & (cols * 0 + has_last.to(tl.int32) > 0))
+            u, v = _step(u, v, s, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask, a, b, bp, bm,
+                         PDE, CAUSAL, HAS_INIT, STEPS, C)
+        out_mask = (rows >= HL) & (rows < HL + T) & inseq & cmask
+        tl.store(Y + (b64 * L + pos) * C + cols, u.to(Y.dtype.element_ty), mask=out_mask)
+
+    @triton.jit
+    def _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm,
+                 PDE: tl.constexpr, CAUSAL: tl.constexpr, COEF: tl.constexpr):
+        """One adjoint step at the iterate ``u`` (= u_s): (g, gv) = grads of (u_{s+1}, v_{s+1}) -> those of step s,
+        plus the per-element contributions to dL/da, dL/db of this step (zeros when COEF is False)."""
+        dac = g * 0.0
+        dbc = g * 0.0
+        if CAUSAL:
+            if PDE == _WAVE:
+                h = gv + g
+                w = h * vl
+                gv = _KEEP * h
+                g = g + a * (vl * tl.gather(w, ir, 0) - w)
+                if COEF:
+                    dac = w * (_causal_left(u, il, lv, is_first, init_s) - u)
+            else:
+                if PDE == _ADV:
+                    c = a + b
+                else:
+                    c = a
+                w = g * vl
+                if PDE == _REACT:
+                    th = _tanh(u)
+                    gnew = g - w * (c + b * (1.0 - th * th)) + c * vl * tl.gather(w, ir, 0)
+                    if COEF:
+                        dbc = -w * th
+                else:
+                    gnew = g - w * c + c * vl * tl.gather(w, ir, 0)
+                if COEF:
+                    dac = w * (_causal_left(u, il, lv, is_first, init_s) - u)
+                    if PDE == _ADV:
+                        dbc = dac
+                g = gnew
+        else:
+            if PDE == _WAVE:
+                h = gv + g
+                hl = tl.gather(h, il, 0)
+                hr = tl.gather(h, ir, 0)
+                gv = _KEEP * h
+                g = g + a * (orr * (hr - h) - ol * (h - hl))
+                if COEF:
+                    ul = tl.gather(u, il, 0)
+                    ur = tl.gather(u, ir, 0)
+                    dac = h * (orr * (ur - u) - ol * (u - ul))
+            else:
+                gl = tl.gather(g, il, 0)
+                gr = tl.gather(g, ir, 0)
+                if PDE == _ADV:
+                    d = 1.0 - orr * (a + bp) - ol * (a - bm)
+                    gnew = g * d + ol * (a - bm) * gl + orr * (a + bp) * gr
+                elif PDE == _REACT:
+                    th = _tanh(u)
+                    d = 1.0 - (orr + ol) * a - b * (1.0 - th * th) * vl
+                    gnew = g * d + a * (ol * gl + orr * gr)
+                    if COEF:
+                        dbc = -g * th * vl
+                else:
+                    gnew = g * (1.0 - (orr + ol) * a) + a * (ol * gl + orr * gr)
+                if COEF:
+                    ul = tl.gather(u, il, 0)
+                    ur = tl.gather(u, ir, 0)
+                    dac = g * (orr * (ur - u) - ol * (u - ul))
+                    if PDE == _ADV:
+                        dbp = g * (ol * ul - orr * u)
+                        dbm = g * (ol * u - orr * ur)
+                        dbc = tl.where(b >= 0.0, dbp, 0.0) + tl.where(b <= 0.0, dbm, 0.0)
+                g = gnew
+        return g, gv, dac, dbc
+
+    @triton.jit
+    def _pde_bwd_kernel(
+        GY, X, DX, M, A, Bc, INIT, DA, DB,
+        L, C, sxb, sxl, sgb, sgl, n_tiles,
+        PDE: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr,
+        HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
+        HAS_INIT: tl.constexpr, LINEAR: tl.constexpr,
+        HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid_l = tl.program_id(0)
+        pid_c = tl.program_id(1)
+        pid_b = tl.program_id(2)
+        rows, cols, cmask, b64, pos, inseq, vl, vprev, vnext, il, ir = _tile_setup(
+            M, pid_l, pid_c, pid_b, L, C, HL, T, HAS_MASK, BLOCK_L, BLOCK_C)
+        lmask = inseq & cmask
+        x = tl.load(X + b64 * sxb + pos * sxl + cols, mask=lmask, other=0.0).to(tl.float32)
+        g = tl.load(GY + b64 * sgb + pos * sgl + cols, mask=lmask, other=0.0).to(tl.float32)
+        a = _load_coef(A, cols, cmask, A_VEC)
+        if PDE == _DIFF:
+            b = a * 0.0
+        elif PDE == _WAVE:
+            b = a * 0.0
+        else:
+            b = _load_coef(Bc, cols, cmask, B_VEC)
+        bp = tl.maximum(b, 0.0)
+        bm = tl.minimum(b, 0.0)
+        ol = vl * vprev
+        orr = vl * vnext
+        lv = tl.where(pos == 0, 1.0, vprev)
+        is_first = pos == 0
+        init_off = b64 * STEPS * C
+        useful = (rows >= HL) & (rows < HL + T) & inseq
+        zero_tile = tl.zeros([BLOCK_L, BLOCK_C], dtype=tl.float32)
+        gv = zero_tile
+        if LINEAR:
+            # u -> u + c A u: dL/dc = STEPS * <g_S, A u_{S-1}>, and the adjoint needs no trajectory.
+            u = x
+            v = zero_tile
+            for s in range(STEPS - 1):
+                u, v = _step(u, v, s, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask, a, b, bp, bm,
+                             PDE, CAUSAL, False, STEPS, C)
+            if CAUSAL:
+                au = vl * (_causal_left(u, il, lv, is_first, 0.0) - u)
+            else:
+                au = orr * (tl.gather(u, ir, 0) - u) - ol * (u - tl.gather(u, il, 0))
+            da = tl.sum(tl.where(useful, g * au, 0.0), axis=0) * STEPS
+            db = da
+            for k in range(STEPS):
+                g, gv, dac, dbc = _adjoint(g, gv, x, il, ir, vl, ol, orr, lv, is_first, 0.0, a, b, bp, bm,
+                                           PDE, CAUSAL, False)
+        else:
+            da = tl.sum(zero_tile, axis=0)
+            db = da
+            for k in range(STEPS):
+                s = STEPS - 1 - k
+                u = x
+                v = zero_tile
+                for j in range(s):
+                    u, v = _step(u, v, j, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask,
+                                 a, b, bp, bm, PDE, CAUSAL, HAS_INIT, STEPS, C)
+                if CAUSAL and HAS_INIT:
+                    init_s = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
+                else:
+                    init_s = 0.0
+                g, gv, dac, dbc = _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm,
+                                           PDE, CAUSAL, True)
+                da += tl.sum(tl.where(useful, dac, 0.0), axis=0)
+                db += tl.sum(tl.where(useful, dbc, 0.0), axis=0)
+        out_mask = useful & cmask
+        tl.store(DX + (b64 * L + pos) * C + cols, g.to(DX.dtype.element_ty), mask=out_mask)
+        ccols = tl.reshape(cols, [BLOCK_C])
+        ccmask = tl.reshape(cmask, [BLOCK_C])
+        poff = (b64 * n_tiles + pid_l) * C
+        tl.store(DA + poff + ccols, da, mask=ccmask)
+        if PDE != _DIFF:
+            if PDE != _WAVE:
+                tl.store(DB + poff + ccols, db, mask=ccmask)
+
+    @triton.jit
+    def _pde_decode_kernel(
+        X, Y, S, TM, A, Bc, C, sxb, ssb, ssl,
+        PDE: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr,
+        A_VEC: tl.constexpr, B_VEC: tl.constexpr, BLOCK_C: tl.constexpr,
+    ):
+        pid_c = tl.program_id(0)
+        b64 = tl.program_id(1).to(tl.int64)
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cols < C
+        u = tl.load(X + b64 * sxb + cols, mask=cmask, other=0.0).to(tl.float32)
+        v = u * 0.0
+        if HAS_MASK:
+            vl = tl.load(TM + b64 + cols * 0)
+        else:
+            vl = 1.0
+        a = _load_coef(A, cols, cmask, A_VEC)
+        if PDE == _DIFF:
+            b = a * 0.0
+        elif PDE == _WAVE:
+            b = a * 0.0
+        else:
+            b = _load_coef(Bc, cols, cmask, B_VEC)
+        for s in range(STEPS):
+            sp = S + b64 * ssb + s * ssl + cols
+            left = tl.load(sp, mask=cmask, other=0.0)
+            tl.store(sp, u * vl, mask=cmask)
+            pull = left - u
+            if PDE == _WAVE:
+                v = _KEEP * v + a * pull * vl
+                u = u + v
+            else:
+                if PDE == _ADV:
+                    upd = (a + b) * pull
+                else:
+                    upd = a * pull
+                if PDE == _REACT:
+                    upd = upd - b * _tanh(u)
+                u = u + upd * vl
+        tl.store(Y + b64 * C + cols, u.to(Y.dtype.element_ty), mask=cmask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launch configuration
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def _halos(causal: bool, steps: int, backward: bool, linear: bool) -> Tuple[int, int]:
+    """(left, right) halo rows of a tile."""
+    if causal:
+        return (steps, steps) if backward else (steps, 0)
+    if backward and not linear:
+        return 2 * steps, 2 * steps
+    return steps, steps
+
+
+def _config(seq: int, channels: int, halo: int, device: torch.device):
+    """(BLOCK_L, BLOCK_C, num_warps). Tiles of ~8k fp32 elements on GPU; small tiles in the interpreter."""
+    if device.type != "cuda":  # interpreter: fewer, larger numpy programs are faster
+        block_l = _next_pow2(max(halo + min(seq, 64), 2 * halo + 1, 2))
+        block_c = min(_next_pow2(channels), 128)
+        return block_l, block_c, 4
+    block_l = 32
+    while block_l < 4 * halo or (block_l - halo) < min(seq, block_l // 2):
+        block_l *= 2
+        if block_l >= 512:
+            break
+    block_l = max(block_l, _next_pow2(halo + 1))
+    block_c = max(16, min(_next_pow2(channels), 8192 // block_l))
+    return block_l, block_c, 8 if block_l * block_c >= 8192 else 4
+
+
+_TUNE = {}  # (causal, backward) -> (BLOCK_L, BLOCK_C, num_warps) overrides, set by benchmarks
+
+
+def _grid_config(seq, channels, causal, steps, backward, linear, device):
+    hl, hr = _halos(causal, steps, backward, linear)
+    block_l, block_c, warps = _config(seq, channels, hl + hr, device)
+    key = (causal, backward, steps)
+    if device.type == "cuda" and key in _TUNE:
+        block_l, block_c, warps = _TUNE[key]
+    t = block_l - hl - hr
+    if t < 1:
+        block_l = _next_pow2(hl + hr + 1)
+        t = block_l - hl - hr
+    return hl, t, block_l, block_c, warps
+
+
+def _is_linear(pde: str, causal: bool, has_init: bool) -> bool:
+    if has_init:
+        return False
+    return pde == "diffusion" or (pde == "advection_diffusion" and causal)
+
+
+def _prep_coef(c: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if c is None:
+        return torch.zeros(1, device=like.device, dtype=torch.float32)
+    return c.detach().to(device=like.device, dtype=torch.float32).reshape(-1).contiguous()
+
+
+def _prep_mask(mask: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if mask is None:
+        return torch.zeros(1, device=like.device, dtype=torch.float32)
+    return mask.to(device=like.device, dtype=torch.float32).contiguous()
+
+
+def _channels_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Raw launches (no autograd)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _launch_fwd(x, alpha, beta, mask, init, pde, steps, causal, want_final):
+    x = _channels_contiguous(x)
+    batch, seq, channels = x.shape
+    y = torch.empty((batch, seq, channels), device=x.device, dtype=x.dtype)
+    fin = torch.zeros((batch, steps if (causal and want_final) else 0, channels), device=x.device,
+                      dtype=torch.float32)
+    if y.numel() == 0:
+        return y, fin
+    hl, t, block_l, block_c, warps = _grid_config(seq, channels, causal, steps, False, False, x.device)
+    a = _prep_coef(alpha, x)
+    b = _prep_coef(beta, x)
+    m = _prep_mask(mask, x)
+    has_init = init is not None
+    ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else a
+    grid = (triton.cdiv(seq, t), triton.cdiv(channels, block_c), batch)
+    _pde_fwd_kernel[grid](
+        x, y, m, a, b, ini, fin if fin.numel() else a,
+        seq, channels, x.stride(0), x.stride(1),
+        PDE=_PDE_IDS[pde], CAUSAL=bool(causal), STEPS=steps,
+        HAS_MASK=mask is not None, A_VEC=a.numel() > 1, B_VEC=b.numel() > 1,
+        HAS_INIT=has_init, WRITE_FINAL=bool(causal and want_final and steps > 0),
+        HL=hl, T=t, BLOCK_L=block_l, BLOCK_C=block_c, num_warps=warps,
+    )
+    return y, fin
+
+
+def _launch_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal):
+    x = _channels_contiguous(x)
+    gy = _channels_contiguous(gy)
+    batch, seq, channels = x.shape
+    dx = torch.empty((batch, seq, channels), device=x.device, dtype=x.dtype)
+    linear = _is_linear(pde, causal, init is not None)
+    hl, t, block_l, block_c, warps = _grid_config(seq, channels, causal, steps, True, linear, x.device)
+    n_tiles = triton.cdiv(seq, t)
+    da = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
+    db = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
+    if dx.numel() > 0:
+        a = _prep_coef(alpha, x)
+        b = _prep_coef(beta, x)
+        m = _prep_mask(mask, x)
+        has_init = init is not None
+        ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else a
+        grid = (n_tiles, triton.cdiv(channels, block_c), batch)
+        _pde_bwd_kernel[grid](
+            gy, x, dx, m, a, b, ini, da, db,
+            seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles,
+            PDE=_PDE_IDS[pde], CAUSAL=bool(causal), STEPS=steps,
+            HAS_MASK=mask is not None, A_VEC=a.numel() > 1, B_VEC=b.numel() > 1,
+            HAS_INIT=has_init, LINEAR=linear,
+            HL=hl, T=t, BLOCK_L=block_l, BLOCK_C=block_c, num_warps=warps,
+        )
+    da = da.sum(0)
+    db = db.sum(0)
+    if pde == "advection_diffusion" and causal and linear:
+        db = da.clone()
+    return dx, da, db
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Custom ops (torch.compile sees them as opaque nodes) + autograd
+# ----------------------------------------------------------------------------------------------------------------
+
+_PDE_NAMES = {v: k for k, v in _PDE_IDS.items()}
+
+
+def _op_registered(name: str) -> bool:
+    """True when another copy of this module (e.g. transformers' remote-code copy) already registered ``cta::name``."""
+    try:
+        getattr(torch.ops.cta, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_REGISTER = not _op_registered("pde_refine_fwd")
+
+
+def _pde_refine_fwd_impl(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    init: Optional[torch.Tensor],
+    pde: int,
+    steps: int,
+    causal: bool,
+    want_final: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _launch_fwd(x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal, want_final)
+
+
+def _pde_refine_fwd_fake(x, alpha, beta, mask, init, pde, steps, causal, want_final):
+    batch, seq, channels = x.shape
+    y = x.new_empty((batch, seq, channels))
+    fin = x.new_empty((batch, steps if (causal and want_final) else 0, channels), dtype=torch.float32)
+    return y, fin
+
+
+def _pde_refine_bwd_impl(
+    gy: torch.Tensor,
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    init: Optional[torch.Tensor],
+    pde: int,
+    steps: int,
+    causal: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch_bwd(gy, x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal)
+
+
+def _pde_refine_bwd_fake(gy, x, alpha, beta, mask, init, pde, steps, causal):
+    channels = x.shape[-1]
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((channels,), dtype=torch.float32),
+        x.new_empty((channels,), dtype=torch.float32),
+    )
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    x, alpha, beta, mask, init, pde, steps, causal, want_final = inputs
+    ctx.save_for_backward(x, alpha, beta, mask, init)
+    ctx.meta = (pde, steps, causal)
+    ctx.set_materialize_grads(True)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fwd_backward(ctx, gy, gfin):
+    x, alpha, beta, mask, init = ctx.saved_tensors
+    pde, steps, causal = ctx.meta
+    dx, da, db = _pde_refine_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal)
+    dalpha = (da if alpha.dim() == 1 else da.sum()).to(alpha.dtype).reshape(alpha.shape)
+    dbeta = None
+    if beta is not None:
+        dbeta = (db if beta.dim() == 1 else db.sum()).to(beta.dtype).reshape(beta.shape)
+    return dx, dalpha, dbeta, None, None, None, None, None, None
+
+
+
+
+def _pde_decode_impl(
+    x: torch.Tensor,
+    state: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: Optional[torch.Tensor],
+    token_mask: Optional[torch.Tensor],
+    pde: int,
+    steps: int,
+) -> torch.Tensor:
+    x = _channels_contiguous(x)
+    batch, channels = x.shape
+    y = torch.empty((batch, channels), device=x.device, dtype=x.dtype)
+    if y.numel() == 0:
+        return y
+    if state.stride(-1) != 1:
+        raise ValueError("`state` must have contiguous channels (stride 1 along its last dimension).")
+    a = _prep_coef(alpha, x)
+    b = _prep_coef(beta, x)
+    tm = _prep_mask(token_mask.reshape(-1) if token_mask is not None else None, x)
+    block_c = min(_next_pow2(channels), 1024)
+    grid = (triton.cdiv(channels, block_c), batch)
+    _pde_decode_kernel[grid](
+        x, y, state, tm, a, b, channels, x.stride(0), state.stride(0), state.stride(1),
+        PDE=pde, STEPS=steps, HAS_MASK=token_mask is not None,
+        A_VEC=a.numel() > 1, B_VEC=b.numel() > 1, BLOCK_C=block_c, num_warps=4,
+    )
+    return y
+
+
+def _pde_decode_fake(x, state, alpha, beta, token_mask, pde, steps):
+    return x.new_empty(x.shape)
+
+
+if _REGISTER:
+    _pde_refine_fwd = torch.library.custom_op("cta::pde_refine_fwd", _pde_refine_fwd_impl, mutates_args=())
+    _pde_refine_fwd.register_fake(_pde_refine_fwd_fake)
+    _pde_refine_bwd = torch.library.custom_op("cta::pde_refine_bwd", _pde_refine_bwd_impl, mutates_args=())
+    _pde_refine_bwd.register_fake(_pde_refine_bwd_fake)
+    torch.library.register_autograd("cta::pde_refine_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+    _pde_decode_op = torch.library.custom_op("cta::pde_decode_step", _pde_decode_impl, mutates_args=("state",))
+    _pde_decode_op.register_fake(_pde_decode_fake)
+else:  # pragma: no cover - a second copy of this module shares the first copy's ops
+    _pde_refine_fwd = torch.ops.cta.pde_refine_fwd
+    _pde_refine_bwd = torch.ops.cta.pde_refine_bwd
+    _pde_decode_op = torch.ops.cta.pde_decode_step
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def pde_refine_triton(
+    hidden_states: torch.Tensor,
+    *,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta=None,
+    causal: bool = False,
+    attention_mask: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    return_final_state: bool = False,
+):
+    """Triton implementation of :func:`pde_cta.pde_refine_reference` (same signature and semantics).
+
+    Differentiable w.r.t. ``hidden_states``, ``alpha`` and ``beta``; ``initial_state`` and the final state are
+    constants for autograd. ``steps > 16`` falls back to the reference.
+    """
+    if not is_available():
+        raise RuntimeError("pde_refine_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
+    pde, alpha, beta = check_pde_arguments(
+        hidden_states, pde_type, steps, alpha, beta, attention_mask, initial_state, causal
+    )
+    if steps > MAX_FUSED_STEPS:
+        return pde_refine_reference(
+            hidden_states, pde_type=pde, steps=steps, alpha=alpha, beta=beta, causal=causal,
+            attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state,
+        )
+    batch, seq, channels = hidden_states.shape
+    if steps == 0:
+        if return_final_state:
+            return hidden_states, hidden_states.new_zeros((batch, 0, channels), dtype=torch.float32)
+        return hidden_states
+    if not hidden_states.is_cuda and not _interpret():
+        raise ValueError("pde_refine_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors).")
+    alpha = alpha.to(hidden_states.device)
+    beta = beta.to(hidden_states.device) if beta is not None else None
+    mask = attention_mask.to(hidden_states.device) if attention_mask is not None else None
+    init = initial_state.detach() if initial_state is not None else None
+    y, fin = _pde_refine_fwd(
+        hidden_states, alpha, beta, mask, init, _PDE_IDS[pde], int(steps), bool(causal), bool(return_final_state)
+    )
+    if return_final_state:
+        return y, fin
+    return y
+
+
+def pde_decode_step_triton(
+    hidden_states: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta=None,
+    token_mask: Optional[torch.Tensor] = None,
+):
+    """One-token causal decode step; updates ``state`` ``[batch, steps, channels]`` (fp32) in place."""
+    if not is_available():
+        raise RuntimeError("pde_decode_step_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
+    if hidden_states.dim() != 2:
+        raise ValueError(f"`hidden_states` must have shape [batch, channels], got {tuple(hidden_states.shape)}.")
+    batch, channels = hidden_states.shape
+    pde, alpha, beta = check_pde_arguments(
+        hidden_states.unsqueeze(1), pde_type, steps, alpha, beta, None, state, True
+    )
+    if token_mask is not None and token_mask.numel() != batch:
+        raise ValueError(f"`token_mask` must have {batch} elements (one per sequence), got {tuple(token_mask.shape)}.")
+    if state.dtype != torch.float32:
+        raise ValueError(f"`state` must be float32, got {state.dtype}.")
+    if steps == 0:
+        return hidden_states.clone()
+    if steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
+        return pde_decode_step_reference(
+            hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask
+        )
+    tm = token_mask.to(hidden_states.device) if token_mask is not None else None
+    return _pde_decode_op(hidden_states, state, alpha.to(hidden_states.device),
+                          beta.to(hidden_states.device) if beta is not None else None, tm, _PDE_IDS[pde], int(steps))
