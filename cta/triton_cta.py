@@ -23,7 +23,8 @@ Design
   input tile for each adjoint step ``s`` (``steps*(steps-1)/2`` extra stencil applications, all on chip).
 * Gradients flow to ``hidden_states``, ``alpha`` and ``beta``. ``initial_state`` and the returned final state are
   treated as constants (no gradient), which is what streaming inference needs.
-* ``steps`` 1..16 run fused; 17..64 fall back to the PyTorch reference; 0 is the identity.
+* ``steps`` 1..16 run fused; 17..64 fall back to the PyTorch reference; 0 is the identity. fp32, bf16 and fp16
+  inputs run fused (fp32 accumulation); fp64 inputs fall back to the reference (which keeps fp64).
 * The forward / backward / decode kernels are registered as torch custom ops (``cta::pde_refine_fwd``,
   ``cta::pde_refine_bwd``, ``cta::pde_decode_step``) with fake (meta) implementations and autograd, so that
   ``torch.compile`` traces through them without graph breaks.
@@ -697,7 +698,7 @@ def pde_refine_triton(
     pde, alpha, beta = check_pde_arguments(
         hidden_states, pde_type, steps, alpha, beta, attention_mask, initial_state, causal
     )
-    if steps > MAX_FUSED_STEPS:
+    if steps > MAX_FUSED_STEPS or hidden_states.dtype == torch.float64:  # fp64: the reference computes in fp64
         return pde_refine_reference(
             hidden_states, pde_type=pde, steps=steps, alpha=alpha, beta=beta, causal=causal,
             attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state,

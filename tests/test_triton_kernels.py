@@ -1,0 +1,310 @@
+"""Parity of the Triton kernels (cta/triton_cta.py) with the PyTorch reference (cta/pde_cta.py).
+
+On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set below, before triton is
+imported), on a sample of the shape / option cross product so that this file stays well under 3 minutes on 2 cores.
+Tests marked ``gpu`` run the full cross product (and bf16/fp16, larger shapes) on CUDA and skip without it.
+
+Tolerances (``torch.testing.assert_close``, relative to the reference computed from the same input):
+* fp32 outputs and input gradients: rtol=1e-4, atol=1e-5 (the kernel does the same fp32 operations; only the
+  summation order of the backward differs).
+* coefficient gradients (sums over batch x seq [x channels] terms, accumulated per tile then summed):
+  rtol=1e-4, atol=1e-4 * (1 + number of summed terms) ** 0.5 -- random-walk growth of fp32 rounding.
+* bf16 / fp16 outputs: rtol=1.6e-2 / 1e-3 (one rounding of the same fp32 value can differ by one ulp), atol=1e-2 /
+  1e-3; gradients are compared in fp32 with rtol=2e-2.
+"""
+
+import itertools
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("CTA_TEST_GPU") else "1")
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from cta.pde_cta import PDE_TYPES, pde_decode_step_reference, pde_refine, pde_refine_reference  # noqa: E402
+from cta.triton_cta import is_available, pde_decode_step_triton, pde_refine_triton  # noqa: E402
+
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cuda" if ON_GPU else "cpu"
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with TRITON_INTERPRET unset (CTA_TEST_GPU=1)")
+needs_kernels = pytest.mark.skipif(
+    not (ON_GPU or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported"
+)
+
+SEQS = (1, 2, 3, 5, 63, 130, 1000)
+CHANNELS = (1, 60, 129)
+STEPS = (0, 1, 2, 3, 4, 8, 16)
+PADDINGS = ("none", "left", "right")
+
+
+def _coefficients(pde, causal, channels, per_channel, gen, device):
+    """Random coefficients inside the stable bounds (bidirectional advection gets both signs)."""
+    shape = (channels,) if per_channel else ()
+    alpha = (0.02 + 0.2 * torch.rand(shape, generator=gen)).to(device)
+    beta = None
+    if pde in ("reaction_diffusion", "advection_diffusion"):
+        beta = 0.3 * torch.rand(shape, generator=gen)
+        if pde == "advection_diffusion" and not causal:
+            beta = beta - 0.15
+        beta = beta.to(device)
+    return alpha, beta
+
+
+def _mask(batch, seq, padding, gen, device):
+    if padding == "none" or seq < 2:
+        return None
+    mask = torch.ones(batch, seq)
+    for b in range(batch):
+        n = int(torch.randint(1, seq, (1,), generator=gen))  # at least one padded and one real token... per row
+        if b == 0:
+            n = 0  # one unpadded row in the batch
+        if padding == "left":
+            mask[b, :n] = 0
+        else:
+            mask[b, seq - n :] = 0
+    return mask.to(device)
+
+
+def _run(fn, x, alpha, beta, grad_out, **kwargs):
+    x = x.detach().clone().requires_grad_(True)
+    a = alpha.detach().clone().requires_grad_(True)
+    b = beta.detach().clone().requires_grad_(True) if beta is not None else None
+    y = fn(x, alpha=a, beta=b, **kwargs)
+    if kwargs.get("return_final_state"):
+        y, state = y
+    else:
+        state = None
+    (y.float() * grad_out).sum().backward()
+    return y.detach(), x.grad, a.grad, (b.grad if b is not None else None), state
+
+
+def check_parity(pde, causal, seq, channels, steps, padding, per_channel, *, batch=2, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq, channels, generator=gen).to(DEVICE, dtype)
+    alpha, beta = _coefficients(pde, causal, channels, per_channel, gen, DEVICE)
+    mask = _mask(batch, seq, padding, gen, DEVICE)
+    grad_out = torch.randn(batch, seq, channels, generator=gen).to(DEVICE)
+    kwargs = dict(pde_type=pde, steps=steps, causal=causal, attention_mask=mask)
+    ref = _run(pde_refine_reference, x, alpha, beta, grad_out, **kwargs)
+    out = _run(pde_refine_triton, x, alpha, beta, grad_out, **kwargs)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out[1], ref[1], rtol=1e-4, atol=1e-5)
+        terms = batch * seq * (1 if per_channel else channels)
+        coef_atol = 1e-4 * (1 + terms) ** 0.5
+    else:
+        low = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(out[0], ref[0], **low)
+        torch.testing.assert_close(out[1].float(), ref[1].float(), rtol=2e-2, atol=2e-2)
+        terms = batch * seq * (1 if per_channel else channels)
+        coef_atol = 2e-2 * (1 + terms) ** 0.5
+    for got, want in ((out[2], ref[2]), (out[3], ref[3])):
+        if want is None:  # steps == 0 (or no beta): the coefficient is unused
+            assert got is None or not got.any()
+            continue
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-4 if dtype == torch.float32 else 2e-2,
+                                   atol=coef_atol)
+    assert torch.isfinite(out[0]).all()
+
+
+def _all_cases():
+    return list(itertools.product(PDE_TYPES, (False, True), SEQS, CHANNELS, STEPS, PADDINGS, (False, True)))
+
+
+def _sampled_cases(n=100, seed=1234):
+    """A fixed sample of the cross product that still covers every value of every axis (CPU interpreter budget)."""
+    rng = random.Random(seed)
+    cases = []
+    # every pde x causal x per_channel combination once, with rotating seq / channels / steps / padding
+    for i, (pde, causal, per_channel) in enumerate(itertools.product(PDE_TYPES, (False, True), (False, True))):
+        cases.append((pde, causal, SEQS[i % 6], CHANNELS[i % 3], STEPS[1 + i % 6], PADDINGS[i % 3], per_channel))
+    while len(cases) < n:
+        seq = rng.choice(SEQS[:6]) if rng.random() < 0.9 else 1000
+        cases.append((rng.choice(PDE_TYPES), rng.random() < 0.5, seq, rng.choice(CHANNELS), rng.choice(STEPS),
+                      rng.choice(PADDINGS), rng.random() < 0.5))
+    # the largest sequence and step count appear at least once per pde type
+    for i, pde in enumerate(PDE_TYPES):
+        cases.append((pde, bool(i % 2), 1000, 60, 16 if i < 2 else 8, PADDINGS[i % 3], bool(i % 2)))
+    return cases
+
+
+def _case_id(case):
+    pde, causal, seq, channels, steps, padding, per_channel = case
+    return f"{pde}-{'causal' if causal else 'bidi'}-L{seq}-C{channels}-S{steps}-{padding}-{'vec' if per_channel else 'scalar'}"
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", _sampled_cases(), ids=_case_id)
+def test_parity_sampled(case):
+    check_parity(*case)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", _all_cases(), ids=_case_id)
+def test_parity_full_product_gpu(case):
+    check_parity(*case)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("pde", PDE_TYPES)
+@pytest.mark.parametrize("causal", (False, True))
+def test_parity_half_precision_gpu(dtype, pde, causal):
+    check_parity(pde, causal, 1500, 257, 4, "left", True, batch=3, dtype=dtype)
+    check_parity(pde, causal, 4097, 512, 8, "none", False, batch=1, dtype=dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_half_precision_small(dtype):
+    check_parity("reaction_diffusion", False, 37, 9, 3, "right", True, dtype=dtype)
+    check_parity("diffusion", True, 37, 9, 4, "left", False, dtype=dtype)
+
+
+@needs_kernels
+def test_strided_input_and_fp64_fallback():
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(40, 3, 24, generator=gen).to(DEVICE)
+    x = base.transpose(0, 1)  # strided batch / seq, contiguous channels
+    kwargs = dict(pde_type="advection_diffusion", steps=3, alpha=0.1, beta=-0.2)
+    torch.testing.assert_close(pde_refine_triton(x, **kwargs), pde_refine_reference(x, **kwargs), rtol=1e-4, atol=1e-5)
+    xt = torch.randn(2, 24, 17, generator=gen).to(DEVICE).transpose(1, 2)  # channels not contiguous
+    torch.testing.assert_close(pde_refine_triton(xt, **kwargs), pde_refine_reference(xt, **kwargs), rtol=1e-4, atol=1e-5)
+    x64 = torch.randn(2, 10, 3, generator=gen, dtype=torch.float64).to(DEVICE)
+    out = pde_refine_triton(x64, **kwargs)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, pde_refine_reference(x64, **kwargs))
+
+
+@needs_kernels
+@pytest.mark.parametrize("pde", PDE_TYPES)
+def test_streaming_chunked_equals_full(pde):
+    gen = torch.Generator().manual_seed(5)
+    batch, seq, channels, steps = 2, 41, 7, 4
+    x = torch.randn(batch, seq, channels, generator=gen).to(DEVICE)
+    mask = torch.ones(batch, seq, device=DEVICE)
+    mask[1, :6] = 0  # left padding
+    alpha, beta = _coefficients(pde, True, channels, True, gen, DEVICE)
+    kwargs = dict(pde_type=pde, steps=steps, alpha=alpha, beta=beta, causal=True)
+    full, full_state = pde_refine_reference(x, attention_mask=mask, return_final_state=True, **kwargs)
+    state = None
+    outs = []
+    for lo, hi in ((0, 3), (3, 4), (4, 20), (20, 41)):
+        y, state = pde_refine_triton(x[:, lo:hi], attention_mask=mask[:, lo:hi], initial_state=state,
+                                     return_final_state=True, **kwargs)
+        outs.append(y)
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state, full_state, rtol=1e-5, atol=1e-6)
+    # decode the rest token by token from the prefill state: equals the full sequence
+    ext = torch.randn(batch, 5, channels, generator=gen).to(DEVICE)
+    ref_full = pde_refine_reference(torch.cat([x, ext], 1), attention_mask=torch.cat(
+        [mask, torch.ones(batch, 5, device=DEVICE)], 1), **kwargs)
+    state_t = state.clone()
+    for t in range(5):
+        tok = pde_decode_step_triton(ext[:, t], state_t, pde_type=pde, steps=steps, alpha=alpha, beta=beta)
+        torch.testing.assert_close(tok, ref_full[:, seq + t], rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("pde", PDE_TYPES)
+def test_gradients_with_initial_state(pde):
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 19, 5, generator=gen).to(DEVICE)
+    init = torch.randn(2, 3, 5, generator=gen).to(DEVICE)
+    alpha, beta = _coefficients(pde, True, 5, False, gen, DEVICE)
+    g = torch.randn(2, 19, 5, generator=gen).to(DEVICE)
+    kwargs = dict(pde_type=pde, steps=3, causal=True, initial_state=init)
+    ref = _run(pde_refine_reference, x, alpha, beta, g, **kwargs)
+    out = _run(pde_refine_triton, x, alpha, beta, g, **kwargs)
+    for r, o in zip(ref[:4], out[:4]):
+        if r is not None:
+            torch.testing.assert_close(o, r, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("pde", PDE_TYPES)
+@pytest.mark.parametrize("steps", (1, 5))
+def test_decode_step_matches_reference(pde, steps):
+    gen = torch.Generator().manual_seed(7)
+    batch, channels = 3, 33
+    alpha, beta = _coefficients(pde, True, channels, pde != "wave", gen, DEVICE)
+    state = torch.randn(batch, steps, channels, generator=gen).to(DEVICE)
+    state_ref = state.clone()
+    x = torch.randn(batch, channels, generator=gen).to(DEVICE)
+    token_mask = torch.tensor([1.0, 0.0, 1.0], device=DEVICE)
+    for tm in (None, token_mask):
+        out = pde_decode_step_triton(x, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta, token_mask=tm)
+        ref = pde_decode_step_reference(x, state_ref, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
+                                        token_mask=tm)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernels
+def test_dispatch_and_fallbacks():
+    assert is_available()
+    x = torch.randn(1, 12, 4, device=DEVICE)
+    out = pde_refine(x, pde_type="wave", steps=2, alpha=0.1, backend="triton")
+    torch.testing.assert_close(out, pde_refine_reference(x, pde_type="wave", steps=2, alpha=0.1))
+    # steps 0 is the identity; steps > 16 falls back to the reference
+    assert torch.equal(pde_refine_triton(x, pde_type="diffusion", steps=0, alpha=0.1), x)
+    torch.testing.assert_close(pde_refine_triton(x, pde_type="diffusion", steps=20, alpha=0.1),
+                               pde_refine_reference(x, pde_type="diffusion", steps=20, alpha=0.1))
+    y, st = pde_refine_triton(x, pde_type="diffusion", steps=2, alpha=0.1, return_final_state=True)
+    assert st.shape == (1, 0, 4)
+    with pytest.raises(ValueError, match="alpha"):
+        pde_refine_triton(x, pde_type="diffusion", steps=2, alpha=torch.ones(3))
+
+
+@needs_kernels
+def test_torch_compile_has_no_graph_break():
+    def f(t, a, b):
+        return pde_refine_triton(t, pde_type="reaction_diffusion", steps=2, alpha=a, beta=b, causal=True) * 2.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")  # fullgraph=True raises on a graph break
+    x = torch.randn(2, 9, 6, device=DEVICE, requires_grad=True)
+    a = torch.tensor(0.1, device=DEVICE, requires_grad=True)
+    b = torch.full((6,), 0.05, device=DEVICE, requires_grad=True)
+    compiled(x, a, b).sum().backward()
+    ga, gb, gx = a.grad.clone(), b.grad.clone(), x.grad.clone()
+    for t in (x, a, b):
+        t.grad = None
+    f(x, a, b).sum().backward()
+    torch.testing.assert_close(ga, a.grad)
+    torch.testing.assert_close(gb, b.grad)
+    torch.testing.assert_close(gx, x.grad)
+    from torch.library import opcheck
+
+    from cta import triton_cta
+
+    args = (torch.randn(2, 7, 5, device=DEVICE), torch.tensor(0.1, device=DEVICE), None, None, None, 0, 2, True, True)
+    opcheck(triton_cta._pde_refine_fwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@needs_kernels
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    pde=st.sampled_from(PDE_TYPES),
+    causal=st.booleans(),
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 80),
+    channels=st.integers(1, 40),
+    steps=st.integers(0, 16),
+    padding=st.sampled_from(PADDINGS),
+    per_channel=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_parity_hypothesis(pde, causal, batch, seq, channels, steps, padding, per_channel, seed):
+    check_parity(pde, causal, seq, channels, steps, padding, per_channel, batch=batch, seed=seed)
