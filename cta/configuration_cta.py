@@ -232,6 +232,8 @@ class CTAConfig(PretrainedConfig):
             raise ValueError(f"`{field}` must be a float, got {value!r}.")
         bounds = coefficient_bounds(self.pde_type, False)[which]
         causal_bounds = coefficient_bounds(self.pde_type, True)[which]
+        if bounds is None:  # e.g. pde_beta of a diffusion: unused
+            return float(value)
         low, high = min(bounds[0], causal_bounds[0]), max(bounds[1], causal_bounds[1])
         if not low <= value <= high:
             raise ValueError(
