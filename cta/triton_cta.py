@@ -423,20 +423,24 @@ def _halos(causal: bool, steps: int, backward: bool, linear: bool) -> Tuple[int,
     return steps, steps
 
 
-def _config(seq: int, channels: int, halo: int, device: torch.device):
-    """(BLOCK_L, BLOCK_C, num_warps). Tiles of ~8k fp32 elements on GPU; small tiles in the interpreter."""
+def _config(seq: int, channels: int, halo: int, device: torch.device, causal: bool = False, backward: bool = False):
+    """(BLOCK_L, BLOCK_C, num_warps). GPU defaults from a sweep on an H200 (bf16, (1,16384,4096), 4 diffusion
+    steps: ``benchmarks/bench_kernels.py --tune``); small tiles in the interpreter."""
     if device.type != "cuda":  # interpreter: fewer, larger numpy programs are faster
         block_l = _next_pow2(max(halo + min(seq, 64), 2 * halo + 1, 2))
         block_c = min(_next_pow2(channels), 128)
         return block_l, block_c, 4
-    block_l = 32
-    while block_l < 4 * halo or (block_l - halo) < min(seq, block_l // 2):
+    block_l = 64 if backward else 32
+    while block_l < 4 * halo and block_l < 256:
         block_l *= 2
-        if block_l >= 512:
-            break
     block_l = max(block_l, _next_pow2(halo + 1))
-    block_c = max(16, min(_next_pow2(channels), 8192 // block_l))
-    return block_l, block_c, 8 if block_l * block_c >= 8192 else 4
+    if block_l <= 64:
+        block_c = 128 if causal else 64
+    else:
+        block_c = max(16, 4096 // block_l)
+    block_c = max(16, min(_next_pow2(channels), block_c))
+    warps = 8 if (not causal and not backward and block_l * block_c >= 2048) else 4
+    return block_l, block_c, warps
 
 
 _TUNE = {}  # (causal, backward) -> (BLOCK_L, BLOCK_C, num_warps) overrides, set by benchmarks
@@ -444,7 +448,7 @@ _TUNE = {}  # (causal, backward) -> (BLOCK_L, BLOCK_C, num_warps) overrides, set
 
 def _grid_config(seq, channels, causal, steps, backward, linear, device):
     hl, hr = _halos(causal, steps, backward, linear)
-    block_l, block_c, warps = _config(seq, channels, hl + hr, device)
+    block_l, block_c, warps = _config(seq, channels, hl + hr, device, causal, backward)
     key = (causal, backward, steps)
     if device.type == "cuda" and key in _TUNE:
         block_l, block_c, warps = _TUNE[key]

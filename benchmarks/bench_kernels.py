@@ -1,0 +1,281 @@
+"""Benchmark of the fused Triton PDE kernels against the copy roof and the PyTorch reference.
+
+For every shape x steps x pde_type x {causal, bidirectional} it measures (medians of CUDA-event timings through
+``triton.testing.do_bench``), in one run on one GPU:
+
+* ``copy``: ``y.copy_(x)`` of the same tensor (the memory-bandwidth roof; read + write),
+* ``triton`` forward and forward+backward (grads for the input and a per-channel alpha/beta),
+* ``torch``: the PyTorch reference (``cta.pde_cta.pde_refine_reference``) forward and forward+backward,
+* ``compile``: ``torch.compile`` of the reference, forward (compiled for the subset given by ``--compile``; the
+  compile time of every cell would not fit the time budget),
+* extra activation memory: bytes held for backward after the forward (allocated - input - output), as a multiple
+  of the input size, and the peak extra memory of a forward+backward.
+
+Writes ``benchmarks/results/kernels_<gpu>.json``, ``kernels_<gpu>.md`` (a table) and ``kernels_<gpu>.png`` (a plot).
+
+    python benchmarks/bench_kernels.py            # full sweep (~5 min on an H100)
+    python benchmarks/bench_kernels.py --quick    # (1,16384,4096) bf16, diffusion, steps 4 only
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from cta.pde_cta import PDE_TYPES, pde_refine_reference  # noqa: E402
+
+SHAPES = ((1, 4096, 4096), (1, 16384, 4096), (8, 4096, 4096), (1, 65536, 512))
+STEPS = (1, 2, 4, 8)
+COEFS = {"diffusion": (0.2, None), "wave": (0.1, None), "reaction_diffusion": (0.2, 0.1),
+         "advection_diffusion": (0.2, 0.1)}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="only (1,16384,4096), diffusion, steps 4 (a smoke test)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--shapes", default=None, help="e.g. '1x16384x4096,8x4096x4096' (default: the four above)")
+    p.add_argument("--steps", default=None, help="comma list of steps (default 1,2,4,8)")
+    p.add_argument("--pde-types", default=None, help="comma list (default: all four)")
+    p.add_argument("--compile", default="diffusion:4",
+                   help="'pde:steps,...' cells for which torch.compile of the reference is timed, 'all' or 'none'")
+    p.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference timings")
+    p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
+    p.add_argument("--tune", action="store_true", help="sweep tile configs for diffusion steps 4 and print them")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    return p.parse_args()
+
+
+def bench(fn, rep_ms):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=max(5.0, rep_ms / 4), rep=rep_ms, return_mode="median")
+
+
+def _make(shape, dtype, pde, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    a, b = COEFS[pde]
+    channels = shape[-1]
+    alpha = torch.full((channels,), a, device="cuda", requires_grad=True)
+    beta = torch.full((channels,), b, device="cuda", requires_grad=True) if b is not None else None
+    return x, alpha, beta
+
+
+def _fwd_bwd(fn, x, alpha, beta, grad, kwargs):
+    xx = x.detach().requires_grad_(True)
+
+    def run():
+        xx.grad = None
+        alpha.grad = None
+        y = fn(xx, alpha=alpha, beta=beta, **kwargs)
+        y.backward(grad)
+
+    return run
+
+
+def _memory(fn, x, alpha, beta, grad, kwargs):
+    """(bytes held for backward after the forward, peak extra bytes during forward+backward), over the input."""
+    xx = x.detach().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    m0 = torch.cuda.memory_allocated()
+    y = fn(xx, alpha=alpha, beta=beta, **kwargs)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - m0 - y.numel() * y.element_size()
+    y.backward(grad)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - m0 - y.numel() * y.element_size()
+    nbytes = x.numel() * x.element_size()
+    del y, xx
+    return held / nbytes, peak / nbytes
+
+
+def tune(dtype, rep_ms):
+    from cta import triton_cta
+
+    shape = (1, 16384, 4096)
+    x, alpha, _ = _make(shape, dtype, "diffusion")
+    grad = torch.randn_like(x)
+    y = torch.empty_like(x)
+    copy = bench(lambda: y.copy_(x), rep_ms)
+    print(f"tune: copy {copy * 1e3:.1f} us")
+    for causal in (False, True):
+        for backward in (False, True):
+            best = None
+            for block_l in (16, 32, 64, 128):
+                for block_c in (64, 128, 256, 512):
+                    for warps in (4, 8):
+                        if block_l * block_c > 32768 or block_l <= (8 if backward else 4) + (0 if causal and not backward else 4):
+                            continue
+                        triton_cta._TUNE[(causal, backward, 4)] = (block_l, block_c, warps)
+                        kw = dict(pde_type="diffusion", steps=4, causal=causal)
+                        try:
+                            if backward:
+                                ms = bench(_fwd_bwd(triton_cta.pde_refine_triton, x, alpha, None, grad, kw), rep_ms)
+                            else:
+                                ms = bench(lambda: triton_cta.pde_refine_triton(x, alpha=alpha, **kw), rep_ms)
+                        except Exception as e:  # noqa: BLE001
+                            print("  fail", block_l, block_c, warps, type(e).__name__)
+                            continue
+                        if best is None or ms < best[0]:
+                            best = (ms, block_l, block_c, warps)
+                        print(f"  causal={causal} bwd={backward} BL={block_l} BC={block_c} w={warps}: "
+                              f"{ms / copy:.2f}x copy")
+            triton_cta._TUNE.pop((causal, backward, 4), None)
+            print(f"tune best causal={causal} backward={backward}: {best[1:]} {best[0] / copy:.2f}x copy")
+
+
+def main():
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels.py needs a CUDA GPU.")
+        return 1
+    os.environ.pop("TRITON_INTERPRET", None)
+    from cta.triton_cta import pde_refine_triton
+
+    dtype = getattr(torch, args.dtype)
+    if args.tune:
+        tune(dtype, args.rep_ms)
+        return 0
+    shapes = SHAPES
+    if args.shapes:
+        shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
+    steps_list = tuple(int(s) for s in args.steps.split(",")) if args.steps else STEPS
+    pdes = tuple(args.pde_types.split(",")) if args.pde_types else PDE_TYPES
+    if args.quick:
+        shapes, steps_list, pdes = ((1, 16384, 4096),), (4,), ("diffusion",)
+    if args.compile == "all":
+        compile_cells = None
+    elif args.compile == "none":
+        compile_cells = set()
+    else:
+        compile_cells = {(c.split(":")[0], int(c.split(":")[1])) for c in args.compile.split(",")}
+    gpu = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
+    compiled_ref = torch.compile(pde_refine_reference, dynamic=False)
+    rows = []
+    t_start = time.time()
+    for shape in shapes:
+        x0 = torch.randn(shape, device="cuda", dtype=dtype)
+        y0 = torch.empty_like(x0)
+        copy_ms = bench(lambda: y0.copy_(x0), args.rep_ms)
+        nbytes = x0.numel() * x0.element_size()
+        print(f"shape {shape} {args.dtype}: copy {copy_ms * 1e3:.1f} us ({2 * nbytes / copy_ms / 1e6:.0f} GB/s)",
+              flush=True)
+        del x0, y0
+        for pde in pdes:
+            x, alpha, beta = _make(shape, dtype, pde)
+            grad = torch.randn_like(x)
+            for steps in steps_list:
+                for causal in (False, True):
+                    kw = dict(pde_type=pde, steps=steps, causal=causal)
+                    row = dict(shape=list(shape), dtype=args.dtype, pde_type=pde, steps=steps, causal=causal,
+                               copy_ms=copy_ms)
+                    row["triton_fwd_ms"] = bench(lambda: pde_refine_triton(x, alpha=alpha, beta=beta, **kw),
+                                                 args.rep_ms)
+                    row["triton_fwdbwd_ms"] = bench(_fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.rep_ms)
+                    row["triton_saved_x"], row["triton_peak_x"] = _memory(pde_refine_triton, x, alpha, beta, grad, kw)
+                    if not args.no_reference:
+                        with torch.no_grad():
+                            row["torch_fwd_ms"] = bench(lambda: pde_refine_reference(x, alpha=alpha, beta=beta, **kw),
+                                                        args.rep_ms / 3)
+                        row["torch_fwdbwd_ms"] = bench(_fwd_bwd(pde_refine_reference, x, alpha, beta, grad, kw),
+                                                       args.rep_ms / 3)
+                        row["torch_saved_x"], row["torch_peak_x"] = _memory(pde_refine_reference, x, alpha, beta,
+                                                                            grad, kw)
+                    if compile_cells is None or (pde, steps) in compile_cells:
+                        with torch.no_grad():
+                            row["compile_fwd_ms"] = bench(lambda: compiled_ref(x, alpha=alpha, beta=beta, **kw),
+                                                          args.rep_ms / 3)
+                    for k in list(row):
+                        if k.endswith("_ms") and k != "copy_ms":
+                            row[k.replace("_ms", "_x_copy")] = row[k] / copy_ms
+                    rows.append(row)
+                    print(f"  {pde:20s} S={steps} {'causal' if causal else 'bidi  '} "
+                          f"fwd {row['triton_fwd_x_copy']:.2f}x  fwd+bwd {row['triton_fwdbwd_x_copy']:.2f}x copy  "
+                          f"saved {row['triton_saved_x']:.2f}x  ref fwd {row.get('torch_fwd_x_copy', float('nan')):.1f}x"
+                          f"  compile fwd {row.get('compile_fwd_x_copy', float('nan')):.1f}x  "
+                          f"[{time.time() - t_start:.0f}s]", flush=True)
+            del x, grad
+            torch.cuda.empty_cache()
+        _write_all(args, gpu, compile_cells, rows, t_start)  # after every shape, so a cut-off run keeps its rows
+    return 0
+
+
+def _write_all(args, gpu, compile_cells, rows, t_start):
+    os.makedirs(args.out, exist_ok=True)
+    suffix = "_quick" if args.quick else ""
+    base = os.path.join(args.out, f"kernels_{gpu}{suffix}")
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+                dtype=args.dtype, compile_cells="all" if compile_cells is None else sorted(compile_cells),
+                note="medians of triton.testing.do_bench; *_x_copy = time / y.copy_(x) time of the same tensor; "
+                     "saved_x = bytes held for backward after the forward / input bytes; peak_x = peak extra bytes "
+                     "of forward+backward (incl. the input gradient and the reference's temporaries) / input bytes")
+    with open(base + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    write_markdown(base + ".md", meta, rows)
+    write_plot(base + ".png", rows)
+    print(f"wrote {base}.json/.md/.png in {time.time() - t_start:.0f}s", flush=True)
+
+
+def write_markdown(path, meta, rows):
+    fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+    lines = [f"# PDE kernels on {meta['gpu']} ({meta['dtype']}, torch {meta['torch']}, triton {meta['triton']})", "",
+             meta["note"] + f". torch.compile timed for: {meta['compile_cells']}.", "",
+             "Targets (diffusion, steps <= 8, the three large shapes): forward <= 1.25x copy, forward+backward <= 3x "
+             "copy, extra activation memory <= 1.1x the input.", "",
+             "| shape | pde | steps | mode | copy us | triton fwd x | triton fwd+bwd x | saved x | peak x | "
+             "torch fwd x | torch fwd+bwd x | torch saved x | compile fwd x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {'x'.join(map(str, r['shape']))} | {r['pde_type']} | {r['steps']} | "
+            f"{'causal' if r['causal'] else 'bidi'} | {r['copy_ms'] * 1e3:.1f} | {fmt(r['triton_fwd_x_copy'])} | "
+            f"{fmt(r['triton_fwdbwd_x_copy'])} | {fmt(r['triton_saved_x'])} | {fmt(r['triton_peak_x'])} | "
+            f"{fmt(r.get('torch_fwd_x_copy'))} | {fmt(r.get('torch_fwdbwd_x_copy'))} | {fmt(r.get('torch_saved_x'))} | "
+            f"{fmt(r.get('compile_fwd_x_copy'))} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_plot(path, rows):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    pdes = sorted({r["pde_type"] for r in rows}, key=list(PDE_TYPES).index)
+    fig, axes = plt.subplots(1, len(pdes), figsize=(4.5 * len(pdes), 4), squeeze=False, sharey=True)
+    for ax, pde in zip(axes[0], pdes):
+        for causal, ls in ((False, "-"), (True, "--")):
+            for key, color in (("triton_fwd_x_copy", "C0"), ("triton_fwdbwd_x_copy", "C1"), ("torch_fwd_x_copy", "C2"),
+                               ("compile_fwd_x_copy", "C3")):
+                sel = [r for r in rows if r["pde_type"] == pde and r["causal"] == causal and tuple(r["shape"]) ==
+                       (1, 16384, 4096) and key in r]
+                if not sel:
+                    sel = [r for r in rows if r["pde_type"] == pde and r["causal"] == causal and key in r
+                           and r["shape"] == rows[0]["shape"]]
+                if sel:
+                    ax.plot([r["steps"] for r in sel], [r[key] for r in sel], ls, color=color, marker="o",
+                            label=f"{key.replace('_x_copy', '')} {'causal' if causal else 'bidi'}")
+        ax.axhline(1.25, color="k", lw=0.5)
+        ax.axhline(3.0, color="k", lw=0.5, ls=":")
+        ax.set_yscale("log")
+        ax.set_xlabel("steps")
+        ax.set_title(f"{pde}, {'x'.join(map(str, rows[0]['shape'] if not any(tuple(r['shape']) == (1, 16384, 4096) for r in rows) else (1, 16384, 4096)))}")
+    axes[0][0].set_ylabel("time / copy time")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
