@@ -1,0 +1,819 @@
+# coding=utf-8
+"""Adds CTA PDE refinement to pretrained transformers models (Llama, Mistral, Qwen2, Qwen3, GPT-2, BERT, RoBERTa).
+
+``patch_model(model, ...)`` patches a loaded model *in place* and returns it:
+
+* Modules are found by structure (the decoder-layer ``ModuleList``, the attention module holding ``v_proj`` /
+  ``c_attn`` / ``value``, the MLP) and **wrapped** by :class:`CTAPatchWrapper`; no class's ``forward`` is rebound.
+  The wrapped module lives at ``<name>.wrapped``; the PDE modules are siblings named ``cta_<placement>_pde``.
+* The instance's class is swapped to a subclass (``LlamaForCausalLM`` -> ``CTAPatchedLlamaForCausalLM``), and the
+  config's class likewise (``model_type = "cta_patched_llama"``), the way ``torch.nn.utils.parametrize`` swaps a
+  module's class. ``isinstance(model, LlamaForCausalLM)`` still holds, and ``save_pretrained`` writes a checkpoint
+  that only loads *patched*: plain transformers does not know ``cta_patched_llama`` and refuses it without
+  ``trust_remote_code=True``; with it, the saved ``auto_map`` and the flat code files (this file + ``pde_cta.py``)
+  rebuild the patched model; missing or unexpected weights are an error.
+* Placements: ``embedding`` (input of the first block), ``value`` (output of ``v_proj`` / the value third of GPT-2's
+  ``c_attn`` / BERT's ``value``, through a forward hook that the attention wrapper registers on whatever module is
+  the value projection *at call time*, so a LoRA layer on it is refined too), ``attention_output`` (attention output
+  before the residual add), ``mlp_output`` (MLP output before the residual add), ``block_output`` (after each block).
+  ``attention_matrix`` is not available for patched models (it needs its own attention kernel); use the native models.
+* Decoders get the causal stencil, encoders the bidirectional one. Padding walls come from the 2D ``attention_mask``
+  given to the model (captured by a forward pre-hook on the base model; its last ``L`` columns are the current
+  tokens). A 4D custom mask gives no walls.
+* Cached decoding: the causal PDE state lives in the model's own cache as conv states of transformers' hybrid cache
+  layers. The patched config answers ``get_text_config(decoder=True)`` (what ``DynamicCache(config=...)`` and
+  ``generate`` read) with a view whose ``layer_types`` are ``hybrid`` / ``hybrid_sliding`` and whose
+  ``number_of_conv_states`` counts the PDE sites per layer; the config's own ``layer_types`` are untouched (Qwen2/3
+  index their masks with them).
+* PEFT: ``LoraConfig(target_modules=[...], modules_to_save=pde_modules_to_save(model))`` trains LoRA and the PDE
+  coefficients together and saves both in the adapter; :func:`mark_pde_trainable` trains the PDE alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+from typing import Optional
+
+import torch
+import transformers
+from torch import nn
+
+from .pde_cta import (
+    MAX_PDE_STEPS,
+    PAPER_COEFFICIENTS,
+    PDE_BACKENDS,
+    PDERefinement,
+    coefficient_bounds,
+    normalize_pde_type,
+    uses_beta,
+)
+
+
+PATCH_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output")
+# Per-layer placements in the order of their cache conv-state indices (as in the native CTA models).
+_LAYER_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
+PATCH_INITS = ("identity", "paper")
+PATCH_FORMAT_VERSION = 1
+
+# model_type -> (class-name prefix, kind). Decoders use the causal stencil, encoders the bidirectional one.
+SUPPORTED_ARCHITECTURES = {
+    "llama": ("Llama", "llama"),
+    "mistral": ("Mistral", "llama"),
+    "qwen2": ("Qwen2", "llama"),
+    "qwen3": ("Qwen3", "llama"),
+    "gpt2": ("GPT2", "gpt2"),
+    "bert": ("Bert", "bert"),
+    "roberta": ("Roberta", "bert"),
+}
+_CAUSAL_KINDS = ("llama", "gpt2")
+# head-class suffix -> Auto class (only the suffixes that exist for a family are generated).
+_HEADS = {
+    "Model": "AutoModel",
+    "ForCausalLM": "AutoModelForCausalLM",
+    "LMHeadModel": "AutoModelForCausalLM",
+    "ForSequenceClassification": "AutoModelForSequenceClassification",
+    "ForTokenClassification": "AutoModelForTokenClassification",
+    "ForQuestionAnswering": "AutoModelForQuestionAnswering",
+    "ForMaskedLM": "AutoModelForMaskedLM",
+}
+_ENCODER_ONLY_HEADS = ("ForMaskedLM",)
+_DECODER_ONLY_HEADS = ("ForCausalLM", "LMHeadModel")
+PATCHED_MODEL_TYPE_PREFIX = "cta_patched_"
+# Weights that may differ between a checkpoint and the loading class (a head added or dropped); never PDE weights.
+_HEAD_PREFIXES = ("lm_head.", "score.", "classifier.", "qa_outputs.", "cls.", "pooler.")
+
+
+def _supported_message() -> str:
+    return ", ".join(f"{prefix} ({model_type!r})" for model_type, (prefix, _) in SUPPORTED_ARCHITECTURES.items())
+
+
+def _base_model_type(config) -> str:
+    model_type = getattr(config, "model_type", None) or ""
+    if model_type.startswith(PATCHED_MODEL_TYPE_PREFIX):
+        model_type = model_type[len(PATCHED_MODEL_TYPE_PREFIX):]
+    return model_type
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-forward context and the wrapper module
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _PatchContext:
+    """Per-forward state shared by the wrappers of one model: the 2D padding mask and the cache in use.
+
+    ``capture`` is a forward pre-hook (with kwargs) on the base model, ``release`` a forward hook (always called).
+    """
+
+    def __init__(self, mask_position: Optional[int]):
+        self.mask_position = mask_position
+        self.mask = None
+        self.cache = None
+
+    def capture(self, module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is None and self.mask_position is not None and len(args) > self.mask_position:
+            mask = args[self.mask_position]
+        if torch.is_tensor(mask) and mask.dim() == 2 and not bool(mask.all()):
+            self.mask = mask
+        else:
+            self.mask = None  # no padding, or a 4D custom mask (no walls can be derived from it)
+        self.cache = kwargs.get("past_key_values")
+        return None
+
+    def release(self, module, args, kwargs, output):
+        self.mask = None
+        self.cache = None
+        return None
+
+    def token_mask(self, length: int):
+        if self.mask is None:
+            return None
+        if self.mask.shape[1] < length:
+            raise ValueError(
+                f"`attention_mask` has {self.mask.shape[1]} columns but the current input has {length} tokens; it must "
+                "cover the cached and the current tokens ([batch, past + seq])."
+            )
+        return self.mask[:, -length:]
+
+
+def _first_tensor(output):
+    if torch.is_tensor(output):
+        return output
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    raise TypeError(f"CTA patch: cannot find the hidden states in an output of type {type(output).__name__}.")
+
+
+def _replace_first(output, value):
+    if torch.is_tensor(output):
+        return value
+    return type(output)((value, *output[1:])) if isinstance(output, tuple) else [value, *output[1:]]
+
+
+class CTAPatchWrapper(nn.Module):
+    """Wraps one module of a pretrained model and applies PDE refinement around it.
+
+    ``role="block"`` (a decoder/encoder layer): ``cta_embedding_pde`` refines the layer's input hidden states (first
+    layer only), ``cta_block_output_pde`` its output; it also publishes the layer's cache to the nested wrappers.
+    ``role="attention"``: ``cta_value_pde`` refines the value projection (``value_attr``; ``value_slice`` selects the
+    value part of a fused qkv projection), ``cta_attention_output_pde`` the attention output.
+    ``role="mlp"`` / ``role="output"``: ``cta_<placement>_pde`` refines the output.
+    """
+
+    def __init__(self, wrapped: nn.Module, role: str, pdes: dict, value_attr=None, value_slice=None,
+                 cache_position=None):
+        super().__init__()
+        self.wrapped = wrapped
+        self.role = role
+        self.placements = tuple(pdes)
+        for placement, module in pdes.items():
+            setattr(self, f"cta_{placement}_pde", module)
+        self.value_attr = value_attr
+        self.value_slice = value_slice
+        self.cache_position = cache_position
+        self._cta_context = None  # set by _apply_patch (a plain object, not a submodule)
+
+    def extra_repr(self) -> str:
+        return f"role={self.role}, placements={list(self.placements)}"
+
+    def __getattr__(self, name):
+        # Attributes the parent model reads on the wrapped module (e.g. Qwen2's `decoder_layer.attention_type`).
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self._modules.get("wrapped")
+            if wrapped is None:
+                raise
+            return getattr(wrapped, name)
+
+    def _pde(self, placement):
+        return self._modules.get(f"cta_{placement}_pde")
+
+    def _refine(self, placement, hidden_states, cache):
+        pde = self._pde(placement)
+        if pde is None:
+            return hidden_states
+        mask = self._cta_context.token_mask(hidden_states.shape[1]) if self._cta_context is not None else None
+        return pde(hidden_states, mask, cache)
+
+    def forward(self, *args, **kwargs):
+        context = self._cta_context
+        if self.role == "block":
+            cache = kwargs.get("past_key_values")
+            if cache is None and self.cache_position is not None and len(args) > self.cache_position:
+                cache = args[self.cache_position]
+            if context is not None:
+                context.cache = cache
+            if self._pde("embedding") is not None:
+                if args:
+                    args = (self._refine("embedding", args[0], cache), *args[1:])
+                else:
+                    kwargs["hidden_states"] = self._refine("embedding", kwargs["hidden_states"], cache)
+        else:
+            cache = context.cache if context is not None else None
+
+        handle = None
+        if self._pde("value") is not None:
+            handle = getattr(self.wrapped, self.value_attr).register_forward_hook(self._make_value_hook(cache))
+        try:
+            output = self.wrapped(*args, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+        for placement in ("attention_output", "mlp_output", "block_output"):
+            if self._pde(placement) is not None:
+                output = _replace_first(output, self._refine(placement, _first_tensor(output), cache))
+        return output
+
+    def _make_value_hook(self, cache):
+        def hook(module, args, output):
+            if self.value_slice is None:
+                return self._refine("value", output, cache)
+            low, high = self.value_slice
+            refined = self._refine("value", output[..., low:high], cache)
+            return torch.cat([output[..., :low], refined, output[..., high:]], dim=-1)
+
+        return hook
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Finding the modules of each architecture (by structure)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _unwrap(module):
+    return module.wrapped if isinstance(module, CTAPatchWrapper) else module
+
+
+def _find_structure(model, kind):
+    """``(base_model, layers ModuleList)`` of a supported model, found by attribute structure."""
+    base = model.base_model if hasattr(model, "base_model") else model
+    if kind == "llama":
+        layers = getattr(base, "layers", None)
+    elif kind == "gpt2":
+        layers = getattr(base, "h", None)
+    else:
+        layers = getattr(getattr(base, "encoder", None), "layer", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"Could not find the layer list of {type(model).__name__} (expected a {kind}-style model).")
+    return base, layers
+
+
+def _layer_sites(layer, kind, config):
+    """For one layer: {site: (parent, attribute, wrapper role, value_attr, value_slice, value channels)}."""
+    layer = _unwrap(layer)
+    if kind == "llama":
+        attn = layer.self_attn
+        v_proj = _unwrap(attn).v_proj
+        channels = getattr(v_proj, "out_features", None) or v_proj.weight.shape[0]
+        return {
+            "attention": (layer, "self_attn", "v_proj", None, channels),
+            "mlp": (layer, "mlp"),
+        }
+    if kind == "gpt2":
+        hidden = config.hidden_size
+        return {
+            "attention": (layer, "attn", "c_attn", (2 * hidden, 3 * hidden), hidden),
+            "mlp": (layer, "mlp"),
+        }
+    self_attention = layer.attention.self
+    return {
+        "attention": (layer.attention, "self", "value", None, _unwrap(self_attention).all_head_size),
+        "attention_output": (_unwrap(layer.attention).output, "dropout"),
+        "mlp": (layer.output, "dropout"),
+    }
+
+
+def _signature_index(function, name):
+    try:
+        params = [p for p in inspect.signature(function).parameters.values()]
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names.index(name) if name in names else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The patch specification (recorded as `config.cta_patch`)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _normalize_placements(placement):
+    items = [placement] if isinstance(placement, str) else placement
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"`placement` must be one of {PATCH_PLACEMENTS} or a non-empty list of them, got {placement!r}.")
+    for item in items:
+        if item == "attention_matrix":
+            raise ValueError(
+                "`placement='attention_matrix'` is not available for patched models (it needs CTA's own attention); "
+                f"use one of {PATCH_PLACEMENTS} or a native `cta.CTAForCausalLM`."
+            )
+        if item not in PATCH_PLACEMENTS:
+            raise ValueError(f"`placement` must be one of {PATCH_PLACEMENTS} or a list of them, got {item!r}.")
+    return [p for p in PATCH_PLACEMENTS if p in items]
+
+
+def _check_coefficient(value, name, bounds, pde_type, causal):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`{name}` must be a float, got {value!r}.")
+    if not bounds[0] <= value <= bounds[1]:
+        kind = "causal" if causal else "bidirectional"
+        raise ValueError(
+            f"`{name}` must lie in the stable interval {bounds} of the {kind} {pde_type} scheme, got {value!r}."
+        )
+    return float(value)
+
+
+def make_patch_spec(config, pde_type="diffusion", pde_steps=1, placement="block_output", layers=None,
+                    init="identity", backend="auto", per_channel=False, alpha=None, beta=None) -> dict:
+    """Validates the arguments of :func:`patch_model` against ``config``; returns the dict saved as ``cta_patch``."""
+    model_type = _base_model_type(config)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"patch_model does not support model_type {getattr(config, 'model_type', None)!r}. Supported "
+            f"architectures: {_supported_message()}."
+        )
+    kind = SUPPORTED_ARCHITECTURES[model_type][1]
+    if kind == "bert" and getattr(config, "is_decoder", False):
+        raise ValueError(
+            f"patch_model supports {model_type} as an encoder only (config.is_decoder=False); got is_decoder=True."
+        )
+    causal = kind in _CAUSAL_KINDS
+    pde_type = normalize_pde_type(pde_type, "pde_type")
+    if isinstance(pde_steps, bool) or not isinstance(pde_steps, int) or not 0 <= pde_steps <= MAX_PDE_STEPS:
+        raise ValueError(f"`pde_steps` must be an int in [0, {MAX_PDE_STEPS}], got {pde_steps!r}.")
+    placements = _normalize_placements(placement)
+    num_layers = config.num_hidden_layers
+    if layers is not None:
+        if not isinstance(layers, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers
+        ):
+            raise ValueError(f"`layers` must be a list of layer indices in [0, {num_layers}), got {layers!r}.")
+        layers = sorted(set(layers))
+    if init not in PATCH_INITS:
+        raise ValueError(f"`init` must be one of {PATCH_INITS}, got {init!r}.")
+    if backend not in PDE_BACKENDS:
+        raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
+    if not isinstance(per_channel, bool):
+        raise ValueError(f"`per_channel` must be a bool, got {per_channel!r}.")
+    alpha_bounds, beta_bounds = coefficient_bounds(pde_type, causal)
+    paper_alpha, paper_beta = PAPER_COEFFICIENTS[pde_type]
+    if alpha is None:
+        alpha = 0.0 if init == "identity" else paper_alpha
+    alpha = _check_coefficient(alpha, "alpha", alpha_bounds, pde_type, causal)
+    if uses_beta(pde_type):
+        if beta is None:
+            beta = 0.0 if init == "identity" else paper_beta
+        beta = _check_coefficient(beta, "beta", beta_bounds, pde_type, causal)
+    elif beta is not None:
+        raise ValueError(f"`beta` is only used by reaction_diffusion / advection_diffusion, not {pde_type!r}.")
+    return {
+        "format_version": PATCH_FORMAT_VERSION,
+        "pde_type": pde_type,
+        "pde_steps": pde_steps,
+        "placement": placements,
+        "layers": layers,
+        "init": init,
+        "alpha": alpha,
+        "beta": beta,
+        "per_channel": per_channel,
+        "backend": backend,
+        "causal": causal,
+    }
+
+
+def _layer_indices(spec, num_layers):
+    return list(range(num_layers)) if spec["layers"] is None else list(spec["layers"])
+
+
+def pde_state_indices(spec, layer_idx, num_layers) -> dict:
+    """Cache conv-state index of every causal PDE site of layer ``layer_idx`` (placement -> index)."""
+    indices = {}
+    if spec["pde_steps"] == 0:
+        return indices
+    if layer_idx in _layer_indices(spec, num_layers):
+        for name in _LAYER_PLACEMENTS:
+            if name in spec["placement"]:
+                indices[name] = len(indices)
+    if layer_idx == 0 and "embedding" in spec["placement"]:
+        indices["embedding"] = len(indices)
+    return indices
+
+
+def _cache_view(config):
+    """A shallow copy of ``config`` whose layer types make ``DynamicCache`` build hybrid (KV + conv state) layers."""
+    spec = getattr(config, "cta_patch", None)
+    if not isinstance(spec, dict) or not spec.get("causal") or spec["pde_steps"] == 0:
+        return None
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    num_layers = config.num_hidden_layers
+    counts = [len(pde_state_indices(spec, i, num_layers)) for i in range(num_layers)]
+    if not any(counts):
+        return None
+    base_types, _ = get_layer_types_and_kwargs(config)
+    mapping = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
+    unsupported = sorted(set(base_types) - set(mapping))
+    if unsupported:
+        raise ValueError(f"CTA patch: cache layer types {unsupported} cannot hold the PDE state (supported: {list(mapping)}).")
+    view = copy.copy(config)
+    view.__dict__["layer_types"] = [mapping[t] for t in base_types]
+    view.__dict__["number_of_conv_states"] = max(counts)
+    view.__dict__["_cta_cache_view"] = True
+    return view
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Applying / removing the patch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _make_pde(spec, channels, layer_idx, state_idx, like: nn.Module):
+    module = PDERefinement(
+        channels=channels,
+        pde_type=spec["pde_type"],
+        steps=spec["pde_steps"],
+        causal=spec["causal"],
+        alpha=spec["alpha"],
+        beta=spec["beta"],
+        per_channel=spec["per_channel"],
+        backend=spec["backend"],
+        layer_idx=layer_idx,
+        state_idx=state_idx,
+    )
+    param = next(iter(like.parameters()), None)
+    if param is not None and param.device.type != "meta":
+        module.to(device=param.device)
+    return module
+
+
+def _wrap(parent, attribute, role, pdes, context, **kwargs):
+    current = getattr(parent, attribute)
+    if isinstance(current, CTAPatchWrapper):
+        raise ValueError("This module is already wrapped by a CTA patch; call unpatch_model first.")
+    wrapper = CTAPatchWrapper(current, role, pdes, **kwargs)
+    wrapper._cta_context = context
+    setattr(parent, attribute, wrapper)
+    return wrapper
+
+
+def _apply_patch(model, spec):
+    """Wraps the modules of ``model`` according to ``spec`` (the structure part of :func:`patch_model`)."""
+    config = model.config
+    kind = SUPPORTED_ARCHITECTURES[_base_model_type(config)][1]
+    base, layers = _find_structure(model, kind)
+    num_layers = len(layers)
+    mask_position = _signature_index(base.forward, "attention_mask")
+    context = _PatchContext(mask_position)
+    base._cta_context = context
+    base.register_forward_pre_hook(context.capture, with_kwargs=True)
+    base.register_forward_hook(context.release, with_kwargs=True, always_call=True)
+    if spec["pde_steps"] == 0:
+        return model
+    hidden = config.hidden_size
+    selected = _layer_indices(spec, num_layers)
+    placements = spec["placement"]
+    for idx in range(num_layers):
+        states = pde_state_indices(spec, idx, num_layers)
+        if not states:
+            continue
+        layer = layers[idx]
+        sites = _layer_sites(layer, kind, config)
+        per_layer = placements if idx in selected else []
+        # attention wrapper: value and (for decoders) attention output
+        attention_pdes = {}
+        if "value" in per_layer:
+            parent, attr, value_attr, value_slice, channels = sites["attention"]
+            attention_pdes["value"] = _make_pde(spec, channels, idx, states["value"], layer)
+        if "attention_output" in per_layer and "attention_output" not in sites:
+            attention_pdes["attention_output"] = _make_pde(spec, hidden, idx, states["attention_output"], layer)
+        if attention_pdes:
+            parent, attr, value_attr, value_slice, _ = sites["attention"]
+            _wrap(parent, attr, "attention", attention_pdes, context, value_attr=value_attr, value_slice=value_slice)
+        if "attention_output" in per_layer and "attention_output" in sites:  # BERT: the dropout before Add & Norm
+            parent, attr = sites["attention_output"]
+            pde = _make_pde(spec, hidden, idx, states["attention_output"], layer)
+            _wrap(parent, attr, "output", {"attention_output": pde}, context)
+        if "mlp_output" in per_layer:
+            parent, attr = sites["mlp"]
+            pde = _make_pde(spec, hidden, idx, states["mlp_output"], layer)
+            _wrap(parent, attr, "mlp", {"mlp_output": pde}, context)
+        block_pdes = {}
+        if "embedding" in states:
+            block_pdes["embedding"] = _make_pde(spec, hidden, 0, states["embedding"], layer)
+        if "block_output" in per_layer:
+            block_pdes["block_output"] = _make_pde(spec, hidden, idx, states["block_output"], layer)
+        # Every layer with a PDE site gets a block wrapper: it publishes the cache to the nested wrappers.
+        cache_position = _signature_index(type(layer).forward, "past_key_values")
+        _wrap(layers, str(idx), "block", block_pdes, context,
+              cache_position=None if cache_position is None else cache_position - 1)
+    return model
+
+
+def _remove_patch_modules(model):
+    for name, module in list(model.named_modules()):
+        hooks = getattr(module, "_forward_pre_hooks", {})
+        for key, hook in list(hooks.items()):
+            if isinstance(getattr(hook, "__self__", None), _PatchContext):
+                del hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+        hooks = getattr(module, "_forward_hooks", {})
+        for key, hook in list(hooks.items()):
+            if isinstance(getattr(hook, "__self__", None), _PatchContext):
+                del hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+        module.__dict__.pop("_cta_context", None)
+    # Unwrap deepest first so that nested wrappers (attention inside a block) are replaced inside their new parent.
+    wrappers = [(name, m) for name, m in model.named_modules() if isinstance(m, CTAPatchWrapper)]
+    for name, wrapper in sorted(wrappers, key=lambda item: -item[0].count(".")):
+        parent_name, _, attribute = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attribute, wrapper.wrapped)
+
+
+def is_patched(model) -> bool:
+    return isinstance(getattr(getattr(model, "config", None), "cta_patch", None), dict)
+
+
+def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_output", layers=None, init="identity",
+                backend="auto", per_channel=False, alpha=None, beta=None):
+    """Adds CTA PDE refinement to a loaded transformers model, in place; returns the same model.
+
+    Args:
+        model: a ``PreTrainedModel`` of a supported architecture (any head): Llama, Mistral, Qwen2, Qwen3, GPT-2
+            (decoders: causal stencil) or BERT, RoBERTa (encoders: bidirectional stencil).
+        pde_type: ``diffusion``, ``wave``, ``reaction_diffusion`` or ``advection_diffusion``.
+        pde_steps: explicit PDE steps per site (0 records the patch but adds no PDE module).
+        placement: one of ``embedding``, ``value``, ``attention_output``, ``mlp_output``, ``block_output`` or a list.
+        layers: layer indices that get the per-layer placements (default: all); ``embedding`` is always once.
+        init: ``identity`` (coefficients 0: outputs equal the original model's until trained) or ``paper``
+            (``pde_cta.PAPER_COEFFICIENTS``).
+        backend: ``auto`` (Triton on CUDA when importable), ``torch`` or ``triton``.
+        per_channel: one coefficient per channel instead of a scalar per site.
+        alpha, beta: explicit initial coefficients (override ``init``); must lie in the stable interval.
+
+    The patch is recorded as ``model.config.cta_patch``; see the module docstring for saving, caches and PEFT.
+    """
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise ValueError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}.")
+    if is_patched(model):
+        raise ValueError("This model is already patched with CTA; call `unpatch_model(model)` first.")
+    spec = make_patch_spec(model.config, pde_type, pde_steps, placement, layers, init, backend, per_channel, alpha,
+                           beta)
+    model_class = patched_class(type(model))
+    config_class = patched_config_class(type(model.config))
+    model.config.cta_patch = spec
+    _apply_patch(model, spec)
+    model.config.__class__ = config_class
+    model.__class__ = model_class
+    return model
+
+
+def unpatch_model(model):
+    """Removes a CTA patch (wrappers, hooks, class swap, ``config.cta_patch``); returns the plain model, in place.
+
+    The PDE modules (and what they learnt) are dropped.
+    """
+    if not is_patched(model):
+        raise ValueError("This model is not patched with CTA.")
+    _remove_patch_modules(model)
+    config = model.config
+    del config.cta_patch
+    config.__dict__.pop("auto_map", None)
+    original_config = getattr(type(config), "_cta_original_class", None)
+    if original_config is not None:
+        config.__class__ = original_config
+    original = getattr(type(model), "_cta_original_class", None)
+    if original is not None:
+        model.__class__ = original
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# PEFT helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def pde_modules(model):
+    """``[(name, PDERefinement)]`` of a patched model (also inside a PEFT model)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, PDERefinement)]
+
+
+def pde_parameter_names(model):
+    """Names of the PDE coefficients (``alpha``/``beta``) of a patched model (also inside a PEFT model)."""
+    return [f"{name}.{p}" for name, module in pde_modules(model) for p, _ in module.named_parameters()]
+
+
+def pde_modules_to_save(model):
+    """The ``modules_to_save`` entries for PEFT that make the PDE modules trainable and saved with the adapter.
+
+    ``LoraConfig(target_modules=[...], modules_to_save=pde_modules_to_save(model))``: the names are the distinct
+    ``cta_<placement>_pde`` suffixes, which match only PDE modules.
+    """
+    return sorted({name.rsplit(".", 1)[-1] for name, _ in pde_modules(model) if "cta_" in name.rsplit(".", 1)[-1]})
+
+
+def mark_pde_trainable(model, freeze_others=False):
+    """Sets ``requires_grad=True`` on every PDE coefficient (and ``False`` on everything else if
+    ``freeze_others``); returns the number of trainable PDE parameters. For PDE-only training without PEFT."""
+    names = set(pde_parameter_names(model))
+    count = 0
+    for name, param in model.named_parameters():
+        if name in names:
+            param.requires_grad_(True)
+            count += param.numel()
+        elif freeze_others:
+            param.requires_grad_(False)
+    return count
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Patched classes (what a saved patched checkpoint loads as)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class CTAPatchedConfigMixin:
+    """Mixed into the config class of a patched model: distinct ``model_type`` and the cache view."""
+
+    def get_text_config(self, decoder=None, encoder=None):
+        config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if decoder and config is self and not self.__dict__.get("_cta_cache_view", False):
+            view = _cache_view(self)
+            if view is not None:
+                return view
+        return config
+
+
+class CTAPatchedModelMixin:
+    """Mixed into the model classes of patched models: builds the plain model, then applies ``config.cta_patch``."""
+
+    def __init__(self, config, *args, **kwargs):
+        spec = getattr(config, "cta_patch", None)
+        if not isinstance(spec, dict):
+            raise ValueError(
+                f"{type(self).__name__} needs `config.cta_patch` (the patch recorded by cta.patch_model); got {spec!r}."
+            )
+        super().__init__(config, *args, **kwargs)
+        _apply_patch(self, spec)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Saves weights (safetensors), the config (``model_type = cta_patched_*``, ``cta_patch``, ``auto_map``) and
+        the flat code files (``patching_cta.py``, ``pde_cta.py``) so that the folder reloads patched."""
+        self.config.auto_map = auto_map_for(self.config)
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """Like transformers', but missing or unexpected weights are an error (a patched checkpoint without its PDE
+        coefficients would silently be another model); only task-head weights may be added or dropped."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = [k for k in info.get("missing_keys", ()) if "_pde." in k or not k.startswith(_HEAD_PREFIXES)]
+        unexpected = [k for k in info.get("unexpected_keys", ()) if "_pde." in k or not k.startswith(_HEAD_PREFIXES)]
+        mismatched = list(info.get("mismatched_keys", ()))
+        if missing or unexpected or mismatched:
+            source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+            raise ValueError(
+                f"Loading {cls.__name__} from {source!r}: missing weights {sorted(missing)}, unexpected weights "
+                f"{sorted(unexpected)}, mismatched {mismatched}. The checkpoint does not match `config.cta_patch`."
+            )
+        return (model, info) if output_loading_info else model
+
+
+_CONFIG_CLASSES = {}
+_MODEL_CLASSES = {}
+
+
+def patched_config_class(base_class):
+    """The ``CTAPatched<Base>Config`` subclass of a supported config class."""
+    if issubclass(base_class, CTAPatchedConfigMixin):
+        return base_class
+    model_type = getattr(base_class, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"patch_model does not support model_type {model_type!r}. Supported: {_supported_message()}.")
+    if base_class not in _CONFIG_CLASSES:
+        name = f"CTAPatched{base_class.__name__}"
+        cls = type(name, (CTAPatchedConfigMixin, base_class), {
+            "model_type": PATCHED_MODEL_TYPE_PREFIX + model_type,
+            "_cta_original_class": base_class,
+            "_auto_class": "AutoConfig",
+            "__module__": __name__,
+            "__doc__": f"{base_class.__name__} of a CTA-patched model (see `patching_cta.py`).",
+        })
+        _CONFIG_CLASSES[base_class] = cls
+        globals().setdefault(name, cls)
+    return _CONFIG_CLASSES[base_class]
+
+
+def patched_class(base_class):
+    """The ``CTAPatched<Base>`` subclass of a supported model class (created on first use)."""
+    if issubclass(base_class, CTAPatchedModelMixin):
+        return base_class
+    config_class = getattr(base_class, "config_class", None)
+    model_type = getattr(config_class, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"patch_model does not support {base_class.__name__} (model_type {model_type!r}). Supported "
+            f"architectures: {_supported_message()}."
+        )
+    if base_class not in _MODEL_CLASSES:
+        name = f"CTAPatched{base_class.__name__}"
+        prefix = SUPPORTED_ARCHITECTURES[model_type][0]
+        suffix = base_class.__name__[len(prefix):] if base_class.__name__.startswith(prefix) else None
+        cls = type(name, (CTAPatchedModelMixin, base_class), {
+            "config_class": patched_config_class(config_class),
+            "_cta_original_class": base_class,
+            "_auto_class": _HEADS.get(suffix),
+            "__module__": __name__,
+            "__doc__": f"{base_class.__name__} with CTA PDE refinement (built from `config.cta_patch`).",
+        })
+        _MODEL_CLASSES[base_class] = cls
+        globals().setdefault(name, cls)
+    return _MODEL_CLASSES[base_class]
+
+
+def _family_heads(model_type):
+    prefix, kind = SUPPORTED_ARCHITECTURES[model_type]
+    heads = {}
+    for suffix, auto in _HEADS.items():
+        if kind in _CAUSAL_KINDS and suffix in _ENCODER_ONLY_HEADS:
+            continue
+        if kind not in _CAUSAL_KINDS and suffix in _DECODER_ONLY_HEADS:
+            continue
+        base_class = getattr(transformers, prefix + suffix, None)
+        if base_class is not None and auto not in heads:
+            heads[auto] = base_class
+    return heads
+
+
+def auto_map_for(config) -> dict:
+    """The ``auto_map`` of a patched checkpoint: every Auto class of the family -> a class of this file."""
+    model_type = _base_model_type(config)
+    module = __name__.rsplit(".", 1)[-1]
+    auto_map = {"AutoConfig": f"{module}.{patched_config_class(type(config)).__name__}"}
+    for auto, base_class in _family_heads(model_type).items():
+        auto_map[auto] = f"{module}.{patched_class(base_class).__name__}"
+    return auto_map
+
+
+def _build_classes():
+    for model_type, (prefix, _) in SUPPORTED_ARCHITECTURES.items():
+        config_class = getattr(transformers, prefix + "Config", None)
+        if config_class is None:
+            continue
+        patched_config_class(config_class)
+        for base_class in _family_heads(model_type).values():
+            patched_class(base_class)
+
+
+def register_auto_classes():
+    """Registers every patched config/model class with transformers' Auto classes (done by ``import cta``)."""
+    for base_config, config_class in _CONFIG_CLASSES.items():
+        transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    for base_class, cls in _MODEL_CLASSES.items():
+        if cls._auto_class is not None:
+            getattr(transformers, cls._auto_class).register(cls.config_class, cls, exist_ok=True)
+
+
+def load_patched(path, **kwargs):
+    """Loads a checkpoint saved from a patched model (a folder or Hub id), as the class it was saved from."""
+    config = transformers.AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "token", "cache_dir", "local_files_only")})
+    if not _is_patched_config(config):
+        raise ValueError(f"{path!r} is not a CTA-patched checkpoint (its config has no `cta_patch`).")
+    architectures = getattr(config, "architectures", None) or []
+    classes = {cls.__name__: cls for cls in _MODEL_CLASSES.values()}
+    for name in architectures:
+        if name in classes:
+            return classes[name].from_pretrained(path, config=config, **kwargs)
+    raise ValueError(f"{path!r}: cannot find a patched class for architectures {architectures}.")
+
+
+def _is_patched_config(config):
+    return isinstance(getattr(config, "cta_patch", None), dict)
+
+
+_build_classes()
+if __name__ == "cta.patching_cta":
+    register_auto_classes()
+
+
+__all__ = [
+    "PATCH_PLACEMENTS",
+    "SUPPORTED_ARCHITECTURES",
+    "CTAPatchWrapper",
+    "patch_model",
+    "unpatch_model",
+    "is_patched",
+    "load_patched",
+    "pde_modules",
+    "pde_parameter_names",
+    "pde_modules_to_save",
+    "mark_pde_trainable",
+    "register_auto_classes",
+]
