@@ -147,3 +147,156 @@ def test_patch_arguments_and_unsupported_architecture():
     assert [name for name, _ in pde_modules(model)] == ["model.layers.1.wrapped.mlp.cta_mlp_output_pde"]
     with pytest.raises(ValueError, match="already patched"):
         patch_model(model)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# causal exactness: no leak, walls, cached decoding
+# ------------------------------------------------------------------------------------------------------------------
+
+PDE_TYPE_FOR = dict(zip(PATCH_PLACEMENTS, ["wave", "advection_diffusion", "reaction_diffusion", "diffusion", "wave"]))
+
+
+def patched_decoder(arch, placement, steps=3):
+    model = patch_model(tiny_model(arch), pde_type=PDE_TYPE_FOR.get(placement, "diffusion") if isinstance(placement, str) else "diffusion", pde_steps=steps,
+                        placement=placement, per_channel=True)
+    randomize_pde(model)
+    return model
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_no_future_leak(arch):
+    model = patched_decoder(arch, list(PATCH_PLACEMENTS))
+    ids, _ = batch(length=12, pad=0)
+    base = logits(model, ids, None)
+    changed = ids.clone()
+    changed[:, 7:] = (changed[:, 7:] + 5) % VOCAB
+    out = logits(model, changed, None)
+    torch.testing.assert_close(out[:, :7], base[:, :7], atol=1e-6, rtol=0)
+    assert (out[:, 7:] - base[:, 7:]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("arch", DECODERS + ENCODERS)
+def test_padding_is_a_wall(arch):
+    """Changing the padded tokens changes no valid output (the PDE never reads padding)."""
+    model = patch_model(tiny_model(arch), pde_steps=3, placement=list(PATCH_PLACEMENTS), init="paper")
+    randomize_pde(model)
+    ids, mask = batch(pad=4)
+    if arch in ENCODERS:  # right padding: the classifier pools the first token
+        mask = mask.flip(-1)
+    other = torch.where(mask.bool(), ids, (ids + 7) % VOCAB)
+    a, b = logits(model, ids, mask), logits(model, other, mask)
+    if arch in DECODERS:
+        a, b = a[1, 4:], b[1, 4:]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("placement", list(PATCH_PLACEMENTS) + ["all"])
+@pytest.mark.parametrize("arch", DECODERS)
+def test_cached_decoding_is_exact(arch, placement):
+    model = patched_decoder(arch, list(PATCH_PLACEMENTS) if placement == "all" else placement)
+    cache = DynamicCache(config=model.config)  # the model's own cache class builds the PDE-state layers
+    assert all(hasattr(layer, "conv_states") for layer in cache.layers), [type(l).__name__ for l in cache.layers]
+    ids, mask = batch(length=11, pad=3)
+    pos = positions(mask)
+    full = logits(model, ids, mask, position_ids=pos, use_cache=False)
+    # prefill 4 tokens, a chunk of 3, then one token at a time
+    steps, cache = [], None
+    with torch.no_grad():
+        for start, end in [(0, 4), (4, 7)] + [(t, t + 1) for t in range(7, 11)]:
+            out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end],
+                        past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            steps.append(out.logits)
+    stepped = torch.cat(steps, dim=1)
+    valid = mask.bool()
+    torch.testing.assert_close(stepped[valid], full[valid], atol=1e-4, rtol=0)
+    # generate() with the cache gives the same tokens as without
+    with torch.no_grad():
+        kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        with_cache = model.generate(ids, use_cache=True, **kwargs)
+        without = model.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(with_cache, without)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# save / reload
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", DECODERS + ENCODERS)
+def test_save_reload_patched(tmp_path, arch):
+    model = patch_model(tiny_model(arch), pde_type="advection_diffusion", pde_steps=2,
+                        placement=["embedding", "value", "mlp_output"], per_channel=True)
+    randomize_pde(model)
+    ids, mask = batch()
+    expected = logits(model, ids, mask)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == f"cta_patched_{arch}" and config["cta_patch"]["pde_steps"] == 2
+    assert {"patching_cta.py", "pde_cta.py", "model.safetensors"} <= {p.name for p in tmp_path.iterdir()}
+    auto = transformers.AutoModelForCausalLM if arch in DECODERS else transformers.AutoModelForSequenceClassification
+    for reloaded in (auto.from_pretrained(tmp_path), load_patched(tmp_path)):
+        assert type(reloaded) is type(model)
+        torch.testing.assert_close(logits(reloaded.eval(), ids, mask), expected, atol=1e-6, rtol=0)
+
+
+def test_missing_or_unexpected_pde_weights_are_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = patch_model(tiny_model("llama"), placement="block_output", init="paper")
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    pde_key = next(k for k in weights if "_pde." in k)
+    save_file({k: v for k, v in weights.items() if k != pde_key}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weights"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    weights["model.layers.0.wrapped.mlp.cta_mlp_output_pde.alpha"] = torch.tensor(0.1)
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected weights"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+REMOTE_SCRIPT = """
+import json, torch, transformers
+results = {{}}
+for path, auto_name, ids, mask in {cases!r}:
+    auto = getattr(transformers, auto_name)
+    try:
+        auto.from_pretrained(path, trust_remote_code=False)  # without remote code: must refuse, never load the plain base model
+        refused = False
+    except Exception:
+        refused = True
+    model = auto.from_pretrained(path, trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    assert type(model).__name__.startswith("CTAPatched"), type(model).__name__
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits
+    results[path] = dict(refused=refused, logits=out.tolist())
+print("RESULT " + json.dumps(results))
+"""
+
+
+def test_remote_code_reload_without_package(tmp_path):
+    cases, expected = [], {}
+    models = [("gpt2", tiny_model("gpt2"), "AutoModelForCausalLM"),
+              ("bert", tiny_model("bert"), "AutoModelForSequenceClassification")]
+    if (STORIES / "config.json").exists():
+        models.append(("stories", AutoModelForCausalLM.from_pretrained(STORIES).eval(), "AutoModelForCausalLM"))
+    for name, model, auto in models:
+        patch_model(model, pde_type="wave", pde_steps=2, placement=["value", "attention_output", "block_output"],
+                    per_channel=True)
+        randomize_pde(model)
+        path = str(tmp_path / name)
+        model.save_pretrained(path)
+        ids, mask = batch()
+        ids = ids % model.config.vocab_size
+        expected[path] = logits(model, ids, mask)
+        cases.append((path, auto, ids.tolist(), mask.tolist()))
+    stdout = run_in_clean_env(REMOTE_SCRIPT.format(cases=cases))
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, stdout[-2000:]
+    results = json.loads(lines[-1][len("RESULT "):])
+    for path, want in expected.items():
+        assert results[path]["refused"], f"{path} loaded without trust_remote_code"
+        torch.testing.assert_close(torch.tensor(results[path]["logits"]), want, atol=1e-5, rtol=0)
