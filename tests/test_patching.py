@@ -300,3 +300,69 @@ def test_remote_code_reload_without_package(tmp_path):
     for path, want in expected.items():
         assert results[path]["refused"], f"{path} loaded without trust_remote_code"
         torch.testing.assert_close(torch.tensor(results[path]["logits"]), want, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# PEFT: LoRA + PDE coefficients
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def lora_patched(model_factory):
+    from peft import LoraConfig, get_peft_model
+
+    model = patch_model(model_factory(), pde_steps=2, placement=["value", "block_output"])
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                        modules_to_save=pde_modules_to_save(model), init_lora_weights=True)
+    return get_peft_model(model, config)
+
+
+def stories_or_tiny():
+    if (STORIES / "config.json").exists():
+        return AutoModelForCausalLM.from_pretrained(STORIES).eval()
+    return tiny_model("llama")
+
+
+def test_peft_lora_and_pde_train_together_save_reload_merge(tmp_path):
+    pytest.importorskip("peft")
+    from peft import PeftModel
+
+    torch.manual_seed(0)
+    peft_model = lora_patched(stories_or_tiny)
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trainable) and any("_pde." in n for n in trainable)
+    assert all("lora_" in n or "_pde." in n for n in trainable), sorted(trainable)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    ids, mask = batch(length=16)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    peft_model.train()
+    for _ in range(3):
+        loss = peft_model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    peft_model.eval()
+    changed = {n for n, p in peft_model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(("lora_" in n) or ("_pde." in n and "modules_to_save" in n) for n in changed), sorted(changed)
+    assert any("_pde." in n for n in changed) and any("lora_B" in n for n in changed)
+    expected = logits(peft_model, ids, mask)
+
+    # adapter save -> load onto a freshly patched base -> identical logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    fresh = patch_model(stories_or_tiny(), pde_steps=2, placement=["value", "block_output"])
+    reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+    torch.testing.assert_close(logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
+
+    # merge_and_unload -> save -> reload patched -> identical logits
+    merged = peft_model.merge_and_unload()
+    assert type(merged).__name__.startswith("CTAPatched") and not any("lora_" in n for n, _ in merged.named_parameters())
+    torch.testing.assert_close(logits(merged, ids, mask), expected, atol=1e-5, rtol=0)
+    merged.save_pretrained(tmp_path / "merged")
+    again = load_patched(tmp_path / "merged").eval()
+    torch.testing.assert_close(logits(again, ids, mask), expected, atol=1e-5, rtol=0)
+
+
+def test_pde_only_training_helper():
+    model = patch_model(tiny_model("gpt2"), pde_steps=2, placement="block_output")
+    count = mark_pde_trainable(model, freeze_others=True)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert count == 2 and sorted(trainable) == sorted(pde_parameter_names(model))
