@@ -1,0 +1,276 @@
+"""End-to-end overhead of CTA patching on a Llama-shaped model (SPEC §6, model level).
+
+A random-weight ``LlamaForCausalLM`` (default 8 layers x 4096 hidden, 32 heads, SwiGLU 11008, bf16, sdpa attention) is
+measured unpatched, then patched in place with ``cta.patch_model(placement="block_output", pde_steps=4,
+pde_type="diffusion", init="paper", backend=...)`` (a PDE site after every block) and measured again, in the same
+run on the same GPU:
+
+* prefill latency (batch 1, ``use_cache=True``, ``logits_to_keep=1``) at 4k and 16k tokens,
+* training step time: forward + backward of the LM loss at 4k tokens (no optimizer: it is the same for both),
+* decode tokens/s: greedy, one token at a time through the cache, after a 512-token prefill,
+* peak memory of the 16k prefill and of the training step,
+* exactness: max |step logits - full-forward logits| of cached decoding (patched and unpatched, bf16 noise floor),
+* the copy roof (``y.copy_(x)`` of one [1, 16k, 4096] hidden state) and one standalone PDE site for context.
+
+Timings are medians over ``--repeats`` runs after warm-up (CUDA synchronised wall clock). Writes
+``benchmarks/results/patched_model_<gpu>.json`` / ``.md`` / ``.png``; the JSON records the PDE backend that ran.
+
+    python benchmarks/bench_patched_model.py                 # the full measurement (~5 min on an H100)
+    python benchmarks/bench_patched_model.py --layers 2 --hidden 1024 --lengths 512,1024 --device cpu  # smoke test
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import transformers  # noqa: E402
+
+from cta.patching_cta import patch_model, pde_modules  # noqa: E402
+from cta.pde_cta import _use_triton, pde_refine, triton_available  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8, help="decoder layers")
+    p.add_argument("--hidden", type=int, default=4096, help="hidden size (heads = hidden / 128)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 11008 * hidden / 4096)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--lengths", default="4096,16384", help="prefill lengths")
+    p.add_argument("--train-length", type=int, default=4096, help="tokens of the training step")
+    p.add_argument("--decode-prefill", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=4, help="PDE steps per site")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
+    p.add_argument("--repeats", type=int, default=7, help="timed repetitions (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
+    return p.parse_args()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats, warmup):
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "runs_ms": [1e3 * t for t in times]}
+
+
+def peak(fn, device):
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    sync(device)
+    return {"peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "peak_over_weights_gib": (torch.cuda.max_memory_allocated(device) - base) / 2**30}
+
+
+def measure(model, args, device, label):
+    vocab = model.config.vocab_size
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    result = {"label": label}
+    with torch.no_grad():
+        for length in [int(x) for x in args.lengths.split(",")]:
+            ids = torch.randint(0, vocab, (1, length), generator=gen).to(device)
+            fn = lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1)  # noqa: E731
+            result[f"prefill_{length}"] = timed(fn, device, args.repeats, args.warmup)
+            result[f"prefill_{length}"]["memory"] = peak(fn, device)
+            print(f"[{label}] prefill {length}: {result[f'prefill_{length}']['median_ms']:.2f} ms", flush=True)
+
+    ids = torch.randint(0, vocab, (1, args.train_length), generator=gen).to(device)
+    model.train()
+
+    def train_step():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    result["train_step"] = timed(train_step, device, max(3, args.repeats // 2), args.warmup)
+    result["train_step"]["memory"] = peak(train_step, device)
+    model.eval()
+    print(f"[{label}] train step {args.train_length}: {result['train_step']['median_ms']:.2f} ms", flush=True)
+
+    prompt = torch.randint(0, vocab, (1, args.decode_prefill), generator=gen).to(device)
+
+    @torch.no_grad()
+    def decode():
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        sync(device)
+        return time.perf_counter() - start
+
+    decode()
+    runs = [decode() for _ in range(max(3, args.repeats // 2))]
+    result["decode"] = {"tokens_per_s": args.decode_tokens / statistics.median(runs),
+                        "runs_tokens_per_s": [args.decode_tokens / r for r in runs]}
+    print(f"[{label}] decode: {result['decode']['tokens_per_s']:.1f} tok/s", flush=True)
+
+    # exactness of cached decoding: step logits vs the full forward (48-token prefill + 16 single-token steps)
+    with torch.no_grad():
+        seq = torch.randint(0, vocab, (1, 64), generator=gen).to(device)
+        full = model(input_ids=seq, use_cache=False).logits.float()
+        out = model(input_ids=seq[:, :48], use_cache=True)
+        steps, cache = [out.logits.float()], out.past_key_values
+        for t in range(48, 64):
+            out = model(input_ids=seq[:, t:t + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits.float())
+        result["cached_vs_full_max_abs_logit_diff"] = float((torch.cat(steps, 1) - full).abs().max())
+    return result
+
+
+def main():
+    args = parse_args()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    hidden = args.hidden
+    intermediate = args.intermediate or int(round(11008 * hidden / 4096 / 64)) * 64
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=args.layers,
+        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=max(32768, max(int(x) for x in args.lengths.split(",")) + 1024),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model.config._attn_implementation = "sdpa"
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tag = args.tag or gpu.replace(" ", "_")
+    info = {
+        "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+        "model": {"layers": args.layers, "hidden": hidden, "intermediate": intermediate, "heads": hidden // 128,
+                  "vocab": args.vocab, "params": sum(p.numel() for p in model.parameters()), "dtype": args.dtype,
+                  "attention": "sdpa"},
+        "patch": {"placement": "block_output", "pde_type": "diffusion", "pde_steps": args.steps, "init": "paper",
+                  "backend_requested": args.backend},
+        "repeats": args.repeats,
+    }
+    probe = torch.zeros(1, 8, hidden, device=device, dtype=dtype)
+    info["patch"]["triton_available"] = triton_available()
+    info["patch"]["backend_used"] = "triton" if _use_triton(args.backend, probe) else "torch"
+    print(json.dumps(info, indent=1), flush=True)
+
+    # copy roof and one standalone PDE site on a [1, 16k, hidden] hidden state
+    x = torch.randn(1, max(int(v) for v in args.lengths.split(",")), hidden, device=device, dtype=dtype)
+    y = torch.empty_like(x)
+    roof = {"shape": list(x.shape), "copy": timed(lambda: y.copy_(x), device, 20, 3)}
+    with torch.no_grad():
+        roof["pde_site_forward"] = timed(
+            lambda: pde_refine(x, pde_type="diffusion", steps=args.steps, alpha=0.1, causal=True,
+                               backend=args.backend), device, 20, 3)
+    info["copy_roof"] = roof
+    del x, y
+
+    info["unpatched"] = measure(model, args, device, "unpatched")
+    patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper",
+                backend=args.backend)
+    model.to(device)
+    info["patch"]["pde_sites"] = len(pde_modules(model))
+    info["patched"] = measure(model, args, device, "patched")
+
+    overhead = {}
+    for key in info["unpatched"]:
+        if key.startswith("prefill_") or key == "train_step":
+            base, new = info["unpatched"][key]["median_ms"], info["patched"][key]["median_ms"]
+            overhead[key] = 100.0 * (new / base - 1.0)
+    base, new = info["unpatched"]["decode"]["tokens_per_s"], info["patched"]["decode"]["tokens_per_s"]
+    overhead["decode_tokens_per_s"] = 100.0 * (1.0 - new / base)
+    info["overhead_percent"] = overhead
+    targets = {"prefill_16384": 2.0, "train_step": 5.0, "decode_tokens_per_s": 5.0}
+    info["targets_percent"] = targets
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"patched_model_{tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump(info, f, indent=1)
+    lines = [
+        f"# Patched Llama-shaped model vs unpatched ({gpu})",
+        "",
+        f"{args.layers} layers x {hidden} hidden ({info['model']['params'] / 1e9:.2f}B params, {args.dtype}, sdpa), "
+        f"PDE after every block: diffusion, {args.steps} steps, backend `{info['patch']['backend_used']}`. "
+        f"Medians of {args.repeats} runs (training/decoding: {max(3, args.repeats // 2)}).",
+        "",
+        "| measurement | unpatched | patched | overhead | target |",
+        "|---|---|---|---|---|",
+    ]
+    for key, value in overhead.items():
+        if key == "decode_tokens_per_s":
+            row = (f"decode tokens/s (batch 1, after {args.decode_prefill}-token prefill)",
+                   f"{base:.1f}", f"{new:.1f}")
+        else:
+            name = f"prefill {key.split('_')[1]} tokens (ms)" if key.startswith("prefill") else \
+                f"training step fwd+bwd {args.train_length} tokens (ms)"
+            row = (name, f"{info['unpatched'][key]['median_ms']:.2f}", f"{info['patched'][key]['median_ms']:.2f}")
+        target = f"<= {targets[key]:.0f}%" if key in targets else ""
+        lines.append(f"| {row[0]} | {row[1]} | {row[2]} | {value:+.2f}% | {target} |")
+    for key in ("prefill_" + args.lengths.split(",")[-1], "train_step"):
+        mu, mp = info["unpatched"][key]["memory"], info["patched"][key]["memory"]
+        if mu and mp:
+            lines.append(f"| peak memory {key} (GiB) | {mu['peak_gib']:.2f} | {mp['peak_gib']:.2f} | "
+                         f"{100 * (mp['peak_gib'] / mu['peak_gib'] - 1):+.2f}% | |")
+    lines += [
+        "",
+        f"Cached decoding vs full forward, max |logit diff| (bf16): unpatched "
+        f"{info['unpatched']['cached_vs_full_max_abs_logit_diff']:.3g}, patched "
+        f"{info['patched']['cached_vs_full_max_abs_logit_diff']:.3g}.",
+        f"Copy roof of one {roof['shape']} hidden state: {roof['copy']['median_ms']:.3f} ms; one PDE site forward: "
+        f"{roof['pde_site_forward']['median_ms']:.3f} ms.",
+        "",
+        "Reproduce: `python benchmarks/bench_patched_model.py`",
+    ]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        keys = list(overhead)
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        bars = ax.bar(range(len(keys)), [overhead[k] for k in keys],
+                      color=["tab:green" if overhead[k] <= targets.get(k, 1e9) else "tab:red" for k in keys])
+        for i, k in enumerate(keys):
+            if k in targets:
+                ax.hlines(targets[k], i - 0.4, i + 0.4, colors="k", linestyles="dashed")
+        ax.set_xticks(range(len(keys)), [k.replace("_", " ") for k in keys], rotation=15)
+        ax.set_ylabel("overhead vs unpatched (%)")
+        ax.bar_label(bars, fmt="%.1f%%")
+        ax.set_title(f"CTA patch, {args.layers}x{hidden} Llama, {args.steps} diffusion steps/block ({gpu})", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(stem + ".png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()
