@@ -142,26 +142,23 @@ KINDS = ["classifier", "causal_lm", "patched_llama"]
 
 CLEAN_SCRIPT = """
 import json, torch, transformers
-auto = getattr(transformers, {auto!r})
-model = auto.from_pretrained({path!r}, trust_remote_code=True).eval()
-assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-ids = torch.tensor({ids!r})
-mask = torch.tensor({mask!r})
-with torch.no_grad():
-    logits = model(input_ids=ids, attention_mask=mask).logits
-tok = None
-if {tokenizer!r}:
-    tok = transformers.AutoTokenizer.from_pretrained({path!r}, trust_remote_code=True)
-    tok = [type(tok).__name__, tok("Once upon a time")["input_ids"]]
-print("RESULT " + json.dumps(dict(logits=logits.tolist(), tokenizer=tok, cls=type(model).__name__)))
+out = dict()
+for kind, spec in json.loads({specs!r}).items():
+    auto = getattr(transformers, spec["auto"])
+    model = auto.from_pretrained(spec["path"], trust_remote_code=True).eval()
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(spec["ids"]), attention_mask=torch.tensor(spec["mask"])).logits
+    tok = None
+    if spec["tokenizer"]:
+        tok = transformers.AutoTokenizer.from_pretrained(spec["path"], trust_remote_code=True)
+        tok = [type(tok).__name__, tok("Once upon a time")["input_ids"]]
+    out[kind] = dict(logits=logits.tolist(), tokenizer=tok, cls=type(model).__name__)
+print("RESULT " + json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_export_loads_without_cta_with_identical_logits(exports, kind):
-    entry = _get(exports, kind)
-    model, folder = entry["model"], entry["folder"]
-    vocab = model.config.vocab_size
+def _inputs(kind, vocab):
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, vocab, (2, 10), generator=g)
     mask = torch.ones_like(ids)
@@ -169,15 +166,35 @@ def test_export_loads_without_cta_with_identical_logits(exports, kind):
         mask[1, 7:] = 0  # right padding
     else:
         mask[1, :3] = 0  # left padding
-    with torch.no_grad():
-        expected = model(input_ids=ids, attention_mask=mask).logits
-    out = run_in_clean_env(CLEAN_SCRIPT.format(auto=entry["auto"], path=str(folder), ids=ids.tolist(),
-                                               mask=mask.tolist(), tokenizer=entry["tokenizer"]))
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def clean_env_outputs(exports):
+    """Every export loaded in ONE clean-environment process (torch + transformers only)."""
+    specs = {}
+    for kind in KINDS:
+        if kind in exports:
+            entry = exports[kind]
+            ids, mask = _inputs(kind, entry["model"].config.vocab_size)
+            specs[kind] = dict(auto=entry["auto"], path=str(entry["folder"]), ids=ids.tolist(), mask=mask.tolist(),
+                               tokenizer=entry["tokenizer"])
+    out = run_in_clean_env(CLEAN_SCRIPT.format(specs=json.dumps(specs)))
     lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
     assert lines, out[-3000:]
-    assert "custom code" not in out  # neither the model nor the tokenizer asks again
-    got = json.loads(lines[-1][len("RESULT "):])
+    assert "custom code" not in out  # neither a model nor a tokenizer prompts for remote code again
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_loads_without_cta_with_identical_logits(exports, clean_env_outputs, kind):
+    entry = _get(exports, kind)
+    ids, mask = _inputs(kind, entry["model"].config.vocab_size)
+    with torch.no_grad():
+        expected = entry["model"](input_ids=ids, attention_mask=mask).logits
+    got = clean_env_outputs[kind]
     logits = torch.tensor(got["logits"])
+    assert got["cls"] == type(entry["model"]).__name__
     if logits.dim() == 3:
         valid = mask.bool()
         assert torch.allclose(logits[valid], expected[valid], atol=1e-5), (logits[valid] - expected[valid]).abs().max()
@@ -314,11 +331,14 @@ def test_export_errors_are_clear(exports, tmp_path):
         hub.render_model_card(exports["root"] / "clf", results=exports["root"] / "table1.json")
 
 
-def test_cli_help():
+def test_cli_help(capsys):
     for args in (["--help"], ["export", "--help"], ["push", "--help"]):
-        proc = _cli(*args)
-        assert proc.returncode == 0, proc.stderr
-    assert "--private" in proc.stdout and "--revision" in proc.stdout and "--commit-message" in proc.stdout
+        with pytest.raises(SystemExit) as exit_:
+            hub.main(args)
+        assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--results", "--tokenizer", "--license", "--private", "--revision", "--commit-message", "--token"):
+        assert flag in text, flag
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -438,14 +458,23 @@ def test_push_uploads_exactly_the_exported_folder(exports, tmp_path):
         assert sorted(local.uploaded()) == sorted(exported)
 
 
-def test_push_errors_are_clear(exports, tmp_path):
+def test_push_errors_are_clear(exports, tmp_path, monkeypatch, capsys):
+    import huggingface_hub
+    from huggingface_hub import constants
+
     folder = exports["causal_lm"]["folder"]
-    no_login = _cli_env(HF_HOME=str(tmp_path / "empty-hf-home"), HF_ENDPOINT="http://127.0.0.1:9")
-    proc = _cli("push", folder, "me/x", env=no_login)
-    assert proc.returncode == 2 and "Not logged in" in proc.stderr and "hf auth login" in proc.stderr
-    proc = _cli("push", folder, "me/x", env=dict(no_login, HF_HUB_OFFLINE="1", HF_TOKEN="hf_x"))
-    assert proc.returncode == 2 and "HF_HUB_OFFLINE" in proc.stderr
-    proc = _cli("push", folder, "me/x", env=dict(no_login, HF_TOKEN="hf_x"))  # nothing listens on port 9
-    assert proc.returncode == 2 and "Cannot reach the Hub" in proc.stderr, proc.stderr[-2000:]
-    proc = _cli("push", tmp_path / "missing", "me/x", env=dict(no_login, HF_TOKEN="hf_x"))
-    assert proc.returncode == 2 and "cta-hub export" in proc.stderr
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # no HF_TOKEN, no saved login
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert hub.main(["push", str(folder), "me/x"]) == 2
+    err = capsys.readouterr().err
+    assert "Not logged in" in err and "hf auth login" in err and "--token" in err
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert hub.main(["push", str(folder), "me/x", "--token", "hf_x"]) == 2
+    assert "HF_HUB_OFFLINE" in capsys.readouterr().err
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(hub.HubPushError, match="Cannot reach the Hub"):  # nothing listens on port 9
+        hub.push_to_hub_folder(folder, "me/x", token="hf_x", endpoint="http://127.0.0.1:9")
+    assert hub.main(["push", str(tmp_path / "missing"), "me/x", "--token", "hf_x"]) == 2
+    assert "cta-hub export" in capsys.readouterr().err
+    with pytest.raises(hub.HubPushError, match="REPO_ID"):
+        hub.push_to_hub_folder(folder, "a/b/c", token="hf_x")
