@@ -478,3 +478,30 @@ def test_push_errors_are_clear(exports, tmp_path, monkeypatch, capsys):
     assert "cta-hub export" in capsys.readouterr().err
     with pytest.raises(hub.HubPushError, match="REPO_ID"):
         hub.push_to_hub_folder(folder, "a/b/c", token="hf_x")
+
+
+def test_trainer_hooks(exports, tmp_path):
+    """examples/common.py calls write_model_card(output_dir, results=run_results, task=..., dataset=...);
+    publish_trainer_model exports output_dir (and pushes only with --push_to_hub)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from huggingface_hub import ModelCard
+
+    out = tmp_path / "run"
+    shutil.copytree(exports["root"] / "lm", out)
+    run = dict(script="run_clm.py", task="wikitext_lm", seed=3, test_perplexity=40.0, test_loss=3.7,
+               eval_perplexity=41.0, learning_rate=1e-3)
+    path = hub.write_model_card(out, results=run, task="text-generation", dataset="wikitext")
+    data = ModelCard.load(str(path)).data.to_dict()
+    assert data["datasets"] == ["wikitext"] and data["model-index"][0]["results"][0]["metrics"][0]["value"] == 40.0
+    assert hub.write_model_card(tmp_path / "nothing-here", results=run) is None  # logged, never raises
+
+    args = SimpleNamespace(output_dir=str(out), hub_model_id=None, push_to_hub=False, hub_private_repo=None,
+                           hub_token=None, hub_revision=None)
+    trainer = SimpleNamespace(args=args, is_world_process_zero=lambda: True)
+    assert hub.publish_trainer_model(trainer, results=run, task="text-generation", dataset="wikitext",
+                                     verify_load=False) is None
+    exported = out / "hub_export"
+    assert (exported / "README.md").is_file() and (exported / "model.safetensors").is_file()
+    assert "run" in (exported / "README.md").read_text()  # repo id defaults to the output folder's name
