@@ -55,7 +55,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Union
+from typing import Iterable, Optional, Union
 
 PathLike = Union[str, os.PathLike]
 
@@ -614,8 +614,6 @@ def _pde_modules(model):
 
 
 def _coefficient_text(t) -> str:
-    import torch
-
     if t is None:
         return "—"
     t = t.detach().float().cpu()
