@@ -421,8 +421,9 @@ class PDERefinement(nn.Module):
     Parameters ``alpha`` (and ``beta`` for reaction/advection) are scalars or per-channel vectors; the scheme always
     uses them projected onto the stable interval of :data:`COEFFICIENT_BOUNDS` (see :func:`project_coefficient`).
     For causal refinement with a transformers ``Cache`` the streaming state of this site is stored as the conv
-    state ``state_idx`` of cache layer ``layer_idx`` (shape ``[batch, channels, steps]``, fp32), so that decoding one
-    token at a time, or prefilling in chunks, gives exactly the full-sequence result.
+    state ``state_idx`` of cache layer ``layer_idx`` (a contiguous fp32 ``[batch, steps, channels]`` buffer), so
+    that decoding one token at a time (in place, one kernel) or prefilling in chunks gives exactly the
+    full-sequence result.
     """
 
     def __init__(
@@ -476,21 +477,31 @@ class PDERefinement(nn.Module):
         if self.steps == 0:
             return hidden_states
         alpha, beta = self.coefficients()
-        kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta, causal=self.causal)
+        kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
         if past_key_values is None or not self.causal:
-            return pde_refine(hidden_states, attention_mask=attention_mask, backend=self.backend, **kwargs)
+            return pde_refine(
+                hidden_states, attention_mask=attention_mask, causal=self.causal, backend=self.backend, **kwargs
+            )
         if self.layer_idx is None:
             raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
         state = cached_pde_state(past_key_values, self.layer_idx, self.state_idx)
+        if state is not None and hidden_states.shape[1] == 1:
+            # One new token: the decode kernel updates the cache's own state buffer in place.
+            token_mask = None if attention_mask is None else attention_mask[:, 0]
+            out = pde_decode_step(hidden_states[:, 0], state, token_mask=token_mask, backend=self.backend, **kwargs)
+            return out[:, None]
         out, final_state = pde_refine(
             hidden_states,
             attention_mask=attention_mask,
             initial_state=state,
             return_final_state=True,
+            causal=True,
             backend=self.backend,
             **kwargs,
         )
-        past_key_values.update_conv_state(final_state.transpose(1, 2), self.layer_idx, state_idx=self.state_idx)
+        # Stored as the layer's conv state with the channels as its last ("kernel") axis, so the buffer is the
+        # contiguous [batch, steps, channels] tensor the decode kernel updates in place.
+        past_key_values.update_conv_state(final_state.float(), self.layer_idx, state_idx=self.state_idx)
         return out
 
 
@@ -509,4 +520,4 @@ def cached_pde_state(past_key_values, layer_idx: int, state_idx: int) -> Optiona
         )
     if not layer.has_previous_state.get(state_idx, False):
         return None
-    return layer.conv_states[state_idx].transpose(1, 2)
+    return layer.conv_states[state_idx]
