@@ -6,7 +6,10 @@ setup(
     description="Continuous-Time Attention (PDE-guided token refinement) for Hugging Face Transformers",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["cta", "cta.*"]),
+    packages=find_packages(include=["cta", "cta.*"]) + ["cta.hub_cards"],
+    # The model-card templates live at the top of the repo (hub_cards/) and install as cta/hub_cards.
+    package_dir={"cta.hub_cards": "hub_cards"},
+    package_data={"cta.hub_cards": ["*.md", "*.jinja", "*.j2", "*.txt", "*.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
