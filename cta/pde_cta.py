@@ -412,6 +412,8 @@ def project_coefficient(raw: torch.Tensor, bounds) -> torch.Tensor:
     The parameter *is* the coefficient while inside its bounds, so ``init="identity"`` (0) is exact, and no value
     the optimiser can reach leaves the stable region. (A sigmoid cannot reach 0 and saturates near its bounds.)
     """
+    if not (torch.is_grad_enabled() and raw.requires_grad):
+        return raw.clamp(bounds[0], bounds[1])  # inference: skip the autograd.Function (decode is latency-bound)
     return _StraightThroughClamp.apply(raw, bounds[0], bounds[1])
 
 
