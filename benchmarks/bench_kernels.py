@@ -46,7 +46,10 @@ def parse_args():
                    help="'pde:steps,...' cells for which torch.compile of the reference is timed, 'all' or 'none'")
     p.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference timings")
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
-    p.add_argument("--tune", action="store_true", help="sweep tile configs for diffusion steps 4 and print them")
+    p.add_argument("--tune", action="store_true", help="sweep the streaming kernels' configs (diffusion, steps 4 and "
+                   "8, (1,16384,4096)), print them and exit")
+    p.add_argument("--tune-steps", default="4,8", help="step counts tuned by --tune")
+    p.add_argument("--tune-then-bench", action="store_true", help="tune, keep the tuned configs, then benchmark")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     return p.parse_args()
 
@@ -96,7 +99,10 @@ def _memory(fn, x, alpha, beta, grad, kwargs):
     return held / nbytes, peak / nbytes
 
 
-def tune(dtype, rep_ms):
+def tune(dtype, rep_ms, steps_list=(4, 8)):
+    """Greedy sweep of the streaming kernels' (T, BLOCK_C, num_warps, D) on (1,16384,4096), diffusion, per-channel
+    alpha: (BLOCK_C, warps) first, then the prefetch depth D, then the rows per program T. Leaves the best of each
+    (kernel, causal, steps) in ``triton_cta._STREAM_TUNE`` and prints them."""
     from cta import triton_cta
 
     shape = (1, 16384, 4096)
@@ -104,31 +110,53 @@ def tune(dtype, rep_ms):
     grad = torch.randn_like(x)
     y = torch.empty_like(x)
     copy = bench(lambda: y.copy_(x), rep_ms)
-    print(f"tune: copy {copy * 1e3:.1f} us")
-    for causal in (False, True):
-        for backward in (False, True):
-            best = None
-            for block_l in (16, 32, 64, 128):
-                for block_c in (64, 128, 256, 512):
-                    for warps in (4, 8):
-                        if block_l * block_c > 32768 or block_l <= (8 if backward else 4) + (0 if causal and not backward else 4):
-                            continue
-                        triton_cta._TUNE[(causal, backward, 4)] = (block_l, block_c, warps)
-                        kw = dict(pde_type="diffusion", steps=4, causal=causal)
-                        try:
-                            if backward:
-                                ms = bench(_fwd_bwd(triton_cta.pde_refine_triton, x, alpha, None, grad, kw), rep_ms)
-                            else:
-                                ms = bench(lambda: triton_cta.pde_refine_triton(x, alpha=alpha, **kw), rep_ms)
-                        except Exception as e:  # noqa: BLE001
-                            print("  fail", block_l, block_c, warps, type(e).__name__)
-                            continue
-                        if best is None or ms < best[0]:
-                            best = (ms, block_l, block_c, warps)
-                        print(f"  causal={causal} bwd={backward} BL={block_l} BC={block_c} w={warps}: "
-                              f"{ms / copy:.2f}x copy")
-            triton_cta._TUNE.pop((causal, backward, 4), None)
-            print(f"tune best causal={causal} backward={backward}: {best[1:]} {best[0] / copy:.2f}x copy")
+    print(f"tune: copy {copy * 1e3:.1f} us", flush=True)
+    best_all = {}
+    for steps in steps_list:
+        for causal in (False, True):
+            for kind in ("fwd", "bwd"):
+                key = (kind, causal, steps)
+
+                def run_cfg(cfg):
+                    triton_cta._STREAM_TUNE[key] = cfg
+                    if kind == "fwd":
+                        fn = lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps, causal,  # noqa: E731
+                                                            False)
+                    else:
+                        fn = lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps,  # noqa: E731
+                                                            causal)
+                    try:
+                        ms = bench(fn, rep_ms)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  {key} {cfg}: fail {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        return float("inf")
+                    print(f"  {kind} causal={causal} S={steps} T,BC,W,D={cfg}: {ms / copy:.3f}x copy", flush=True)
+                    return ms
+
+                best = (float("inf"), None)
+                for bc, wp in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 4)):
+                    cfg = (128, bc, wp, 4)
+                    best = min(best, (run_cfg(cfg), cfg))
+                _, bc, wp, _ = best[1]
+                for d in (2, 8):
+                    cfg = (128, bc, wp, d)
+                    best = min(best, (run_cfg(cfg), cfg))
+                d = best[1][3]
+                for t in (64, 256, 512):
+                    cfg = (t, bc, wp, d)
+                    best = min(best, (run_cfg(cfg), cfg))
+                triton_cta._STREAM_TUNE[key] = best[1]
+                best_all[key] = (best[1], best[0] / copy)
+                print(f"tune best {key}: {best[1]} {best[0] / copy:.3f}x copy", flush=True)
+    for (kind, causal, steps), (cfg, _) in list(best_all.items()):  # untuned step counts use the nearest tuned one
+        for other in (1, 2, 4, 8, 16):
+            if (kind, causal, other) not in best_all and abs(other - steps) == min(
+                    abs(other - s) for (k2, c2, s) in best_all if k2 == kind and c2 == causal):
+                triton_cta._STREAM_TUNE[(kind, causal, other)] = cfg
+    print("TUNED =", {k: v[0] for k, v in best_all.items()})
+    for k, v in best_all.items():
+        print(f"  {k}: {v[0]} {v[1]:.3f}x copy")
+    return best_all
 
 
 def main():
@@ -140,9 +168,10 @@ def main():
     from cta.triton_cta import pde_refine_triton
 
     dtype = getattr(torch, args.dtype)
-    if args.tune:
-        tune(dtype, args.rep_ms)
-        return 0
+    if args.tune or args.tune_then_bench:
+        tune(dtype, args.rep_ms, tuple(int(s) for s in args.tune_steps.split(",")))
+        if args.tune:
+            return 0
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))

@@ -1,8 +1,10 @@
 """Parity of the Triton kernels (cta/triton_cta.py) with the PyTorch reference (cta/pde_cta.py).
 
 On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set below, before triton is
-imported), on a sample of the shape / option cross product so that this file stays well under 3 minutes on 2 cores.
-Tests marked ``gpu`` run the full cross product (and bf16/fp16, larger shapes) on CUDA and skip without it.
+imported), on a small sample of the shape / option cross product so that this file stays around a minute on 2 cores
+(the streaming kernels walk the sequence row by row, which the interpreter executes op by op); ``CTA_RUN_SLOW=1``
+runs the larger sample (100 cases, sequences up to 1000, 16 steps) and more hypothesis examples. Tests marked ``gpu``
+run the full cross product (and bf16/fp16, larger shapes) on CUDA and skip without it.
 
 Tolerances (``torch.testing.assert_close``, relative to the reference computed from the same input):
 * fp32 outputs and input gradients: rtol=1e-4, atol=1e-5 (the kernel does the same fp32 operations; only the
@@ -32,6 +34,8 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") i
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cuda" if ON_GPU else "cpu"
 gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with TRITON_INTERPRET unset (CTA_TEST_GPU=1)")
+RUN_SLOW = bool(os.environ.get("CTA_RUN_SLOW"))
+slow = pytest.mark.skipif(not RUN_SLOW, reason="slow: set CTA_RUN_SLOW=1")
 needs_kernels = pytest.mark.skipif(
     not (ON_GPU or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported"
 )
@@ -138,10 +142,79 @@ def _case_id(case):
     return f"{pde}-{'causal' if causal else 'bidi'}-L{seq}-C{channels}-S{steps}-{padding}-{'vec' if per_channel else 'scalar'}"
 
 
+def _quick_cases():
+    """Every pde x causal x per_channel combination once (short sequences, rotating steps / padding / channels)."""
+    cases = []
+    for i, (pde, causal, per_channel) in enumerate(itertools.product(PDE_TYPES, (False, True), (False, True))):
+        cases.append((pde, causal, (5, 17, 33)[i % 3], CHANNELS[i % 3], (1, 2, 3, 4, 8)[i % 5], PADDINGS[i % 3],
+                      per_channel))
+    cases.append(("diffusion", False, 1, 3, 16, "none", True))
+    cases.append(("wave", True, 2, 5, 16, "right", False))
+    return cases
+
+
 @needs_kernels
+@pytest.mark.parametrize("case", _quick_cases(), ids=_case_id)
+def test_parity_quick(case):
+    check_parity(*case)
+
+
+@needs_kernels
+@slow
+@pytest.mark.slow
 @pytest.mark.parametrize("case", _sampled_cases(), ids=_case_id)
 def test_parity_sampled(case):
     check_parity(*case)
+
+
+@pytest.fixture
+def small_stream_tiles():
+    """Forces short tiles (T=8 rows, 8 channels, prefetch 3) on the streaming kernels, so that short sequences cross
+    several tile boundaries (warm-up rows, the coefficient-gradient partial sums of each tile, the last partial tile,
+    partial channel blocks) -- the situations of the GPU's long sequences."""
+    from cta import triton_cta
+
+    saved = dict(triton_cta._STREAM_TUNE)
+    for kind in ("fwd", "bwd"):
+        for causal in (False, True):
+            for steps in range(1, 17):
+                triton_cta._STREAM_TUNE[(kind, causal, steps)] = (8, 8, 1, 3)
+    yield
+    triton_cta._STREAM_TUNE.clear()
+    triton_cta._STREAM_TUNE.update(saved)
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
+@pytest.mark.parametrize(
+    "pde,steps,padding,per_channel",
+    [
+        ("diffusion", 1, "none", True),
+        ("diffusion", 3, "left", True),  # padding walls inside and across tiles
+        ("diffusion", 4, "right", False),  # scalar coefficient
+        ("advection_diffusion", 2, "left", True),  # causal: the linear backward with a + b
+        ("wave", 3, "right", True),
+        ("reaction_diffusion", 2, "none", False),
+    ],
+)
+def test_stream_tiles(small_stream_tiles, pde, steps, padding, per_channel, causal):
+    """Streaming kernels over many tiles (rows 0..T, interior tiles, walls at both ends and at padding) vs the
+    reference: outputs, input gradients and the per-tile coefficient-gradient partial sums."""
+    check_parity(pde, causal, 29, 11, steps, padding, per_channel, batch=2, seed=steps)
+
+
+@needs_kernels
+def test_stream_tiles_streaming_state(small_stream_tiles):
+    """Initial / final causal state through tiled streaming kernels (the state lives in the first / last tile)."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 27, 9, generator=gen).to(DEVICE)
+    init = torch.randn(2, 3, 9, generator=gen).to(DEVICE)
+    for pde in ("diffusion", "wave"):
+        kwargs = dict(pde_type=pde, steps=3, alpha=0.1, causal=True, initial_state=init, return_final_state=True)
+        out, state = pde_refine_triton(x, **kwargs)
+        ref, ref_state = pde_refine_reference(x, **kwargs)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
 
 
 @gpu
@@ -294,14 +367,14 @@ from hypothesis import strategies as st  # noqa: E402
 
 
 @needs_kernels
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=40 if RUN_SLOW else 8, deadline=None, derandomize=True)
 @given(
     pde=st.sampled_from(PDE_TYPES),
     causal=st.booleans(),
     batch=st.integers(1, 3),
-    seq=st.integers(1, 80),
+    seq=st.integers(1, 80 if RUN_SLOW else 24),
     channels=st.integers(1, 40),
-    steps=st.integers(0, 16),
+    steps=st.integers(0, 16 if RUN_SLOW else 6),
     padding=st.sampled_from(PADDINGS),
     per_channel=st.booleans(),
     seed=st.integers(0, 2**16),
