@@ -10,7 +10,7 @@ Paper Table 1 setup (2 layers; use ``--num_hidden_layers 4`` for the 4-layer row
 
     python examples/run_classification.py --task imdb --max_seq_length 256 --pde_steps 1 \
         --output_dir runs/imdb_cta --num_train_epochs 5 --learning_rate 1e-4 --per_device_train_batch_size 64 \
-        --warmup_ratio 0.1 --weight_decay 0.01 --seed 42
+        --warmup_steps 0.1 --weight_decay 0.01 --seed 42
 
 Byte-level IMDb (LRA Text, 2,048 bytes)::
 
