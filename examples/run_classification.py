@@ -237,6 +237,10 @@ def main(argv=None):
         data_collator=common.PadCollator(pad_id),
         compute_metrics=compute_metrics,
     )
+    # The classification loss is a per-batch mean that ignores `num_items_in_batch`; without this, Trainer treats
+    # the model as token-count normalised and multiplies the loss (and gradients) by the number of processes
+    # under DDP (2x loss/learning rate on 2 GPUs).
+    trainer.model_accepts_loss_kwargs = False
 
     last_checkpoint = None
     if os.path.isdir(training_args.output_dir) and not getattr(training_args, "overwrite_output_dir", False):

@@ -220,6 +220,10 @@ def main(argv=None):
         eval_dataset=common.ListDataset(eval_blocks),
         data_collator=common.PadCollator(pad_id, pad_to_multiple_of=None),
     )
+    # Every block has the same number of predicted tokens, so the per-device mean loss is already the token mean;
+    # do not let Trainer rescale it by the number of processes (measured: 2x loss and perplexity**2 under torchrun
+    # with 2 processes otherwise).
+    trainer.model_accepts_loss_kwargs = False
     last_checkpoint = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
     resume = training_args.resume_from_checkpoint or last_checkpoint
     start = time.time()
