@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
     create_bidirectional_mask,
+    create_bidirectional_sliding_window_mask,
     create_causal_mask,
     create_sliding_window_causal_mask,
 )
@@ -454,7 +455,9 @@ class CTAModel(CTAPreTrainedModel):
             config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
             past_key_values=past_key_values,
         )
-        if not causal:
+        if not causal and self.config.sliding_window is not None:
+            mask = create_bidirectional_sliding_window_mask(**mask_kwargs)
+        elif not causal:
             mask = create_bidirectional_mask(**mask_kwargs)
         elif self.config.sliding_window is not None:
             mask = create_sliding_window_causal_mask(position_ids=position_ids, **mask_kwargs)
@@ -560,6 +563,9 @@ class CTAForSequenceClassification(CTAPreTrainedModel):
     Pooling (``config.pooling``): ``mean`` over valid tokens (the paper), ``cls`` (first token) or ``last`` (last
     valid token). ``problem_type`` (single-label, multi-label, regression) follows transformers' heads.
     """
+
+    # The loss is a per-device mean (it takes no `num_items_in_batch`): Trainer must not rescale it under DDP.
+    accepts_loss_kwargs = False
 
     def __init__(self, config: CTAConfig):
         super().__init__(config)

@@ -379,3 +379,14 @@ def test_many_pde_steps_train_without_nan(steps, causal):
         assert all(torch.isfinite(p).all() for p in model.parameters()), step
     assert all(map(lambda x: x == x and abs(x) < 1e6, losses))
     assert sum(losses[-20:]) / 20 < 0.9 * sum(losses[:20]) / 20
+
+
+def test_encoder_sliding_window_limits_the_receptive_field():
+    torch.manual_seed(0)
+    model = CTAModel(tiny_encoder_config(num_hidden_layers=1, sliding_window=2, pde_steps=0)).eval()
+    ids = torch.randint(1, 61, (1, 10))
+    changed = ids.clone()
+    changed[0, 9] = (changed[0, 9] + 1) % 61
+    diff = (model(ids).last_hidden_state - model(changed).last_hidden_state).abs().amax(-1)[0]
+    assert torch.all(diff[:7] == 0) and diff[7:].min() > 0  # one layer, window 2: positions 7..9 see position 9
+    assert CTAForSequenceClassification.accepts_loss_kwargs is False  # per-device mean loss: no DDP rescaling
