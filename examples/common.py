@@ -372,11 +372,9 @@ def write_run_results(output_dir: str, results: dict):
 
 
 def finish_and_maybe_push(trainer, tokenizer, results: dict, card_kwargs: dict):
-    """Saves model + tokenizer, writes the model card and pushes when ``--push_to_hub``.
-
-    Hub hook: if ``cta.hub`` provides ``write_model_card(output_dir, results=..., **card_kwargs)`` it writes
-    README.md (model-index filled from ``results``); otherwise transformers' ``Trainer.create_model_card`` is used.
-    """
+    """Saves model + tokenizer, writes the CTA model card (``cta.hub.write_model_card``: model-index filled from
+    ``results``) and, with ``--push_to_hub``, exports a self-contained Hub folder and pushes it with the same card
+    (``cta.hub.publish_trainer_model``)."""
     args = trainer.args
     if not (args.push_to_hub or args.save_strategy != "no"):
         return
@@ -385,22 +383,13 @@ def finish_and_maybe_push(trainer, tokenizer, results: dict, card_kwargs: dict):
         tokenizer.save_pretrained(args.output_dir)
     if not trainer.is_world_process_zero():
         return
-    wrote_card = False
-    try:
-        from cta import hub  # written by another part of the project; optional here
+    from cta import hub
 
-        if hasattr(hub, "write_model_card"):
-            hub.write_model_card(args.output_dir, results=results, **card_kwargs)
-            wrote_card = True
-    except ImportError:
-        pass
+    hub.write_model_card(args.output_dir, results=results, **card_kwargs)
     if args.push_to_hub:
-        if not wrote_card:
-            trainer.create_model_card(
-                dataset_tags=card_kwargs.get("dataset"), dataset=card_kwargs.get("dataset"),
-                tasks=card_kwargs.get("task"), tags=["cta", "custom_code"],
-            )
-        trainer.push_to_hub(commit_message=f"CTA {card_kwargs.get('task', '')} results", blocking=True)
+        # Not trainer.push_to_hub(): it would replace our card with Trainer's generic one and upload pickles.
+        hub.publish_trainer_model(trainer, results=results, task=card_kwargs.get("task"),
+                                  dataset=card_kwargs.get("dataset"), tokenizer=args.output_dir)
 
 
 def setup_logging(training_args):
