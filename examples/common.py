@@ -371,6 +371,26 @@ def write_run_results(output_dir: str, results: dict):
     return path
 
 
+def run_record(trainer, training_args, model, n_params, resume) -> dict:
+    """The fields every run's results JSON shares: schedule, scale, PDE config, provenance."""
+    keep = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "sliding_window",
+            "vocab_size")
+    return dict(
+        epochs=training_args.num_train_epochs if training_args.max_steps <= 0 else None,
+        max_steps=training_args.max_steps if training_args.max_steps > 0 else None,
+        global_steps=trainer.state.global_step,
+        world_size=training_args.world_size,
+        per_device_train_batch_size=training_args.per_device_train_batch_size,
+        learning_rate=training_args.learning_rate,
+        seed=training_args.seed,
+        n_parameters=n_params,
+        model_config={k: v for k, v in model.config.to_dict().items() if k.startswith("pde_") or k in keep},
+        resumed_from=resume,
+        device=device_description(),
+        git_commit=git_commit(),
+    )
+
+
 def finish_and_maybe_push(trainer, tokenizer, results: dict, card_kwargs: dict):
     """Saves model + tokenizer, writes the CTA model card (``cta.hub.write_model_card``: model-index filled from
     ``results``) and, with ``--push_to_hub``, exports a self-contained Hub folder and pushes it with the same card

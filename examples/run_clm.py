@@ -244,20 +244,7 @@ def main(argv=None):
         num_train_blocks=len(train_blocks),
         num_train_tokens=len(train_blocks) * data_args.block_size,
         leak_check=leak,
-        epochs=training_args.num_train_epochs if training_args.max_steps <= 0 else None,
-        max_steps=training_args.max_steps if training_args.max_steps > 0 else None,
-        global_steps=trainer.state.global_step,
-        world_size=training_args.world_size,
-        per_device_train_batch_size=training_args.per_device_train_batch_size,
-        learning_rate=training_args.learning_rate,
-        seed=training_args.seed,
-        n_parameters=n_params,
-        model_config={k: v for k, v in model.config.to_dict().items()
-                      if k.startswith("pde_") or k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                       "intermediate_size", "sliding_window", "vocab_size")},
-        resumed_from=resume,
-        device=common.device_description(),
-        git_commit=common.git_commit(),
+        **common.run_record(trainer, training_args, model, n_params, resume),
         argv=sys.argv[1:] if argv is None else list(argv),
     )
     if not leak["passed"]:
