@@ -390,3 +390,14 @@ def test_encoder_sliding_window_limits_the_receptive_field():
     diff = (model(ids).last_hidden_state - model(changed).last_hidden_state).abs().amax(-1)[0]
     assert torch.all(diff[:7] == 0) and diff[7:].min() > 0  # one layer, window 2: positions 7..9 see position 9
     assert CTAForSequenceClassification.accepts_loss_kwargs is False  # per-device mean loss: no DDP rescaling
+
+
+def test_torch_compile_matches_eager():
+    torch.manual_seed(0)
+    model = CTAForCausalLM(tiny_decoder_config(pde_placement=["value", "block_output"], pde_backend="torch")).eval()
+    ids = torch.randint(0, 61, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    eager = model(ids, attention_mask=mask, use_cache=False).logits
+    compiled = torch.compile(model)(ids, attention_mask=mask, use_cache=False).logits
+    assert torch.allclose(compiled, eager, atol=1e-5)
