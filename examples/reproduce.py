@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shlex
+import textwrap
 import subprocess
 import sys
 import time
@@ -374,7 +375,7 @@ def render_plot(data, path):
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(rows, rotation=0)
     ax.set_ylabel(data["metric"] + (" (%)" if data["metric_scale"] == 100 else ""))
-    ax.set_title(data["title"][:90], fontsize=9)
+    ax.set_title(textwrap.fill(data["title"], 70), fontsize=9)
     handles, labels = ax.get_legend_handles_labels()
     uniq = OrderedDict((l, h) for h, l in zip(handles, labels) if l)
     ax.legend(uniq.values(), uniq.keys(), fontsize=7)
