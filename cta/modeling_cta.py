@@ -53,7 +53,7 @@ def make_norm(config: CTAConfig) -> nn.Module:
     return CTALayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
-def make_pde(config: CTAConfig, channels: int, layer_idx: Optional[int], state_idx: int = 0, per_channel=None):
+def make_pde(config: CTAConfig, channels: int, layer_idx: Optional[int], state_idx: int = 0):
     return PDERefinement(
         channels=channels,
         pde_type=config.pde_type,
@@ -61,7 +61,7 @@ def make_pde(config: CTAConfig, channels: int, layer_idx: Optional[int], state_i
         causal=config.is_causal,
         alpha=config.pde_alpha,
         beta=config.pde_beta,
-        per_channel=config.pde_per_channel if per_channel is None else per_channel,
+        per_channel=config.pde_per_channel,
         backend=config.pde_backend,
         layer_idx=layer_idx,
         state_idx=state_idx,
