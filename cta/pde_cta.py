@@ -51,6 +51,7 @@ the alternating mode and is deliberately not provided.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Union
 
 import torch
@@ -301,12 +302,25 @@ def pde_decode_step_reference(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+_TRITON_MODULE = []  # [cta.triton_cta] once imported and usable here (cached: decode checks it per token)
+
+
+def _triton_module():
+    """``cta.triton_cta`` when Triton can run here (CUDA, or the interpreter), else None; looked up once."""
+    if not _TRITON_MODULE:
+        try:  # a `from .x import` line: transformers' remote-code loader copies the files such lines name
+            from .triton_cta import is_available
+
+            triton_cta = sys.modules[is_available.__module__]
+        except ImportError:
+            triton_cta = None
+        _TRITON_MODULE.append(triton_cta if triton_cta is not None and triton_cta.is_available() else None)
+    return _TRITON_MODULE[0]
+
+
 def triton_available() -> bool:
-    try:
-        from .triton_cta import is_available
-    except ImportError:
-        return False
-    return is_available()
+    """True when the Triton kernels can run here (triton importable, and CUDA or ``TRITON_INTERPRET=1``)."""
+    return _triton_module() is not None
 
 
 def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
@@ -475,20 +489,65 @@ class PDERefinement(nn.Module):
         beta = project_coefficient(self.beta, self.beta_bounds) if self.beta is not None else None
         return alpha, beta
 
+    def _inference_coefficients(self):
+        """The projected coefficients as fp32 contiguous vectors, recomputed only when a parameter changes.
+
+        Decoding runs this module once per token and site; recomputing the clamp would cost a launch each time.
+        The key (storage address, version counter, dtype) changes with every in-place update, `.to()` or reload.
+        """
+        alpha, beta = self.alpha, self.beta
+        key = (alpha.data_ptr(), alpha._version, alpha.dtype)
+        if beta is not None:
+            key += (beta.data_ptr(), beta._version, beta.dtype)
+        cached = self.__dict__.get("_cached_coefficients")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        with torch.no_grad():
+            alpha, beta = self.coefficients()
+            value = tuple(
+                c.to(torch.float32).reshape(-1).contiguous() if c is not None else None for c in (alpha, beta)
+            )
+        self.__dict__["_cached_coefficients"] = (key, value)
+        return value
+
+    def _fast_decode(self, hidden_states, state, attention_mask):
+        """One cached decode step through the Triton update kernel with no per-call validation, or None when this
+        call needs the general path (autograd, CPU/torch backend, steps above the fused limit, odd layouts)."""
+        if torch.is_grad_enabled() or not (self.backend == "triton" or (self.backend == "auto" and hidden_states.is_cuda)):
+            return None
+        kernels = _triton_module()
+        if kernels is None or self.steps > kernels.MAX_FUSED_STEPS or state.stride(-1) != 1:
+            return None
+        if hidden_states.dtype == torch.float64 or state.dtype != torch.float32:
+            return None
+        alpha, beta = self._inference_coefficients()
+        token_mask = None
+        if attention_mask is not None:
+            token_mask = attention_mask[:, 0].to(torch.float32).contiguous()
+        return kernels.pde_decode_update(
+            hidden_states, state, alpha, beta, token_mask, kernels._PDE_IDS[self.pde_type], self.steps
+        )
+
     def forward(self, hidden_states, attention_mask=None, past_key_values=None):
         if self.steps == 0:
             return hidden_states
+        state = None
+        if past_key_values is not None and self.causal:
+            if self.layer_idx is None:
+                raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
+            state = cached_pde_state(past_key_values, self.layer_idx, self.state_idx)
+            if state is not None and hidden_states.shape[1] == 1:
+                # One new token: the decode kernel updates the cache's own state buffer in place.
+                fast = self._fast_decode(hidden_states, state, attention_mask)
+                if fast is not None:
+                    return fast
         alpha, beta = self.coefficients()
         kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
         if past_key_values is None or not self.causal:
             return pde_refine(
                 hidden_states, attention_mask=attention_mask, causal=self.causal, backend=self.backend, **kwargs
             )
-        if self.layer_idx is None:
-            raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
-        state = cached_pde_state(past_key_values, self.layer_idx, self.state_idx)
         if state is not None and hidden_states.shape[1] == 1:
-            # One new token: the decode kernel updates the cache's own state buffer in place.
             token_mask = None if attention_mask is None else attention_mask[:, 0]
             out = pde_decode_step(hidden_states[:, 0], state, token_mask=token_mask, backend=self.backend, **kwargs)
             return out[:, None]

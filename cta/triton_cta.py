@@ -561,7 +561,6 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     w("start = pid_l.to(tl.int64) * T")
     w(f"p0 = start - {S}")
     w("fz = tl.zeros([BLOCK_C], dtype=tl.float32)")
-    w("sz = tl.sum(fz, axis=0)")
     w("xrow = X + b64 * sxb + cols")
     if kind == "bwd":
         w("grow = GY + b64 * sgb + cols")
@@ -614,10 +613,15 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         b("vq = mq.to(tl.float32)")
     else:
         b("vq = ((q >= 0) & (q < L)).to(tl.float32)")
-    for k in range(nvv - 1, 0, -1):
-        b(f"vv{k} = vv{k - 1}")
+    # Validity of rows q-1..q-nvv+1, recomputed from the row index (and the mask, an L1-resident reload) rather
+    # than shifted from iteration to iteration: a chain of loop-carried scalars is what the lagged kernels, wrong on
+    # an H200 while exact in the interpreter, had and the lag-free causal forward (which passes there) did not.
     b("vv0 = vq")
-    vv_carry = [f"vv{k}" for k in range(nvv)]
+    for k in range(1, nvv):
+        if has_mask:
+            b(f"vv{k} = tl.load(mrow + (q - {k}), mask=(q - {k} >= 0) & (q - {k} < L), other=0).to(tl.float32)")
+        else:
+            b(f"vv{k} = ((q - {k} >= 0) & (q - {k} < L)).to(tl.float32)")
     if kind == "fwd":
         b("xn0 = xq.to(tl.float32)")
         if causal:
@@ -683,8 +687,6 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
             continue
         seen.add(v)
         w(f"{v} = fz")
-    for v in vv_carry:
-        w(f"{v} = sz")
     w("for j in range(0, n_it):")
     src = "\n".join(w.lines + body.lines)
     if kind == "bwd":
@@ -695,6 +697,10 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
 # ----------------------------------------------------------------------------------------------------------------
 # Launch configuration
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv: that is a JITFunction, ~5 us of host time per call outside a kernel
 
 
 def _next_pow2(n: int) -> int:
@@ -779,7 +785,7 @@ USE_STREAM = True  # False: the tile kernels above for every case (kept for comp
 # interpreter but gave wrong results on an H200 (triton 3.6) for steps >= 3 (bidirectional forward; the backward
 # fails the GPU parity tests too); the lag-free causal forward passed the GPU parity tests. Until that is understood,
 # CUDA runs the lagged cases on the tile kernels. True: streaming everywhere (for debugging on a GPU).
-STREAM_LAGGED_ON_CUDA = False
+STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "0") not in ("", "0")
 
 
 def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str, device: torch.device):
@@ -788,13 +794,13 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
     key = (kind, causal, steps)
     if key in _STREAM_TUNE:
         t, block_c, warps, d = _STREAM_TUNE[key]
-        while triton.cdiv(seq, t) > 65535:
+        while _cdiv(seq, t) > 65535:
             t *= 2
         return t, block_c, warps, d
     if device.type != "cuda":  # interpreter: one program per sequence and channel block (fewest interpreted steps)
         return max(seq, 1), min(_next_pow2(channels), 256), 1, 2
     t = 128 if steps <= 4 else 256
-    while triton.cdiv(seq, t) > 65535:
+    while _cdiv(seq, t) > 65535:
         t *= 2
     block_c = 256
     warps = 2
@@ -833,7 +839,7 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     write_final = bool(causal and want_final)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
                           has_init and bool(causal), write_final))
-    grid = (triton.cdiv(channels, block_c), triton.cdiv(seq, t), batch)
+    grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     kernel[grid](x, y, m if m is not None else x, a, b, ini, fin if write_final else x,
                  seq, channels, x.stride(0), x.stride(1), T=t, BLOCK_C=block_c, num_warps=warps)
 
@@ -845,14 +851,14 @@ def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device)
 def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     batch, seq, channels = x.shape
     t, block_c, warps, d = _stream_config(seq, channels, steps, causal, "bwd", x.device)
-    n_tiles = triton.cdiv(seq, t)
+    n_tiles = _cdiv(seq, t)
     da = torch.empty((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
                           False, False))
-    grid = (triton.cdiv(channels, block_c), n_tiles, batch)
+    grid = (_cdiv(channels, block_c), n_tiles, batch)
     kernel[grid](gy, x, dx, m if m is not None else x, a, b, da, seq, channels, x.stride(0), x.stride(1),
                  gy.stride(0), gy.stride(1), n_tiles, T=t, BLOCK_C=block_c, num_warps=warps)
     return da.sum(0)
@@ -874,7 +880,7 @@ def _launch_fwd(x, alpha, beta, mask, init, pde, steps, causal, want_final):
     m = _prep_mask(mask, x)
     has_init = init is not None
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else a
-    grid = (triton.cdiv(seq, t), triton.cdiv(channels, block_c), batch)
+    grid = (_cdiv(seq, t), _cdiv(channels, block_c), batch)
     _pde_fwd_kernel[grid](
         x, y, m, a, b, ini, fin if fin.numel() else a,
         seq, channels, x.stride(0), x.stride(1),
@@ -896,7 +902,7 @@ def _launch_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal):
         da = _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal)
         return dx, da, (da.clone() if pde == "advection_diffusion" else torch.zeros_like(da))
     hl, t, block_l, block_c, warps = _grid_config(seq, channels, causal, steps, True, linear, x.device)
-    n_tiles = triton.cdiv(seq, t)
+    n_tiles = _cdiv(seq, t)
     da = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
     db = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
     if dx.numel() > 0:
@@ -905,7 +911,7 @@ def _launch_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal):
         m = _prep_mask(mask, x)
         has_init = init is not None
         ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else a
-        grid = (n_tiles, triton.cdiv(channels, block_c), batch)
+        grid = (n_tiles, _cdiv(channels, block_c), batch)
         _pde_bwd_kernel[grid](
             gy, x, dx, m, a, b, ini, da, db,
             seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles,
@@ -1032,6 +1038,21 @@ class _PDERefineFunction(torch.autograd.Function):
 
 
 
+def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
+    """Launches the decode kernel. ``x``/``y``: ``[batch, (1,) channels]`` with contiguous channels; ``a``/``b``: fp32
+    ``[1]`` or ``[channels]`` (``b`` None for diffusion/wave); ``token_mask``: fp32 ``[batch]`` or None."""
+    channels = x.shape[-1]
+    block_c = min(_next_pow2(channels), 1024)
+    # Pointers the kernel never reads (no mask, no beta) are given `x`: no allocation and no fill launch per call.
+    _pde_decode_kernel[(_cdiv(channels, block_c), x.shape[0])](
+        x, y, state, x if token_mask is None else token_mask, a, a if b is None else b, channels, x.stride(0),
+        state.stride(0), state.stride(1),
+        PDE=pde, STEPS=steps, HAS_MASK=token_mask is not None,
+        A_VEC=a.numel() > 1, B_VEC=b is not None and b.numel() > 1, BLOCK_C=block_c, num_warps=4,
+    )
+    return y
+
+
 def _pde_decode_impl(
     x: torch.Tensor,
     state: torch.Tensor,
@@ -1042,23 +1063,28 @@ def _pde_decode_impl(
     steps: int,
 ) -> torch.Tensor:
     x = _channels_contiguous(x)
-    batch, channels = x.shape
-    y = torch.empty((batch, channels), device=x.device, dtype=x.dtype)
+    y = torch.empty((x.shape[0], x.shape[1]), device=x.device, dtype=x.dtype)
     if y.numel() == 0:
         return y
     if state.stride(-1) != 1:
         raise ValueError("`state` must have contiguous channels (stride 1 along its last dimension).")
     a = _prep_coef(alpha, x)
-    b = _prep_coef(beta, x)
-    tm = _prep_mask(token_mask.reshape(-1) if token_mask is not None else None, x)
-    block_c = min(_next_pow2(channels), 1024)
-    grid = (triton.cdiv(channels, block_c), batch)
-    _pde_decode_kernel[grid](
-        x, y, state, tm, a, b, channels, x.stride(0), state.stride(0), state.stride(1),
-        PDE=pde, STEPS=steps, HAS_MASK=token_mask is not None,
-        A_VEC=a.numel() > 1, B_VEC=b.numel() > 1, BLOCK_C=block_c, num_warps=4,
-    )
-    return y
+    b = _prep_coef(beta, x) if beta is not None else None
+    tm = _prep_mask(token_mask.reshape(-1), x) if token_mask is not None else None
+    return _launch_decode(x, y, state, a, b, tm, pde, steps)
+
+
+def pde_decode_update(hidden_states, state, alpha, beta, token_mask, pde: int, steps: int) -> torch.Tensor:
+    """The lean decode step used by :class:`pde_cta.PDERefinement` at inference (no validation, no autograd).
+
+    ``hidden_states`` ``[batch, 1, channels]`` (contiguous channels) on the device of ``state`` (fp32
+    ``[batch, steps, channels]``, updated in place, contiguous channels); ``alpha`` / ``beta``: fp32 contiguous
+    ``[1]`` or ``[channels]`` already projected onto their bounds; ``token_mask`` fp32 ``[batch]`` or None;
+    ``pde``: an id of ``_PDE_IDS``; ``1 <= steps <= MAX_FUSED_STEPS``. Everything a decode step on an H200 is
+    spent on is host time (a batch-1 step of a 4096-wide model is launch-bound), hence this path.
+    """
+    x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
+    return _launch_decode(x, torch.empty(x.shape, device=x.device, dtype=x.dtype), state, alpha, beta, token_mask, pde, steps)
 
 
 def _pde_decode_fake(x, state, alpha, beta, token_mask, pde, steps):

@@ -205,6 +205,39 @@ def run_done(run):
     return os.path.exists(os.path.join(run["output_dir"], "run_results.json"))
 
 
+def seed_from_results(results_dir, names, runs, args):
+    """Writes ``run_results.json`` for every run that a table JSON in ``results_dir`` already holds (same table,
+    setting, variant arguments and seed); returns ``{table: earlier command}`` for the settings record."""
+    resumed = {}
+    for name in names:
+        path = os.path.join(results_dir, name + ".json")
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            old = json.load(f)
+        if old["settings"].get("quick") != args.quick or old["settings"].get("extra", "") != args.extra or \
+                old["settings"].get("epochs_override") != args.epochs:
+            raise SystemExit(f"--resume_from: {path} was made with other settings ({old['settings']}); "
+                             "rerun those seeds instead")
+        count = 0
+        for cell in old["cells"]:
+            for value, record in zip(cell["values"], cell["runs"]):
+                for run in runs:
+                    if (run["table"], run["row"], run["variant"], run["seed"]) != (name, cell["row"], cell["variant"],
+                                                                                   record["seed"]):
+                        continue
+                    if run_done(run):
+                        continue
+                    os.makedirs(run["output_dir"], exist_ok=True)
+                    result = dict(record, **{old["metric"]: value / old["metric_scale"], "resumed_from": path})
+                    with open(os.path.join(run["output_dir"], "run_results.json"), "w") as f:
+                        json.dump(result, f, indent=1)
+                    count += 1
+        resumed[name] = dict(command=old["settings"].get("command"), runs=count)
+        print(f"[reproduce] {name}: {count} finished runs taken from {path}", flush=True)
+    return resumed
+
+
 def run_in_process(run):
     import importlib
 
@@ -428,6 +461,10 @@ def main(argv=None):
                         help="seconds: launch no new run after this (tables are written with what finished)")
     parser.add_argument("--hard_deadline", type=float, default=None,
                         help="seconds: terminate runs still going at this time")
+    parser.add_argument("--resume_from", default=None,
+                        help="folder of earlier table JSONs (e.g. results/): their finished seeds count as done "
+                             "runs here (their records are written into --work_dir), so a table can be completed on "
+                             "a fresh machine. Refused when the earlier run used other --extra arguments")
     parser.add_argument("--render_only", action="store_true", help="re-render .md/.png from existing .json")
     parser.add_argument("--dry_run", action="store_true", help="print the commands only")
     args = parser.parse_args(argv)
@@ -459,6 +496,8 @@ def main(argv=None):
         for r in all_runs:
             print(f"python examples/{r['script']} " + " ".join(shlex.quote(a) for a in r["args"]))
         return {}
+    if args.resume_from:
+        settings["resumed_from"] = seed_from_results(args.resume_from, names, all_runs, args)
     todo = [r for r in all_runs if not run_done(r)]
     print(f"[reproduce] {len(all_runs)} runs, {len(all_runs) - len(todo)} already done, {len(todo)} to run",
           flush=True)
@@ -481,7 +520,7 @@ def main(argv=None):
 
     if args.jobs <= 0:
         for run in todo:
-            if args.time_budget and time.time() - start > args.time_budget:
+            if args.time_budget is not None and time.time() - start > args.time_budget:
                 break
             run["returncode"] = run_in_process(run)
             refresh(run)
@@ -491,10 +530,10 @@ def main(argv=None):
         pending, running, slot = list(todo), [], 0
         while pending or running:
             elapsed = time.time() - start
-            if args.time_budget and elapsed > args.time_budget and pending:
+            if args.time_budget is not None and elapsed > args.time_budget and pending:
                 print(f"[reproduce] time budget reached: {len(pending)} runs not started", flush=True)
                 pending = []
-            if args.hard_deadline and elapsed > args.hard_deadline:
+            if args.hard_deadline is not None and elapsed > args.hard_deadline:
                 for run, proc, log in running:
                     proc.terminate()
                     run["returncode"] = "terminated at the hard deadline"
