@@ -1,6 +1,10 @@
 """Where the time of one cached decode step goes, patched vs unpatched (torch.profiler, CPU-side op totals).
 
     python benchmarks/profile_decode.py [--layers 8] [--hidden 1024] [--tokens 32] [--device cuda]
+    python benchmarks/profile_decode.py --micro      # host time per call of each layer of the decode path
+
+A batch-1 decode step of an eager transformers model is bound by host time (Python and launches), so ``--micro``
+times each layer of the PDE decode path by itself: calls queued back to back, one synchronisation at the end.
 """
 
 import argparse
@@ -34,6 +38,62 @@ def per_token_ms(model, ids, tokens, device):
     return (time.perf_counter() - start) / tokens * 1e3
 
 
+def micro(args):
+    """Host microseconds per call of each layer of the decode path (median of 5 rounds of 2000 calls)."""
+    import statistics
+
+    from transformers import DynamicCache
+
+    import cta.triton_cta as kernels
+    from cta.pde_cta import PDERefinement
+
+    device = args.device
+    config = LlamaConfig(num_hidden_layers=1, layer_types=["hybrid"], number_of_conv_states=1, hidden_size=128,
+                         num_attention_heads=1)
+    pde = PDERefinement(args.hidden, "diffusion", args.steps, causal=True, alpha=0.1, layer_idx=0).to(device)
+    cache = DynamicCache(config=config)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.no_grad():
+        pde(torch.randn(1, 8, args.hidden, device=device, dtype=dtype), None, cache)
+    state = cache.layers[0].conv_states[0]
+    h = torch.randn(1, 1, args.hidden, device=device, dtype=dtype)
+    alpha, beta = pde._inference_coefficients()
+
+    def per_call_us(fn, n=2000):
+        rounds = []
+        for _ in range(5):
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - start) / n * 1e6)
+        return statistics.median(rounds)
+
+    rows = [("torch.empty_like(h)", lambda: torch.empty_like(h)),
+            ("h.add_(0) (one aten launch)", lambda: h.add_(0))]
+    y = torch.empty_like(h)
+    block_c = min(kernels._next_pow2(args.hidden), 1024)
+    grid = (kernels._cdiv(args.hidden, block_c), 1)
+    rows.append(("triton JIT launch of the decode kernel", lambda: kernels._pde_decode_kernel[grid](
+        h, y, state, h, alpha, alpha, args.hidden, h.stride(0), state.stride(0), state.stride(1),
+        PDE=0, STEPS=args.steps, HAS_MASK=False, A_VEC=False, B_VEC=False, BLOCK_C=block_c, num_warps=4)))
+    for direct in (False, True):
+        def update(direct=direct):
+            kernels.DIRECT_LAUNCH = direct
+            return kernels.pde_decode_update(h, state, alpha, beta, None, 0, args.steps)
+        rows.append((f"pde_decode_update (direct launch {direct})", update))
+    kernels.DIRECT_LAUNCH = True
+    with torch.no_grad():
+        rows.append(("PDERefinement(h, None, cache) decode", lambda: pde(h, None, cache)))
+    with torch.no_grad():
+        for name, fn in rows:
+            print(f"{name:45s} {per_call_us(fn):8.1f} us/call", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -41,7 +101,11 @@ def main():
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--micro", action="store_true", help="host time per call of each layer of the decode path")
     args = parser.parse_args()
+    if args.micro:
+        micro(args)
+        return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,

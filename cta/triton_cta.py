@@ -30,10 +30,10 @@ Design
   trajectory the adjoint needs (``2*steps`` per side for bidirectional, ``steps`` left and ``steps`` right for causal),
   recomputes ``u_s`` from the input tile for each adjoint step (``steps*(steps-1)/2`` extra stencil applications, all
   on chip) and takes neighbours with ``tl.gather``. The tile forward kernel is kept too.
-* STATUS (see ``STREAM_LAGGED_ON_CUDA``): on CUDA only the causal forward runs on the streaming kernels. The lagged
-  streaming kernels (bidirectional forward, the one-pass linear backwards) match the reference exactly through the
-  interpreter (the CPU tests) but not on an H200 with triton 3.6 (steps >= 3), cause not found yet; CUDA runs those
-  cases on the tile kernels.
+* Row validity (sequence ends, padding) is recomputed from the row index in every iteration, never carried from
+  one iteration to the next: a chain of loop-carried validity scalars gave wrong results on an H200 (triton 3.6)
+  while exact in the interpreter. ``STREAM_LAGGED_ON_CUDA`` (env ``CTA_STREAM_LAGGED=0``) can still send the lagged
+  cases to the tile kernels.
 * Eager calls go through a plain ``torch.autograd.Function`` (or straight to the launch under ``no_grad``), which costs
   less host time per call than the custom-op dispatcher; under ``torch.compile`` the registered custom ops are used.
 * Gradients flow to ``hidden_states``, ``alpha`` and ``beta``. ``initial_state`` and the returned final state are
@@ -781,11 +781,11 @@ def _channels_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 _STREAM_TUNE = {}  # (kind, causal, steps) -> (T, BLOCK_C, num_warps, D) overrides, set by benchmarks
 USE_STREAM = True  # False: the tile kernels above for every case (kept for comparison)
-# The streaming kernels with a row lag per level (bidirectional forward, both linear backwards) are exact through the
-# interpreter but gave wrong results on an H200 (triton 3.6) for steps >= 3 (bidirectional forward; the backward
-# fails the GPU parity tests too); the lag-free causal forward passed the GPU parity tests. Until that is understood,
-# CUDA runs the lagged cases on the tile kernels. True: streaming everywhere (for debugging on a GPU).
-STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "0") not in ("", "0")
+# The streaming kernels with a row lag per level (bidirectional forward, both linear backwards) once carried the
+# validity of the last S+1 rows as a chain of loop-carried scalars; that was exact through the interpreter but wrong
+# on an H200 (triton 3.6) for steps >= 2. The flags are now recomputed from the row index, and the GPU parity tests
+# pass. CTA_STREAM_LAGGED=0 runs those cases on the tile kernels instead (for comparison and debugging).
+STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "1") not in ("", "0")
 
 
 def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str, device: torch.device):
@@ -1038,18 +1038,47 @@ class _PDERefineFunction(torch.autograd.Function):
 
 
 
+# Decoding calls the decode kernel once per PDE site and token, and a batch-1 decode step is host-bound: Triton's
+# generic launch path (argument binding, specialisation key, cache lookup) costs several times the kernel itself.
+# After the first launch of a specialisation, later ones call the compiled kernel's launcher directly, keyed on
+# everything Triton specialises on (constexprs, pointer dtypes and 16-byte alignment, integers equal to 1 or
+# divisible by 16, the device). CTA_DIRECT_LAUNCH=0 turns this off.
+DIRECT_LAUNCH = os.environ.get("CTA_DIRECT_LAUNCH", "1") not in ("", "0")
+_DECODE_COMPILED = {}
+
+
+def _launch_hooks_set() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    return runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
 def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
     """Launches the decode kernel. ``x``/``y``: ``[batch, (1,) channels]`` with contiguous channels; ``a``/``b``: fp32
     ``[1]`` or ``[channels]`` (``b`` None for diffusion/wave); ``token_mask``: fp32 ``[batch]`` or None."""
     channels = x.shape[-1]
     block_c = min(_next_pow2(channels), 1024)
+    grid = (_cdiv(channels, block_c), x.shape[0])
     # Pointers the kernel never reads (no mask, no beta) are given `x`: no allocation and no fill launch per call.
-    _pde_decode_kernel[(_cdiv(channels, block_c), x.shape[0])](
-        x, y, state, x if token_mask is None else token_mask, a, a if b is None else b, channels, x.stride(0),
-        state.stride(0), state.stride(1),
-        PDE=pde, STEPS=steps, HAS_MASK=token_mask is not None,
-        A_VEC=a.numel() > 1, B_VEC=b is not None and b.numel() > 1, BLOCK_C=block_c, num_warps=4,
+    pointers = (x, y, state, x if token_mask is None else token_mask, a, a if b is None else b)
+    ints = (channels, x.stride(0), state.stride(0), state.stride(1))
+    consts = (pde, steps, token_mask is not None, a.numel() > 1, b is not None and b.numel() > 1, block_c)
+    key = None
+    if DIRECT_LAUNCH and x.is_cuda and not _launch_hooks_set():
+        key = (x.device.index, consts, tuple((p.dtype, p.data_ptr() % 16 == 0) for p in pointers),
+               tuple((i == 1, i % 16 == 0) for i in ints))
+        kernel = _DECODE_COMPILED.get(key)
+        if kernel is not None:
+            stream = triton.runtime.driver.active.get_current_stream(x.device.index)
+            kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *pointers, *ints, *consts)
+            return y
+    kernel = _pde_decode_kernel[grid](
+        *pointers, *ints, PDE=pde, STEPS=steps, HAS_MASK=consts[2], A_VEC=consts[3], B_VEC=consts[4],
+        BLOCK_C=block_c, num_warps=4,
     )
+    if key is not None and kernel is not None and hasattr(kernel, "packed_metadata"):
+        _DECODE_COMPILED[key] = kernel
     return y
 
 

@@ -356,6 +356,10 @@ def test_module_fast_decode_matches_reference_module(pde):
             torch.testing.assert_close(caches["triton"].layers[0].conv_states[0],
                                        caches["torch"].layers[0].conv_states[0], rtol=1e-5, atol=1e-6)
     assert "_cached_coefficients" in modules["triton"].__dict__  # the lean path ran
+    if ON_GPU:  # and, after the first launch, through the compiled kernel's launcher directly
+        import cta.triton_cta as kernels
+
+        assert not kernels.DIRECT_LAUNCH or kernels._DECODE_COMPILED
     # up to the update, prefill + decode equals the full-sequence pass
     torch.testing.assert_close(torch.cat(outs["triton"], 1)[:, :23], full[:, :23], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(torch.cat(outs["triton"], 1)[:, 23:], full[:, 23:], atol=1e-3)  # the update mattered
