@@ -242,6 +242,9 @@ def _write_all(args, gpu, compile_cells, rows, t_start):
     base = os.path.join(args.out, f"kernels_{gpu}{suffix}")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
                 dtype=args.dtype, compile_cells="all" if compile_cells is None else sorted(compile_cells),
+                stream_configs_tuned_in_this_run={f"{k[0]} causal={k[1]} steps={k[2]}": list(v) for k, v in
+                                                  sorted(__import__("cta.triton_cta").triton_cta._STREAM_TUNE.items())},
+                command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
                 note="medians of triton.testing.do_bench; *_x_copy = time / y.copy_(x) time of the same tensor; "
                      "saved_x = bytes held for backward after the forward / input bytes; peak_x = peak extra bytes "
                      "of forward+backward (incl. the input gradient and the reference's temporaries) / input bytes")

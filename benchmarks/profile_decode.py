@@ -81,6 +81,18 @@ def micro(args):
     rows.append(("triton JIT launch of the decode kernel", lambda: kernels._pde_decode_kernel[grid](
         h, y, state, h, alpha, alpha, args.hidden, h.stride(0), state.stride(0), state.stride(1),
         PDE=0, STEPS=args.steps, HAS_MASK=False, A_VEC=False, B_VEC=False, BLOCK_C=block_c, num_warps=4)))
+    compiled = rows[-1][1]()
+    print(f"launch hooks set: {kernels._launch_hooks_set()}; JIT launch returned {type(compiled).__name__} "
+          f"(packed_metadata: {hasattr(compiled, 'packed_metadata')})", flush=True)
+    if hasattr(compiled, "packed_metadata"):
+        import triton
+
+        def direct_run():
+            stream = triton.runtime.driver.active.get_current_stream(h.device.index)
+            compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         h, y, state, h, alpha, alpha, args.hidden, h.stride(0), state.stride(0), state.stride(1),
+                         0, args.steps, False, False, False, block_c)
+        rows.append(("compiled kernel .run (no JIT dispatch)", direct_run))
     for direct in (False, True):
         def update(direct=direct):
             kernels.DIRECT_LAUNCH = direct
