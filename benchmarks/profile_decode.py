@@ -82,7 +82,7 @@ def micro(args):
         h, y, state, h, alpha, alpha, args.hidden, h.stride(0), state.stride(0), state.stride(1),
         PDE=0, STEPS=args.steps, HAS_MASK=False, A_VEC=False, B_VEC=False, BLOCK_C=block_c, num_warps=4)))
     compiled = rows[-1][1]()
-    print(f"launch hooks set: {kernels._launch_hooks_set()}; JIT launch returned {type(compiled).__name__} "
+    print(f"active launch hooks: {kernels._launch_hooks()}; JIT launch returned {type(compiled).__name__} "
           f"(packed_metadata: {hasattr(compiled, 'packed_metadata')})", flush=True)
     if hasattr(compiled, "packed_metadata"):
         import triton

@@ -788,23 +788,31 @@ USE_STREAM = True  # False: the tile kernels above for every case (kept for comp
 STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "1") not in ("", "0")
 
 
+# (T, BLOCK_C, num_warps, D) per (kernel, causal) and tuned step count: `benchmarks/bench_kernels.py --tune-then-bench
+# --tune-steps 1,4,8` on an H200 (triton 3.6, bf16, (1, 16384, 4096), diffusion); the numbers it reported are in
+# benchmarks/results/kernels_NVIDIA_H200*.md. Other step counts use the nearest tuned one (ties: the smaller).
+_STREAM_DEFAULTS = {
+    ("fwd", False): {1: (128, 128, 1, 2), 4: (64, 512, 4, 2), 8: (256, 256, 1, 2)},
+    ("fwd", True): {1: (64, 512, 4, 2), 4: (128, 128, 1, 4), 8: (256, 256, 2, 2)},
+    ("bwd", False): {1: (128, 128, 1, 2), 4: (256, 256, 2, 4), 8: (512, 256, 2, 4)},
+    ("bwd", True): {1: (128, 128, 1, 2), 4: (256, 128, 1, 4), 8: (256, 512, 2, 2)},
+}
+
+
 def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str, device: torch.device):
     """(T, BLOCK_C, num_warps, D) of the streaming kernels: rows per program, channels per program, warps, prefetch
-    depth. GPU defaults from ``benchmarks/bench_kernels.py --tune`` on an H200 (bf16)."""
+    depth. ``_STREAM_TUNE`` (set by the benchmark's tuner) overrides the defaults above."""
     key = (kind, causal, steps)
     if key in _STREAM_TUNE:
         t, block_c, warps, d = _STREAM_TUNE[key]
-        while _cdiv(seq, t) > 65535:
-            t *= 2
-        return t, block_c, warps, d
-    if device.type != "cuda":  # interpreter: one program per sequence and channel block (fewest interpreted steps)
+    elif device.type != "cuda":  # interpreter: one program per sequence and channel block (fewest interpreted steps)
         return max(seq, 1), min(_next_pow2(channels), 256), 1, 2
-    t = 128 if steps <= 4 else 256
+    else:
+        table = _STREAM_DEFAULTS[(kind, bool(causal))]
+        t, block_c, warps, d = table[min(table, key=lambda tuned: (abs(tuned - steps), tuned))]
     while _cdiv(seq, t) > 65535:
         t *= 2
-    block_c = 256
-    warps = 2
-    return t, max(16, min(block_c, _next_pow2(channels))), warps, 4
+    return t, max(16, min(block_c, _next_pow2(channels))), warps, d
 
 
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:
@@ -1047,10 +1055,16 @@ DIRECT_LAUNCH = os.environ.get("CTA_DIRECT_LAUNCH", "1") not in ("", "0")
 _DECODE_COMPILED = {}
 
 
-def _launch_hooks_set() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
-    return runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+def _active_hook(hook):
+    # Recent Triton installs an empty HookChain by default; calling it (and building the launch metadata it would be
+    # given) does nothing but cost host time.
+    return None if hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls) else hook
+
+
+def _launch_hooks():
+    """Triton's launch enter/exit hooks (profilers set them), passed on as Triton's own launch does."""
+    runtime = triton.knobs.runtime
+    return _active_hook(runtime.launch_enter_hook), _active_hook(runtime.launch_exit_hook)
 
 
 def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
@@ -1064,13 +1078,15 @@ def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
     ints = (channels, x.stride(0), state.stride(0), state.stride(1))
     consts = (pde, steps, token_mask is not None, a.numel() > 1, b is not None and b.numel() > 1, block_c)
     key = None
-    if DIRECT_LAUNCH and x.is_cuda and not _launch_hooks_set():
+    if DIRECT_LAUNCH and x.is_cuda:
         key = (x.device.index, consts, tuple((p.dtype, p.data_ptr() % 16 == 0) for p in pointers),
                tuple((i == 1, i % 16 == 0) for i in ints))
         kernel = _DECODE_COMPILED.get(key)
         if kernel is not None:
             stream = triton.runtime.driver.active.get_current_stream(x.device.index)
-            kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+            enter, leave = _launch_hooks()
+            metadata = kernel.launch_metadata(grid, stream, *pointers, *ints, *consts) if enter is not None else None
+            kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
                        *pointers, *ints, *consts)
             return y
     kernel = _pde_decode_kernel[grid](
