@@ -380,6 +380,10 @@ def render_markdown(data) -> str:
     if data.get("paper_source"):
         lines += ["", f"Paper column: {data['paper_source']}. Blank = not known to us."]
     lines += ["", f"Command: `{s.get('command')}`", ""]
+    resumed = (s.get("resumed_from") or {}).get(data["table"])
+    if resumed and resumed.get("runs"):
+        lines += [f"{resumed['runs']} of these runs were made earlier (same settings) and taken over with "
+                  f"`--resume_from`; their command: `{resumed.get('command')}`", ""]
     return "\n".join(lines)
 
 
