@@ -1,0 +1,119 @@
+"""Grid search of the streaming kernels' launch configurations (T rows per program, BLOCK_C channels, warps, prefetch
+depth D) for diffusion, per (kernel, causal, steps), on one GPU.
+
+``bench_kernels.py --tune`` walks a few configurations greedily in one process; this script tries the whole grid.
+Compiling dominates a grid this size, so worker processes compile every configuration first (they share Triton's
+on-disk cache), then the main process times each one alone on the GPU.
+
+    python benchmarks/tune_stream.py --steps 1,2,4 --workers 16 --out benchmarks/results
+
+Writes ``stream_tuning_<gpu>.json`` (every timing, as a multiple of ``y.copy_(x)``, and the best configuration per
+key) and prints the best configurations in the form of ``cta.triton_cta._STREAM_DEFAULTS``.
+"""
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+T_VALUES = (32, 64, 128, 256)
+BLOCKS = ((64, 1), (128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 4), (1024, 8))
+D_VALUES = (1, 2, 4)
+
+
+def _grid(steps_list):
+    for kind, causal, steps in itertools.product(("fwd", "bwd"), (False, True), steps_list):
+        for t, (block_c, warps), d in itertools.product(T_VALUES, BLOCKS, D_VALUES):
+            yield (kind, causal, steps), (t, block_c, warps, d)
+
+
+def _runner(key, cfg, x, alpha, grad):
+    from cta import triton_cta
+
+    kind, causal, steps = key
+    triton_cta._STREAM_TUNE[key] = cfg
+    if kind == "fwd":
+        return lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps, causal, False)
+    return lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps, causal)
+
+
+def _inputs(shape, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    grad = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
+    alpha = torch.full((shape[-1],), 0.2, device="cuda")
+    return x, alpha, grad
+
+
+def _compile_worker(args):
+    jobs, shape, dtype = args
+    x, alpha, grad = _inputs(shape, getattr(torch, dtype))
+    failed = []
+    for key, cfg in jobs:
+        try:
+            _runner(key, cfg, x, alpha, grad)()
+        except Exception as exc:  # noqa: BLE001  (a configuration that does not compile is skipped)
+            failed.append((key, cfg, f"{type(exc).__name__}: {str(exc)[:100]}"))
+    torch.cuda.synchronize()
+    return failed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", default="1,2,4", help="comma list of step counts")
+    parser.add_argument("--shape", default="1x16384x4096")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--workers", type=int, default=16, help="processes compiling the grid")
+    parser.add_argument("--rep-ms", type=float, default=5.0, help="do_bench repetition budget per configuration")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args()
+    from triton.testing import do_bench
+
+    shape = tuple(int(s) for s in args.shape.split("x"))
+    grid = list(_grid([int(s) for s in args.steps.split(",")]))
+    start = time.time()
+    chunks = [grid[i::args.workers] for i in range(args.workers)]
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        failed = [f for part in pool.map(_compile_worker, [(c, shape, args.dtype) for c in chunks]) for f in part]
+    print(f"compiled {len(grid)} configurations in {time.time() - start:.0f}s ({len(failed)} failed)", flush=True)
+    bad = {(k, c) for k, c, _ in failed}
+
+    x, alpha, grad = _inputs(shape, getattr(torch, args.dtype))
+    y = torch.empty_like(x)
+    copy_ms = do_bench(lambda: y.copy_(x), warmup=5, rep=25, return_mode="median")
+    timings, best = [], {}
+    for key, cfg in grid:
+        if (key, cfg) in bad:
+            continue
+        ms = do_bench(_runner(key, cfg, x, alpha, grad), warmup=2, rep=args.rep_ms, return_mode="median")
+        timings.append(dict(kind=key[0], causal=key[1], steps=key[2], config=list(cfg), x_copy=ms / copy_ms))
+        if key not in best or ms < best[key][0]:
+            best[key] = (ms, cfg)
+    print(f"timed in {time.time() - start:.0f}s; copy {copy_ms * 1e3:.1f} us", flush=True)
+    for key, (ms, cfg) in sorted(best.items()):
+        print(f"best {key}: {cfg} {ms / copy_ms:.3f}x copy", flush=True)
+    defaults = {}
+    for (kind, causal, steps), (_, cfg) in sorted(best.items()):
+        defaults.setdefault((kind, causal), {})[steps] = cfg
+    print("_STREAM_DEFAULTS =", defaults)
+    gpu = torch.cuda.get_device_name().replace(" ", "_")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"stream_tuning_{gpu}.json"), "w") as f:
+        json.dump(dict(meta=dict(gpu=torch.cuda.get_device_name(), shape=list(shape), dtype=args.dtype,
+                                 copy_ms=copy_ms, triton=__import__("triton").__version__,
+                                 command="python benchmarks/tune_stream.py " + " ".join(sys.argv[1:])),
+                       best={f"{k[0]} causal={k[1]} steps={k[2]}": dict(config=list(c), x_copy=ms / copy_ms)
+                             for k, (ms, c) in sorted(best.items())},
+                       failed=[dict(key=list(k), config=list(c), error=e) for k, c, e in failed],
+                       timings=timings), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
