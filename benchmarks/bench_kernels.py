@@ -46,6 +46,8 @@ def parse_args():
                    help="'pde:steps,...' cells for which torch.compile of the reference is timed, 'all' or 'none'")
     p.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference timings")
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
+    p.add_argument("--stream-configs", default=None,
+                   help="stream_tuning_<gpu>.json of benchmarks/tune_stream.py: use its best configurations")
     p.add_argument("--tune", action="store_true", help="sweep the streaming kernels' configs (diffusion, steps 4 and "
                    "8, (1,16384,4096)), print them and exit")
     p.add_argument("--tune-steps", default="4,8", help="step counts tuned by --tune")
@@ -168,6 +170,15 @@ def main():
     from cta.triton_cta import pde_refine_triton
 
     dtype = getattr(torch, args.dtype)
+    if args.stream_configs:  # best configurations found by benchmarks/tune_stream.py
+        from cta import triton_cta
+
+        with open(args.stream_configs) as f:
+            best = json.load(f)["best"]
+        for name, entry in best.items():
+            kind, causal, steps = name.split()
+            key = (kind, causal == "causal=True", int(steps.split("=")[1]))
+            triton_cta._STREAM_TUNE[key] = tuple(entry["config"])
     if args.tune or args.tune_then_bench:
         tune(dtype, args.rep_ms, tuple(int(s) for s in args.tune_steps.split(",")))
         if args.tune:

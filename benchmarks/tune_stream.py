@@ -23,14 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-T_VALUES = (32, 64, 128, 256)
-BLOCKS = ((64, 1), (128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 4), (1024, 8))
-D_VALUES = (1, 2, 4)
-
-
-def _grid(steps_list):
+def _grid(steps_list, t_values, blocks, d_values):
     for kind, causal, steps in itertools.product(("fwd", "bwd"), (False, True), steps_list):
-        for t, (block_c, warps), d in itertools.product(T_VALUES, BLOCKS, D_VALUES):
+        for t, (block_c, warps), d in itertools.product(t_values, blocks, d_values):
             yield (kind, causal, steps), (t, block_c, warps, d)
 
 
@@ -68,6 +63,10 @@ def _compile_worker(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default="1,2,4", help="comma list of step counts")
+    parser.add_argument("--t-values", default="32,64,128,256", help="rows per program")
+    parser.add_argument("--blocks", default="64:1,128:1,256:1,256:2,512:2,512:4,1024:4,1024:8",
+                        help="BLOCK_C:num_warps pairs")
+    parser.add_argument("--d-values", default="1,2,4", help="prefetch depths")
     parser.add_argument("--shape", default="1x16384x4096")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", type=int, default=16, help="processes compiling the grid")
@@ -77,7 +76,9 @@ def main():
     from triton.testing import do_bench
 
     shape = tuple(int(s) for s in args.shape.split("x"))
-    grid = list(_grid([int(s) for s in args.steps.split(",")]))
+    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    blocks = [tuple(int(v) for v in pair.split(":")) for pair in args.blocks.split(",")]
+    grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values)))
     start = time.time()
     chunks = [grid[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:

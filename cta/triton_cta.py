@@ -473,16 +473,20 @@ def _coef_lines(w, name, ptr, vec):
         w(f"{name} = tl.load({ptr}).to(tl.float32)")
 
 
-def _bidi_levels(w, pre, pde, first, last, carry, c="a"):
+def _bidi_levels(w, pre, pde, first, last, carry, c="a", interior=False):
     """Bidirectional levels ``first..last`` of pipeline ``pre``: level s at row q-s from ``{pre}p{s-1}`` (row q-s)
-    and ``{pre}n{s-1}`` (row q-s+1). ``vv{k}`` = validity of row q-k. Appends the loop-carried names to ``carry``."""
+    and ``{pre}n{s-1}`` (row q-s+1). ``vv{k}`` = validity of row q-k. Appends the loop-carried names to ``carry``.
+    ``interior``: every row the program touches is a valid token, so the validity factors (all exactly 1) are left
+    out -- the same values, fewer instructions (these kernels are issue-bound, not memory-bound)."""
     for s in range(first, last + 1):
         p, n = f"{pre}p{s - 1}", f"{pre}n{s - 1}"
         e = f"{pre}e{s}"
-        w(f"{e} = vv{s} * vv{s - 1}")
+        times_e = "" if interior else f" * {e}"
+        if not interior:
+            w(f"{e} = vv{s} * vv{s - 1}")
         w(f"{pre}d{s} = {n} - {p}")
         if pde == "wave":
-            w(f"{pre}D{s} = {pre}d{s} * {e}")
+            w(f"{pre}D{s} = {pre}d{s}{times_e}")
             w(f"{pre}lap{s} = {pre}D{s} - {pre}dl{s}")
             w(f"{pre}dl{s} = {pre}D{s}")
             if s == 1:
@@ -495,12 +499,12 @@ def _bidi_levels(w, pre, pde, first, last, carry, c="a"):
             carry.append(f"{pre}dl{s}")
         else:
             if pde == "advection_diffusion":
-                w(f"{pre}G{s} = ({c} * {pre}d{s} - bp * {p} - bm * {n}) * {e}")
+                w(f"{pre}G{s} = ({c} * {pre}d{s} - bp * {p} - bm * {n}){times_e}")
             else:
-                w(f"{pre}G{s} = {c} * {pre}d{s} * {e}")
+                w(f"{pre}G{s} = {c} * {pre}d{s}{times_e}")
             w(f"{pre}up{s} = {pre}G{s} - {pre}gl{s}")
             if pde == "reaction_diffusion":
-                w(f"{pre}up{s} = {pre}up{s} - b * _tanh({p}) * vv{s}")
+                w(f"{pre}up{s} = {pre}up{s} - b * _tanh({p})" + ("" if interior else f" * vv{s}"))
             w(f"{pre}gl{s} = {pre}G{s}")
             w(f"{pre}n{s} = {p} + {pre}up{s}")
             carry.append(f"{pre}gl{s}")
@@ -508,26 +512,28 @@ def _bidi_levels(w, pre, pde, first, last, carry, c="a"):
         carry.append(p)
 
 
-def _causal_levels(w, pre, pde, first, last, carry, has_init=False, c="a"):
-    """Causal levels at row q: level s from ``{pre}n{s-1}`` (row q) and ``{pre}p{s-1}`` (row q-1)."""
+def _causal_levels(w, pre, pde, first, last, carry, has_init=False, c="a", interior=False):
+    """Causal levels at row q: level s from ``{pre}n{s-1}`` (row q) and ``{pre}p{s-1}`` (row q-1). ``interior``: as
+    in :func:`_bidi_levels` (and row 0, where the initial state enters, is never in an interior program)."""
+    times_v0 = "" if interior else " * vv0"
     for s in range(first, last + 1):
         p, n = f"{pre}p{s - 1}", f"{pre}n{s - 1}"
-        w(f"{pre}left{s} = {p} * vv1")
-        if has_init:
+        w(f"{pre}left{s} = {p}" + ("" if interior else " * vv1"))
+        if has_init and not interior:
             w(f"{pre}left{s} = tl.where(q == 0, ini{s - 1}, {pre}left{s})")
         w(f"{pre}pull{s} = {pre}left{s} - {n}")
         if pde == "wave":
             if s == 1:
-                w(f"{pre}nv{s} = {c} * {pre}pull{s} * vv0")
+                w(f"{pre}nv{s} = {c} * {pre}pull{s}{times_v0}")
             else:
-                w(f"{pre}nv{s} = _KEEP * {pre}nv{s - 1} + {c} * {pre}pull{s} * vv0")
+                w(f"{pre}nv{s} = _KEEP * {pre}nv{s - 1} + {c} * {pre}pull{s}{times_v0}")
             w(f"{pre}n{s} = {n} + {pre}nv{s}")
         else:
             cc = "ab" if pde == "advection_diffusion" else c
             w(f"{pre}up{s} = {cc} * {pre}pull{s}")
             if pde == "reaction_diffusion":
                 w(f"{pre}up{s} = {pre}up{s} - b * _tanh({n})")
-            w(f"{pre}n{s} = {n} + {pre}up{s} * vv0")
+            w(f"{pre}n{s} = {n} + {pre}up{s}{times_v0}")
         w(f"{p} = {n}")
         carry.append(p)
 
@@ -538,7 +544,7 @@ def _rows(r: str) -> str:
     return f"(cz + {r})" if _interpret() else f"({r})"
 
 
-def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final):
+def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
     ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``."""
@@ -592,93 +598,16 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("acc = fz")
         w("end = tl.minimum(start + T, L)")
     nvv = S + 1 if not (causal and kind == "fwd") else 2
-    body = _Src()
-    body.depth = 2
+    # Programs whose rows (loads, prefetches and validity lookups) all lie inside the sequence run a copy of the loop
+    # with no masks and no validity factors: the kernels are instruction-issue bound, and those are most of the
+    # instructions. Needs no padding mask and whole channel blocks.
+    interior_path = not has_mask and even_c
     carry = []
-    b = body
-    b("q = p0 + j")
-    for pre, row, stride in srcs:
-        b(f"{pre}q = {pre}f0")
-        for k in range(D - 1):
-            b(f"{pre}f{k} = {pre}f{k + 1}")
-        rq = _rows(f"q + {D}")
-        b(f"{pre}f{D - 1} = tl.load({row} + (q + {D}) * {stride}, mask=cmask & ({rq} >= 0) & ({rq} < L), other=0.0)")
-        carry += [f"{pre}f{k}" for k in range(D)]
-    if has_mask:
-        b("mq = mf0")
-        for k in range(D - 1):
-            b(f"mf{k} = mf{k + 1}")
-        b(f"mf{D - 1} = tl.load(mrow + (q + {D}), mask=(q + {D} >= 0) & (q + {D} < L), other=0)")
-        carry += [f"mf{k}" for k in range(D)]
-        b("vq = mq.to(tl.float32)")
-    else:
-        b("vq = ((q >= 0) & (q < L)).to(tl.float32)")
-    # Validity of rows q-1..q-nvv+1, recomputed from the row index (and the mask, an L1-resident reload) rather
-    # than shifted from iteration to iteration: a chain of loop-carried scalars is what the lagged kernels, wrong on
-    # an H200 while exact in the interpreter, had and the lag-free causal forward (which passes there) did not.
-    b("vv0 = vq")
-    for k in range(1, nvv):
-        if has_mask:
-            b(f"vv{k} = tl.load(mrow + (q - {k}), mask=(q - {k} >= 0) & (q - {k} < L), other=0).to(tl.float32)")
-        else:
-            b(f"vv{k} = ((q - {k} >= 0) & (q - {k} < L)).to(tl.float32)")
-    if kind == "fwd":
-        b("xn0 = xq.to(tl.float32)")
-        if causal:
-            _causal_levels(b, "x", pde, 1, S, carry, has_init)
-            if write_final:
-                b("if q == L - 1:")
-                b.depth += 1
-                for s in range(S):
-                    b(f"tl.store(FIN + b64 * {S} * C + {s} * C + cols, xn{s} * vq, mask=cmask)")
-                b.depth -= 1
-            b("ro = q")
-        else:
-            _bidi_levels(b, "x", pde, 1, S, carry)
-            b(f"ro = q - {S}")
-        b(f"tl.store(Y + (b64 * L + ro) * C + cols, xn{S}.to(Y.dtype.element_ty), "
-          f"mask=cmask & ({_rows('ro')} >= start) & ({_rows('ro')} < L))")
-    else:
-        b("xn0 = xq.to(tl.float32)")
-        b("gn0 = gq.to(tl.float32)")
-        if causal:
-            # dc = S * <g, A u_{S-1}>: u_{S-1} by S-1 causal levels on x, paired with g at row q
-            _causal_levels(b, "x", "diffusion", 1, S - 1, carry)
-            b(f"au = (xp{S - 1} * vv1 - xn{S - 1}) * vv0")
-            b(f"xp{S - 1} = xn{S - 1}")
-            carry.append(f"xp{S - 1}")
-            b("ra = q")
-            b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gn0 * au, 0.0)")
-            # adjoint (anti-causal): level s at row q-s from g rows q-s (p) and q-s+1 (n)
-            for s in range(1, S + 1):
-                p, n = f"gp{s - 1}", f"gn{s - 1}"
-                b(f"gwn{s} = {n} * vv{s - 1}")
-                b(f"gwp{s} = {p} * vv{s}")
-                b(f"gn{s} = {p} - gwp{s} * a + a * vv{s} * gwn{s}")
-                b(f"{p} = {n}")
-                carry.append(p)
-        else:
-            # dc = S * <g, L M^{S-1} x> = S * <M^k g, L M^{S-1-k} x>, k = S // 2 (M symmetric): equal lags
-            k = S // 2
-            m = S - 1 - k
-            b(f"gpair = gp{k}")  # level k of g at row q-k-1 (for odd S)
-            _bidi_levels(b, "x", "diffusion", 1, m, carry, c="a")
-            b(f"xe{m + 1} = vv{m + 1} * vv{m}")
-            b(f"xF = (xn{m} - xp{m}) * xe{m + 1}")
-            b("lu = xF - xfl")
-            b("xfl = xF")
-            b(f"xp{m} = xn{m}")
-            carry += ["xfl", f"xp{m}"]
-            _bidi_levels(b, "g", "diffusion", 1, S, carry, c="a")
-            if S % 2 == 0:
-                b(f"ra = q - {k}")
-                b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gn{k} * lu, 0.0)")
-            else:
-                b(f"ra = q - {k + 1}")
-                b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gpair * lu, 0.0)")
-        b(f"ro = q - {S}")
-        b(f"tl.store(DX + (b64 * L + ro) * C + cols, gn{S}.to(DX.dtype.element_ty), "
-          f"mask=cmask & ({_rows('ro')} >= start) & ({_rows('ro')} < L))")
+    general = _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, carry,
+                           depth=3 if interior_path else 2, interior=False)
+    if interior_path:
+        inner = _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, [],
+                             depth=3, interior=True)
     # initialise the loop-carried state (prefetch registers are loaded above)
     seen = set()
     for v in carry:
@@ -687,11 +616,127 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
             continue
         seen.add(v)
         w(f"{v} = fz")
-    w("for j in range(0, n_it):")
-    src = "\n".join(w.lines + body.lines)
+    if interior_path:
+        w(f"interior = (start - {S + nvv - 1} >= 0) & (start - {S} + T + {lag + D} <= L)")
+        w("if interior:")
+        w("    for j in range(0, n_it):")
+        w.lines += inner.lines
+        w("else:")
+        w("    for j in range(0, n_it):")
+        w.lines += general.lines
+    else:
+        w("for j in range(0, n_it):")
+        w.lines += general.lines
+    src = "\n".join(w.lines)
     if kind == "bwd":
         src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)"
     return src + "\n"
+
+
+def _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, carry, depth, interior):
+    """The loop body of :func:`_stream_source` (one row), appending the loop-carried names to ``carry``.
+    ``interior``: every row touched is inside the sequence (no masks, validity factors left out)."""
+    b = _Src()
+    b.depth = depth
+    b("q = p0 + j")
+    for pre, row, stride in srcs:
+        b(f"{pre}q = {pre}f0")
+        for k in range(D - 1):
+            b(f"{pre}f{k} = {pre}f{k + 1}")
+        if interior:
+            b(f"{pre}f{D - 1} = tl.load({row} + (q + {D}) * {stride})")
+        else:
+            rq = _rows(f"q + {D}")
+            b(f"{pre}f{D - 1} = tl.load({row} + (q + {D}) * {stride}, mask=cmask & ({rq} >= 0) & ({rq} < L), "
+              f"other=0.0)")
+        carry += [f"{pre}f{k}" for k in range(D)]
+    if has_mask:
+        b("mq = mf0")
+        for k in range(D - 1):
+            b(f"mf{k} = mf{k + 1}")
+        b(f"mf{D - 1} = tl.load(mrow + (q + {D}), mask=(q + {D} >= 0) & (q + {D} < L), other=0)")
+        carry += [f"mf{k}" for k in range(D)]
+        b("vq = mq.to(tl.float32)")
+    elif not interior:
+        b("vq = ((q >= 0) & (q < L)).to(tl.float32)")
+    if not interior:
+        # Validity of rows q-1..q-nvv+1, recomputed from the row index (and the mask, an L1-resident reload) rather
+        # than shifted from iteration to iteration: a chain of loop-carried scalars is what the lagged kernels, wrong
+        # on an H200 while exact in the interpreter, had and the lag-free causal forward (which passes there) did not.
+        b("vv0 = vq")
+        for k in range(1, nvv):
+            if has_mask:
+                b(f"vv{k} = tl.load(mrow + (q - {k}), mask=(q - {k} >= 0) & (q - {k} < L), other=0).to(tl.float32)")
+            else:
+                b(f"vv{k} = ((q - {k} >= 0) & (q - {k} < L)).to(tl.float32)")
+    store_mask = f"{_rows('ro')} >= start" if interior else f"cmask & ({_rows('ro')} >= start) & ({_rows('ro')} < L)"
+    if kind == "fwd":
+        b("xn0 = xq.to(tl.float32)")
+        if causal:
+            _causal_levels(b, "x", pde, 1, S, carry, has_init, interior=interior)
+            if write_final and not interior:  # row L-1 is never in an interior program
+                b("if q == L - 1:")
+                b.depth += 1
+                for s in range(S):
+                    b(f"tl.store(FIN + b64 * {S} * C + {s} * C + cols, xn{s} * vq, mask=cmask)")
+                b.depth -= 1
+            b("ro = q")
+        else:
+            _bidi_levels(b, "x", pde, 1, S, carry, interior=interior)
+            b(f"ro = q - {S}")
+        b(f"tl.store(Y + (b64 * L + ro) * C + cols, xn{S}.to(Y.dtype.element_ty), mask={store_mask})")
+    else:
+        b("xn0 = xq.to(tl.float32)")
+        b("gn0 = gq.to(tl.float32)")
+        if causal:
+            # dc = S * <g, A u_{S-1}>: u_{S-1} by S-1 causal levels on x, paired with g at row q
+            _causal_levels(b, "x", "diffusion", 1, S - 1, carry, interior=interior)
+            if interior:
+                b(f"au = xp{S - 1} - xn{S - 1}")
+            else:
+                b(f"au = (xp{S - 1} * vv1 - xn{S - 1}) * vv0")
+            b(f"xp{S - 1} = xn{S - 1}")
+            carry.append(f"xp{S - 1}")
+            b("ra = q")
+            b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gn0 * au, 0.0)")
+            # adjoint (anti-causal): level s at row q-s from g rows q-s (p) and q-s+1 (n)
+            for s in range(1, S + 1):
+                p, n = f"gp{s - 1}", f"gn{s - 1}"
+                if interior:
+                    b(f"gn{s} = {p} - {p} * a + a * {n}")
+                else:
+                    b(f"gwn{s} = {n} * vv{s - 1}")
+                    b(f"gwp{s} = {p} * vv{s}")
+                    b(f"gn{s} = {p} - gwp{s} * a + a * vv{s} * gwn{s}")
+                b(f"{p} = {n}")
+                carry.append(p)
+        else:
+            # dc = S * <g, L M^{S-1} x> = S * <M^k g, L M^{S-1-k} x>, k = S // 2 (M symmetric): equal lags
+            k = S // 2
+            m = S - 1 - k
+            b(f"gpair = gp{k}")  # level k of g at row q-k-1 (for odd S)
+            _bidi_levels(b, "x", "diffusion", 1, m, carry, c="a", interior=interior)
+            if interior:
+                b(f"xF = xn{m} - xp{m}")
+            else:
+                b(f"xe{m + 1} = vv{m + 1} * vv{m}")
+                b(f"xF = (xn{m} - xp{m}) * xe{m + 1}")
+            b("lu = xF - xfl")
+            b("xfl = xF")
+            b(f"xp{m} = xn{m}")
+            carry += ["xfl", f"xp{m}"]
+            _bidi_levels(b, "g", "diffusion", 1, S, carry, c="a", interior=interior)
+            if S % 2 == 0:
+                b(f"ra = q - {k}")
+                b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gn{k} * lu, 0.0)")
+            else:
+                b(f"ra = q - {k + 1}")
+                b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gpair * lu, 0.0)")
+        b(f"ro = q - {S}")
+        b(f"tl.store(DX + (b64 * L + ro) * C + cols, gn{S}.to(DX.dtype.element_ty), mask={store_mask})")
+    return b
+
+
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -846,7 +891,7 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          has_init and bool(causal), write_final))
+                          has_init and bool(causal), write_final, channels % block_c == 0))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     kernel[grid](x, y, m if m is not None else x, a, b, ini, fin if write_final else x,
                  seq, channels, x.stride(0), x.stride(1), T=t, BLOCK_C=block_c, num_warps=warps)
@@ -865,7 +910,7 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          False, False))
+                          False, False, channels % block_c == 0))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     kernel[grid](gy, x, dx, m if m is not None else x, a, b, da, seq, channels, x.stride(0), x.stride(1),
                  gy.stride(0), gy.stride(1), n_tiles, T=t, BLOCK_C=block_c, num_warps=warps)
