@@ -833,14 +833,15 @@ USE_STREAM = True  # False: the tile kernels above for every case (kept for comp
 STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "1") not in ("", "0")
 
 
-# (T, BLOCK_C, num_warps, D) per (kernel, causal) and tuned step count: `benchmarks/bench_kernels.py --tune-then-bench
-# --tune-steps 1,4,8` on an H200 (triton 3.6, bf16, (1, 16384, 4096), diffusion); the numbers it reported are in
-# benchmarks/results/kernels_NVIDIA_H200*.md. Other step counts use the nearest tuned one (ties: the smaller).
+# (T, BLOCK_C, num_warps, D) per (kernel, causal) and tuned step count: the best of a grid of 132 configurations
+# (`benchmarks/tune_stream.py`, H200, triton 3.6, bf16, (1, 16384, 4096), diffusion; every timing is in
+# benchmarks/results/stream_tuning_NVIDIA_H200.json, and kernels_NVIDIA_H200*.md were measured with these).
+# Other step counts use the nearest tuned one (ties: the smaller).
 _STREAM_DEFAULTS = {
-    ("fwd", False): {1: (128, 128, 1, 2), 4: (64, 512, 4, 2), 8: (256, 256, 1, 2)},
-    ("fwd", True): {1: (64, 512, 4, 2), 4: (128, 128, 1, 4), 8: (256, 256, 2, 2)},
-    ("bwd", False): {1: (128, 128, 1, 2), 4: (256, 256, 2, 4), 8: (512, 256, 2, 4)},
-    ("bwd", True): {1: (128, 128, 1, 2), 4: (256, 128, 1, 4), 8: (256, 512, 2, 2)},
+    ('fwd', False): {1: (64, 512, 4, 1), 2: (32, 256, 2, 1), 4: (128, 256, 2, 1), 8: (128, 1024, 8, 1)},
+    ('fwd', True): {1: (32, 512, 1, 1), 2: (64, 1024, 8, 1), 4: (16, 256, 2, 2), 8: (128, 1024, 4, 2)},
+    ('bwd', False): {1: (128, 1024, 8, 1), 2: (128, 128, 1, 1), 4: (256, 128, 1, 1), 8: (128, 512, 4, 1)},
+    ('bwd', True): {1: (64, 512, 1, 1), 2: (128, 512, 4, 1), 4: (128, 512, 1, 1), 8: (128, 512, 4, 1)},
 }
 
 
