@@ -1094,9 +1094,10 @@ class _PDERefineFunction(torch.autograd.Function):
 
 # Decoding calls the decode kernel once per PDE site and token, and a batch-1 decode step is host-bound: Triton's
 # generic launch path (argument binding, specialisation key, cache lookup) costs several times the kernel itself.
-# After the first launch of a specialisation, later ones call the compiled kernel's launcher directly, keyed on
-# everything Triton specialises on (constexprs, pointer dtypes and 16-byte alignment, integers equal to 1 or
-# divisible by 16, the device). CTA_DIRECT_LAUNCH=0 turns this off.
+# After the first launch of a configuration, later ones call the compiled kernel's launcher directly. They are keyed
+# on everything Triton specialises on: the constexprs, the dtypes (the coefficient, mask and state pointers are
+# fp32 by contract), the integer arguments themselves, and 16-byte alignment of the pointers (only the all-aligned
+# case is cached; anything else goes through Triton's own path). CTA_DIRECT_LAUNCH=0 turns this off.
 DIRECT_LAUNCH = os.environ.get("CTA_DIRECT_LAUNCH", "1") not in ("", "0")
 _DECODE_COMPILED = {}
 
@@ -1114,29 +1115,33 @@ def _launch_hooks():
 
 
 def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
-    """Launches the decode kernel. ``x``/``y``: ``[batch, (1,) channels]`` with contiguous channels; ``a``/``b``: fp32
-    ``[1]`` or ``[channels]`` (``b`` None for diffusion/wave); ``token_mask``: fp32 ``[batch]`` or None."""
+    """Launches the decode kernel. ``x``/``y``: ``[batch, (1,) channels]`` with contiguous channels; ``state``: fp32;
+    ``a``/``b``: fp32 ``[1]`` or ``[channels]`` (``b`` None for diffusion/wave); ``token_mask``: fp32 ``[batch]``
+    or None."""
     channels = x.shape[-1]
     block_c = min(_next_pow2(channels), 1024)
-    grid = (_cdiv(channels, block_c), x.shape[0])
+    grid = (-(-channels // block_c), x.shape[0])
     # Pointers the kernel never reads (no mask, no beta) are given `x`: no allocation and no fill launch per call.
-    pointers = (x, y, state, x if token_mask is None else token_mask, a, a if b is None else b)
+    tm = x if token_mask is None else token_mask
+    bb = a if b is None else b
     ints = (channels, x.stride(0), state.stride(0), state.stride(1))
     consts = (pde, steps, token_mask is not None, a.numel() > 1, b is not None and b.numel() > 1, block_c)
     key = None
-    if DIRECT_LAUNCH and x.is_cuda:
-        key = (x.device.index, consts, tuple((p.dtype, p.data_ptr() % 16 == 0) for p in pointers),
-               tuple((i == 1, i % 16 == 0) for i in ints))
+    if DIRECT_LAUNCH and x.is_cuda and not (
+        (x.data_ptr() | y.data_ptr() | state.data_ptr() | tm.data_ptr() | a.data_ptr() | bb.data_ptr()) % 16
+    ):
+        key = (x.device.index, x.dtype, consts, ints)
         kernel = _DECODE_COMPILED.get(key)
         if kernel is not None:
             stream = triton.runtime.driver.active.get_current_stream(x.device.index)
             enter, leave = _launch_hooks()
-            metadata = kernel.launch_metadata(grid, stream, *pointers, *ints, *consts) if enter is not None else None
+            args = (x, y, state, tm, a, bb, *ints, *consts)
+            metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
             kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
-                       *pointers, *ints, *consts)
+                       *args)
             return y
     kernel = _pde_decode_kernel[grid](
-        *pointers, *ints, PDE=pde, STEPS=steps, HAS_MASK=consts[2], A_VEC=consts[3], B_VEC=consts[4],
+        x, y, state, tm, a, bb, *ints, PDE=pde, STEPS=steps, HAS_MASK=consts[2], A_VEC=consts[3], B_VEC=consts[4],
         BLOCK_C=block_c, num_warps=4,
     )
     if key is not None and kernel is not None and hasattr(kernel, "packed_metadata"):
@@ -1175,7 +1180,7 @@ def pde_decode_update(hidden_states, state, alpha, beta, token_mask, pde: int, s
     spent on is host time (a batch-1 step of a 4096-wide model is launch-bound), hence this path.
     """
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
-    return _launch_decode(x, torch.empty(x.shape, device=x.device, dtype=x.dtype), state, alpha, beta, token_mask, pde, steps)
+    return _launch_decode(x, torch.empty_like(x), state, alpha, beta, token_mask, pde, steps)
 
 
 def _pde_decode_fake(x, state, alpha, beta, token_mask, pde, steps):
