@@ -15,14 +15,9 @@ Design
   once (plus ``S`` warm-up rows per side and program), each output row written once, row loads are prefetched a few
   rows ahead, and threads never exchange data (each owns its channels for the whole walk) -- the neighbour exchange
   of a tile-in-registers design (``tl.gather`` per step) is gone. The operations are the reference's, in the same
-  order (flux form, the same walls at sequence ends and padding), so fp32 results match it to rounding. The kernel
-  source is generated per (scheme, steps, options), because the number of register vectors carried from row to row
-  depends on the step count (``_stream_source``).
-* These kernels are bound by instruction issue, not memory (Nsight Compute on an H200: ~85% SM issue, ~56% DRAM
-  throughput for 2 bidirectional steps). Programs whose rows all lie inside the sequence (no padding mask, whole
-  channel blocks: most programs of a long input) therefore run a second copy of the loop without masks and
-  validity factors, and with the diffusion update written as ``u + a (d - d_left)`` (one instruction less per
-  level; equal to the flux form up to fp32 rounding).
+  order (flux form, the same walls at sequence ends and padding), so fp32 results match it to rounding (bit for bit
+  in the interpreter). The kernel source is generated per (scheme, steps, options), because the number of register
+  vectors carried from row to row depends on the step count (``_stream_source``).
 * Backward of the linear schemes (diffusion both ways, causal advection-diffusion = diffusion with ``a + b``), the
   training case: one streaming pass. Bidirectional: the step matrix ``M = I + a L`` is symmetric (walls included),
   so ``dx = M^S g`` is the forward walk applied to ``g``, and ``dL/da = S <g, L M^(S-1) x> = S <M^k g, L M^(S-1-k) x>``
@@ -502,12 +497,6 @@ def _bidi_levels(w, pre, pde, first, last, carry, c="a", interior=False):
                 carry.append(f"{pre}pv{s - 1}")
             w(f"{pre}n{s} = {p} + {pre}nv{s}")
             carry.append(f"{pre}dl{s}")
-        elif interior and pde == "diffusion":
-            # u + c*(d - d_left) instead of u + (c*d - c*d_left): one instruction less per level (sub, sub, fma),
-            # equal to the flux form up to fp32 rounding. `gl` carries the left difference d instead of the flux.
-            w(f"{pre}n{s} = {p} + {c} * ({pre}d{s} - {pre}gl{s})")
-            w(f"{pre}gl{s} = {pre}d{s}")
-            carry.append(f"{pre}gl{s}")
         else:
             if pde == "advection_diffusion":
                 w(f"{pre}G{s} = ({c} * {pre}d{s} - bp * {p} - bm * {n}){times_e}")
@@ -713,8 +702,8 @@ def _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs,
             # adjoint (anti-causal): level s at row q-s from g rows q-s (p) and q-s+1 (n)
             for s in range(1, S + 1):
                 p, n = f"gp{s - 1}", f"gn{s - 1}"
-                if interior:  # (1 - a) p + a n as one sub and one fma
-                    b(f"gn{s} = {p} + a * ({n} - {p})")
+                if interior:
+                    b(f"gn{s} = {p} - {p} * a + a * {n}")
                 else:
                     b(f"gwn{s} = {n} * vv{s - 1}")
                     b(f"gwp{s} = {p} * vv{s}")
