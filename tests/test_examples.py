@@ -290,3 +290,35 @@ def test_encoder_sliding_window_is_refused(tmp_path):
     with pytest.raises(NotImplementedError, match="sliding_window"):
         run_classification.main(["--task", "listops", "--sliding_window", "8", "--output_dir", str(tmp_path)]
                                 + reproduce.QUICK_CLS + ["--max_seq_length", "64"])
+
+
+def _earlier_listops_results(path, extra=""):
+    """A listops table JSON as an earlier --quick run would have left it (values chosen by hand, never trained)."""
+    table = reproduce.TABLES["listops"]
+    cells = []
+    for i, (variant, _) in enumerate(table["variants"]):
+        cells.append(dict(row="ListOps", variant=variant, values=[40.0 + i], seeds=[0],
+                          runs=[dict(seed=0, global_steps=2, device="cpu")]))
+    data = dict(table="listops", metric=table["metric"], metric_scale=table["scale"], cells=cells,
+                settings=dict(quick=True, extra=extra, epochs_override=None, command="earlier command"))
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "listops.json").write_text(json.dumps(data))
+
+
+def test_reproduce_resume_from_takes_over_finished_seeds(tmp_path):
+    _earlier_listops_results(tmp_path / "earlier")
+    out = reproduce.main(["--table", "listops", "--quick", "--seeds", "1", "--jobs", "0", "--time_budget", "0",
+                          "--output_dir", str(tmp_path / "new"), "--work_dir", str(tmp_path / "runs"),
+                          "--resume_from", str(tmp_path / "earlier")])
+    data = out["listops"]
+    assert [c["values"] for c in data["cells"]] == [[40.0], [41.0]]  # nothing trained, both seeds taken over
+    assert data["settings"]["resumed_from"]["listops"] == {"command": "earlier command", "runs": 2}
+    assert "taken over with `--resume_from`" in (tmp_path / "new" / "listops.md").read_text()
+
+
+def test_reproduce_resume_from_refuses_other_settings(tmp_path):
+    _earlier_listops_results(tmp_path / "earlier", extra="--learning_rate 1")
+    with pytest.raises(SystemExit, match="other settings"):
+        reproduce.main(["--table", "listops", "--quick", "--seeds", "1", "--jobs", "0", "--time_budget", "0",
+                        "--output_dir", str(tmp_path / "new"), "--work_dir", str(tmp_path / "runs"),
+                        "--resume_from", str(tmp_path / "earlier")])
