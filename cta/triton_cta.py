@@ -951,7 +951,9 @@ def _launch_fwd(x, alpha, beta, mask, init, pde, steps, causal, want_final):
     return y, fin
 
 
-def _launch_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal):
+def _launch_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal, need_db=True):
+    """(dx, dalpha partial-summed to [channels], dbeta likewise). ``need_db=False`` (eager autograd without a
+    ``beta``) returns None for dbeta of the streaming kernels instead of filling a tensor of zeros."""
     x = _channels_contiguous(x)
     gy = _channels_contiguous(gy)
     batch, seq, channels = x.shape
@@ -959,7 +961,9 @@ def _launch_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal):
     linear = _is_linear(pde, causal, init is not None)
     if dx.numel() > 0 and steps > 0 and _stream_bwd_ok(pde, causal, init is not None, x.device):
         da = _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal)
-        return dx, da, (da.clone() if pde == "advection_diffusion" else torch.zeros_like(da))
+        if pde == "advection_diffusion":  # causal advection-diffusion is diffusion with a + b: d/db = d/da
+            return dx, da, da.clone()
+        return dx, da, (torch.zeros_like(da) if need_db else None)
     hl, t, block_l, block_c, warps = _grid_config(seq, channels, causal, steps, True, linear, x.device)
     n_tiles = _cdiv(seq, t)
     da = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
@@ -1090,7 +1094,8 @@ class _PDERefineFunction(torch.autograd.Function):
         pde, steps, causal = ctx.meta
         if gy is None:
             gy = torch.zeros_like(x)
-        dx, da, db = _launch_bwd(gy, x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal)
+        dx, da, db = _launch_bwd(gy, x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal,
+                                 need_db=beta is not None)
         dalpha, dbeta = _coef_grads(alpha, beta, da, db)
         return dx, dalpha, dbeta, None, None, None, None, None, None
 
