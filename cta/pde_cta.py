@@ -515,6 +515,8 @@ class PDERefinement(nn.Module):
         call needs the general path (autograd, CPU/torch backend, steps above the fused limit, odd layouts)."""
         if torch.is_grad_enabled() or not (self.backend == "triton" or (self.backend == "auto" and hidden_states.is_cuda)):
             return None
+        if torch.compiler.is_compiling():  # traced: the registered custom op of the general path (no graph break)
+            return None
         kernels = _triton_module()
         if kernels is None or self.steps > kernels.MAX_FUSED_STEPS or state.stride(-1) != 1:
             return None
