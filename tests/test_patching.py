@@ -366,3 +366,26 @@ def test_pde_only_training_helper():
     count = mark_pde_trainable(model, freeze_others=True)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert count == 2 and sorted(trainable) == sorted(pde_parameter_names(model))
+
+
+def test_patched_decoder_static_cache_and_compiled_decode():
+    """A patched decoder decodes through transformers' StaticCache (hybrid static layers hold the PDE state), and a
+    `torch.compile(fullgraph=True)` decode step -- the CUDA-graph serving setting -- equals eager decoding, with
+    the Triton decode op traced as a custom op (no graph break)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).eval()
+    patch_model(model, pde_type="diffusion", pde_steps=3, placement="block_output", init="paper", backend="triton")
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        full = model(ids).logits
+        for step in (model.forward, compiled):
+            cache = StaticCache(config=model.config, max_cache_len=16)
+            logits = [model(ids[:, :6], past_key_values=cache, use_cache=True).logits]
+            for t in range(6, 10):
+                logits.append(step(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
