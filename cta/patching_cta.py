@@ -117,7 +117,8 @@ class _PatchContext:
         mask = kwargs.get("attention_mask")
         if mask is None and self.mask_position is not None and len(args) > self.mask_position:
             mask = args[self.mask_position]
-        if torch.is_tensor(mask) and mask.dim() == 2 and not bool(mask.all()):
+        if torch.is_tensor(mask) and mask.dim() == 2 and (torch.compiler.is_compiling() or not bool(mask.all())):
+            # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
             self.mask = mask
         else:
             self.mask = None  # no padding, or a 4D custom mask (no walls can be derived from it)

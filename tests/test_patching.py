@@ -386,6 +386,7 @@ def test_patched_decoder_static_cache_and_compiled_decode():
         for step in (model.forward, compiled):
             cache = StaticCache(config=model.config, max_cache_len=16)
             logits = [model(ids[:, :6], past_key_values=cache, use_cache=True).logits]
-            for t in range(6, 10):
-                logits.append(step(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            for t in range(6, 10):  # with the attention mask generate() passes at every step
+                logits.append(step(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
+                                   attention_mask=torch.ones(1, t + 1, dtype=torch.long)).logits)
             torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
