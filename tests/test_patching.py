@@ -390,3 +390,22 @@ def test_patched_decoder_static_cache_and_compiled_decode():
                 logits.append(step(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
                                    attention_mask=torch.ones(1, t + 1, dtype=torch.long)).logits)
             torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_patched_generate_with_static_cache_and_left_padding():
+    """generate(cache_implementation="static") on a left-padded batch gives the same tokens as the dynamic cache
+    and as no cache at all (every step recomputed from scratch)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    patch_model(model, pde_type="diffusion", pde_steps=3, placement="block_output", init="paper")
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    ids[1, :3], mask[1, :3] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
+    static = model.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(static, model.generate(ids, **kwargs))
+    assert torch.equal(static, model.generate(ids, use_cache=False, **kwargs))
