@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import cta  # noqa: E402
+from bench_patched_model import llama_model, sync  # noqa: E402  (same model, same synchronisation)
 
 
 def parse_args():
@@ -40,11 +41,6 @@ def parse_args():
     return p.parse_args()
 
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(model, prompt, args, label):
     """Greedy decode through a StaticCache with the compiled forward; returns tokens/s runs and the logits of the
     first run (for the exactness check)."""
@@ -59,7 +55,7 @@ def measure(model, prompt, args, label):
         out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1:].argmax(-1)
         logits = []
-        sync(args.device)
+        sync(torch.device(args.device))
         start = time.perf_counter()
         for i in range(args.tokens):
             position = torch.tensor([prompt.shape[1] + i], device=prompt.device)
@@ -67,7 +63,7 @@ def measure(model, prompt, args, label):
                        position_ids=position[None])
             logits.append(out.logits[:, -1].float().clone())
             token = out.logits[:, -1:].argmax(-1)
-        sync(args.device)
+        sync(torch.device(args.device))
         return time.perf_counter() - start, torch.cat(logits)
 
     t0 = time.perf_counter()
@@ -103,14 +99,8 @@ def eager_logits(model, prompt, tokens, args):
 
 def main():
     args = parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 128),
-                         num_key_value_heads=max(1, args.hidden // 128))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    model = llama_model(args.layers, args.hidden, args.intermediate, args.vocab, torch.device(args.device), dtype)
     prompt = torch.randint(0, args.vocab, (1, args.prefill), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(args.device)
     result = dict(config=dict(vars(args)), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

@@ -146,21 +146,26 @@ def measure(model, args, device, label):
     return result
 
 
+def llama_model(layers, hidden, intermediate, vocab, device, dtype, max_positions=32768):
+    """The random-weight Llama-shaped model of the model-level benchmarks (heads of 128 channels; seed 0)."""
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=max_positions, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
 def main():
     args = parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     hidden = args.hidden
     intermediate = args.intermediate or int(round(11008 * hidden / 4096 / 64)) * 64
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
-        max_position_embeddings=max(32768, max(int(x) for x in args.lengths.split(",")) + 1024),
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model = llama_model(args.layers, hidden, intermediate, args.vocab, device, dtype,
+                        max_positions=max(32768, max(int(x) for x in args.lengths.split(",")) + 1024))
     model.config._attn_implementation = "sdpa"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     tag = args.tag or gpu.replace(" ", "_")

@@ -99,8 +99,7 @@ def micro(args):
             return kernels.pde_decode_update(h, state, alpha, beta, None, 0, args.steps)
         rows.append((f"pde_decode_update (direct launch {direct})", update))
     kernels.DIRECT_LAUNCH = True
-    with torch.no_grad():
-        rows.append(("PDERefinement(h, None, cache) decode", lambda: pde(h, None, cache)))
+    rows.append(("PDERefinement(h, None, cache) decode", lambda: pde(h, None, cache)))
     with torch.no_grad():
         for name, fn in rows:
             print(f"{name:45s} {per_call_us(fn):8.1f} us/call", flush=True)

@@ -513,12 +513,11 @@ class PDERefinement(nn.Module):
     def _fast_decode(self, hidden_states, state, attention_mask):
         """One cached decode step through the Triton update kernel with no per-call validation, or None when this
         call needs the general path (autograd, CPU/torch backend, steps above the fused limit, odd layouts)."""
-        if torch.is_grad_enabled() or not (self.backend == "triton" or (self.backend == "auto" and hidden_states.is_cuda)):
-            return None
-        if torch.compiler.is_compiling():  # traced: the registered custom op of the general path (no graph break)
+        # Traced (torch.compile): the general path's registered custom op, which has no graph break.
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _use_triton(self.backend, hidden_states):
             return None
         kernels = _triton_module()
-        if kernels is None or self.steps > kernels.MAX_FUSED_STEPS or state.stride(-1) != 1:
+        if self.steps > kernels.MAX_FUSED_STEPS or state.stride(-1) != 1:
             return None
         if hidden_states.dtype == torch.float64 or state.dtype != torch.float32:
             return None

@@ -1130,7 +1130,7 @@ def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
     or None."""
     channels = x.shape[-1]
     block_c = min(_next_pow2(channels), 1024)
-    grid = (-(-channels // block_c), x.shape[0])
+    grid = (_cdiv(channels, block_c), x.shape[0])
     # Pointers the kernel never reads (no mask, no beta) are given `x`: no allocation and no fill launch per call.
     tm = x if token_mask is None else token_mask
     bb = a if b is None else b

@@ -109,32 +109,26 @@ def exports(tmp_path_factory):
         tokenizer=False)
 
     if STORIES.is_dir():
-        try:
-            from cta.patching_cta import patch_model
-        except ImportError:
-            patch_model = None
-        if patch_model is not None:
-            from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-            llama = AutoModelForCausalLM.from_pretrained(str(STORIES)).eval()
-            patch_model(llama, pde_type="diffusion", pde_steps=2, placement=["embedding", "block_output"],
-                        init="paper")
-            llama.save_pretrained(root / "llama")
-            out["patched_llama"] = dict(
-                model=llama, auto="AutoModelForCausalLM",
-                folder=hub.export_for_hub(root / "llama", root / "llama-hub", tokenizer=STORIES, license="mit",
-                                          base_model="karpathy/tinyllamas", repo_id="me/stories260K-cta",
-                                          verify_load=False),
-                tokenizer=True)
+        from cta.patching_cta import patch_model
+
+        llama = AutoModelForCausalLM.from_pretrained(str(STORIES)).eval()
+        patch_model(llama, pde_type="diffusion", pde_steps=2, placement=["embedding", "block_output"], init="paper")
+        llama.save_pretrained(root / "llama")
+        out["patched_llama"] = dict(
+            model=llama, auto="AutoModelForCausalLM",
+            folder=hub.export_for_hub(root / "llama", root / "llama-hub", tokenizer=STORIES, license="mit",
+                                      base_model="karpathy/tinyllamas", repo_id="me/stories260K-cta",
+                                      verify_load=False),
+            tokenizer=True)
     out["root"] = root
     return out
 
 
 def _get(exports, kind):
     if kind not in exports:
-        reason = (f"stories260K not found at {STORIES} (set CTA_STORIES260K)" if not STORIES.is_dir()
-                  else "cta.patching_cta is not available")
-        pytest.skip(reason)
+        pytest.skip(f"stories260K not found at {STORIES} (set CTA_STORIES260K)")
     return exports[kind]
 
 
