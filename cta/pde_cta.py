@@ -51,6 +51,7 @@ the alternating mode and is deliberately not provided.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Optional, Union
 
@@ -390,9 +391,17 @@ def pde_refine(
     )
 
 
+# Under torch.compile a one-token decode step is traced as the reference's plain tensor operations, not as the Triton
+# decode kernel's custom op: inductor then fuses it (coefficient clamp, the S levels, the state write) with the
+# residual add before it and the norm after it, where the opaque op cost about three extra launches per site in a
+# CUDA-graph step (`benchmarks/bench_compiled_decode.py`). CTA_COMPILED_DECODE=op keeps the custom op (comparison).
+COMPILED_DECODE_AS_OP = os.environ.get("CTA_COMPILED_DECODE", "fused") == "op"
+
+
 def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto"):
     """Dispatching wrapper of :func:`pde_decode_step_reference` (updates ``state`` in place)."""
-    if _use_triton(backend, hidden_states):
+    traced_fused = torch.compiler.is_compiling() and not COMPILED_DECODE_AS_OP
+    if _use_triton(backend, hidden_states) and not traced_fused:
         from .triton_cta import pde_decode_step_triton
 
         return pde_decode_step_triton(

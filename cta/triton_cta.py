@@ -549,7 +549,132 @@ def _rows(r: str) -> str:
     return f"(cz + {r})" if _interpret() else f"({r})"
 
 
-def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False):
+# Interior programs of the linear schemes (diffusion; causal advection-diffusion, which is diffusion with a + b) run
+# a banded filter instead of the level-by-level walk: ``S`` levels of a 3-point (bidirectional) or 2-point (causal)
+# stencil with constant coefficients are, away from the walls, one filter of ``2S+1`` (``S+1``) taps, the stencil's
+# ``S``-th power. Its taps are computed per program from the coefficient (a few vector operations); each output row
+# then costs ``2S+1`` (``S+1``) multiply-adds on a window of input rows carried in registers, against about four
+# operations and two register copies per level for the walk -- these kernels are instruction-bound. The backward is
+# the transposed filter for the input gradient and, for the coefficient, ``<g, (d taps / da) * x>`` (the derivative
+# taps without the factor ``S``, which the final store applies as for the walk). Rows near the walls or a padding
+# mask, whose taps differ, keep the walk.
+
+
+def _fir_taps(w, name, causal, S, c):
+    """Emits ``{name}{k}``, k = 0..S: taps of ``S`` levels (bidirectional: symmetric, tap k at offsets -k and +k;
+    causal: tap k at offset -k). ``S = 0`` gives the identity."""
+    keep = f"{name}m"
+    w(f"{keep} = 1.0 - {'' if causal else '2.0 * '}{c}")
+    prev = {0: "1.0"}
+    for level in range(1, S + 1):
+        cur = {}
+        for k in range(level + 1):
+            terms = []
+            if k in prev:
+                terms.append(f"{keep} * {prev[k]}")
+            if causal:
+                if k - 1 in prev:
+                    terms.append(f"{c} * {prev[k - 1]}")
+            else:
+                side = [prev[j] for j in ((k - 1) if k > 0 else 1, k + 1) if j in prev]
+                if k == 0 and 1 in prev:
+                    side = [f"2.0 * {prev[1]}"]
+                if side:
+                    terms.append(f"{c} * ({' + '.join(side)})")
+            var = f"{name}{level}_{k}"
+            w(f"{var} = {' + '.join(terms)}")
+            cur[k] = var
+        prev = cur
+    for k in range(S + 1):
+        w(f"{name}{k} = {prev[k]}" if S > 0 else f"{name}{k} = {keep} * 0.0 + 1.0")
+
+
+def _fir_dtaps(w, name, causal, levels, c):
+    """Emits ``{name}{k}``, k = 0..levels+1: taps of the stencil's derivative in ``c`` ([1, -2, 1], or causal -1 at
+    offset 0 and 1 at offset -1) times ``levels`` levels: d/dc of ``levels + 1`` levels' taps, divided by
+    ``levels + 1``."""
+    _fir_taps(w, f"{name}e", causal, levels, c)
+    e = lambda k: f"{name}e{k}" if 0 <= k <= levels else None  # noqa: E731
+    for k in range(levels + 2):
+        if causal:
+            terms = ([e(k - 1)] if e(k - 1) else []) + ([f"-{e(k)}"] if e(k) else [])
+        elif k == 0:
+            terms = ([f"2.0 * {e(1)}"] if e(1) else []) + [f"-2.0 * {e(0)}"]
+        else:
+            terms = [t for t in (e(k - 1), e(k + 1)) if t] + ([f"-2.0 * {e(k)}"] if e(k) else [])
+        w(f"{name}{k} = " + " + ".join(terms).replace("+ -", "- "))
+
+
+def _fir_apply(w, out, taps, n, win, causal, center):
+    """``out`` = the filter ``taps`` (0..n) on window ``win`` around index ``center`` (causal: tap k reads
+    ``win[center - k]``; bidirectional: ``win[center - k] + win[center + k]``)."""
+    w(f"{out} = {taps}0 * {win}{center}")
+    for k in range(1, n + 1):
+        pair = f"{win}{center - k}" if causal else f"({win}{center - k} + {win}{center + k})"
+        w(f"{out} = tl.fma({taps}{k}, {pair}, {out})")
+
+
+def _fir_interior(w, kind, pde, causal, S, D, unroll):
+    """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
+    condition under which a program may take it (every row it reads lies inside the sequence)."""
+    c = "ab" if (kind == "fwd" and causal and pde == "advection_diffusion") else "a"
+    wide = S + 1 if causal else 2 * S + 1
+    # (prefix, row pointer, row stride, lead = newest window row - output row, window width)
+    if kind == "fwd":
+        streams = [("xw", "xrow", "sxl", 0 if causal else S, wide)]
+    else:  # the input gradient reads g ahead of the output row (transposed filter); the coefficient reads x behind
+        streams = [("gw", "grow", "sgl", S, wide), ("xw", "xrow", "sxl", 0 if causal else S, wide)]
+    _fir_taps(w, "tap", causal, S, c)
+    # The coefficient gradient is S * sum_r (M^k g)_r (D M^(S-1-k) x)_r (D: the stencil's derivative), summed per
+    # program over its rows; the walk pairs the levels with k = S // 2 (bidirectional) or 0 (causal), and the
+    # per-program partial sums only add up to the total if the filter uses the same split.
+    k_g = 0 if causal else S // 2
+    if kind == "bwd":
+        _fir_dtaps(w, "dtap", causal, S - 1 - k_g, c)
+        if k_g:
+            _fir_taps(w, "gtap", causal, k_g, c)
+    for pre, row, stride, lead, width in streams:
+        for i in range(width - 1):
+            w(f"{pre}{i} = tl.load({row} + (start + {lead - width + 1 + i}) * {stride}).to(tl.float32)")
+        for k in range(D):
+            w(f"{pre}f{k} = tl.load({row} + (start + {lead + k}) * {stride})")
+    w(f"for j in tl.range(0, T, loop_unroll_factor={unroll}):" if unroll > 1 else "for j in range(0, T):")
+    w.depth += 1
+    w("t = start + j")
+    for pre, row, stride, lead, width in streams:
+        w(f"{pre}{width - 1} = {pre}f0.to(tl.float32)")
+        for k in range(D - 1):
+            w(f"{pre}f{k} = {pre}f{k + 1}")
+        w(f"{pre}f{D - 1} = tl.load({row} + (t + {lead + D}) * {stride})")
+    if kind == "fwd":
+        _fir_apply(w, "yv", "tap", S, "xw", causal, S)
+        w("tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty))")
+    else:
+        if causal:  # dx_t = sum_k tap_k g_(t+k): window gw holds rows t..t+S
+            w("dxv = tap0 * gw0")
+            for k in range(1, S + 1):
+                w(f"dxv = tl.fma(tap{k}, gw{k}, dxv)")
+            w("gk = gw0")
+        else:  # symmetric: the same filter
+            _fir_apply(w, "dxv", "tap", S, "gw", causal, S)
+            if k_g:
+                _fir_apply(w, "gk", "gtap", k_g, "gw", causal, S)
+            else:
+                w(f"gk = gw{S}")
+        _fir_apply(w, "dux", "dtap", S - k_g, "xw", causal, S)
+        w("acc = tl.fma(gk, dux, acc)")
+        w("tl.store(DX + (b64 * L + t) * C + cols, dxv.to(DX.dtype.element_ty))")
+    for pre, row, stride, lead, width in streams:
+        for i in range(width - 1):
+            w(f"{pre}{i} = {pre}{i + 1}")
+    w.depth -= 1
+    lo = min(lead - width + 1 for _, _, _, lead, width in streams)
+    hi = max(lead for _, _, _, lead, _ in streams) + D
+    return f"(start + {lo} >= 0) & (start + T + {hi} <= L)"
+
+
+def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
+                   fir_unroll=0):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
     ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``."""
@@ -610,7 +735,14 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     carry = []
     general = _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, carry,
                            depth=3 if interior_path else 2, interior=False)
-    if interior_path:
+    # ... and the linear schemes' interior programs run the banded filter instead (``fir_unroll`` > 0: its loop's
+    # unroll factor; 0: the walk's interior copy).
+    fir = None
+    if interior_path and fir_unroll > 0 and (kind == "bwd" or pde == "diffusion" or (pde == "advection_diffusion" and causal)):
+        fir = _Src()
+        fir.depth = 2
+        fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll)
+    elif interior_path:
         inner = _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, [],
                              depth=3, interior=True)
     # initialise the loop-carried state (prefetch registers are loaded above)
@@ -621,11 +753,16 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
             continue
         seen.add(v)
         w(f"{v} = fz")
-    if interior_path:
+    if fir is not None:
+        w(f"interior = {fir_condition}")
+        w("if interior:")
+        w.lines += fir.lines
+    elif interior_path:
         w(f"interior = (start - {S + nvv - 1} >= 0) & (start - {S} + T + {lag + D} <= L)")
         w("if interior:")
         w("    for j in range(0, n_it):")
         w.lines += inner.lines
+    if interior_path:
         w("else:")
         w("    for j in range(0, n_it):")
         w.lines += general.lines
@@ -866,6 +1003,19 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
     return t, max(16, min(block_c, _next_pow2(channels))), warps, d
 
 
+# Interior programs of the linear schemes run the banded filter (see ``_fir_interior``); CTA_FIR=0 keeps the walk there
+# (for comparison). The value is the filter loop's unroll factor (unrolling lets the compiler rename the window's
+# registers instead of copying them row to row); overrides per (kind, causal, steps) in ``_FIR_UNROLL``.
+FIR_UNROLL = int(os.environ.get("CTA_FIR", "1") or 0)
+_FIR_UNROLL = {}
+
+
+def _fir_unroll(kind: str, causal: bool, steps: int) -> int:
+    if FIR_UNROLL <= 0:
+        return 0
+    return _FIR_UNROLL.get((kind, bool(causal), steps), FIR_UNROLL)
+
+
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:
     """A coefficient as the kernels read it (any float dtype, converted to fp32 in the kernel): (tensor, is_vector)."""
     if c is None:
@@ -897,7 +1047,8 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          has_init and bool(causal), write_final, channels % block_c == 0))
+                          has_init and bool(causal), write_final, channels % block_c == 0,
+                          _fir_unroll("fwd", causal, steps)))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     kernel[grid](x, y, m if m is not None else x, a, b, ini, fin if write_final else x,
                  seq, channels, x.stride(0), x.stride(1), T=t, BLOCK_C=block_c, num_warps=warps)
@@ -916,7 +1067,7 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          False, False, channels % block_c == 0))
+                          False, False, channels % block_c == 0, _fir_unroll("bwd", causal, steps)))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     kernel[grid](gy, x, dx, m if m is not None else x, a, b, da, seq, channels, x.stride(0), x.stride(1),
                  gy.stride(0), gy.stride(1), n_tiles, T=t, BLOCK_C=block_c, num_warps=warps)

@@ -204,17 +204,30 @@ def test_stream_tiles(small_stream_tiles, pde, steps, padding, per_channel, caus
 
 
 @needs_kernels
+@pytest.mark.parametrize("fir_unroll", (0, 1, 3), ids=("walk", "filter", "filter-unrolled"))
 @pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
-@pytest.mark.parametrize("pde,steps", [("diffusion", 1), ("diffusion", 3), ("advection_diffusion", 2),
-                                       ("wave", 2), ("reaction_diffusion", 3)])
-def test_stream_tiles_interior_path(small_stream_tiles, pde, steps, causal):
+@pytest.mark.parametrize("pde,steps", [("diffusion", 1), ("diffusion", 2), ("diffusion", 3), ("diffusion", 8),
+                                       ("advection_diffusion", 2), ("wave", 2), ("reaction_diffusion", 3)])
+def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps, causal, fir_unroll):
     """Whole channel blocks and no padding: the tiles away from both ends run the mask-free interior copy of the
-    loop (the one large inputs mostly take on a GPU); outputs and all gradients vs the reference."""
+    loop, or for the linear schemes the banded filter (the paths large inputs mostly take on a GPU); outputs and all
+    gradients vs the reference. The coefficient gradient also checks that the filter's per-tile partial sums use the
+    walk's split (the boundary tiles still walk)."""
     from cta import triton_cta
 
-    key = ("fwd", pde, causal, steps, 3, False, True, False, False, False, True)
-    assert "if interior:" in triton_cta._stream_source("k", *key)  # the path under test exists for this case
+    linear = pde == "diffusion" or (pde == "advection_diffusion" and causal)
+    if fir_unroll and not linear:
+        pytest.skip("the banded filter is for the linear schemes only; the walk's interior copy is tested with 'walk'")
+    monkeypatch.setattr(triton_cta, "FIR_UNROLL", fir_unroll)
+    for kind in ("fwd", "bwd") if linear else ("fwd",):
+        key = (kind, pde, causal, steps, 3, False, True, False, False, False, True, fir_unroll)
+        src = triton_cta._stream_source("k", *key)
+        assert "if interior:" in src  # the path under test exists for this case
+        assert ("tl.fma(tap" in src) == bool(fir_unroll)
+        assert ("loop_unroll_factor" in src) == (fir_unroll > 1)
     check_parity(pde, causal, 64, 16, steps, "none", True, batch=2, seed=steps)
+    if linear:  # scalar coefficient too (the taps broadcast)
+        check_parity(pde, causal, 64, 16, steps, "none", False, batch=2, seed=steps + 1)
 
 
 @needs_kernels
