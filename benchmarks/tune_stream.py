@@ -1,5 +1,5 @@
 """Grid search of the streaming kernels' launch configurations (T rows per program, BLOCK_C channels, warps, prefetch
-depth D) for diffusion, per (kernel, causal, steps), on one GPU.
+depth D, unroll factor U of the banded filter) for diffusion, per (kernel, causal, steps), on one GPU.
 
 ``bench_kernels.py --tune`` walks a few configurations greedily in one process; this script tries the whole grid.
 Compiling dominates a grid this size, so worker processes compile every configuration first (they share Triton's
@@ -23,10 +23,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-def _grid(steps_list, t_values, blocks, d_values):
+def _grid(steps_list, t_values, blocks, d_values, unroll_values):
     for kind, causal, steps in itertools.product(("fwd", "bwd"), (False, True), steps_list):
-        for t, (block_c, warps), d in itertools.product(t_values, blocks, d_values):
-            yield (kind, causal, steps), (t, block_c, warps, d)
+        for t, (block_c, warps), d, u in itertools.product(t_values, blocks, d_values, unroll_values):
+            yield (kind, causal, steps), (t, block_c, warps, d, u)
 
 
 def _runner(key, cfg, x, alpha, grad):
@@ -67,6 +67,7 @@ def main():
     parser.add_argument("--blocks", default="64:1,128:1,256:1,256:2,512:2,512:4,1024:4,1024:8",
                         help="BLOCK_C:num_warps pairs")
     parser.add_argument("--d-values", default="1,2,4", help="prefetch depths")
+    parser.add_argument("--unroll-values", default="1,2", help="unroll factors of the banded filter's loop")
     parser.add_argument("--shape", default="1x16384x4096")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", type=int, default=16, help="processes compiling the grid")
@@ -78,7 +79,7 @@ def main():
     shape = tuple(int(s) for s in args.shape.split("x"))
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     blocks = [tuple(int(v) for v in pair.split(":")) for pair in args.blocks.split(",")]
-    grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values)))
+    grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values), ints(args.unroll_values)))
     start = time.time()
     chunks = [grid[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:

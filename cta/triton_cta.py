@@ -988,32 +988,28 @@ _STREAM_DEFAULTS = {
 
 
 def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str, device: torch.device):
-    """(T, BLOCK_C, num_warps, D) of the streaming kernels: rows per program, channels per program, warps, prefetch
-    depth. ``_STREAM_TUNE`` (set by the benchmark's tuner) overrides the defaults above."""
+    """(T, BLOCK_C, num_warps, D, U) of the streaming kernels: rows per program, channels per program, warps, prefetch
+    depth, and the banded filter's loop unroll factor (0: no filter; unrolling lets the compiler rename the window's
+    registers instead of copying them row to row). ``_STREAM_TUNE`` (set by benchmarks and tests) overrides the
+    defaults above; its entries may leave out U (then 1)."""
     key = (kind, causal, steps)
     if key in _STREAM_TUNE:
-        t, block_c, warps, d = _STREAM_TUNE[key]
+        cfg = _STREAM_TUNE[key]
     elif device.type != "cuda":  # interpreter: one program per sequence and channel block (fewest interpreted steps)
-        return max(seq, 1), min(_next_pow2(channels), 256), 1, 2
+        cfg = (max(seq, 1), min(_next_pow2(channels), 256), 1, 2, 1)
     else:
         table = _STREAM_DEFAULTS[(kind, bool(causal))]
-        t, block_c, warps, d = table[min(table, key=lambda tuned: (abs(tuned - steps), tuned))]
+        cfg = table[min(table, key=lambda tuned: (abs(tuned - steps), tuned))]
+    t, block_c, warps, d = cfg[:4]
+    unroll = (cfg[4] if len(cfg) > 4 else 1) if USE_FIR else 0
     while _cdiv(seq, t) > 65535:
         t *= 2
-    return t, max(16, min(block_c, _next_pow2(channels))), warps, d
+    return t, max(16, min(block_c, _next_pow2(channels))), warps, d, unroll
 
 
 # Interior programs of the linear schemes run the banded filter (see ``_fir_interior``); CTA_FIR=0 keeps the walk there
-# (for comparison). The value is the filter loop's unroll factor (unrolling lets the compiler rename the window's
-# registers instead of copying them row to row); overrides per (kind, causal, steps) in ``_FIR_UNROLL``.
-FIR_UNROLL = int(os.environ.get("CTA_FIR", "1") or 0)
-_FIR_UNROLL = {}
-
-
-def _fir_unroll(kind: str, causal: bool, steps: int) -> int:
-    if FIR_UNROLL <= 0:
-        return 0
-    return _FIR_UNROLL.get((kind, bool(causal), steps), FIR_UNROLL)
+# (for comparison).
+USE_FIR = os.environ.get("CTA_FIR", "1") not in ("", "0")
 
 
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:
@@ -1039,7 +1035,7 @@ def _mask_arg(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final):
     batch, seq, channels = x.shape
-    t, block_c, warps, d = _stream_config(seq, channels, steps, causal, "fwd", x.device)
+    t, block_c, warps, d, unroll = _stream_config(seq, channels, steps, causal, "fwd", x.device)
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
@@ -1047,8 +1043,7 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          has_init and bool(causal), write_final, channels % block_c == 0,
-                          _fir_unroll("fwd", causal, steps)))
+                          has_init and bool(causal), write_final, channels % block_c == 0, unroll))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     kernel[grid](x, y, m if m is not None else x, a, b, ini, fin if write_final else x,
                  seq, channels, x.stride(0), x.stride(1), T=t, BLOCK_C=block_c, num_warps=warps)
@@ -1060,14 +1055,14 @@ def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device)
 
 def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     batch, seq, channels = x.shape
-    t, block_c, warps, d = _stream_config(seq, channels, steps, causal, "bwd", x.device)
+    t, block_c, warps, d, unroll = _stream_config(seq, channels, steps, causal, "bwd", x.device)
     n_tiles = _cdiv(seq, t)
     da = torch.empty((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          False, False, channels % block_c == 0, _fir_unroll("bwd", causal, steps)))
+                          False, False, channels % block_c == 0, unroll))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     kernel[grid](gy, x, dx, m if m is not None else x, a, b, da, seq, channels, x.stride(0), x.stride(1),
                  gy.stride(0), gy.stride(1), n_tiles, T=t, BLOCK_C=block_c, num_warps=warps)

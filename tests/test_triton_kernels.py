@@ -218,7 +218,9 @@ def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps,
     linear = pde == "diffusion" or (pde == "advection_diffusion" and causal)
     if fir_unroll and not linear:
         pytest.skip("the banded filter is for the linear schemes only; the walk's interior copy is tested with 'walk'")
-    monkeypatch.setattr(triton_cta, "FIR_UNROLL", fir_unroll)
+    monkeypatch.setattr(triton_cta, "USE_FIR", bool(fir_unroll))
+    for key in list(triton_cta._STREAM_TUNE):
+        triton_cta._STREAM_TUNE[key] = triton_cta._STREAM_TUNE[key][:4] + (max(fir_unroll, 1),)
     for kind in ("fwd", "bwd") if linear else ("fwd",):
         key = (kind, pde, causal, steps, 3, False, True, False, False, False, True, fir_unroll)
         src = triton_cta._stream_source("k", *key)
