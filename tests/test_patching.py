@@ -368,12 +368,18 @@ def test_pde_only_training_helper():
     assert count == 2 and sorted(trainable) == sorted(pde_parameter_names(model))
 
 
-def test_patched_decoder_static_cache_and_compiled_decode():
+@pytest.mark.parametrize("as_op", (False, True), ids=("fused", "custom-op"))
+def test_patched_decoder_static_cache_and_compiled_decode(monkeypatch, as_op):
     """A patched decoder decodes through transformers' StaticCache (hybrid static layers hold the PDE state), and a
     `torch.compile(fullgraph=True)` decode step -- the CUDA-graph serving setting -- equals eager decoding, with
-    the Triton decode op traced as a custom op (no graph break)."""
+    the decode step traced as plain tensor operations (the default: inductor fuses them with their neighbours) or
+    as the Triton decode kernel's custom op; no graph break either way."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
+    from cta import pde_cta
+
+    monkeypatch.setattr(pde_cta, "COMPILED_DECODE_AS_OP", as_op)
+    torch._dynamo.reset()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)
