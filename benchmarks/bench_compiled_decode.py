@@ -7,7 +7,8 @@ update is the registered custom op ``cta::pde_decode_step`` inside the graph.
 
     python benchmarks/bench_compiled_decode.py [--layers 8] [--hidden 4096] [--tokens 128]
 
-Writes ``benchmarks/results/compiled_decode_<gpu>.json`` and ``.md``.
+Writes ``benchmarks/results/compiled_decode_<gpu>.json`` and ``.md`` (``compiled_decode_op_<gpu>.*`` with
+``CTA_COMPILED_DECODE=op``, which keeps the decode step as the Triton kernel's opaque custom op in the graph).
 """
 
 import argparse
@@ -122,7 +123,8 @@ def main():
     result["decode_overhead_pct"] = 100.0 * (1.0 - new / base)
     tag = result["device"].replace(" ", "_")
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"compiled_decode_{tag}")
+    variant = "_op" if pde_cta.COMPILED_DECODE_AS_OP else ""
+    stem = os.path.join(args.out, f"compiled_decode{variant}_{tag}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     lines = [
@@ -139,7 +141,7 @@ def main():
         "",
         f"Decode overhead of the patch: {result['decode_overhead_pct']:+.2f}% (target <= 5%).",
         "",
-        "Reproduce: `python benchmarks/bench_compiled_decode.py`",
+        f"Reproduce: `{'CTA_COMPILED_DECODE=op ' if variant else ''}python benchmarks/bench_compiled_decode.py`",
         "",
     ]
     with open(stem + ".md", "w") as f:
