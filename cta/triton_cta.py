@@ -981,15 +981,16 @@ USE_STREAM = True  # False: the tile kernels above for every case (kept for comp
 STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "1") not in ("", "0")
 
 
-# (T, BLOCK_C, num_warps, D) per (kernel, causal) and tuned step count: the best of a grid of 132 configurations
-# (`benchmarks/tune_stream.py`, H200, triton 3.6, bf16, (1, 16384, 4096), diffusion; every timing is in
-# benchmarks/results/stream_tuning_NVIDIA_H200.json, and kernels_NVIDIA_H200*.md were measured with these).
-# Other step counts use the nearest tuned one (ties: the smaller).
+# (T, BLOCK_C, num_warps, D, U) per (kernel, causal) and tuned step count: the best of a grid of 480 configurations
+# per key (`benchmarks/tune_stream.py`, H200, triton 3.6, bf16, (1, 16384, 4096), diffusion; U = 0 is the walk, so
+# the filter is only chosen where it is faster; every timing is in benchmarks/results/stream_tuning_NVIDIA_H200.json,
+# and kernels_NVIDIA_H200*.md were measured with these). Other step counts use the nearest tuned one (ties: the
+# smaller). Short tiles win: the kernels are latency-bound, and more, smaller programs hide more of it.
 _STREAM_DEFAULTS = {
-    ('fwd', False): {1: (64, 512, 4, 1), 2: (32, 256, 2, 1), 4: (128, 256, 2, 1), 8: (128, 1024, 8, 1)},
-    ('fwd', True): {1: (32, 512, 1, 1), 2: (64, 1024, 8, 1), 4: (16, 256, 2, 2), 8: (128, 1024, 4, 2)},
-    ('bwd', False): {1: (128, 1024, 8, 1), 2: (128, 128, 1, 1), 4: (256, 128, 1, 1), 8: (128, 512, 4, 1)},
-    ('bwd', True): {1: (64, 512, 1, 1), 2: (128, 512, 4, 1), 4: (128, 512, 1, 1), 8: (128, 512, 4, 1)},
+    ('fwd', False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (8, 128, 1, 1, 8), 8: (32, 256, 2, 3, 8)},
+    ('fwd', True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 1), 4: (8, 128, 1, 3, 8), 8: (16, 256, 2, 3, 4)},
+    ('bwd', False): {1: (16, 128, 2, 3, 1), 2: (16, 128, 1, 2, 1), 4: (16, 128, 1, 3, 4), 8: (64, 128, 2, 3, 8)},
+    ('bwd', True): {1: (64, 1024, 4, 1, 0), 2: (16, 256, 4, 3, 1), 4: (16, 128, 1, 3, 1), 8: (32, 128, 2, 3, 8)},
 }
 
 
