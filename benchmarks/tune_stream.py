@@ -23,6 +23,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+TIMING_COLUMNS = ["kind", "causal", "steps", "T", "BLOCK_C", "num_warps", "D", "U", "x_copy"]  # one row per timing
+
+
 def _grid(steps_list, t_values, blocks, d_values, unroll_values):
     for kind, causal, steps in itertools.product(("fwd", "bwd"), (False, True), steps_list):
         for t, (block_c, warps), d, u in itertools.product(t_values, blocks, d_values, unroll_values):
@@ -95,7 +98,7 @@ def main():
         if (key, cfg) in bad:
             continue
         ms = do_bench(_runner(key, cfg, x, alpha, grad), warmup=2, rep=args.rep_ms, return_mode="median")
-        timings.append(dict(kind=key[0], causal=key[1], steps=key[2], config=list(cfg), x_copy=ms / copy_ms))
+        timings.append([key[0], key[1], key[2], *cfg, round(ms / copy_ms, 4)])
         if key not in best or ms < best[key][0]:
             best[key] = (ms, cfg)
     print(f"timed in {time.time() - start:.0f}s; copy {copy_ms * 1e3:.1f} us", flush=True)
@@ -114,7 +117,7 @@ def main():
                        best={f"{k[0]} causal={k[1]} steps={k[2]}": dict(config=list(c), x_copy=ms / copy_ms)
                              for k, (ms, c) in sorted(best.items())},
                        failed=[dict(key=list(k), config=list(c), error=e) for k, c, e in failed],
-                       timings=timings), f, indent=1)
+                       timings_columns=TIMING_COLUMNS, timings=timings), f)
 
 
 if __name__ == "__main__":
