@@ -75,6 +75,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", type=int, default=16, help="processes compiling the grid")
     parser.add_argument("--rep-ms", type=float, default=5.0, help="do_bench repetition budget per configuration")
+    parser.add_argument("--name", default="stream_tuning", help="output file stem (<name>_<gpu>.json)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
     from triton.testing import do_bench
@@ -110,7 +111,7 @@ def main():
     print("_STREAM_DEFAULTS =", defaults)
     gpu = torch.cuda.get_device_name().replace(" ", "_")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"stream_tuning_{gpu}.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}_{gpu}.json"), "w") as f:
         json.dump(dict(meta=dict(gpu=torch.cuda.get_device_name(), shape=list(shape), dtype=args.dtype,
                                  copy_ms=copy_ms, triton=__import__("triton").__version__,
                                  command="python benchmarks/tune_stream.py " + " ".join(sys.argv[1:])),
