@@ -9,6 +9,8 @@ on-disk cache), then the main process times each one alone on the GPU.
 
 Writes ``stream_tuning_<gpu>.json`` (every timing, as a multiple of ``y.copy_(x)``, and the best configuration per
 key) and prints the best configurations in the form of ``cta.triton_cta._STREAM_DEFAULTS``.
+
+    python benchmarks/tune_stream.py --merge A.json B.json ...   # the best per key across several grids
 """
 
 import argparse
@@ -63,7 +65,28 @@ def _compile_worker(args):
     return failed
 
 
+def merge(paths):
+    """The best configuration per key across tuning files (each timing is a multiple of its own run's copy time),
+    in the form of ``_STREAM_DEFAULTS``."""
+    best = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        for name, entry in data["best"].items():
+            kind, causal, steps = name.split()
+            key = (kind, causal == "causal=True", int(steps.split("=")[1]))
+            if key not in best or entry["x_copy"] < best[key][0]:
+                best[key] = (entry["x_copy"], tuple(entry["config"]), os.path.basename(path))
+    defaults = {}
+    for (kind, causal, steps), (x_copy, cfg, source) in sorted(best.items()):
+        print(f"best {(kind, causal, steps)}: {cfg} {x_copy:.3f}x copy ({source})")
+        defaults.setdefault((kind, causal), {})[steps] = cfg
+    print("_STREAM_DEFAULTS =", defaults)
+
+
 def main():
+    if sys.argv[1:2] == ["--merge"]:
+        return merge(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default="1,2,4", help="comma list of step counts")
     parser.add_argument("--t-values", default="32,64,128,256", help="rows per program")

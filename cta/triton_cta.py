@@ -981,16 +981,18 @@ USE_STREAM = True  # False: the tile kernels above for every case (kept for comp
 STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "1") not in ("", "0")
 
 
-# (T, BLOCK_C, num_warps, D, U) per (kernel, causal) and tuned step count: the best of a grid of 480 configurations
-# per key (`benchmarks/tune_stream.py`, H200, triton 3.6, bf16, (1, 16384, 4096), diffusion; U = 0 is the walk, so
-# the filter is only chosen where it is faster; every timing is in benchmarks/results/stream_tuning_NVIDIA_H200.json,
-# and kernels_NVIDIA_H200*.md were measured with these). Other step counts use the nearest tuned one (ties: the
-# smaller). Short tiles win: the kernels are latency-bound, and more, smaller programs hide more of it.
+# (T, BLOCK_C, num_warps, D, U) per (kernel, causal) and tuned step count: the best across three grids on an H200
+# (`benchmarks/tune_stream.py`, triton 3.6, bf16, (1, 16384, 4096), diffusion): 480 configurations per key
+# (stream_tuning_NVIDIA_H200.json; U = 0 is the walk, so the filter is only chosen where it is faster), then
+# unroll factors up to a full unroll of short tiles (stream_tuning_steps8_*.json, stream_tuning_steps124_*.json);
+# `tune_stream.py --merge` of the three files prints this table, and kernels_NVIDIA_H200*.md were measured with it.
+# Other step counts use the nearest tuned one (ties: the smaller). Short tiles win: the kernels are latency-bound,
+# and more, smaller programs hide more of it.
 _STREAM_DEFAULTS = {
-    ('fwd', False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (8, 128, 1, 1, 8), 8: (32, 256, 2, 3, 8)},
-    ('fwd', True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 1), 4: (8, 128, 1, 3, 8), 8: (16, 256, 2, 3, 4)},
-    ('bwd', False): {1: (16, 128, 2, 3, 1), 2: (16, 128, 1, 2, 1), 4: (16, 128, 1, 3, 4), 8: (64, 128, 2, 3, 8)},
-    ('bwd', True): {1: (64, 1024, 4, 1, 0), 2: (16, 256, 4, 3, 1), 4: (16, 128, 1, 3, 1), 8: (32, 128, 2, 3, 8)},
+    ('fwd', False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (16, 128, 1, 3, 16), 8: (16, 128, 1, 2, 16)},
+    ('fwd', True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 16), 4: (8, 256, 2, 3, 8), 8: (16, 128, 1, 2, 16)},
+    ('bwd', False): {1: (16, 128, 2, 3, 1), 2: (16, 128, 1, 3, 16), 4: (16, 128, 2, 2, 16), 8: (16, 128, 2, 2, 16)},
+    ('bwd', True): {1: (64, 1024, 4, 1, 0), 2: (16, 256, 4, 3, 1), 4: (16, 128, 1, 3, 1), 8: (16, 128, 2, 3, 16)},
 }
 
 
