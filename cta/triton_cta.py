@@ -561,9 +561,9 @@ def _rows(r: str) -> str:
 # ``S``-th power. Its taps are computed per program from the coefficient (a few vector operations); each output row
 # then costs ``2S+1`` (``S+1``) multiply-adds on a window of input rows carried in registers, against about four
 # operations and two register copies per level for the walk -- these kernels are instruction-bound. The backward is
-# the transposed filter for the input gradient and, for the coefficient, ``<g, (d taps / da) * x>`` (the derivative
-# taps without the factor ``S``, which the final store applies as for the walk). Rows near the walls or a padding
-# mask, whose taps differ, keep the walk.
+# the transposed filter for the input gradient and, for the coefficient, a derivative filter on x paired with a
+# filter on g that reproduces the walk's per-row split (see ``_fir_interior``; the factor ``S`` is applied by the
+# final store, as for the walk). Rows near the walls or a padding mask, whose taps differ, keep the walk.
 
 
 def _fir_taps(w, name, causal, S, c):
@@ -582,9 +582,10 @@ def _fir_taps(w, name, causal, S, c):
                 if k - 1 in prev:
                     terms.append(f"{c} * {prev[k - 1]}")
             else:
-                side = [prev[j] for j in ((k - 1) if k > 0 else 1, k + 1) if j in prev]
-                if k == 0 and 1 in prev:
-                    side = [f"2.0 * {prev[1]}"]
+                if k == 0:  # symmetric: the neighbours at -1 and +1 are both tap 1
+                    side = [f"2.0 * {prev[1]}"] if 1 in prev else []
+                else:
+                    side = [prev[j] for j in (k - 1, k + 1) if j in prev]
                 if side:
                     terms.append(f"{c} * ({' + '.join(side)})")
             var = f"{name}{level}_{k}"
