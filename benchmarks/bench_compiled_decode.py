@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import cta  # noqa: E402
+from cta import pde_cta  # noqa: E402
 from bench_patched_model import llama_model, sync  # noqa: E402  (same model, same synchronisation)
 
 
@@ -104,8 +105,6 @@ def main():
     model = llama_model(args.layers, args.hidden, args.intermediate, args.vocab, torch.device(args.device), dtype)
     prompt = torch.randint(0, args.vocab, (1, args.prefill), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(args.device)
-    from cta import pde_cta
-
     decode_path = "custom op" if pde_cta.COMPILED_DECODE_AS_OP else "traced reference ops (fused by inductor)"
     result = dict(config=dict(vars(args)), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                   torch=torch.__version__, compiled_decode_path=decode_path)

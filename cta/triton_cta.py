@@ -745,7 +745,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     # ... and the linear schemes' interior programs run the banded filter instead (``fir_unroll`` > 0: its loop's
     # unroll factor; 0: the walk's interior copy).
     fir = None
-    if interior_path and fir_unroll > 0 and (kind == "bwd" or pde == "diffusion" or (pde == "advection_diffusion" and causal)):
+    if interior_path and fir_unroll > 0 and (kind == "bwd" or _is_linear(pde, causal, has_init=False)):
         fir = _Src()
         fir.depth = 2
         fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll)
@@ -980,6 +980,9 @@ USE_STREAM = True  # False: the tile kernels above for every case (kept for comp
 # on an H200 (triton 3.6) for steps >= 2. The flags are now recomputed from the row index, and the GPU parity tests
 # pass. CTA_STREAM_LAGGED=0 runs those cases on the tile kernels instead (for comparison and debugging).
 STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "1") not in ("", "0")
+# Interior programs of the linear schemes run the banded filter (see ``_fir_interior``; an initial state only reaches
+# the first S rows, which are never interior); CTA_FIR=0 keeps the walk there (for comparison).
+USE_FIR = os.environ.get("CTA_FIR", "1") not in ("", "0")
 
 
 # (T, BLOCK_C, num_warps, D, U) per (kernel, causal) and tuned step count: the best across three grids on an H200
@@ -1016,10 +1019,6 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
         t *= 2
     return t, max(16, min(block_c, _next_pow2(channels))), warps, d, unroll
 
-
-# Interior programs of the linear schemes run the banded filter (see ``_fir_interior``); CTA_FIR=0 keeps the walk there
-# (for comparison).
-USE_FIR = os.environ.get("CTA_FIR", "1") not in ("", "0")
 
 
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:

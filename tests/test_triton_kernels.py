@@ -27,7 +27,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from cta.pde_cta import PDE_TYPES, pde_decode_step_reference, pde_refine, pde_refine_reference  # noqa: E402
-from cta.triton_cta import is_available, pde_decode_step_triton, pde_refine_triton  # noqa: E402
+from cta.triton_cta import _is_linear, is_available, pde_decode_step_triton, pde_refine_triton  # noqa: E402
 
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -203,11 +203,22 @@ def test_stream_tiles(small_stream_tiles, pde, steps, padding, per_channel, caus
     check_parity(pde, causal, 29, 11, steps, padding, per_channel, batch=2, seed=steps)
 
 
+def _interior_cases():
+    """(pde, steps, causal, filter unroll): every scheme on the walk's interior copy (unroll 0), and the banded
+    filter (unroll 1 and 3) for the linear schemes, the only ones that have it."""
+    cases = []
+    for pde, steps in [("diffusion", 1), ("diffusion", 2), ("diffusion", 3), ("diffusion", 8),
+                       ("advection_diffusion", 2), ("wave", 2), ("reaction_diffusion", 3)]:
+        for causal in (False, True):
+            for unroll in (0, 1, 3) if _is_linear(pde, causal, False) else (0,):
+                path = {0: "walk", 1: "filter", 3: "filter-unrolled"}[unroll]
+                cases.append(pytest.param(pde, steps, causal, unroll,
+                                          id=f"{pde}-{steps}-{'causal' if causal else 'bidi'}-{path}"))
+    return cases
+
+
 @needs_kernels
-@pytest.mark.parametrize("fir_unroll", (0, 1, 3), ids=("walk", "filter", "filter-unrolled"))
-@pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
-@pytest.mark.parametrize("pde,steps", [("diffusion", 1), ("diffusion", 2), ("diffusion", 3), ("diffusion", 8),
-                                       ("advection_diffusion", 2), ("wave", 2), ("reaction_diffusion", 3)])
+@pytest.mark.parametrize("pde,steps,causal,fir_unroll", _interior_cases())
 def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps, causal, fir_unroll):
     """Whole channel blocks and no padding: the tiles away from both ends run the mask-free interior copy of the
     loop, or for the linear schemes the banded filter (the paths large inputs mostly take on a GPU); outputs and all
@@ -215,9 +226,7 @@ def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps,
     walk's split (the boundary tiles still walk)."""
     from cta import triton_cta
 
-    linear = pde == "diffusion" or (pde == "advection_diffusion" and causal)
-    if fir_unroll and not linear:
-        pytest.skip("the banded filter is for the linear schemes only; the walk's interior copy is tested with 'walk'")
+    linear = _is_linear(pde, causal, False)
     monkeypatch.setattr(triton_cta, "USE_FIR", bool(fir_unroll))
     for key in list(triton_cta._STREAM_TUNE):
         triton_cta._STREAM_TUNE[key] = triton_cta._STREAM_TUNE[key][:4] + (max(fir_unroll, 1),)
