@@ -4,7 +4,11 @@ For every shape x steps x pde_type x {causal, bidirectional} it measures (median
 ``triton.testing.do_bench``), in one run on one GPU:
 
 * ``copy``: ``y.copy_(x)`` of the same tensor (the memory-bandwidth roof; read + write),
-* ``triton`` forward and forward+backward (grads for the input and a per-channel alpha/beta),
+* ``triton`` forward and forward+backward (grads for the input and a per-channel alpha/beta), each also captured
+  once as a CUDA graph and replayed (``*_graph``): the kernels' GPU time without the host's. An eager
+  forward+backward of a few thousand tokens is host-bound (Python, autograd's engine, launches: ~150 us per call
+  on an H200 host, `benchmarks/profile_host.py --refine`), which a model step hides behind its other layers' GPU
+  work and a CUDA graph removes,
 * ``torch``: the PyTorch reference (``cta.pde_cta.pde_refine_reference``) forward and forward+backward,
 * ``compile``: ``torch.compile`` of the reference, forward (compiled for the subset given by ``--compile``; the
   compile time of every cell would not fit the time budget),
@@ -45,6 +49,7 @@ def parse_args():
     p.add_argument("--compile", default="diffusion:4",
                    help="'pde:steps,...' cells for which torch.compile of the reference is timed, 'all' or 'none'")
     p.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference timings")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings of the Triton calls")
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
     p.add_argument("--stream-configs", default=None,
                    help="stream_tuning_<gpu>.json of benchmarks/tune_stream.py: use its best configurations")
@@ -60,6 +65,24 @@ def bench(fn, rep_ms):
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=max(5.0, rep_ms / 4), rep=rep_ms, return_mode="median")
+
+
+def bench_graph(fn, rep_ms):
+    """Median GPU time of ``fn`` captured once as a CUDA graph and replayed, timed like :func:`bench` (the L2 is
+    flushed before every replay), so the host time of the eager call is left out."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture needs (and compiles the kernels)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    elapsed = bench(graph.replay, rep_ms)
+    del graph
+    torch.cuda.synchronize()
+    return elapsed
 
 
 def _make(shape, dtype, pde, seed=0):
@@ -219,6 +242,11 @@ def main():
                     row["triton_fwd_ms"] = bench(lambda: pde_refine_triton(x, alpha=alpha, beta=beta, **kw),
                                                  args.rep_ms)
                     row["triton_fwdbwd_ms"] = bench(_fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.rep_ms)
+                    if not args.no_graph:
+                        row["triton_fwd_graph_ms"] = bench_graph(
+                            lambda: pde_refine_triton(x, alpha=alpha, beta=beta, **kw), args.rep_ms)
+                        row["triton_fwdbwd_graph_ms"] = bench_graph(
+                            _fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.rep_ms)
                     row["triton_saved_x"], row["triton_peak_x"] = _memory(pde_refine_triton, x, alpha, beta, grad, kw)
                     if not args.no_reference:
                         with torch.no_grad():
@@ -237,7 +265,9 @@ def main():
                             row[k.replace("_ms", "_x_copy")] = row[k] / copy_ms
                     rows.append(row)
                     print(f"  {pde:20s} S={steps} {'causal' if causal else 'bidi  '} "
-                          f"fwd {row['triton_fwd_x_copy']:.2f}x  fwd+bwd {row['triton_fwdbwd_x_copy']:.2f}x copy  "
+                          f"fwd {row['triton_fwd_x_copy']:.2f}x  fwd+bwd {row['triton_fwdbwd_x_copy']:.2f}x copy "
+                          f"(graph {row.get('triton_fwd_graph_x_copy', float('nan')):.2f}x / "
+                          f"{row.get('triton_fwdbwd_graph_x_copy', float('nan')):.2f}x)  "
                           f"saved {row['triton_saved_x']:.2f}x  ref fwd {row.get('torch_fwd_x_copy', float('nan')):.1f}x"
                           f"  compile fwd {row.get('compile_fwd_x_copy', float('nan')):.1f}x  "
                           f"[{time.time() - t_start:.0f}s]", flush=True)
@@ -256,7 +286,8 @@ def _write_all(args, gpu, compile_cells, rows, t_start):
                 stream_configs_tuned_in_this_run={f"{k[0]} causal={k[1]} steps={k[2]}": list(v) for k, v in
                                                   sorted(__import__("cta.triton_cta").triton_cta._STREAM_TUNE.items())},
                 command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
-                note="medians of triton.testing.do_bench; *_x_copy = time / y.copy_(x) time of the same tensor; "
+                note="medians of triton.testing.do_bench; *_graph = the call captured as a CUDA graph and replayed "
+                     "(GPU time, no host time); *_x_copy = time / y.copy_(x) time of the same tensor; "
                      "saved_x = bytes held for backward after the forward / input bytes; peak_x = peak extra bytes "
                      "of forward+backward (incl. the input gradient and the reference's temporaries) / input bytes")
     with open(base + ".json", "w") as f:
@@ -270,16 +301,17 @@ def write_markdown(path, meta, rows):
     fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [f"# PDE kernels on {meta['gpu']} ({meta['dtype']}, torch {meta['torch']}, triton {meta['triton']})", "",
              meta["note"] + f". torch.compile timed for: {meta['compile_cells']}.", "",
-             "Targets (diffusion, steps <= 8, the three large shapes): forward <= 1.25x copy, forward+backward <= 3x "
+             "Targets (diffusion, steps <= 8): forward <= 1.25x copy, forward+backward <= 3x "
              "copy, extra activation memory <= 1.1x the input.", "",
-             "| shape | pde | steps | mode | copy us | triton fwd x | triton fwd+bwd x | saved x | peak x | "
-             "torch fwd x | torch fwd+bwd x | torch saved x | compile fwd x |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | pde | steps | mode | copy us | triton fwd x | triton fwd+bwd x | graph fwd x | "
+             "graph fwd+bwd x | saved x | peak x | torch fwd x | torch fwd+bwd x | torch saved x | compile fwd x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {'x'.join(map(str, r['shape']))} | {r['pde_type']} | {r['steps']} | "
             f"{'causal' if r['causal'] else 'bidi'} | {r['copy_ms'] * 1e3:.1f} | {fmt(r['triton_fwd_x_copy'])} | "
-            f"{fmt(r['triton_fwdbwd_x_copy'])} | {fmt(r['triton_saved_x'])} | {fmt(r['triton_peak_x'])} | "
+            f"{fmt(r['triton_fwdbwd_x_copy'])} | {fmt(r.get('triton_fwd_graph_x_copy'))} | "
+            f"{fmt(r.get('triton_fwdbwd_graph_x_copy'))} | {fmt(r['triton_saved_x'])} | {fmt(r['triton_peak_x'])} | "
             f"{fmt(r.get('torch_fwd_x_copy'))} | {fmt(r.get('torch_fwdbwd_x_copy'))} | {fmt(r.get('torch_saved_x'))} | "
             f"{fmt(r.get('compile_fwd_x_copy'))} |")
     with open(path, "w") as f:

@@ -626,23 +626,41 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll):
     condition under which a program may take it (every row it reads lies inside the sequence)."""
     c = "ab" if (kind == "fwd" and causal and pde == "advection_diffusion") else "a"
     wide = S + 1 if causal else 2 * S + 1
-    # (prefix, row pointer, row stride, lead = newest window row - output row, window width)
-    if kind == "fwd":
-        streams = [("xw", "xrow", "sxl", 0 if causal else S, wide)]
-    else:  # the input gradient reads g ahead of the output row (transposed filter); the coefficient reads x behind
-        streams = [("gw", "grow", "sgl", S, wide), ("xw", "xrow", "sxl", 0 if causal else S, wide)]
-    _fir_taps(w, "tap", causal, S, c)
     # The coefficient gradient is S * sum_r (M^k g)_r (D M^(S-1-k) x)_r (D: the stencil's derivative), summed per
     # program over its rows; the walk pairs the levels with k = S // 2 (bidirectional) or 0 (causal), and the
     # per-program partial sums only add up to the total if the filter uses the same split.
     k_g = 0 if causal else S // 2
+    # Bidirectional backward: the input gradient M^S g is M^(S-k) (M^k g), and M^k g is the coefficient's factor,
+    # so one window of M^k g rows serves both (2S+2 multiply-adds per row instead of 3S+2).
+    cascade = kind == "bwd" and k_g > 0
+    rest = S - k_g  # levels of the input gradient's second stage, and of the x-side factor (plus D)
+    # (prefix, row pointer, row stride, lead = newest window row - output row, window width)
+    if kind == "fwd":
+        streams = [("xw", "xrow", "sxl", 0 if causal else S, wide)]
+    elif cascade:  # g feeds the M^k g window (rows t-rest .. t+rest); x only the coefficient's factor
+        streams = [("gw", "grow", "sgl", S, 2 * k_g + 1), ("xw", "xrow", "sxl", rest, 2 * rest + 1)]
+    else:  # the input gradient reads g ahead of the output row (transposed filter); the coefficient reads x behind
+        streams = [("gw", "grow", "sgl", S, wide), ("xw", "xrow", "sxl", 0 if causal else S, wide)]
+    if kind == "fwd" or not cascade:
+        _fir_taps(w, "tap", causal, S, c)
     if kind == "bwd":
         _fir_dtaps(w, "dtap", causal, S - 1 - k_g, c)
         if k_g:
             _fir_taps(w, "gtap", causal, k_g, c)
+        if cascade:
+            _fir_taps(w, "ctap", causal, rest, c)
     for pre, row, stride, lead, width in streams:
-        for i in range(width - 1):
-            w(f"{pre}{i} = tl.load({row} + (start + {lead - width + 1 + i}) * {stride}).to(tl.float32)")
+        if cascade and pre == "gw":  # M^k g at rows start-rest .. start+rest-1, from g rows start-S .. start+S-1
+            for i in range(2 * k_g):
+                w(f"gw{i} = tl.load({row} + (start + {i - S}) * {stride}).to(tl.float32)")
+            for i in range(2 * rest):
+                w(f"gw{2 * k_g} = tl.load({row} + (start + {2 * k_g + i - S}) * {stride}).to(tl.float32)")
+                _fir_apply(w, f"gkw{i}", "gtap", k_g, "gw", causal, k_g)
+                for j in range(2 * k_g):
+                    w(f"gw{j} = gw{j + 1}")
+        else:
+            for i in range(width - 1):
+                w(f"{pre}{i} = tl.load({row} + (start + {lead - width + 1 + i}) * {stride}).to(tl.float32)")
         for k in range(D):
             w(f"{pre}f{k} = tl.load({row} + (start + {lead + k}) * {stride})")
     w(f"for j in tl.range(0, T, loop_unroll_factor={unroll}):" if unroll > 1 else "for j in range(0, T):")
@@ -653,29 +671,36 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll):
         for k in range(D - 1):
             w(f"{pre}f{k} = {pre}f{k + 1}")
         w(f"{pre}f{D - 1} = tl.load({row} + (t + {lead + D}) * {stride})")
+    x_center = streams[-1][4] - 1 - streams[-1][3]  # the output row's slot in the x window
     if kind == "fwd":
         _fir_apply(w, "yv", "tap", S, "xw", causal, S)
         w("tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty))")
     else:
-        if causal:  # dx_t = sum_k tap_k g_(t+k): window gw holds rows t..t+S
+        if cascade:  # the newest M^k g row (t + rest), then the input gradient from the window around t
+            _fir_apply(w, f"gkw{2 * rest}", "gtap", k_g, "gw", causal, k_g)
+            _fir_apply(w, "dxv", "ctap", rest, "gkw", causal, rest)
+            w(f"gk = gkw{rest}")
+        elif causal:  # dx_t = sum_k tap_k g_(t+k): window gw holds rows t..t+S
             w("dxv = tap0 * gw0")
             for k in range(1, S + 1):
                 w(f"dxv = tl.fma(tap{k}, gw{k}, dxv)")
             w("gk = gw0")
-        else:  # symmetric: the same filter
+        else:  # one step: symmetric, the same filter
             _fir_apply(w, "dxv", "tap", S, "gw", causal, S)
-            if k_g:
-                _fir_apply(w, "gk", "gtap", k_g, "gw", causal, S)
-            else:
-                w(f"gk = gw{S}")
-        _fir_apply(w, "dux", "dtap", S - k_g, "xw", causal, S)
+            w(f"gk = gw{S}")
+        _fir_apply(w, "dux", "dtap", S - k_g, "xw", causal, x_center)
         w("acc = tl.fma(gk, dux, acc)")
         w("tl.store(DX + (b64 * L + t) * C + cols, dxv.to(DX.dtype.element_ty))")
     for pre, row, stride, lead, width in streams:
         for i in range(width - 1):
             w(f"{pre}{i} = {pre}{i + 1}")
+    if cascade:
+        for i in range(2 * rest):
+            w(f"gkw{i} = gkw{i + 1}")
     w.depth -= 1
     lo = min(lead - width + 1 for _, _, _, lead, width in streams)
+    if cascade:
+        lo = min(lo, -S)  # the M^k g window's warm-up
     hi = max(lead for _, _, _, lead, _ in streams) + D
     return f"(start + {lo} >= 0) & (start + T + {hi} <= L)"
 
@@ -973,6 +998,55 @@ def _channels_contiguous(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+# Eager calls are host-bound at small sizes (a batch-1 decode step, or a training step of a few thousand tokens):
+# Triton's generic launch path (argument binding, specialisation key, cache lookup) costs several times a decode
+# kernel and more than the whole forward of a (1, 4096, 4096) tensor. After the first launch of a configuration,
+# later ones call the compiled kernel's launcher directly. They are keyed on everything Triton specialises on: the
+# kernel and its constexprs, the tensors' dtypes, the integer arguments themselves, and 16-byte alignment of the
+# pointers (only the all-aligned case is cached; anything else goes through Triton's own path).
+# CTA_DIRECT_LAUNCH=0 turns this off.
+DIRECT_LAUNCH = os.environ.get("CTA_DIRECT_LAUNCH", "1") not in ("", "0")
+_COMPILED = {}  # launch key -> Triton's compiled kernel
+
+
+def _active_hook(hook):
+    # Recent Triton installs an empty HookChain by default; calling it (and building the launch metadata it would be
+    # given) does nothing but cost host time.
+    return None if hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls) else hook
+
+
+def _launch_hooks():
+    """Triton's launch enter/exit hooks (profilers set them), passed on as Triton's own launch does."""
+    runtime = triton.knobs.runtime
+    return _active_hook(runtime.launch_enter_hook), _active_hook(runtime.launch_exit_hook)
+
+
+def _launch(kernel, grid, tensors, ints, consts, num_warps):
+    """``kernel[grid](*tensors, *ints, *consts, num_warps=num_warps)`` (``consts``: the constexprs, in the order of
+    the kernel's signature), through the compiled kernel's launcher once Triton has compiled it for this key."""
+    key = None
+    if DIRECT_LAUNCH and tensors[0].is_cuda:
+        pointers = 0
+        for t in tensors:
+            pointers |= t.data_ptr()
+        if not pointers % 16:
+            key = (kernel, tensors[0].device.index, tuple(t.dtype for t in tensors), ints, consts, num_warps)
+            compiled = _COMPILED.get(key)
+            if compiled is not None:
+                stream = triton.runtime.driver.active.get_current_stream(tensors[0].device.index)
+                enter, leave = _launch_hooks()
+                args = (*tensors, *ints, *consts)
+                metadata = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
+                compiled.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, compiled.function,
+                             compiled.packed_metadata, metadata, enter, leave, *args)
+                return
+    compiled = kernel[grid](*tensors, *ints, *consts, num_warps=num_warps)
+    if key is not None and compiled is not None and hasattr(compiled, "packed_metadata"):
+        if len(_COMPILED) >= 4096:  # the integer arguments are in the key: many sequence lengths, many entries
+            _COMPILED.clear()
+        _COMPILED[key] = compiled
+
+
 _STREAM_TUNE = {}  # (kind, causal, steps) -> (T, BLOCK_C, num_warps, D) overrides, set by benchmarks
 USE_STREAM = True  # False: the tile kernels above for every case (kept for comparison)
 # The streaming kernels with a row lag per level (bidirectional forward, both linear backwards) once carried the
@@ -1054,8 +1128,8 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
                           has_init and bool(causal), write_final, channels % block_c == 0, unroll))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
-    kernel[grid](x, y, m if m is not None else x, a, b, ini, fin if write_final else x,
-                 seq, channels, x.stride(0), x.stride(1), T=t, BLOCK_C=block_c, num_warps=warps)
+    _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
+            (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)
 
 
 def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device) -> bool:
@@ -1073,8 +1147,8 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
                           False, False, channels % block_c == 0, unroll))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
-    kernel[grid](gy, x, dx, m if m is not None else x, a, b, da, seq, channels, x.stride(0), x.stride(1),
-                 gy.stride(0), gy.stride(1), n_tiles, T=t, BLOCK_C=block_c, num_warps=warps)
+    _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
+            (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)
     return da.sum(0)
 
 
@@ -1082,7 +1156,10 @@ def _launch_fwd(x, alpha, beta, mask, init, pde, steps, causal, want_final):
     x = _channels_contiguous(x)
     batch, seq, channels = x.shape
     y = torch.empty((batch, seq, channels), device=x.device, dtype=x.dtype)
-    fin = x.new_zeros((batch, steps if (causal and want_final) else 0, channels), dtype=torch.float32)
+    if causal and want_final:
+        fin = x.new_zeros((batch, steps, channels), dtype=torch.float32)
+    else:  # nothing to fill: an empty tensor costs no fill dispatch
+        fin = x.new_empty((batch, 0, channels), dtype=torch.float32)
     if y.numel() == 0:
         return y, fin
     if USE_STREAM and (causal or not x.is_cuda or STREAM_LAGGED_ON_CUDA):
@@ -1241,6 +1318,7 @@ class _PDERefineFunction(torch.autograd.Function):
         ctx.save_for_backward(x, alpha, beta, mask, init)
         ctx.meta = (pde, steps, causal)
         ctx.mark_non_differentiable(fin)
+        ctx.set_materialize_grads(False)  # no zeros for the final state's (unused) gradient
         return y, fin
 
     @staticmethod
@@ -1257,28 +1335,6 @@ class _PDERefineFunction(torch.autograd.Function):
 
 
 
-# Decoding calls the decode kernel once per PDE site and token, and a batch-1 decode step is host-bound: Triton's
-# generic launch path (argument binding, specialisation key, cache lookup) costs several times the kernel itself.
-# After the first launch of a configuration, later ones call the compiled kernel's launcher directly. They are keyed
-# on everything Triton specialises on: the constexprs, the dtypes (the coefficient, mask and state pointers are
-# fp32 by contract), the integer arguments themselves, and 16-byte alignment of the pointers (only the all-aligned
-# case is cached; anything else goes through Triton's own path). CTA_DIRECT_LAUNCH=0 turns this off.
-DIRECT_LAUNCH = os.environ.get("CTA_DIRECT_LAUNCH", "1") not in ("", "0")
-_DECODE_COMPILED = {}
-
-
-def _active_hook(hook):
-    # Recent Triton installs an empty HookChain by default; calling it (and building the launch metadata it would be
-    # given) does nothing but cost host time.
-    return None if hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls) else hook
-
-
-def _launch_hooks():
-    """Triton's launch enter/exit hooks (profilers set them), passed on as Triton's own launch does."""
-    runtime = triton.knobs.runtime
-    return _active_hook(runtime.launch_enter_hook), _active_hook(runtime.launch_exit_hook)
-
-
 def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
     """Launches the decode kernel. ``x``/``y``: ``[batch, (1,) channels]`` with contiguous channels; ``state``: fp32;
     ``a``/``b``: fp32 ``[1]`` or ``[channels]`` (``b`` None for diffusion/wave); ``token_mask``: fp32 ``[batch]``
@@ -1289,28 +1345,9 @@ def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
     # Pointers the kernel never reads (no mask, no beta) are given `x`: no allocation and no fill launch per call.
     tm = x if token_mask is None else token_mask
     bb = a if b is None else b
-    ints = (channels, x.stride(0), state.stride(0), state.stride(1))
-    consts = (pde, steps, token_mask is not None, a.numel() > 1, b is not None and b.numel() > 1, block_c)
-    key = None
-    if DIRECT_LAUNCH and x.is_cuda and not (
-        (x.data_ptr() | y.data_ptr() | state.data_ptr() | tm.data_ptr() | a.data_ptr() | bb.data_ptr()) % 16
-    ):
-        key = (x.device.index, x.dtype, consts, ints)
-        kernel = _DECODE_COMPILED.get(key)
-        if kernel is not None:
-            stream = triton.runtime.driver.active.get_current_stream(x.device.index)
-            enter, leave = _launch_hooks()
-            args = (x, y, state, tm, a, bb, *ints, *consts)
-            metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
-            kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
-                       *args)
-            return y
-    kernel = _pde_decode_kernel[grid](
-        x, y, state, tm, a, bb, *ints, PDE=pde, STEPS=steps, HAS_MASK=consts[2], A_VEC=consts[3], B_VEC=consts[4],
-        BLOCK_C=block_c, num_warps=4,
-    )
-    if key is not None and kernel is not None and hasattr(kernel, "packed_metadata"):
-        _DECODE_COMPILED[key] = kernel
+    _launch(_pde_decode_kernel, grid, (x, y, state, tm, a, bb), (channels, x.stride(0), state.stride(0),
+            state.stride(1)), (pde, steps, token_mask is not None, a.numel() > 1, b is not None and b.numel() > 1,
+            block_c), 4)
     return y
 
 

@@ -1,0 +1,220 @@
+"""Where the host time of eager calls goes: decode steps, and the kernels' training path.
+
+    python benchmarks/profile_host.py [--layers 8] [--hidden 1024] [--tokens 32] [--device cuda]
+    python benchmarks/profile_host.py --micro      # host time per call of each layer of the decode path
+    python benchmarks/profile_host.py --refine     # host time per call of each layer of pde_refine's training path
+
+The default mode times one cached decode step, patched vs unpatched (torch.profiler, CPU-side op totals). A batch-1
+decode step of an eager transformers model is bound by host time (Python and launches), and so is a forward+backward
+of a few thousand tokens; ``--micro`` and ``--refine`` time each layer of those paths by itself: calls queued back to
+back on a tensor small enough that the GPU never waits, one synchronisation at the end. ``--refine`` then measures,
+in the same run, what that host time does to ``triton.testing.do_bench`` of a forward+backward at ``--bench-shape``
+with Triton's generic launch and with the direct launch (``cta.triton_cta.DIRECT_LAUNCH``).
+"""
+
+import argparse
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import cta
+
+
+def decode(model, ids, tokens):
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        mask = torch.ones(ids.shape[0], ids.shape[1] + tokens + 1, dtype=torch.long, device=ids.device)
+        for i in range(tokens):
+            out = model(token, past_key_values=cache, use_cache=True, attention_mask=mask[:, : ids.shape[1] + i + 1])
+            token = out.logits[:, -1:].argmax(-1)
+    return token
+
+
+def per_token_ms(model, ids, tokens, device):
+    decode(model, ids, 4)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    decode(model, ids, tokens)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / tokens * 1e3
+
+
+def per_call_us(fn, device, n=2000):
+    """Host microseconds per call: median of 5 rounds of ``n`` calls queued back to back, one sync per round."""
+    import statistics
+
+    rounds = []
+    for _ in range(5):
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - start) / n * 1e6)
+    return statistics.median(rounds)
+
+
+def micro(args):
+    """Host microseconds per call of each layer of the decode path (median of 5 rounds of 2000 calls)."""
+    from transformers import DynamicCache
+
+    import cta.triton_cta as kernels
+    from cta.pde_cta import PDERefinement
+
+    device = args.device
+    config = LlamaConfig(num_hidden_layers=1, layer_types=["hybrid"], number_of_conv_states=1, hidden_size=128,
+                         num_attention_heads=1)
+    pde = PDERefinement(args.hidden, "diffusion", args.steps, causal=True, alpha=0.1, layer_idx=0).to(device)
+    cache = DynamicCache(config=config)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.no_grad():
+        pde(torch.randn(1, 8, args.hidden, device=device, dtype=dtype), None, cache)
+    state = cache.layers[0].conv_states[0]
+    h = torch.randn(1, 1, args.hidden, device=device, dtype=dtype)
+    alpha, beta = pde._inference_coefficients()
+
+    rows = [("torch.empty_like(h)", lambda: torch.empty_like(h)),
+            ("h.add_(0) (one aten launch)", lambda: h.add_(0))]
+    y = torch.empty_like(h)
+    block_c = min(kernels._next_pow2(args.hidden), 1024)
+    grid = (kernels._cdiv(args.hidden, block_c), 1)
+    rows.append(("triton JIT launch of the decode kernel", lambda: kernels._pde_decode_kernel[grid](
+        h, y, state, h, alpha, alpha, args.hidden, h.stride(0), state.stride(0), state.stride(1),
+        PDE=0, STEPS=args.steps, HAS_MASK=False, A_VEC=False, B_VEC=False, BLOCK_C=block_c, num_warps=4)))
+    compiled = rows[-1][1]()
+    print(f"active launch hooks: {kernels._launch_hooks()}; JIT launch returned {type(compiled).__name__} "
+          f"(packed_metadata: {hasattr(compiled, 'packed_metadata')})", flush=True)
+    if hasattr(compiled, "packed_metadata"):
+        import triton
+
+        def direct_run():
+            stream = triton.runtime.driver.active.get_current_stream(h.device.index)
+            compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         h, y, state, h, alpha, alpha, args.hidden, h.stride(0), state.stride(0), state.stride(1),
+                         0, args.steps, False, False, False, block_c)
+        rows.append(("compiled kernel .run (no JIT dispatch)", direct_run))
+    for direct in (False, True):
+        def update(direct=direct):
+            kernels.DIRECT_LAUNCH = direct
+            return kernels.pde_decode_update(h, state, alpha, beta, None, 0, args.steps)
+        rows.append((f"pde_decode_update (direct launch {direct})", update))
+    kernels.DIRECT_LAUNCH = True
+    rows.append(("PDERefinement(h, None, cache) decode", lambda: pde(h, None, cache)))
+    with torch.no_grad():
+        for name, fn in rows:
+            print(f"{name:45s} {per_call_us(fn, device):8.1f} us/call", flush=True)
+
+
+def micro_refine(args):
+    """Host microseconds per call of each layer of the eager training path of ``pde_refine_triton`` (diffusion,
+    per-channel alpha, bf16), with Triton's generic launch and with the direct launch; then do_bench medians of a
+    forward+backward at ``--bench-shape`` both ways, and of ``y.copy_(x)``, in the same run."""
+    import cta.triton_cta as kernels
+    from triton.testing import do_bench
+
+    device, steps, causal = args.device, args.steps, args.causal
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(1, 64, args.hidden, device=device, dtype=dtype)
+    alpha = torch.full((args.hidden,), 0.1, device=device, requires_grad=True)
+    kw = dict(pde_type="diffusion", steps=steps, alpha=alpha, causal=causal)
+
+    def fwd_bwd(x, grad):
+        xx = x.detach().requires_grad_(True)
+
+        def run():
+            xx.grad = None
+            alpha.grad = None
+            kernels.pde_refine_triton(xx, **kw).backward(grad)
+        return run
+
+    grad = torch.randn_like(x)
+    rows = [("y.copy_(x) (one aten launch)", lambda: grad.copy_(x))]
+    for direct in (False, True):
+        def layer(fn, direct=direct):
+            def call():
+                kernels.DIRECT_LAUNCH = direct
+                return fn()
+            return call
+        tag = "direct" if direct else "generic"
+        rows += [
+            (f"_launch_fwd ({tag})", layer(lambda: kernels._launch_fwd(x, alpha, None, None, None, "diffusion", steps,
+                                                                       causal, False))),
+            (f"_launch_bwd ({tag})", layer(lambda: kernels._launch_bwd(grad, x, alpha, None, None, None, "diffusion",
+                                                                       steps, causal, need_db=False))),
+            (f"pde_refine_triton, no grad ({tag})", layer(lambda: kernels.pde_refine_triton(x.detach(), **kw))),
+            (f"pde_refine_triton, forward with grad ({tag})",
+             layer(lambda: kernels.pde_refine_triton(x.detach().requires_grad_(True), **kw))),
+            (f"forward + backward ({tag})", layer(fwd_bwd(x, grad))),
+        ]
+    result = {}
+    for name, fn in rows:
+        if "no grad" in name or "_launch" in name:
+            with torch.no_grad():
+                result[name] = per_call_us(fn, device)
+        else:
+            result[name] = per_call_us(fn, device)
+        print(f"{name:50s} {result[name]:8.1f} us/call", flush=True)
+    if device == "cuda":
+        shape = tuple(int(v) for v in args.bench_shape.split("x"))
+        big = torch.randn(shape, device=device, dtype=dtype)
+        out = torch.empty_like(big)
+        big_grad = torch.randn_like(big)
+        copy = do_bench(lambda: out.copy_(big), warmup=10, rep=50, return_mode="median")
+        print(f"do_bench {args.bench_shape}: copy {copy * 1e3:.1f} us", flush=True)
+        for direct in (False, True):
+            kernels.DIRECT_LAUNCH = direct
+            t = do_bench(fwd_bwd(big, big_grad), warmup=10, rep=50, return_mode="median")
+            print(f"do_bench {args.bench_shape} forward+backward ({'direct' if direct else 'generic'} launch): "
+                  f"{t * 1e3:.1f} us = {t / copy:.2f}x copy", flush=True)
+    kernels.DIRECT_LAUNCH = True
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--micro", action="store_true", help="host time per call of each layer of the decode path")
+    parser.add_argument("--refine", action="store_true",
+                        help="host time per call of each layer of pde_refine's eager training path (Triton)")
+    parser.add_argument("--causal", action="store_true", help="--refine: the causal scheme (default bidirectional)")
+    parser.add_argument("--bench-shape", default="1x4096x4096",
+                        help="--refine: shape of the do_bench forward+backward, generic vs direct launch")
+    args = parser.parse_args()
+    if args.micro:
+        micro(args)
+        return
+    if args.refine:
+        micro_refine(args)
+        return
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
+                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
+                         num_key_value_heads=args.hidden // 128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    ids = torch.randint(0, 32000, (1, 128), device=args.device)
+    plain = per_token_ms(model, ids, args.tokens, args.device)
+    cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+    patched = per_token_ms(model, ids, args.tokens, args.device)
+    print(f"ms/token: unpatched {plain:.3f}  patched {patched:.3f}  (+{patched - plain:.3f} ms, "
+          f"{(patched - plain) / args.layers * 1e3:.0f} us per PDE site)")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        decode(model, ids, 8)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
