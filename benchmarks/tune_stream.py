@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 TIMING_COLUMNS = ["kind", "causal", "steps", "T", "BLOCK_C", "num_warps", "D", "U", "x_copy"]  # one row per timing
 
 
-def _grid(steps_list, t_values, blocks, d_values, unroll_values):
-    for kind, causal, steps in itertools.product(("fwd", "bwd"), (False, True), steps_list):
+def _grid(steps_list, t_values, blocks, d_values, unroll_values, kernels=("fwd", "bwd"), modes=(False, True)):
+    for kind, causal, steps in itertools.product(kernels, modes, steps_list):
         for t, (block_c, warps), d, u in itertools.product(t_values, blocks, d_values, unroll_values):
             yield (kind, causal, steps), (t, block_c, warps, d, u)
 
@@ -94,6 +94,8 @@ def main():
                         help="BLOCK_C:num_warps pairs")
     parser.add_argument("--d-values", default="1,2,4", help="prefetch depths")
     parser.add_argument("--unroll-values", default="1,2", help="unroll factors of the banded filter's loop")
+    parser.add_argument("--kernels", default="fwd,bwd", help="which kernels to tune (comma list of fwd, bwd)")
+    parser.add_argument("--modes", default="bidi,causal", help="which schemes to tune (comma list of bidi, causal)")
     parser.add_argument("--shape", default="1x16384x4096")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", type=int, default=16, help="processes compiling the grid")
@@ -106,7 +108,9 @@ def main():
     shape = tuple(int(s) for s in args.shape.split("x"))
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     blocks = [tuple(int(v) for v in pair.split(":")) for pair in args.blocks.split(",")]
-    grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values), ints(args.unroll_values)))
+    modes = {"bidi": False, "causal": True}
+    grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values), ints(args.unroll_values),
+                      tuple(args.kernels.split(",")), tuple(modes[m] for m in args.modes.split(","))))
     start = time.time()
     chunks = [grid[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:
