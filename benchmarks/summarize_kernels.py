@@ -17,7 +17,8 @@ TARGETS = {"fwd": 1.25, "fwdbwd": 3.0, "saved": 1.1}
 
 def _cell(value, target):
     ok = value <= target
-    return ok, f"{value:.2f}x {'✓' if ok else '✗'}"
+    digits = 3 if round(value, 2) == target else 2  # 1.25x ✗ would read as a contradiction
+    return ok, f"{value:.{digits}f}x {'✓' if ok else '✗'}"
 
 
 def summarize(path: Path) -> str:
