@@ -53,10 +53,6 @@ def parse_args():
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
     p.add_argument("--stream-configs", default=None,
                    help="stream_tuning_<gpu>.json of benchmarks/tune_stream.py: use its best configurations")
-    p.add_argument("--tune", action="store_true", help="sweep the streaming kernels' configs (diffusion, steps 4 and "
-                   "8, (1,16384,4096)), print them and exit")
-    p.add_argument("--tune-steps", default="4,8", help="step counts tuned by --tune")
-    p.add_argument("--tune-then-bench", action="store_true", help="tune, keep the tuned configs, then benchmark")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     return p.parse_args()
 
@@ -124,66 +120,6 @@ def _memory(fn, x, alpha, beta, grad, kwargs):
     return held / nbytes, peak / nbytes
 
 
-def tune(dtype, rep_ms, steps_list=(4, 8)):
-    """Greedy sweep of the streaming kernels' (T, BLOCK_C, num_warps, D) on (1,16384,4096), diffusion, per-channel
-    alpha: (BLOCK_C, warps) first, then the prefetch depth D, then the rows per program T. Leaves the best of each
-    (kernel, causal, steps) in ``triton_cta._STREAM_TUNE`` and prints them."""
-    from cta import triton_cta
-
-    shape = (1, 16384, 4096)
-    x, alpha, _ = _make(shape, dtype, "diffusion")
-    grad = torch.randn_like(x)
-    y = torch.empty_like(x)
-    copy = bench(lambda: y.copy_(x), rep_ms)
-    print(f"tune: copy {copy * 1e3:.1f} us", flush=True)
-    best_all = {}
-    for steps in steps_list:
-        for causal in (False, True):
-            for kind in ("fwd", "bwd"):
-                key = (kind, causal, steps)
-
-                def run_cfg(cfg):
-                    triton_cta._STREAM_TUNE[key] = cfg
-                    if kind == "fwd":
-                        fn = lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps, causal,  # noqa: E731
-                                                            False)
-                    else:
-                        fn = lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps,  # noqa: E731
-                                                            causal)
-                    try:
-                        ms = bench(fn, rep_ms)
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  {key} {cfg}: fail {type(e).__name__}: {str(e)[:120]}", flush=True)
-                        return float("inf")
-                    print(f"  {kind} causal={causal} S={steps} T,BC,W,D={cfg}: {ms / copy:.3f}x copy", flush=True)
-                    return ms
-
-                best = (float("inf"), None)
-                for bc, wp in ((128, 1), (256, 1), (256, 2), (512, 2), (512, 4), (1024, 4)):
-                    cfg = (128, bc, wp, 4)
-                    best = min(best, (run_cfg(cfg), cfg))
-                _, bc, wp, _ = best[1]
-                for d in (2, 8):
-                    cfg = (128, bc, wp, d)
-                    best = min(best, (run_cfg(cfg), cfg))
-                d = best[1][3]
-                for t in (64, 256, 512):
-                    cfg = (t, bc, wp, d)
-                    best = min(best, (run_cfg(cfg), cfg))
-                triton_cta._STREAM_TUNE[key] = best[1]
-                best_all[key] = (best[1], best[0] / copy)
-                print(f"tune best {key}: {best[1]} {best[0] / copy:.3f}x copy", flush=True)
-    for (kind, causal, steps), (cfg, _) in list(best_all.items()):  # untuned step counts use the nearest tuned one
-        for other in (1, 2, 4, 8, 16):
-            if (kind, causal, other) not in best_all and abs(other - steps) == min(
-                    abs(other - s) for (k2, c2, s) in best_all if k2 == kind and c2 == causal):
-                triton_cta._STREAM_TUNE[(kind, causal, other)] = cfg
-    print("TUNED =", {k: v[0] for k, v in best_all.items()})
-    for k, v in best_all.items():
-        print(f"  {k}: {v[0]} {v[1]:.3f}x copy")
-    return best_all
-
-
 def main():
     args = parse_args()
     if not torch.cuda.is_available():
@@ -195,17 +131,10 @@ def main():
     dtype = getattr(torch, args.dtype)
     if args.stream_configs:  # best configurations found by benchmarks/tune_stream.py
         from cta import triton_cta
+        from tune_stream import load_best
 
-        with open(args.stream_configs) as f:
-            best = json.load(f)["best"]
-        for name, entry in best.items():
-            kind, causal, steps = name.split()
-            key = (kind, causal == "causal=True", int(steps.split("=")[1]))
-            triton_cta._STREAM_TUNE[key] = tuple(entry["config"])
-    if args.tune or args.tune_then_bench:
-        tune(dtype, args.rep_ms, tuple(int(s) for s in args.tune_steps.split(",")))
-        if args.tune:
-            return 0
+        for key, (_, cfg) in load_best(args.stream_configs).items():
+            triton_cta._STREAM_TUNE[key] = cfg
     shapes = SHAPES
     if args.shapes:
         shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))

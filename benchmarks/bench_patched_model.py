@@ -70,16 +70,11 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device, repeats, warmup):
+def timed(job, repeats, warmup):
+    """Medians of a clocked job (a callable that runs once and returns its seconds, see :func:`_clocked`)."""
     for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
+        job()
+    times = [job() for _ in range(repeats)]
     return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "runs_ms": [1e3 * t for t in times]}
 
 
@@ -143,22 +138,27 @@ def _clocked(fn, device):
     return run
 
 
+def patch(model, args, device):
+    """The benchmark's patch, in place: diffusion after every block, paper coefficients."""
+    patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper",
+                backend=args.backend)
+    model.to(device)
+
+
 def paired_rounds(model, args, device):
     """Per workload, the (unpatched, patched) seconds of each round (see the module docstring); the order within a
     round alternates, so the model changes state once per round. Leaves the model patched."""
-    spec = dict(pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper",
-                backend=args.backend)
+    jobs = workloads(model, args, device)  # the model is patched and unpatched in place: the same jobs serve both
     times = {}
     for r in range(args.rounds):
         order = ("unpatched", "patched") if r % 2 == 0 else ("patched", "unpatched")
         pair = {}
         for state in order:
             if state == "patched" and not is_patched(model):
-                patch_model(model, **spec)
-                model.to(device)
+                patch(model, args, device)
             elif state == "unpatched" and is_patched(model):
                 unpatch_model(model)
-            for name, job in workloads(model, args, device).items():
+            for name, job in jobs.items():
                 job()  # warm-up (the first call after a patch change fills caches and coefficient buffers)
                 pair.setdefault(name, {})[state] = job()
         for name, value in pair.items():
@@ -166,8 +166,7 @@ def paired_rounds(model, args, device):
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{k} {100 * (v['patched'] / v['unpatched'] - 1):+.2f}%" for k, v in pair.items()), flush=True)
     if not is_patched(model):
-        patch_model(model, **spec)
-        model.to(device)
+        patch(model, args, device)
     return times
 
 
@@ -178,16 +177,13 @@ def measure(model, args, device, label):
     gen = torch.Generator(device="cpu").manual_seed(0)
     result = {"label": label}
     for name, job in workloads(model, args, device).items():
-        for _ in range(args.warmup):
-            job()
-        runs = [job() for _ in range(args.repeats if name.startswith("prefill") else max(3, args.repeats // 2))]
+        timing = timed(job, args.repeats if name.startswith("prefill") else max(3, args.repeats // 2), args.warmup)
         if name == "decode":
-            result[name] = {"tokens_per_s": args.decode_tokens / statistics.median(runs),
-                            "runs_tokens_per_s": [args.decode_tokens / r for r in runs]}
+            result[name] = {"tokens_per_s": 1e3 * args.decode_tokens / timing["median_ms"],
+                            "runs_tokens_per_s": [1e3 * args.decode_tokens / t for t in timing["runs_ms"]]}
             print(f"[{label}] decode: {result[name]['tokens_per_s']:.1f} tok/s", flush=True)
             continue
-        result[name] = {"median_ms": 1e3 * statistics.median(runs), "min_ms": 1e3 * min(runs),
-                        "runs_ms": [1e3 * t for t in runs], "memory": peak(job, device)}
+        result[name] = dict(timing, memory=peak(job, device))
         print(f"[{label}] {name}: {result[name]['median_ms']:.2f} ms", flush=True)
 
     # exactness of cached decoding: step logits vs the full forward (48-token prefill + 16 single-token steps)
@@ -243,18 +239,16 @@ def main():
     # copy roof and one standalone PDE site on a [1, 16k, hidden] hidden state
     x = torch.randn(1, max(int(v) for v in args.lengths.split(",")), hidden, device=device, dtype=dtype)
     y = torch.empty_like(x)
-    roof = {"shape": list(x.shape), "copy": timed(lambda: y.copy_(x), device, 20, 3)}
+    roof = {"shape": list(x.shape), "copy": timed(_clocked(lambda: y.copy_(x), device), 20, 3)}
     with torch.no_grad():
-        roof["pde_site_forward"] = timed(
+        roof["pde_site_forward"] = timed(_clocked(
             lambda: pde_refine(x, pde_type="diffusion", steps=args.steps, alpha=0.1, causal=True,
-                               backend=args.backend), device, 20, 3)
+                               backend=args.backend), device), 20, 3)
     info["copy_roof"] = roof
     del x, y
 
     info["unpatched"] = measure(model, args, device, "unpatched")
-    patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper",
-                backend=args.backend)
-    model.to(device)
+    patch(model, args, device)
     info["patch"]["pde_sites"] = len(pde_modules(model))
     info["patched"] = measure(model, args, device, "patched")
 

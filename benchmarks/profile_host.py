@@ -16,9 +16,9 @@ import argparse
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import cta
+from bench_patched_model import llama_model  # the model of the model-level benchmarks
 
 
 def decode(model, ids, tokens):
@@ -136,6 +136,7 @@ def micro_refine(args):
 
     grad = torch.randn_like(x)
     rows = [("y.copy_(x) (one aten launch)", lambda: grad.copy_(x))]
+    no_grad = torch.no_grad()
     for direct in (False, True):
         def layer(fn, direct=direct):
             def call():
@@ -144,23 +145,18 @@ def micro_refine(args):
             return call
         tag = "direct" if direct else "generic"
         rows += [
-            (f"_launch_fwd ({tag})", layer(lambda: kernels._launch_fwd(x, alpha, None, None, None, "diffusion", steps,
-                                                                       causal, False))),
-            (f"_launch_bwd ({tag})", layer(lambda: kernels._launch_bwd(grad, x, alpha, None, None, None, "diffusion",
-                                                                       steps, causal, need_db=False))),
-            (f"pde_refine_triton, no grad ({tag})", layer(lambda: kernels.pde_refine_triton(x.detach(), **kw))),
+            (f"_launch_fwd ({tag})", layer(no_grad(lambda: kernels._launch_fwd(
+                x, alpha, None, None, None, "diffusion", steps, causal, False)))),
+            (f"_launch_bwd ({tag})", layer(no_grad(lambda: kernels._launch_bwd(
+                grad, x, alpha, None, None, None, "diffusion", steps, causal, need_db=False)))),
+            (f"pde_refine_triton, no grad ({tag})",
+             layer(no_grad(lambda: kernels.pde_refine_triton(x.detach(), **kw)))),
             (f"pde_refine_triton, forward with grad ({tag})",
              layer(lambda: kernels.pde_refine_triton(x.detach().requires_grad_(True), **kw))),
             (f"forward + backward ({tag})", layer(fwd_bwd(x, grad))),
         ]
-    result = {}
     for name, fn in rows:
-        if "no grad" in name or "_launch" in name:
-            with torch.no_grad():
-                result[name] = per_call_us(fn, device)
-        else:
-            result[name] = per_call_us(fn, device)
-        print(f"{name:50s} {result[name]:8.1f} us/call", flush=True)
+        print(f"{name:50s} {per_call_us(fn, device):8.1f} us/call", flush=True)
     if device == "cuda":
         shape = tuple(int(v) for v in args.bench_shape.split("x"))
         big = torch.randn(shape, device=device, dtype=dtype)
@@ -197,11 +193,7 @@ def main():
         micro_refine(args)
         return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 128,
-                         num_key_value_heads=args.hidden // 128)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    model = llama_model(args.layers, args.hidden, args.hidden * 2, 32000, torch.device(args.device), dtype)
     ids = torch.randint(0, 32000, (1, 128), device=args.device)
     plain = per_token_ms(model, ids, args.tokens, args.device)
     cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")

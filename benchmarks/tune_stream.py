@@ -1,7 +1,6 @@
 """Grid search of the streaming kernels' launch configurations (T rows per program, BLOCK_C channels, warps, prefetch
 depth D, unroll factor U of the banded filter) for diffusion, per (kernel, causal, steps), on one GPU.
 
-``bench_kernels.py --tune`` walks a few configurations greedily in one process; this script tries the whole grid.
 Compiling dominates a grid this size, so worker processes compile every configuration first (they share Triton's
 on-disk cache), then the main process times each one alone on the GPU.
 
@@ -65,18 +64,25 @@ def _compile_worker(args):
     return failed
 
 
+def load_best(path):
+    """The best configurations of a tuning file: ``{(kind, causal, steps): (x_copy, config)}``."""
+    with open(path) as f:
+        data = json.load(f)
+    best = {}
+    for name, entry in data["best"].items():
+        kind, causal, steps = name.split()
+        best[(kind, causal == "causal=True", int(steps.split("=")[1]))] = (entry["x_copy"], tuple(entry["config"]))
+    return best
+
+
 def merge(paths):
     """The best configuration per key across tuning files (each timing is a multiple of its own run's copy time),
     in the form of ``_STREAM_DEFAULTS``."""
     best = {}
     for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        for name, entry in data["best"].items():
-            kind, causal, steps = name.split()
-            key = (kind, causal == "causal=True", int(steps.split("=")[1]))
-            if key not in best or entry["x_copy"] < best[key][0]:
-                best[key] = (entry["x_copy"], tuple(entry["config"]), os.path.basename(path))
+        for key, (x_copy, cfg) in load_best(path).items():
+            if key not in best or x_copy < best[key][0]:
+                best[key] = (x_copy, cfg, os.path.basename(path))
     defaults = {}
     for (kind, causal, steps), (x_copy, cfg, source) in sorted(best.items()):
         print(f"best {(kind, causal, steps)}: {cfg} {x_copy:.3f}x copy ({source})")

@@ -522,7 +522,7 @@ class PDERefinement(nn.Module):
     def _fast_decode(self, hidden_states, state, attention_mask):
         """One cached decode step through the Triton update kernel with no per-call validation, or None when this
         call needs the general path (autograd, CPU/torch backend, steps above the fused limit, odd layouts)."""
-        # Traced (torch.compile): the general path's registered custom op, which has no graph break.
+        # Traced (torch.compile): the general path (traced reference ops, or the custom op: COMPILED_DECODE_AS_OP).
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _use_triton(self.backend, hidden_states):
             return None
         kernels = _triton_module()

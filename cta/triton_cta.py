@@ -911,8 +911,6 @@ def _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs,
     return b
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Launch configuration
 # ----------------------------------------------------------------------------------------------------------------
@@ -936,8 +934,9 @@ def _halos(causal: bool, steps: int, backward: bool, linear: bool) -> Tuple[int,
 
 
 def _config(seq: int, channels: int, halo: int, device: torch.device, causal: bool = False, backward: bool = False):
-    """(BLOCK_L, BLOCK_C, num_warps). GPU defaults from a sweep on an H200 (bf16, (1,16384,4096), 4 diffusion
-    steps: ``benchmarks/bench_kernels.py --tune``); small tiles in the interpreter."""
+    """(BLOCK_L, BLOCK_C, num_warps) of the tile kernels. GPU defaults from a sweep on an H200 (bf16,
+    (1,16384,4096), 4 diffusion steps), made before the streaming kernels took over the common cases; small tiles in
+    the interpreter."""
     if device.type != "cuda":  # interpreter: fewer, larger numpy programs are faster
         block_l = _next_pow2(max(halo + min(seq, 64), 2 * halo + 1, 2))
         block_c = min(_next_pow2(channels), 128)
@@ -955,15 +954,9 @@ def _config(seq: int, channels: int, halo: int, device: torch.device, causal: bo
     return block_l, block_c, warps
 
 
-_TUNE = {}  # (causal, backward) -> (BLOCK_L, BLOCK_C, num_warps) overrides, set by benchmarks
-
-
 def _grid_config(seq, channels, causal, steps, backward, linear, device):
     hl, hr = _halos(causal, steps, backward, linear)
     block_l, block_c, warps = _config(seq, channels, hl + hr, device, causal, backward)
-    key = (causal, backward, steps)
-    if device.type == "cuda" and key in _TUNE:
-        block_l, block_c, warps = _TUNE[key]
     t = block_l - hl - hr
     if t < 1:
         block_l = _next_pow2(hl + hr + 1)
@@ -1050,7 +1043,7 @@ def _launch(kernel, grid, tensors, ints, consts, num_warps):
         _COMPILED[key] = compiled
 
 
-_STREAM_TUNE = {}  # (kind, causal, steps) -> (T, BLOCK_C, num_warps, D) overrides, set by benchmarks
+_STREAM_TUNE = {}  # (kind, causal, steps) -> (T, BLOCK_C, num_warps, D[, U]) overrides, set by benchmarks and tests
 USE_STREAM = True  # False: the tile kernels above for every case (kept for comparison)
 # The streaming kernels with a row lag per level (bidirectional forward, both linear backwards) once carried the
 # validity of the last S+1 rows as a chain of loop-carried scalars; that was exact through the interpreter but wrong
@@ -1097,7 +1090,6 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
     while _cdiv(seq, t) > 65535:
         t *= 2
     return t, max(16, min(block_c, _next_pow2(channels))), warps, d, unroll
-
 
 
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:
@@ -1338,8 +1330,6 @@ class _PDERefineFunction(torch.autograd.Function):
         return dx, dalpha, dbeta, None, None, None, None, None, None
 
 
-
-
 def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
     """Launches the decode kernel. ``x``/``y``: ``[batch, (1,) channels]`` with contiguous channels; ``state``: fp32;
     ``a``/``b``: fp32 ``[1]`` or ``[channels]`` (``b`` None for diffusion/wave); ``token_mask``: fp32 ``[batch]``
@@ -1386,7 +1376,7 @@ def pde_decode_update(hidden_states, state, alpha, beta, token_mask, pde: int, s
     ``pde``: an id of ``_PDE_IDS``; ``1 <= steps <= MAX_FUSED_STEPS``. Everything a decode step on an H200 is
     spent on is host time (a batch-1 step of a 4096-wide model is launch-bound), hence this path.
     """
-    x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
+    x = _channels_contiguous(hidden_states)
     return _launch_decode(x, torch.empty_like(x), state, alpha, beta, token_mask, pde, steps)
 
 
