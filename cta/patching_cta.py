@@ -38,6 +38,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.modules.module as _module_hooks  # the global hook registries nn.Module.__call__ consults
 import transformers
 from torch import nn
 
@@ -141,6 +142,14 @@ class _PatchContext:
         return self.mask[:, -length:]
 
 
+def _has_forward_hooks(module) -> bool:
+    """Whether calling ``module`` would run any forward hook (its own or global ones), as ``nn.Module`` checks."""
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or _module_hooks._global_forward_hooks
+        or _module_hooks._global_forward_pre_hooks
+    )
+
+
 def _first_tensor(output):
     if torch.is_tensor(output):
         return output
@@ -173,6 +182,11 @@ class CTAPatchWrapper(nn.Module):
         self.placements = tuple(pdes)
         for placement, module in pdes.items():
             setattr(self, f"cta_{placement}_pde", module)
+        # Submodule names of the placements applied to the output, in order (looked up per call: PEFT may replace
+        # a PDE module by its own wrapper).
+        self._output_pde_names = tuple(
+            f"cta_{placement}_pde" for placement in ("attention_output", "mlp_output", "block_output") if placement in pdes
+        )
         self.value_attr = value_attr
         self.value_slice = value_slice
         self.cache_position = cache_position
@@ -191,52 +205,61 @@ class CTAPatchWrapper(nn.Module):
                 raise
             return getattr(wrapped, name)
 
-    def _pde(self, placement):
-        return self._modules.get(f"cta_{placement}_pde")
-
-    def _refine(self, placement, hidden_states, cache):
-        pde = self._pde(placement)
-        if pde is None:
-            return hidden_states
+    def _refine(self, pde_name, hidden_states, cache):
         mask = self._cta_context.token_mask(hidden_states.shape[1]) if self._cta_context is not None else None
-        return pde(hidden_states, mask, cache)
+        return self._modules[pde_name](hidden_states, mask, cache)
 
     def forward(self, *args, **kwargs):
+        # Runs once per layer and token when decoding, where host time is the cost: plain attributes and dict
+        # lookups only (a submodule read through nn.Module.__getattr__ costs a failed lookup first).
         context = self._cta_context
+        placements = self.placements
         if self.role == "block":
             cache = kwargs.get("past_key_values")
             if cache is None and self.cache_position is not None and len(args) > self.cache_position:
                 cache = args[self.cache_position]
             if context is not None:
                 context.cache = cache
-            if self._pde("embedding") is not None:
+            if "embedding" in placements:
                 if args:
-                    args = (self._refine("embedding", args[0], cache), *args[1:])
+                    args = (self._refine("cta_embedding_pde", args[0], cache), *args[1:])
                 else:
-                    kwargs["hidden_states"] = self._refine("embedding", kwargs["hidden_states"], cache)
+                    kwargs["hidden_states"] = self._refine("cta_embedding_pde", kwargs["hidden_states"], cache)
         else:
             cache = context.cache if context is not None else None
 
-        handle = None
-        if self._pde("value") is not None:
-            handle = getattr(self.wrapped, self.value_attr).register_forward_hook(self._make_value_hook(cache))
-        try:
-            output = self.wrapped(*args, **kwargs)
-        finally:
-            if handle is not None:
+        wrapped = self._modules["wrapped"]
+        if "value" in placements:
+            handle = getattr(wrapped, self.value_attr).register_forward_hook(self._make_value_hook(cache))
+            try:
+                output = wrapped(*args, **kwargs)
+            finally:
                 handle.remove()
+        else:
+            output = wrapped(*args, **kwargs)
 
-        for placement in ("attention_output", "mlp_output", "block_output"):
-            if self._pde(placement) is not None:
-                output = _replace_first(output, self._refine(placement, _first_tensor(output), cache))
+        modules = self._modules
+        for pde_name in self._output_pde_names:
+            hidden_states = _first_tensor(output)
+            refined = None
+            # Decoding: the step the PDE module prepared (``_DecodePlan``), called here directly when that is
+            # exactly what calling the module would do: no padding mask, no hooks on the module.
+            plan = modules[pde_name].__dict__.get("_decode_plan")
+            if plan is not None and (context is None or context.mask is None) and not _has_forward_hooks(
+                modules[pde_name]
+            ):
+                refined = plan(hidden_states, cache)
+            if refined is None:
+                refined = self._refine(pde_name, hidden_states, cache)
+            output = _replace_first(output, refined)
         return output
 
     def _make_value_hook(self, cache):
         def hook(module, args, output):
             if self.value_slice is None:
-                return self._refine("value", output, cache)
+                return self._refine("cta_value_pde", output, cache)
             low, high = self.value_slice
-            refined = self._refine("value", output[..., low:high], cache)
+            refined = self._refine("cta_value_pde", output[..., low:high], cache)
             return torch.cat([output[..., :low], refined, output[..., high:]], dim=-1)
 
         return hook

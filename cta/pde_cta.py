@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -488,6 +489,11 @@ class PDERefinement(nn.Module):
             self.beta_init = None
             self.register_parameter("beta", None)
 
+    def __setattr__(self, name, value):
+        # A prepared decode step (_DecodePlan) is bound to this module's settings: any change drops it.
+        self.__dict__.pop("_decode_plan", None)
+        super().__setattr__(name, value)
+
     def extra_repr(self) -> str:
         kind = "causal" if self.causal else "bidirectional"
         return f"{self.pde_type}, steps={self.steps}, {kind}, channels={self.channels}, per_channel={self.alpha.dim() == 1}"
@@ -521,7 +527,8 @@ class PDERefinement(nn.Module):
 
     def _fast_decode(self, hidden_states, state, attention_mask):
         """One cached decode step through the Triton update kernel with no per-call validation, or None when this
-        call needs the general path (autograd, CPU/torch backend, steps above the fused limit, odd layouts)."""
+        call needs the general path (autograd, CPU/torch backend, steps above the fused limit, odd layouts).
+        Without a padding mask it also prepares the next steps (a :class:`_DecodePlan`)."""
         # Traced (torch.compile): the general path (traced reference ops, or the custom op: COMPILED_DECODE_AS_OP).
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _use_triton(self.backend, hidden_states):
             return None
@@ -534,11 +541,21 @@ class PDERefinement(nn.Module):
         token_mask = None
         if attention_mask is not None:
             token_mask = attention_mask[:, 0].to(torch.float32).contiguous()
-        return kernels.pde_decode_update(
-            hidden_states, state, alpha, beta, token_mask, kernels._PDE_IDS[self.pde_type], self.steps
-        )
+        pde = kernels._PDE_IDS[self.pde_type]
+        out = kernels.pde_decode_update(hidden_states, state, alpha, beta, token_mask, pde, self.steps)
+        if token_mask is None and hidden_states.is_contiguous():
+            launch = kernels.bind_decode_update(hidden_states, state, alpha, beta, pde, self.steps)
+            if launch is not None:
+                self.__dict__["_decode_plan"] = _DecodePlan(self, hidden_states, state, launch)
+        return out
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None):
+        # Decoding without padding: the launch the previous token prepared, while it still applies (see _DecodePlan).
+        plan = self.__dict__.get("_decode_plan")
+        if plan is not None and attention_mask is None and past_key_values is not None:
+            out = plan(hidden_states, past_key_values)
+            if out is not None:
+                return out
         if self.steps == 0:
             return hidden_states
         state = None
@@ -557,10 +574,16 @@ class PDERefinement(nn.Module):
             return pde_refine(
                 hidden_states, attention_mask=attention_mask, causal=self.causal, backend=self.backend, **kwargs
             )
-        if state is not None and hidden_states.shape[1] == 1:
+        differentiable = torch.is_grad_enabled() and (
+            hidden_states.requires_grad or alpha.requires_grad or (beta is not None and beta.requires_grad)
+        )
+        # The decode kernels have no backward: under autograd a one-token step takes the chunked path below.
+        if state is not None and hidden_states.shape[1] == 1 and not differentiable:
             token_mask = None if attention_mask is None else attention_mask[:, 0]
             out = pde_decode_step(hidden_states[:, 0], state, token_mask=token_mask, backend=self.backend, **kwargs)
             return out[:, None]
+        if differentiable and state is not None:
+            state = state.clone()  # autograd may save it, and the cache's buffer is overwritten below
         out, final_state = pde_refine(
             hidden_states,
             attention_mask=attention_mask,
@@ -572,7 +595,64 @@ class PDERefinement(nn.Module):
         )
         # Stored as the layer's conv state with the channels as its last ("kernel") axis, so the buffer is the
         # contiguous [batch, steps, channels] tensor the decode kernel updates in place.
-        past_key_values.update_conv_state(final_state.float(), self.layer_idx, state_idx=self.state_idx)
+        past_key_values.update_conv_state(final_state.detach().float(), self.layer_idx, state_idx=self.state_idx)
+        return out
+
+
+class _DecodePlan:
+    """The next decode steps of one :class:`PDERefinement`, prepared by the step before: the token layout, the cache
+    slot and state buffer, the coefficients, and a bound Triton launch (``triton_cta.bind_decode_update``).
+
+    A batch-1 decode step is host-bound, and a patched model runs one step per site and token; re-checking and
+    re-building all of this each time cost several times the launch. ``__call__`` checks only what can change
+    between tokens and returns None when anything differs (autograd or tracing on, another cache, a replaced or
+    reset state, another token layout, updated or replaced coefficients); the caller then takes the general path,
+    which prepares a new plan. The state is held weakly: a finished generation's cache is not kept alive.
+    """
+
+    __slots__ = ("layer_idx", "state_idx", "state", "shape", "dtype", "device", "parameters", "alpha", "beta",
+                 "alpha_version", "beta_version", "launch")
+
+    def __init__(self, module, hidden_states, state, launch):
+        self.layer_idx, self.state_idx = module.layer_idx, module.state_idx
+        self.state = weakref.ref(state)
+        self.shape, self.dtype, self.device = hidden_states.shape, hidden_states.dtype, hidden_states.get_device()
+        self.parameters = module._parameters  # the module's own dict: a replaced parameter is seen here
+        self.alpha, self.beta = module.alpha, module.beta
+        self.alpha_version = (self.alpha.data_ptr(), self.alpha._version)
+        self.beta_version = None if self.beta is None else (self.beta.data_ptr(), self.beta._version)
+        self.launch = launch
+
+    def __call__(self, hidden_states, past_key_values):
+        # Every check is needed (see the docstring); the module's own settings are not re-read: setting any
+        # attribute of the module drops its plan.
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None
+        layers = getattr(past_key_values, "layers", None)
+        if layers is None or len(layers) <= self.layer_idx:
+            return None
+        layer = layers[self.layer_idx]
+        state = self.state()
+        conv_states = getattr(layer, "conv_states", None)
+        if state is None or conv_states is None or conv_states.get(self.state_idx) is not state:
+            return None
+        if not layer.has_previous_state.get(self.state_idx, False):
+            return None
+        if (
+            hidden_states.shape != self.shape
+            or hidden_states.dtype != self.dtype
+            or hidden_states.get_device() != self.device
+            or not hidden_states.is_contiguous()
+            or hidden_states.data_ptr() % 16
+        ):
+            return None
+        alpha, beta, parameters = self.alpha, self.beta, self.parameters
+        if parameters["alpha"] is not alpha or (alpha.data_ptr(), alpha._version) != self.alpha_version:
+            return None
+        if beta is not None and (parameters["beta"] is not beta or (beta.data_ptr(), beta._version) != self.beta_version):
+            return None
+        out = torch.empty_like(hidden_states)
+        self.launch(hidden_states, out, state)
         return out
 
 

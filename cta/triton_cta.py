@@ -1014,28 +1014,37 @@ def _launch_hooks():
     return _active_hook(runtime.launch_enter_hook), _active_hook(runtime.launch_exit_hook)
 
 
+def _direct_key(kernel, tensors, ints, consts, num_warps):
+    """The key of ``_COMPILED`` for this launch, or None where it is not cached (direct launch off, CPU tensors,
+    a pointer not 16-byte aligned)."""
+    if not (DIRECT_LAUNCH and tensors[0].is_cuda):
+        return None
+    pointers = 0
+    dtypes = []
+    for t in tensors:
+        pointers |= t.data_ptr()
+        dtypes.append(t.dtype)
+    if pointers % 16:
+        return None
+    return (kernel, tensors[0].device.index, *dtypes, ints, consts, num_warps)
+
+
 def _launch(kernel, grid, tensors, ints, consts, num_warps):
     """``kernel[grid](*tensors, *ints, *consts, num_warps=num_warps)`` (``consts``: the constexprs, in the order of
     the kernel's signature), through the compiled kernel's launcher once Triton has compiled it for this key."""
-    key = None
-    if DIRECT_LAUNCH and tensors[0].is_cuda:
-        pointers = 0
-        dtypes = []
-        for t in tensors:
-            pointers |= t.data_ptr()
-            dtypes.append(t.dtype)
-        if not pointers % 16:
-            device = tensors[0].device.index
-            key = (kernel, device, *dtypes, ints, consts, num_warps)
-            compiled = _COMPILED.get(key)
-            if compiled is not None:
-                stream = triton.runtime.driver.active.get_current_stream(device)
-                enter, leave = _launch_hooks()
-                args = (*tensors, *ints, *consts)
-                metadata = compiled.launch_metadata(grid, stream, *args) if enter is not None else None
-                compiled.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, compiled.function,
-                             compiled.packed_metadata, metadata, enter, leave, *args)
-                return
+    key = _direct_key(kernel, tensors, ints, consts, num_warps)
+    if key is not None:
+        compiled = _COMPILED.get(key)
+        if compiled is not None:
+            stream = triton.runtime.driver.active.get_current_stream(key[1])
+            enter, leave = _launch_hooks()
+            metadata = compiled.launch_metadata(grid, stream, *tensors, *ints, *consts) if enter is not None else None
+            # Pointers as integers: the launcher then neither calls `data_ptr()` nor asks the driver to validate
+            # each pointer (one cuPointerGetAttribute per tensor and launch). They are CUDA tensors' own addresses.
+            compiled.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, compiled.function,
+                         compiled.packed_metadata, metadata, enter, leave, *[t.data_ptr() for t in tensors], *ints,
+                         *consts)
+            return
     compiled = kernel[grid](*tensors, *ints, *consts, num_warps=num_warps)
     if key is not None and compiled is not None and hasattr(compiled, "packed_metadata"):
         if len(_COMPILED) >= 4096:  # the integer arguments are in the key: many sequence lengths, many entries
@@ -1330,20 +1339,64 @@ class _PDERefineFunction(torch.autograd.Function):
         return dx, dalpha, dbeta, None, None, None, None, None, None
 
 
-def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
-    """Launches the decode kernel. ``x``/``y``: ``[batch, (1,) channels]`` with contiguous channels; ``state``: fp32;
-    ``a``/``b``: fp32 ``[1]`` or ``[channels]`` (``b`` None for diffusion/wave); ``token_mask``: fp32 ``[batch]``
-    or None."""
+def _decode_arguments(x, y, state, a, b, token_mask, pde: int, steps: int):
+    """``(grid, tensors, ints, consts)`` of the decode kernel. ``x``/``y``: ``[batch, (1,) channels]`` with
+    contiguous channels; ``state``: fp32; ``a``/``b``: fp32 ``[1]`` or ``[channels]`` (``b`` None for
+    diffusion/wave); ``token_mask``: fp32 ``[batch]`` or None."""
     channels = x.shape[-1]
     block_c = min(_next_pow2(channels), 1024)
     grid = (_cdiv(channels, block_c), x.shape[0])
     # Pointers the kernel never reads (no mask, no beta) are given `x`: no allocation and no fill launch per call.
     tm = x if token_mask is None else token_mask
     bb = a if b is None else b
-    _launch(_pde_decode_kernel, grid, (x, y, state, tm, a, bb), (channels, x.stride(0), state.stride(0),
-            state.stride(1)), (pde, steps, token_mask is not None, a.numel() > 1, b is not None and b.numel() > 1,
-            block_c), 4)
+    return (grid, (x, y, state, tm, a, bb), (channels, x.stride(0), state.stride(0), state.stride(1)),
+            (pde, steps, token_mask is not None, a.numel() > 1, b is not None and b.numel() > 1, block_c))
+
+
+_DECODE_WARPS = 4
+
+
+def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
+    """Launches the decode kernel (arguments as in :func:`_decode_arguments`); returns ``y``."""
+    grid, tensors, ints, consts = _decode_arguments(x, y, state, a, b, token_mask, pde, steps)
+    _launch(_pde_decode_kernel, grid, tensors, ints, consts, _DECODE_WARPS)
     return y
+
+
+def bind_decode_update(x, state, alpha, beta, pde: int, steps: int):
+    """:func:`pde_decode_update` without a token mask, prepared once: a function ``launch(x, y, state)`` that calls
+    the compiled kernel's launcher with every other argument bound (``alpha``, ``beta``, and the strides of ``x``
+    and ``state``). Valid for tokens ``x`` (and outputs ``y``) of this shape, dtype, device and 16-byte alignment,
+    and for this state buffer. None where no launcher is cached for this key yet (run :func:`pde_decode_update`
+    once first) or direct launch is off.
+
+    A decode step of a patched model runs one launch per site and token; building its arguments and its cache key
+    each time cost more host time than the launch itself.
+    """
+    grid, tensors, ints, consts = _decode_arguments(x, x, state, alpha, beta, None, pde, steps)
+    key = _direct_key(_pde_decode_kernel, tensors, ints, consts, _DECODE_WARPS)
+    compiled = _COMPILED.get(key) if key is not None else None
+    if compiled is None:
+        return None
+    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    current_stream = triton.runtime.driver.active.get_current_stream
+    device = key[1]
+    grid_x, grid_y = grid
+    alpha_ptr, beta_ptr = alpha.data_ptr(), tensors[5].data_ptr()  # bound (kept alive by the closure)
+    b = tensors[5]
+
+    def launch(x, y, state):
+        stream = current_stream(device)
+        enter, leave = _launch_hooks()
+        metadata = None
+        if enter is not None:
+            metadata = compiled.launch_metadata((grid_x, grid_y, 1), stream, x, y, state, x, alpha, b, *ints, *consts)
+        x_ptr = x.data_ptr()
+        # Integer pointers, as in _launch; the unread token-mask pointer is x's.
+        run(grid_x, grid_y, 1, stream, function, packed, metadata, enter, leave, x_ptr, y.data_ptr(),
+            state.data_ptr(), x_ptr, alpha_ptr, beta_ptr, *ints, *consts)
+
+    return launch
 
 
 def _pde_decode_impl(

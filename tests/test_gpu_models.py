@@ -58,3 +58,52 @@ def test_bf16_model_runs_on_triton():
     model = model.to(torch.bfloat16)
     out = model(torch.randint(1, 97, (2, 64), device="cuda"))
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.logits).all()
+
+
+@requires_cuda
+def test_patched_decode_plan_is_exact_and_keeps_hooks(monkeypatch):
+    """A patched Llama on Triton, unpadded prompts: every cached decode step's logits equal the full forward's at that
+    position, with the prepared decode launch (``_DecodePlan``, called by the wrapper) taken at every site after
+    the first token, with or without an all-ones attention mask; a forward hook on a PDE module still runs at
+    every step (the wrapper then calls the module)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import cta.pde_cta as pde_cta
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).cuda().eval()
+    cta.patch_model(model, pde_steps=4, init="paper", backend="triton")
+    ids = torch.randint(1, 97, (2, 14), device="cuda")
+    with torch.no_grad():
+        full = model(ids).logits
+        unpatched = cta.unpatch_model(model)(ids).logits
+        cta.patch_model(model, pde_steps=4, init="paper", backend="triton")
+    assert (full - unpatched).abs().max() > 1e-3  # the patch is not the identity here
+    planned = []
+    plan_call = pde_cta._DecodePlan.__call__
+
+    def counting_call(plan, *args):
+        out = plan_call(plan, *args)
+        planned.append(out is not None)
+        return out
+
+    monkeypatch.setattr(pde_cta._DecodePlan, "__call__", counting_call)
+
+    def decode(first, last):
+        cache = model(ids[:, :first], use_cache=True).past_key_values
+        for t in range(first, last):
+            mask = torch.ones(2, t + 1, dtype=torch.long, device="cuda") if t % 2 else None
+            step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True, attention_mask=mask).logits[:, -1]
+            torch.testing.assert_close(step, full[:, t], rtol=1e-4, atol=1e-4)
+
+    with torch.no_grad():
+        decode(6, 14)
+        assert planned.count(True) == 2 * 7  # 2 sites, every token after the first
+        hooked = []
+        _, pde = cta.patching_cta.pde_modules(model)[0]
+        handle = pde.register_forward_hook(lambda module, args, output: hooked.append(1))
+        decode(8, 12)
+        handle.remove()
+    assert len(hooked) == 1 + 4  # the prefill and every decode step

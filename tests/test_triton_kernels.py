@@ -445,6 +445,97 @@ def test_module_fast_decode_matches_reference_module(pde):
 
 
 @needs_kernels
+@pytest.mark.parametrize("pde", ["diffusion", "reaction_diffusion"])
+def test_decode_plan_follows_every_change(pde):
+    """The prepared decode launch (``_DecodePlan``, GPU only) against the reference module, token by token, across
+    everything that must make it stand aside: a coefficient updated in place and one replaced, a second cache, a
+    beam reorder of the state, another batch size, strided tokens, and a step under autograd. On GPU it must also
+    have run."""
+    import gc
+
+    from torch import nn
+    from transformers import DynamicCache, LlamaConfig
+
+    import cta.pde_cta as pde_cta
+
+    channels, steps = 40, 4
+    config = LlamaConfig(num_hidden_layers=1, layer_types=["hybrid"], number_of_conv_states=1,
+                         hidden_size=64, num_attention_heads=1)
+    modules = {}
+    for backend in ("triton", "torch"):
+        torch.manual_seed(0)
+        modules[backend] = PDERefinementForTest(channels, pde, steps, backend).to(DEVICE)
+    planned = []
+    plan_call = pde_cta._DecodePlan.__call__
+
+    def counting_call(plan, *args):
+        out = plan_call(plan, *args)
+        planned.append(out is not None)
+        return out
+
+    gen = torch.Generator().manual_seed(5)
+
+    def generation(batch, tokens, edit=None, reorder_at=None, strided=False):
+        x = torch.randn(batch, 8 + tokens, channels, generator=gen).to(DEVICE)
+        caches = {b: DynamicCache(config=config) for b in modules}
+        for b, m in modules.items():
+            m(x[:, :8], None, caches[b])
+        for t in range(8, 8 + tokens):
+            if t == 10 and edit is not None:
+                for m in modules.values():
+                    edit(m)
+            if t == reorder_at:
+                beams = torch.arange(batch - 1, -1, -1, device=DEVICE)
+                for cache in caches.values():
+                    cache.reorder_cache(beams)
+            token = x[:, t:t + 1] if strided else x[:, t:t + 1].contiguous()  # a strided view never plans
+            outs = {b: m(token, None, caches[b]) for b, m in modules.items()}
+            torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(caches["triton"].layers[0].conv_states[0],
+                                       caches["torch"].layers[0].conv_states[0], rtol=1e-5, atol=1e-6)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pde_cta._DecodePlan, "__call__", counting_call)
+        with torch.no_grad():
+            generation(2, 5, edit=lambda m: m.alpha.mul_(0.5))  # in-place update (what an optimizer does)
+            generation(2, 5, edit=lambda m: setattr(m, "alpha", nn.Parameter(m.alpha.detach() * 0.5)))
+            generation(3, 6, reorder_at=11)  # a new cache and batch size, then a beam reorder
+            generation(3, 4, strided=True)
+        x = torch.randn(3, 9, channels, generator=gen).to(DEVICE)
+        caches = {b: DynamicCache(config=config) for b in modules}
+        grads = {}
+        for b, m in modules.items():  # autograd: never the plan, and the gradient flows
+            with torch.no_grad():
+                m(x[:, :8], None, caches[b])
+            token = x[:, 8:].clone().requires_grad_(True)
+            m(token, None, caches[b]).square().sum().backward()
+            grads[b] = token.grad
+        torch.testing.assert_close(grads["triton"], grads["torch"], rtol=1e-5, atol=1e-6)
+    plan = modules["triton"].__dict__.get("_decode_plan")
+    if ON_GPU and kernels_direct_launch():
+        assert sum(planned) >= 8, planned  # most decode steps took the prepared launch
+        assert not all(planned)  # and it stood aside where it had to
+        gc.collect()
+        assert plan is not None and plan.state() is None  # the finished caches' states were not kept alive
+        modules["triton"].steps = steps  # setting any attribute of the module drops its plan
+        assert "_decode_plan" not in modules["triton"].__dict__
+    else:
+        assert plan is None and not any(planned)  # no direct launch on the interpreter: no plan
+
+
+def kernels_direct_launch():
+    import cta.triton_cta as kernels
+
+    return kernels.DIRECT_LAUNCH
+
+
+def PDERefinementForTest(channels, pde, steps, backend):
+    from cta.pde_cta import PDERefinement
+
+    return PDERefinement(channels, pde, steps, causal=True, alpha=0.1, per_channel=True, backend=backend, layer_idx=0)
+
+
+@needs_kernels
 def test_dispatch_and_fallbacks():
     assert is_available()
     x = torch.randn(1, 12, 4, device=DEVICE)
