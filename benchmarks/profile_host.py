@@ -16,6 +16,7 @@ import argparse
 import time
 
 import torch
+from transformers import LlamaConfig
 
 import cta
 from bench_patched_model import llama_model  # the model of the model-level benchmarks
@@ -100,6 +101,14 @@ def micro(args):
                          h, y, state, h, alpha, alpha, args.hidden, h.stride(0), state.stride(0), state.stride(1),
                          0, args.steps, False, False, False, block_c)
         rows.append(("compiled kernel .run (no JIT dispatch)", direct_run))
+        pointers = [t.data_ptr() for t in (h, y, state, h, alpha, alpha)]
+
+        def integer_pointers_run():
+            stream = triton.runtime.driver.active.get_current_stream(h.device.index)
+            compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                         *pointers, args.hidden, h.stride(0), state.stride(0), state.stride(1),
+                         0, args.steps, False, False, False, block_c)
+        rows.append(("  the same with integer pointers", integer_pointers_run))
     for direct in (False, True):
         def update(direct=direct):
             kernels.DIRECT_LAUNCH = direct
@@ -107,6 +116,11 @@ def micro(args):
         rows.append((f"pde_decode_update (direct launch {direct})", update))
     kernels.DIRECT_LAUNCH = True
     rows.append(("PDERefinement(h, None, cache) decode", lambda: pde(h, None, cache)))
+    with torch.no_grad():
+        pde(h, None, cache)  # prepares the plan (GPU with direct launch)
+    plan = pde.__dict__.get("_decode_plan")
+    if plan is not None:
+        rows.append(("  its prepared step alone (_DecodePlan call)", lambda: plan(h, cache)))
     with torch.no_grad():
         for name, fn in rows:
             print(f"{name:45s} {per_call_us(fn, device):8.1f} us/call", flush=True)
