@@ -1,15 +1,20 @@
 """Where the host time of eager calls goes: decode steps, and the kernels' training path.
 
-    python benchmarks/profile_host.py [--layers 8] [--hidden 1024] [--tokens 32] [--device cuda]
+    python benchmarks/profile_host.py [--layers 8] [--hidden 4096] [--tokens 48] [--rounds 7] [--mask]
     python benchmarks/profile_host.py --micro      # host time per call of each layer of the decode path
     python benchmarks/profile_host.py --refine     # host time per call of each layer of pde_refine's training path
 
-The default mode times one cached decode step, patched vs unpatched (torch.profiler, CPU-side op totals). A batch-1
-decode step of an eager transformers model is bound by host time (Python and launches), and so is a forward+backward
-of a few thousand tokens; ``--micro`` and ``--refine`` time each layer of those paths by itself: calls queued back to
-back on a tensor small enough that the GPU never waits, one synchronisation at the end. ``--refine`` then measures,
-in the same run, what that host time does to ``triton.testing.do_bench`` of a forward+backward at ``--bench-shape``
-with Triton's generic launch and with the direct launch (``cta.triton_cta.DIRECT_LAUNCH``).
+The default mode splits the cost of a patched decode step (batch 1, greedy, through the cache) in paired rounds: each
+round times the model unpatched, patched, patched without the prepared decode step (``_DecodePlan``: every step
+through ``PDERefinement``'s general fast path), and patched with pass-through wrappers (the wrappers alone, no PDE),
+in alternating order; it reports the median over rounds of each variant's overhead and of its extra microseconds per
+PDE site and token, then a torch.profiler table of the patched model. ``--mask`` passes an all-ones attention mask
+with every step, as ``generate()`` does. A batch-1 decode step of an eager transformers model is bound by host time
+(Python and launches), and so is a forward+backward of a few thousand tokens; ``--micro`` and ``--refine`` time each
+layer of those paths by itself: calls queued back to back on a tensor small enough that the GPU never waits, one
+synchronisation at the end. ``--refine`` then measures, in the same run, what that host time does to
+``triton.testing.do_bench`` of a forward+backward at ``--bench-shape`` with Triton's generic launch and with the
+direct launch (``cta.triton_cta.DIRECT_LAUNCH``).
 """
 
 import argparse
@@ -22,26 +27,69 @@ import cta
 from bench_patched_model import llama_model  # the model of the model-level benchmarks
 
 
-def decode(model, ids, tokens):
+def decode(model, ids, tokens, mask=True):
     with torch.no_grad():
         out = model(ids, use_cache=True)
         cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        mask = torch.ones(ids.shape[0], ids.shape[1] + tokens + 1, dtype=torch.long, device=ids.device)
+        ones = torch.ones(ids.shape[0], ids.shape[1] + tokens + 1, dtype=torch.long, device=ids.device)
         for i in range(tokens):
-            out = model(token, past_key_values=cache, use_cache=True, attention_mask=mask[:, : ids.shape[1] + i + 1])
+            step_mask = ones[:, : ids.shape[1] + i + 1] if mask else None
+            out = model(token, past_key_values=cache, use_cache=True, attention_mask=step_mask)
             token = out.logits[:, -1:].argmax(-1)
     return token
 
 
-def per_token_ms(model, ids, tokens, device):
-    decode(model, ids, 4)
+def per_token_us(model, ids, tokens, device, mask=True):
+    decode(model, ids, 4, mask)
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    decode(model, ids, tokens)
+    decode(model, ids, tokens, mask)
     if device == "cuda":
         torch.cuda.synchronize()
-    return (time.perf_counter() - start) / tokens * 1e3
+    return (time.perf_counter() - start) / tokens * 1e6
+
+
+def site_costs(model, ids, args):
+    """Paired rounds of the decode variants (see the module docstring); prints one line per variant."""
+    import statistics
+
+    import cta.patching_cta as patching
+    import cta.triton_cta as kernels
+
+    wrapper_forward, bind = patching.CTAPatchWrapper.forward, kernels.bind_decode_update
+
+    def set_variant(name):
+        patching.CTAPatchWrapper.forward, kernels.bind_decode_update = wrapper_forward, bind
+        if name == "unpatched":
+            if patching.is_patched(model):
+                cta.unpatch_model(model)
+            return
+        if not patching.is_patched(model):
+            cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+        for _, pde in patching.pde_modules(model):
+            pde.__dict__.pop("_decode_plan", None)
+        if name == "patched, no prepared step":
+            kernels.bind_decode_update = lambda *unused: None
+        elif name == "pass-through wrappers":
+            patching.CTAPatchWrapper.forward = lambda self, *a, **k: self._modules["wrapped"](*a, **k)
+
+    names = ["unpatched", "patched", "patched, no prepared step", "pass-through wrappers"]
+    times = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            set_variant(name)
+            times[name].append(statistics.median(
+                per_token_us(model, ids, args.tokens, args.device, args.mask) for _ in range(3)))
+    set_variant("patched")
+    base = times["unpatched"]
+    print(f"decode, batch 1, {args.layers} layers x {args.hidden}, {args.rounds} paired rounds, "
+          f"{'all-ones attention mask' if args.mask else 'no attention mask'} (median over rounds):")
+    for name in names:
+        overhead = statistics.median(t / b - 1 for t, b in zip(times[name], base))
+        per_site = statistics.median(t - b for t, b in zip(times[name], base)) / args.layers
+        print(f"  {name:28s} {statistics.median(times[name]):8.0f} us/token  {100 * overhead:+6.2f}%  "
+              f"{per_site:6.1f} us per site and token", flush=True)
 
 
 def per_call_us(fn, device, n=2000):
@@ -189,8 +237,10 @@ def micro_refine(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (the model of bench_patched_model)")
+    parser.add_argument("--tokens", type=int, default=48, help="decoded tokens per timing")
+    parser.add_argument("--rounds", type=int, default=7, help="paired rounds of the decode variants")
+    parser.add_argument("--mask", action="store_true", help="pass an all-ones attention mask with every step")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--micro", action="store_true", help="host time per call of each layer of the decode path")
@@ -207,18 +257,15 @@ def main():
         micro_refine(args)
         return
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    model = llama_model(args.layers, args.hidden, args.hidden * 2, 32000, torch.device(args.device), dtype)
-    ids = torch.randint(0, 32000, (1, 128), device=args.device)
-    plain = per_token_ms(model, ids, args.tokens, args.device)
-    cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
-    patched = per_token_ms(model, ids, args.tokens, args.device)
-    print(f"ms/token: unpatched {plain:.3f}  patched {patched:.3f}  (+{patched - plain:.3f} ms, "
-          f"{(patched - plain) / args.layers * 1e3:.0f} us per PDE site)")
+    intermediate = int(round(11008 * args.hidden / 4096 / 64)) * 64  # as bench_patched_model
+    model = llama_model(args.layers, args.hidden, intermediate, 32000, torch.device(args.device), dtype)
+    ids = torch.randint(0, 32000, (1, 512), device=args.device)
+    site_costs(model, ids, args)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        decode(model, ids, 8)
+        decode(model, ids, 8, args.mask)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
