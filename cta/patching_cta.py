@@ -113,33 +113,42 @@ class _PatchContext:
         self.mask_position = mask_position
         self.mask = None
         self.cache = None
+        self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
+        self._step_mask = None  # the fp32 [batch, 1] mask of a one-token step, made once per forward
 
     def capture(self, module, args, kwargs):
         mask = kwargs.get("attention_mask")
         if mask is None and self.mask_position is not None and len(args) > self.mask_position:
             mask = args[self.mask_position]
-        if torch.is_tensor(mask) and mask.dim() == 2 and (torch.compiler.is_compiling() or not bool(mask.all())):
-            # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
-            self.mask = mask
-        else:
-            self.mask = None  # no padding, or a 4D custom mask (no walls can be derived from it)
+        # A 4D custom mask: no walls can be derived from it.
+        self.mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
+        self._padded = self._step_mask = None
         self.cache = kwargs.get("past_key_values")
         return None
 
     def release(self, module, args, kwargs, output):
-        self.mask = None
-        self.cache = None
+        self.mask = self.cache = self._padded = self._step_mask = None
         return None
 
     def token_mask(self, length: int):
-        if self.mask is None:
+        mask = self.mask
+        if mask is None:
             return None
-        if self.mask.shape[1] < length:
+        if mask.shape[1] < length:
             raise ValueError(
-                f"`attention_mask` has {self.mask.shape[1]} columns but the current input has {length} tokens; it must "
+                f"`attention_mask` has {mask.shape[1]} columns but the current input has {length} tokens; it must "
                 "cover the cached and the current tokens ([batch, past + seq])."
             )
-        return self.mask[:, -length:]
+        if length == 1 and not torch.compiler.is_compiling():
+            # One decoded token: its own column is the decode kernel's token mask, made once for all sites. Asking
+            # whether the whole mask is ones (to drop it) would cost a device synchronisation per token.
+            if self._step_mask is None:
+                self._step_mask = mask[:, -1:].to(torch.float32)
+            return self._step_mask
+        if self._padded is None:
+            # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
+            self._padded = torch.compiler.is_compiling() or not bool(mask.all())
+        return mask[:, -length:] if self._padded else None
 
 
 def _has_forward_hooks(module) -> bool:
@@ -241,16 +250,16 @@ class CTAPatchWrapper(nn.Module):
         modules = self._modules
         for pde_name in self._output_pde_names:
             hidden_states = _first_tensor(output)
+            mask = context.token_mask(hidden_states.shape[1]) if context is not None else None
             refined = None
-            # Decoding: the step the PDE module prepared (``_DecodePlan``), called here directly when that is
-            # exactly what calling the module would do: no padding mask, no hooks on the module.
-            plan = modules[pde_name].__dict__.get("_decode_plan")
-            if plan is not None and (context is None or context.mask is None) and not _has_forward_hooks(
-                modules[pde_name]
-            ):
-                refined = plan(hidden_states, cache)
+            # Decoding: the step the PDE module prepared (``_DecodePlan``), called here directly when that is what
+            # calling the module would do (no hooks on it).
+            pde = modules[pde_name]
+            plan = pde.__dict__.get("_decode_plan")
+            if plan is not None and not _has_forward_hooks(pde):
+                refined = plan(hidden_states, cache, mask)
             if refined is None:
-                refined = self._refine(pde_name, hidden_states, cache)
+                refined = pde(hidden_states, mask, cache)
             output = _replace_first(output, refined)
         return output
 

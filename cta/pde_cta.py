@@ -543,17 +543,20 @@ class PDERefinement(nn.Module):
             token_mask = attention_mask[:, 0].to(torch.float32).contiguous()
         pde = kernels._PDE_IDS[self.pde_type]
         out = kernels.pde_decode_update(hidden_states, state, alpha, beta, token_mask, pde, self.steps)
-        if token_mask is None and hidden_states.is_contiguous():
-            launch = kernels.bind_decode_update(hidden_states, state, alpha, beta, pde, self.steps)
+        if hidden_states.is_contiguous():
+            launch = kernels.bind_decode_update(hidden_states, state, alpha, beta, token_mask, pde, self.steps)
             if launch is not None:
-                self.__dict__["_decode_plan"] = _DecodePlan(self, hidden_states, state, launch)
+                plan = self.__dict__.get("_decode_plan")
+                if plan is None or not plan.applies(hidden_states, state):
+                    plan = self.__dict__["_decode_plan"] = _DecodePlan(self, hidden_states, state)
+                plan.launches[token_mask is not None] = launch
         return out
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None):
         # Decoding without padding: the launch the previous token prepared, while it still applies (see _DecodePlan).
         plan = self.__dict__.get("_decode_plan")
-        if plan is not None and attention_mask is None and past_key_values is not None:
-            out = plan(hidden_states, past_key_values)
+        if plan is not None and past_key_values is not None:
+            out = plan(hidden_states, past_key_values, attention_mask)
             if out is not None:
                 return out
         if self.steps == 0:
@@ -601,19 +604,22 @@ class PDERefinement(nn.Module):
 
 class _DecodePlan:
     """The next decode steps of one :class:`PDERefinement`, prepared by the step before: the token layout, the cache
-    slot and state buffer, the coefficients, and a bound Triton launch (``triton_cta.bind_decode_update``).
+    slot and state buffer, the coefficients, and bound Triton launches (``triton_cta.bind_decode_update``), one
+    without and one with a token mask, each bound once that kind of step has run.
 
     A batch-1 decode step is host-bound, and a patched model runs one step per site and token; re-checking and
     re-building all of this each time cost several times the launch. ``__call__`` checks only what can change
     between tokens and returns None when anything differs (autograd or tracing on, another cache, a replaced or
-    reset state, another token layout, updated or replaced coefficients); the caller then takes the general path,
-    which prepares a new plan. The state is held weakly: a finished generation's cache is not kept alive.
+    reset state, another token layout, a token mask other than fp32 ``[batch, 1]``, updated or replaced
+    coefficients); the caller then takes the general path, which prepares a new plan. The module's own settings
+    are not re-checked: setting any attribute of the module drops its plan. The state is held weakly: a finished
+    generation's cache is not kept alive.
     """
 
     __slots__ = ("layer_idx", "state_idx", "state", "shape", "dtype", "device", "parameters", "alpha", "beta",
-                 "alpha_version", "beta_version", "launch")
+                 "alpha_version", "beta_version", "launches")
 
-    def __init__(self, module, hidden_states, state, launch):
+    def __init__(self, module, hidden_states, state):
         self.layer_idx, self.state_idx = module.layer_idx, module.state_idx
         self.state = weakref.ref(state)
         self.shape, self.dtype, self.device = hidden_states.shape, hidden_states.dtype, hidden_states.get_device()
@@ -621,23 +627,12 @@ class _DecodePlan:
         self.alpha, self.beta = module.alpha, module.beta
         self.alpha_version = (self.alpha.data_ptr(), self.alpha._version)
         self.beta_version = None if self.beta is None else (self.beta.data_ptr(), self.beta._version)
-        self.launch = launch
+        self.launches = [None, None]  # [without, with] a token mask
 
-    def __call__(self, hidden_states, past_key_values):
-        # Every check is needed (see the docstring); the module's own settings are not re-read: setting any
-        # attribute of the module drops its plan.
-        if torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return None
-        layers = getattr(past_key_values, "layers", None)
-        if layers is None or len(layers) <= self.layer_idx:
-            return None
-        layer = layers[self.layer_idx]
-        state = self.state()
-        conv_states = getattr(layer, "conv_states", None)
-        if state is None or conv_states is None or conv_states.get(self.state_idx) is not state:
-            return None
-        if not layer.has_previous_state.get(self.state_idx, False):
-            return None
+    def applies(self, hidden_states, state) -> bool:
+        """Whether this plan holds for this token and state buffer (everything but the cache slot and grad mode)."""
+        if state is not self.state():
+            return False
         if (
             hidden_states.shape != self.shape
             or hidden_states.dtype != self.dtype
@@ -645,14 +640,41 @@ class _DecodePlan:
             or not hidden_states.is_contiguous()
             or hidden_states.data_ptr() % 16
         ):
-            return None
+            return False
         alpha, beta, parameters = self.alpha, self.beta, self.parameters
         if parameters["alpha"] is not alpha or (alpha.data_ptr(), alpha._version) != self.alpha_version:
+            return False
+        return beta is None or (
+            parameters["beta"] is beta and (beta.data_ptr(), beta._version) == self.beta_version
+        )
+
+    def __call__(self, hidden_states, past_key_values, attention_mask=None):
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
-        if beta is not None and (parameters["beta"] is not beta or (beta.data_ptr(), beta._version) != self.beta_version):
+        launch = self.launches[attention_mask is not None]
+        if launch is None:
+            return None
+        if attention_mask is not None:
+            if (
+                attention_mask.dtype != torch.float32
+                or attention_mask.shape != (self.shape[0], 1)
+                or attention_mask.get_device() != self.device
+                or not attention_mask.is_contiguous()
+                or attention_mask.data_ptr() % 16
+            ):
+                return None
+        layers = getattr(past_key_values, "layers", None)
+        if layers is None or len(layers) <= self.layer_idx:
+            return None
+        layer = layers[self.layer_idx]
+        conv_states = getattr(layer, "conv_states", None)
+        if conv_states is None or not layer.has_previous_state.get(self.state_idx, False):
+            return None
+        state = conv_states.get(self.state_idx)
+        if not self.applies(hidden_states, state):
             return None
         out = torch.empty_like(hidden_states)
-        self.launch(hidden_states, out, state)
+        launch(hidden_states, out, state, attention_mask)
         return out
 
 

@@ -1363,17 +1363,18 @@ def _launch_decode(x, y, state, a, b, token_mask, pde: int, steps: int):
     return y
 
 
-def bind_decode_update(x, state, alpha, beta, pde: int, steps: int):
-    """:func:`pde_decode_update` without a token mask, prepared once: a function ``launch(x, y, state)`` that calls
-    the compiled kernel's launcher with every other argument bound (``alpha``, ``beta``, and the strides of ``x``
-    and ``state``). Valid for tokens ``x`` (and outputs ``y``) of this shape, dtype, device and 16-byte alignment,
-    and for this state buffer. None where no launcher is cached for this key yet (run :func:`pde_decode_update`
+def bind_decode_update(x, state, alpha, beta, token_mask, pde: int, steps: int):
+    """:func:`pde_decode_update` prepared once: a function ``launch(x, y, state, token_mask)`` that calls the
+    compiled kernel's launcher with every other argument bound (``alpha``, ``beta``, and the strides of ``x`` and
+    ``state``). Valid for tokens ``x`` (and outputs ``y``) of this shape, dtype, device and 16-byte alignment, for
+    this state buffer, and for a token mask like this one (None, or fp32 ``[batch]`` 16-byte aligned; pass None
+    again for the first kind). None where no launcher is cached for this key yet (run :func:`pde_decode_update`
     once first) or direct launch is off.
 
     A decode step of a patched model runs one launch per site and token; building its arguments and its cache key
     each time cost more host time than the launch itself.
     """
-    grid, tensors, ints, consts = _decode_arguments(x, x, state, alpha, beta, None, pde, steps)
+    grid, tensors, ints, consts = _decode_arguments(x, x, state, alpha, beta, token_mask, pde, steps)
     key = _direct_key(_pde_decode_kernel, tensors, ints, consts, _DECODE_WARPS)
     compiled = _COMPILED.get(key) if key is not None else None
     if compiled is None:
@@ -1385,16 +1386,18 @@ def bind_decode_update(x, state, alpha, beta, pde: int, steps: int):
     alpha_ptr, beta_ptr = alpha.data_ptr(), tensors[5].data_ptr()  # bound (kept alive by the closure)
     b = tensors[5]
 
-    def launch(x, y, state):
+    def launch(x, y, state, token_mask):
         stream = current_stream(device)
         enter, leave = _launch_hooks()
+        x_ptr = x.data_ptr()
+        tm = x if token_mask is None else token_mask  # the kernel never reads the mask pointer without a mask
         metadata = None
         if enter is not None:
-            metadata = compiled.launch_metadata((grid_x, grid_y, 1), stream, x, y, state, x, alpha, b, *ints, *consts)
-        x_ptr = x.data_ptr()
-        # Integer pointers, as in _launch; the unread token-mask pointer is x's.
+            metadata = compiled.launch_metadata((grid_x, grid_y, 1), stream, x, y, state, tm, alpha, b, *ints, *consts)
+        # Integer pointers, as in _launch.
         run(grid_x, grid_y, 1, stream, function, packed, metadata, enter, leave, x_ptr, y.data_ptr(),
-            state.data_ptr(), x_ptr, alpha_ptr, beta_ptr, *ints, *consts)
+            state.data_ptr(), x_ptr if token_mask is None else token_mask.data_ptr(), alpha_ptr, beta_ptr, *ints,
+            *consts)
 
     return launch
 

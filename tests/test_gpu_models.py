@@ -63,9 +63,10 @@ def test_bf16_model_runs_on_triton():
 @requires_cuda
 def test_patched_decode_plan_is_exact_and_keeps_hooks(monkeypatch):
     """A patched Llama on Triton, unpadded prompts: every cached decode step's logits equal the full forward's at that
-    position, with the prepared decode launch (``_DecodePlan``, called by the wrapper) taken at every site after
-    the first token, with or without an all-ones attention mask; a forward hook on a PDE module still runs at
-    every step (the wrapper then calls the module)."""
+    position, with the prepared decode launch (``_DecodePlan``, called by the wrapper) taken at every site once a
+    step of its kind ran (without a mask, and with the all-ones mask ``generate()`` passes: its last column is the
+    token mask, with no device synchronisation); a forward hook on a PDE module still runs at every step (the
+    wrapper then calls the module). Left-padded generation through the same path is exact as well."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import cta.pde_cta as pde_cta
@@ -100,10 +101,17 @@ def test_patched_decode_plan_is_exact_and_keeps_hooks(monkeypatch):
 
     with torch.no_grad():
         decode(6, 14)
-        assert planned.count(True) == 2 * 7  # 2 sites, every token after the first
+        assert planned.count(True) == 2 * 6  # 2 sites, every token after the first of each kind (mask or not)
         hooked = []
         _, pde = cta.patching_cta.pde_modules(model)[0]
         handle = pde.register_forward_hook(lambda module, args, output: hooked.append(1))
         decode(8, 12)
         handle.remove()
     assert len(hooked) == 1 + 4  # the prefill and every decode step
+    prompt = ids[:, :6].clone()
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0  # left padding: the step masks are not all ones
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    hits = planned.count(True)
+    assert torch.equal(model.generate(prompt, use_cache=True, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
+    assert planned.count(True) > hits
