@@ -383,9 +383,12 @@ def test_patched_decoder_static_cache_and_compiled_decode(monkeypatch, as_op):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=2)
+    # CPU tensors need Triton's interpreter (set by conftest unless CTA_TEST_GPU); a GPU run uses the GPU.
+    device = "cpu" if os.environ.get("CTA_TEST_GPU", "0") in ("", "0") else "cuda"
     model = LlamaForCausalLM(config).eval()
     patch_model(model, pde_type="diffusion", pde_steps=3, placement="block_output", init="paper", backend="triton")
-    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1))
+    model.to(device)
+    ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1)).to(device)
     compiled = torch.compile(model.forward, fullgraph=True)
     with torch.no_grad():
         full = model(ids).logits
@@ -394,7 +397,7 @@ def test_patched_decoder_static_cache_and_compiled_decode(monkeypatch, as_op):
             logits = [model(ids[:, :6], past_key_values=cache, use_cache=True).logits]
             for t in range(6, 10):  # with the attention mask generate() passes at every step
                 logits.append(step(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
-                                   attention_mask=torch.ones(1, t + 1, dtype=torch.long)).logits)
+                                   attention_mask=torch.ones(1, t + 1, dtype=torch.long, device=device)).logits)
             torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
 
 
