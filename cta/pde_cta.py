@@ -528,7 +528,7 @@ class PDERefinement(nn.Module):
     def _fast_decode(self, hidden_states, state, attention_mask):
         """One cached decode step through the Triton update kernel with no per-call validation, or None when this
         call needs the general path (autograd, CPU/torch backend, steps above the fused limit, odd layouts).
-        Without a padding mask it also prepares the next steps (a :class:`_DecodePlan`)."""
+        It also prepares the next steps (a :class:`_DecodePlan`)."""
         # Traced (torch.compile): the general path (traced reference ops, or the custom op: COMPILED_DECODE_AS_OP).
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or not _use_triton(self.backend, hidden_states):
             return None
@@ -544,16 +544,20 @@ class PDERefinement(nn.Module):
         pde = kernels._PDE_IDS[self.pde_type]
         out = kernels.pde_decode_update(hidden_states, state, alpha, beta, token_mask, pde, self.steps)
         if hidden_states.is_contiguous():
-            launch = kernels.bind_decode_update(hidden_states, state, alpha, beta, token_mask, pde, self.steps)
-            if launch is not None:
-                plan = self.__dict__.get("_decode_plan")
-                if plan is None or not plan.applies(hidden_states, state):
-                    plan = self.__dict__["_decode_plan"] = _DecodePlan(self, hidden_states, state)
-                plan.launches[token_mask is not None] = launch
+            plan = self.__dict__.get("_decode_plan")
+            if plan is None or not plan.applies(hidden_states, state):
+                plan = _DecodePlan(self, hidden_states, state)
+            masked = token_mask is not None
+            if plan.launches[masked] is None:  # bound once per plan and kind, not at every step the plan declines
+                plan.launches[masked] = kernels.bind_decode_update(
+                    hidden_states, state, alpha, beta, token_mask, pde, self.steps
+                )
+            if plan.launches[masked] is not None:
+                self.__dict__["_decode_plan"] = plan
         return out
 
     def forward(self, hidden_states, attention_mask=None, past_key_values=None):
-        # Decoding without padding: the launch the previous token prepared, while it still applies (see _DecodePlan).
+        # Decoding: the launch an earlier token prepared, while it still applies (see _DecodePlan).
         plan = self.__dict__.get("_decode_plan")
         if plan is not None and past_key_values is not None:
             out = plan(hidden_states, past_key_values, attention_mask)

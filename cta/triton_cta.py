@@ -1015,24 +1015,23 @@ def _launch_hooks():
 
 
 def _direct_key(kernel, tensors, ints, consts, num_warps):
-    """The key of ``_COMPILED`` for this launch, or None where it is not cached (direct launch off, CPU tensors,
-    a pointer not 16-byte aligned)."""
+    """``(key, pointers)``: the key of ``_COMPILED`` for this launch (None where it is not cached: direct launch off,
+    CPU tensors, a pointer not 16-byte aligned) and the tensors' addresses."""
     if not (DIRECT_LAUNCH and tensors[0].is_cuda):
-        return None
-    pointers = 0
-    dtypes = []
-    for t in tensors:
-        pointers |= t.data_ptr()
-        dtypes.append(t.dtype)
-    if pointers % 16:
-        return None
-    return (kernel, tensors[0].device.index, *dtypes, ints, consts, num_warps)
+        return None, None
+    pointers = [t.data_ptr() for t in tensors]
+    combined = 0
+    for pointer in pointers:
+        combined |= pointer
+    if combined % 16:
+        return None, pointers
+    return (kernel, tensors[0].device.index, *[t.dtype for t in tensors], ints, consts, num_warps), pointers
 
 
 def _launch(kernel, grid, tensors, ints, consts, num_warps):
     """``kernel[grid](*tensors, *ints, *consts, num_warps=num_warps)`` (``consts``: the constexprs, in the order of
     the kernel's signature), through the compiled kernel's launcher once Triton has compiled it for this key."""
-    key = _direct_key(kernel, tensors, ints, consts, num_warps)
+    key, pointers = _direct_key(kernel, tensors, ints, consts, num_warps)
     if key is not None:
         compiled = _COMPILED.get(key)
         if compiled is not None:
@@ -1042,8 +1041,7 @@ def _launch(kernel, grid, tensors, ints, consts, num_warps):
             # Pointers as integers: the launcher then neither calls `data_ptr()` nor asks the driver to validate
             # each pointer (one cuPointerGetAttribute per tensor and launch). They are CUDA tensors' own addresses.
             compiled.run(grid[0], grid[1], grid[2] if len(grid) > 2 else 1, stream, compiled.function,
-                         compiled.packed_metadata, metadata, enter, leave, *[t.data_ptr() for t in tensors], *ints,
-                         *consts)
+                         compiled.packed_metadata, metadata, enter, leave, *pointers, *ints, *consts)
             return
     compiled = kernel[grid](*tensors, *ints, *consts, num_warps=num_warps)
     if key is not None and compiled is not None and hasattr(compiled, "packed_metadata"):
@@ -1375,7 +1373,7 @@ def bind_decode_update(x, state, alpha, beta, token_mask, pde: int, steps: int):
     each time cost more host time than the launch itself.
     """
     grid, tensors, ints, consts = _decode_arguments(x, x, state, alpha, beta, token_mask, pde, steps)
-    key = _direct_key(_pde_decode_kernel, tensors, ints, consts, _DECODE_WARPS)
+    key, pointers = _direct_key(_pde_decode_kernel, tensors, ints, consts, _DECODE_WARPS)
     compiled = _COMPILED.get(key) if key is not None else None
     if compiled is None:
         return None
@@ -1383,7 +1381,7 @@ def bind_decode_update(x, state, alpha, beta, token_mask, pde: int, steps: int):
     current_stream = triton.runtime.driver.active.get_current_stream
     device = key[1]
     grid_x, grid_y = grid
-    alpha_ptr, beta_ptr = alpha.data_ptr(), tensors[5].data_ptr()  # bound (kept alive by the closure)
+    alpha_ptr, beta_ptr = pointers[4], pointers[5]  # bound (the closure keeps alpha and b alive)
     b = tensors[5]
 
     def launch(x, y, state, token_mask):

@@ -61,15 +61,13 @@ def test_bf16_model_runs_on_triton():
 
 
 @requires_cuda
-def test_patched_decode_plan_is_exact_and_keeps_hooks(monkeypatch):
+def test_patched_decode_plan_is_exact_and_keeps_hooks(decode_plan_calls):
     """A patched Llama on Triton, unpadded prompts: every cached decode step's logits equal the full forward's at that
     position, with the prepared decode launch (``_DecodePlan``, called by the wrapper) taken at every site once a
     step of its kind ran (without a mask, and with the all-ones mask ``generate()`` passes: its last column is the
     token mask, with no device synchronisation); a forward hook on a PDE module still runs at every step (the
     wrapper then calls the module). Left-padded generation through the same path is exact as well."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    import cta.pde_cta as pde_cta
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -82,15 +80,7 @@ def test_patched_decode_plan_is_exact_and_keeps_hooks(monkeypatch):
         unpatched = cta.unpatch_model(model)(ids).logits
         cta.patch_model(model, pde_steps=4, init="paper", backend="triton")
     assert (full - unpatched).abs().max() > 1e-3  # the patch is not the identity here
-    planned = []
-    plan_call = pde_cta._DecodePlan.__call__
-
-    def counting_call(plan, *args):
-        out = plan_call(plan, *args)
-        planned.append(out is not None)
-        return out
-
-    monkeypatch.setattr(pde_cta._DecodePlan, "__call__", counting_call)
+    planned = decode_plan_calls
 
     def decode(first, last):
         cache = model(ids[:, :first], use_cache=True).past_key_values

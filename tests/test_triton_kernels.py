@@ -399,17 +399,13 @@ def test_decode_step_matches_reference(pde, steps):
         torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-6)
 
 
-@needs_kernels
-@pytest.mark.parametrize("pde", PDE_TYPES)
-def test_module_fast_decode_matches_reference_module(pde):
-    """PDERefinement's lean decode path (Triton update kernel, cached coefficients) against the reference module
-    through a real hybrid cache: outputs and states per token, padding tokens, and a coefficient update between
-    tokens (the cached coefficients must follow it)."""
-    from transformers import DynamicCache, LlamaConfig
+def _decode_module_pair(channels, pde, steps):
+    """A one-layer hybrid cache config and two identical causal PDERefinement modules (per-channel alpha),
+    ``{"triton": ..., "torch": ...}``, on DEVICE."""
+    from transformers import LlamaConfig
 
     from cta.pde_cta import PDERefinement
 
-    channels, steps = 37, 3
     config = LlamaConfig(num_hidden_layers=1, layer_types=["hybrid"], number_of_conv_states=1,
                          hidden_size=64, num_attention_heads=1)
     modules = {}
@@ -417,6 +413,19 @@ def test_module_fast_decode_matches_reference_module(pde):
         torch.manual_seed(0)
         modules[backend] = PDERefinement(channels, pde, steps, causal=True, alpha=0.1, per_channel=True,
                                          backend=backend, layer_idx=0).to(DEVICE)
+    return config, modules
+
+
+@needs_kernels
+@pytest.mark.parametrize("pde", PDE_TYPES)
+def test_module_fast_decode_matches_reference_module(pde):
+    """PDERefinement's lean decode path (Triton update kernel, cached coefficients) against the reference module
+    through a real hybrid cache: outputs and states per token, padding tokens, and a coefficient update between
+    tokens (the cached coefficients must follow it)."""
+    from transformers import DynamicCache
+
+    channels, steps = 37, 3
+    config, modules = _decode_module_pair(channels, pde, steps)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 30, channels, generator=gen).to(DEVICE)
     mask = torch.ones(2, 30, device=DEVICE)
@@ -446,7 +455,7 @@ def test_module_fast_decode_matches_reference_module(pde):
 
 @needs_kernels
 @pytest.mark.parametrize("pde", ["diffusion", "reaction_diffusion"])
-def test_decode_plan_follows_every_change(pde):
+def test_decode_plan_follows_every_change(pde, decode_plan_calls):
     """The prepared decode launch (``_DecodePlan``, GPU only) against the reference module, token by token, across
     everything that must make it stand aside: a coefficient updated in place and one replaced, a second cache, a
     beam reorder of the state, another batch size, strided tokens, and a step under autograd. On GPU it must also
@@ -454,25 +463,13 @@ def test_decode_plan_follows_every_change(pde):
     import gc
 
     from torch import nn
-    from transformers import DynamicCache, LlamaConfig
+    from transformers import DynamicCache
 
-    import cta.pde_cta as pde_cta
+    import cta.triton_cta as kernels
 
     channels, steps = 40, 4
-    config = LlamaConfig(num_hidden_layers=1, layer_types=["hybrid"], number_of_conv_states=1,
-                         hidden_size=64, num_attention_heads=1)
-    modules = {}
-    for backend in ("triton", "torch"):
-        torch.manual_seed(0)
-        modules[backend] = PDERefinementForTest(channels, pde, steps, backend).to(DEVICE)
-    planned = []
-    plan_call = pde_cta._DecodePlan.__call__
-
-    def counting_call(plan, *args):
-        out = plan_call(plan, *args)
-        planned.append(out is not None)
-        return out
-
+    config, modules = _decode_module_pair(channels, pde, steps)
+    planned = decode_plan_calls
     gen = torch.Generator().manual_seed(5)
 
     def generation(batch, tokens, edit=None, reorder_at=None, strided=False):
@@ -494,25 +491,23 @@ def test_decode_plan_follows_every_change(pde):
             torch.testing.assert_close(caches["triton"].layers[0].conv_states[0],
                                        caches["torch"].layers[0].conv_states[0], rtol=1e-5, atol=1e-6)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pde_cta._DecodePlan, "__call__", counting_call)
+    with torch.no_grad():
+        generation(2, 5, edit=lambda m: m.alpha.mul_(0.5))  # in-place update (what an optimizer does)
+        generation(2, 5, edit=lambda m: setattr(m, "alpha", nn.Parameter(m.alpha.detach() * 0.5)))
+        generation(3, 6, reorder_at=11)  # a new cache and batch size, then a beam reorder
+        generation(3, 4, strided=True)
+    x = torch.randn(3, 9, channels, generator=gen).to(DEVICE)
+    caches = {b: DynamicCache(config=config) for b in modules}
+    grads = {}
+    for b, m in modules.items():  # autograd: never the plan, and the gradient flows
         with torch.no_grad():
-            generation(2, 5, edit=lambda m: m.alpha.mul_(0.5))  # in-place update (what an optimizer does)
-            generation(2, 5, edit=lambda m: setattr(m, "alpha", nn.Parameter(m.alpha.detach() * 0.5)))
-            generation(3, 6, reorder_at=11)  # a new cache and batch size, then a beam reorder
-            generation(3, 4, strided=True)
-        x = torch.randn(3, 9, channels, generator=gen).to(DEVICE)
-        caches = {b: DynamicCache(config=config) for b in modules}
-        grads = {}
-        for b, m in modules.items():  # autograd: never the plan, and the gradient flows
-            with torch.no_grad():
-                m(x[:, :8], None, caches[b])
-            token = x[:, 8:].clone().requires_grad_(True)
-            m(token, None, caches[b]).square().sum().backward()
-            grads[b] = token.grad
-        torch.testing.assert_close(grads["triton"], grads["torch"], rtol=1e-5, atol=1e-6)
+            m(x[:, :8], None, caches[b])
+        token = x[:, 8:].clone().requires_grad_(True)
+        m(token, None, caches[b]).square().sum().backward()
+        grads[b] = token.grad
+    torch.testing.assert_close(grads["triton"], grads["torch"], rtol=1e-5, atol=1e-6)
     plan = modules["triton"].__dict__.get("_decode_plan")
-    if ON_GPU and kernels_direct_launch():
+    if ON_GPU and kernels.DIRECT_LAUNCH:
         assert sum(planned) >= 8, planned  # most decode steps took the prepared launch
         assert not all(planned)  # and it stood aside where it had to
         gc.collect()
@@ -521,18 +516,6 @@ def test_decode_plan_follows_every_change(pde):
         assert "_decode_plan" not in modules["triton"].__dict__
     else:
         assert plan is None and not any(planned)  # no direct launch on the interpreter: no plan
-
-
-def kernels_direct_launch():
-    import cta.triton_cta as kernels
-
-    return kernels.DIRECT_LAUNCH
-
-
-def PDERefinementForTest(channels, pde, steps, backend):
-    from cta.pde_cta import PDERefinement
-
-    return PDERefinement(channels, pde, steps, causal=True, alpha=0.1, per_channel=True, backend=backend, layer_idx=0)
 
 
 @needs_kernels
