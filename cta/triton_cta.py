@@ -47,8 +47,10 @@ Design
   cases to the tile kernels.
 * Eager calls go through a plain ``torch.autograd.Function`` (or straight to the launch under ``no_grad``), which costs
   less host time per call than the custom-op dispatcher; under ``torch.compile`` the registered custom ops are used.
-* Gradients flow to ``hidden_states``, ``alpha`` and ``beta``. ``initial_state`` and the returned final state are
-  treated as constants (no gradient), which is what streaming inference needs.
+* Gradients flow to ``hidden_states``, ``alpha`` and ``beta`` through the kernels. When the gradient also involves
+  the streamed state (an ``initial_state`` that requires grad, or a returned final state that the loss uses), the
+  backward runs the PyTorch reference's autograd on the saved inputs instead: exact, as for the reference, and slower
+  (training through a streamed state is rare; the models detach the state they cache).
 * ``steps`` 1..16 run fused; 17..64 fall back to the PyTorch reference; 0 is the identity. fp32, bf16 and fp16
   inputs run fused (fp32 accumulation); fp64 inputs fall back to the reference (which keeps fp64).
 * The forward / backward / decode kernels are registered as torch custom ops (``cta::pde_refine_fwd``,
@@ -1293,8 +1295,9 @@ def _fwd_setup_context(ctx, inputs, output):
     x, alpha, beta, mask, init, pde, steps, causal, want_final = inputs
     ctx.save_for_backward(x, alpha, beta, mask, init)
     ctx.meta = (pde, steps, causal)
-    ctx.set_materialize_grads(True)
-    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # None for an unused output: the final state's gradient decides the path
+    if not (causal and want_final):
+        ctx.mark_non_differentiable(output[1])
 
 
 def _coef_grads(alpha, beta, da, db):
@@ -1305,10 +1308,44 @@ def _coef_grads(alpha, beta, da, db):
     return dalpha, dbeta
 
 
-def _fwd_backward(ctx, gy, gfin):
+def _state_backward(ctx, gy, gfin):
+    """(dx, dalpha, dbeta, dinit) through the reference's autograd on the saved inputs, for gradients that involve
+    the streamed state: the kernels' backward has no initial-state gradient and no final-state input."""
     x, alpha, beta, mask, init = ctx.saved_tensors
     pde, steps, causal = ctx.meta
-    dx, da, db = _pde_refine_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal)
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[4])
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip((x, alpha, beta, init), needs)]
+        y, fin = pde_refine_reference(
+            leaves[0], pde_type=_PDE_NAMES[pde], steps=steps, alpha=leaves[1], beta=leaves[2], causal=causal,
+            attention_mask=mask, initial_state=leaves[3], return_final_state=True,
+        )
+        outputs, grads = [y], [gy if gy is not None else torch.zeros_like(y)]
+        if gfin is not None:
+            outputs.append(fin)
+            grads.append(gfin)
+        wanted = [leaf for leaf, need in zip(leaves, needs) if need and leaf is not None]
+        found = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+    return tuple(next(found) if need and leaf is not None else None for leaf, need in zip(leaves, needs))
+
+
+def _kernel_backward(ctx, gy, gfin, eager=False):
+    """The input gradients of the forward op: the backward kernels (through the ``cta::pde_refine_bwd`` op, which
+    ``torch.compile`` can trace, or launched directly when ``eager``), or :func:`_state_backward` when the state takes
+    part."""
+    x, alpha, beta, mask, init = ctx.saved_tensors
+    pde, steps, causal = ctx.meta
+    if gfin is not None or ctx.needs_input_grad[4]:
+        dx, dalpha, dbeta, dinit = _state_backward(ctx, gy, gfin)
+        return dx, dalpha, dbeta, None, dinit, None, None, None, None
+    if gy is None:
+        gy = torch.zeros_like(x)
+    if eager:
+        dx, da, db = _launch_bwd(gy, x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal,
+                                 need_db=beta is not None)
+    else:
+        dx, da, db = _pde_refine_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal)
     dalpha, dbeta = _coef_grads(alpha, beta, da, db)
     return dx, dalpha, dbeta, None, None, None, None, None, None
 
@@ -1319,22 +1356,12 @@ class _PDERefineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, alpha, beta, mask, init, pde, steps, causal, want_final):
         y, fin = _launch_fwd(x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal, want_final)
-        ctx.save_for_backward(x, alpha, beta, mask, init)
-        ctx.meta = (pde, steps, causal)
-        ctx.mark_non_differentiable(fin)
-        ctx.set_materialize_grads(False)  # no zeros for the final state's (unused) gradient
+        _fwd_setup_context(ctx, (x, alpha, beta, mask, init, pde, steps, causal, want_final), (y, fin))
         return y, fin
 
     @staticmethod
     def backward(ctx, gy, gfin):
-        x, alpha, beta, mask, init = ctx.saved_tensors
-        pde, steps, causal = ctx.meta
-        if gy is None:
-            gy = torch.zeros_like(x)
-        dx, da, db = _launch_bwd(gy, x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal,
-                                 need_db=beta is not None)
-        dalpha, dbeta = _coef_grads(alpha, beta, da, db)
-        return dx, dalpha, dbeta, None, None, None, None, None, None
+        return _kernel_backward(ctx, gy, gfin, eager=True)
 
 
 def _decode_arguments(x, y, state, a, b, token_mask, pde: int, steps: int):
@@ -1443,7 +1470,7 @@ if _REGISTER:
     _pde_refine_fwd.register_fake(_pde_refine_fwd_fake)
     _pde_refine_bwd = torch.library.custom_op("cta::pde_refine_bwd", _pde_refine_bwd_impl, mutates_args=())
     _pde_refine_bwd.register_fake(_pde_refine_bwd_fake)
-    torch.library.register_autograd("cta::pde_refine_fwd", _fwd_backward, setup_context=_fwd_setup_context)
+    torch.library.register_autograd("cta::pde_refine_fwd", _kernel_backward, setup_context=_fwd_setup_context)
     _pde_decode_op = torch.library.custom_op("cta::pde_decode_step", _pde_decode_impl, mutates_args=("state",))
     _pde_decode_op.register_fake(_pde_decode_fake)
 else:  # pragma: no cover - a second copy of this module shares the first copy's ops
@@ -1471,8 +1498,9 @@ def pde_refine_triton(
 ):
     """Triton implementation of :func:`pde_cta.pde_refine_reference` (same signature and semantics).
 
-    Differentiable w.r.t. ``hidden_states``, ``alpha`` and ``beta``; ``initial_state`` and the final state are
-    constants for autograd. ``steps > 16`` falls back to the reference.
+    Differentiable w.r.t. ``hidden_states``, ``alpha``, ``beta`` and ``initial_state``, and through the returned final
+    state, as the reference is (gradients that involve the state are computed by the reference's autograd, see the
+    module notes). ``steps > 16`` falls back to the reference.
     """
     if not is_available():
         raise RuntimeError("pde_refine_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
@@ -1499,12 +1527,12 @@ def pde_refine_triton(
     mask = attention_mask
     if mask is not None and mask.device != device:
         mask = mask.to(device)
-    init = initial_state.detach() if initial_state is not None else None
+    init = initial_state
     args = (hidden_states, alpha, beta, mask, init, _PDE_IDS[pde], int(steps), bool(causal), bool(return_final_state))
     if torch.compiler.is_compiling():  # the registered custom op: no graph break
         y, fin = _pde_refine_fwd(*args)
-    elif torch.is_grad_enabled() and (
-        hidden_states.requires_grad or alpha.requires_grad or (beta is not None and beta.requires_grad)
+    elif torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_states, alpha, beta, init)
     ):  # eager training: the same kernels through a plain autograd.Function (less dispatch overhead per call)
         y, fin = _PDERefineFunction.apply(*args)
     else:  # eager inference: launch directly
