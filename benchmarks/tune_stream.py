@@ -1,6 +1,5 @@
-"""Grid search of the streaming kernels' launch configurations (T rows per tile, BLOCK_C channels, warps, prefetch
-depth D, unroll factor U of the banded filter, G programs to aim for when programs loop over tiles) for diffusion,
-per (kernel, causal, steps), on one GPU.
+"""Grid search of the streaming kernels' launch configurations (T rows per program, BLOCK_C channels, warps, prefetch
+depth D, unroll factor U of the banded filter) for diffusion, per (kernel, causal, steps), on one GPU.
 
 Compiling dominates a grid this size, so worker processes compile every configuration first (they share Triton's
 on-disk cache), then the main process times each one alone on the GPU.
@@ -25,24 +24,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-TIMING_COLUMNS = ["kind", "causal", "steps", "T", "BLOCK_C", "num_warps", "D", "U", "G", "x_copy"]  # one row per timing
+TIMING_COLUMNS = ["kind", "causal", "steps", "T", "BLOCK_C", "num_warps", "D", "U", "x_copy"]  # one row per timing
 
 
-def _grid(steps_list, t_values, blocks, d_values, unroll_values, program_values, kernels=("fwd", "bwd"),
-          modes=(False, True), from_defaults=False):
-    """(key, config) pairs. ``from_defaults``: BLOCK_C, warps, D and U of each key come from ``_STREAM_DEFAULTS``
-    (only T and G vary)."""
-    from cta import triton_cta
-
+def _grid(steps_list, t_values, blocks, d_values, unroll_values, kernels=("fwd", "bwd"), modes=(False, True)):
     for kind, causal, steps in itertools.product(kernels, modes, steps_list):
-        if from_defaults:
-            block_c, warps, d, u = triton_cta._STREAM_DEFAULTS[(kind, causal)][steps][1:5]
-            for t, g in itertools.product(t_values, program_values):
-                yield (kind, causal, steps), (t, block_c, warps, d, u, g)
-            continue
-        for t, (block_c, warps), d, u, g in itertools.product(t_values, blocks, d_values, unroll_values,
-                                                              program_values):
-            yield (kind, causal, steps), (t, block_c, warps, d, u, g)
+        for t, (block_c, warps), d, u in itertools.product(t_values, blocks, d_values, unroll_values):
+            yield (kind, causal, steps), (t, block_c, warps, d, u)
 
 
 def _runner(key, cfg, x, alpha, grad):
@@ -112,10 +100,6 @@ def main():
                         help="BLOCK_C:num_warps pairs")
     parser.add_argument("--d-values", default="1,2,4", help="prefetch depths")
     parser.add_argument("--unroll-values", default="1,2", help="unroll factors of the banded filter's loop")
-    parser.add_argument("--program-values", default="0",
-                        help="programs to aim for when each loops over several tiles (0: one tile per program)")
-    parser.add_argument("--from-defaults", action="store_true",
-                        help="take BLOCK_C, warps, D and U of each key from _STREAM_DEFAULTS; vary T and G only")
     parser.add_argument("--kernels", default="fwd,bwd", help="which kernels to tune (comma list of fwd, bwd)")
     parser.add_argument("--modes", default="bidi,causal", help="which schemes to tune (comma list of bidi, causal)")
     parser.add_argument("--shape", default="1x16384x4096")
@@ -132,8 +116,7 @@ def main():
     blocks = [tuple(int(v) for v in pair.split(":")) for pair in args.blocks.split(",")]
     modes = {"bidi": False, "causal": True}
     grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values), ints(args.unroll_values),
-                      ints(args.program_values), tuple(args.kernels.split(",")),
-                      tuple(modes[m] for m in args.modes.split(",")), args.from_defaults))
+                      tuple(args.kernels.split(",")), tuple(modes[m] for m in args.modes.split(","))))
     start = time.time()
     chunks = [grid[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:

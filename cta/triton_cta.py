@@ -623,12 +623,9 @@ def _fir_apply(w, out, taps, n, win, causal, center):
         w(f"{out} = tl.fma({taps}{k}, {pair}, {out})")
 
 
-def _fir_interior(w, kind, pde, causal, S, D, unroll, taps=None):
+def _fir_interior(w, kind, pde, causal, S, D, unroll):
     """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
-    condition under which a program may take it (every row it reads lies inside the sequence). The taps (which
-    depend on the coefficients only) go to writer ``taps`` (default ``w``), so that a program looping over several
-    tiles computes them once."""
-    w_taps = taps if taps is not None else w
+    condition under which a program may take it (every row it reads lies inside the sequence)."""
     c = "ab" if (kind == "fwd" and causal and pde == "advection_diffusion") else "a"
     wide = S + 1 if causal else 2 * S + 1
     # The coefficient gradient is S * sum_r (M^k g)_r (D M^(S-1-k) x)_r (D: the stencil's derivative), summed per
@@ -647,13 +644,13 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll, taps=None):
     else:  # the input gradient reads g ahead of the output row (transposed filter); the coefficient reads x behind
         streams = [("gw", "grow", "sgl", S, wide), ("xw", "xrow", "sxl", 0 if causal else S, wide)]
     if kind == "fwd" or not cascade:
-        _fir_taps(w_taps, "tap", causal, S, c)
+        _fir_taps(w, "tap", causal, S, c)
     if kind == "bwd":
-        _fir_dtaps(w_taps, "dtap", causal, S - 1 - k_g, c)
+        _fir_dtaps(w, "dtap", causal, S - 1 - k_g, c)
         if k_g:
-            _fir_taps(w_taps, "gtap", causal, k_g, c)
+            _fir_taps(w, "gtap", causal, k_g, c)
         if cascade:
-            _fir_taps(w_taps, "ctap", causal, rest, c)
+            _fir_taps(w, "ctap", causal, rest, c)
     for pre, row, stride, lead, width in streams:
         if cascade and pre == "gw":  # M^k g at rows start-rest .. start+rest-1, from g rows start-S .. start+S-1
             for i in range(2 * k_g):
@@ -711,14 +708,10 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll, taps=None):
 
 
 def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
-                   fir_unroll=0, tile_loop=False):
+                   fir_unroll=0):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
-    ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``.
-
-    ``tile_loop``: each program takes the tiles ``pid_l, pid_l + P, ...`` of ``T`` rows (``P`` programs along the
-    sequence) instead of one, so that the banded filter's taps are computed once per program and the backward writes
-    ``P`` instead of ``L / T`` rows of partial sums (``n_tiles`` is then ``P``)."""
+    ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``."""
     w = _Src()
     if kind == "fwd":
         head = f"def {name}(X, Y, M, A, Bc, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):"
@@ -735,6 +728,8 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     w("cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)")
     w("cmask = cols < C")
     w("cz = cols.to(tl.int64) * 0")
+    w("start = pid_l.to(tl.int64) * T")
+    w(f"p0 = start - {S}")
     w("fz = tl.zeros([BLOCK_C], dtype=tl.float32)")
     w("xrow = X + b64 * sxb + cols")
     if kind == "bwd":
@@ -749,11 +744,6 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("ab = a + b")
     if kind == "bwd" and pde == "advection_diffusion":
         w("a = ab")  # causal advection-diffusion is diffusion with a + b
-    if kind == "bwd":
-        w("acc = fz")
-    program_lines = len(w.lines)  # what follows is per tile
-    w("start = tl.cast(tile, tl.int64) * T" if tile_loop else "start = pid_l.to(tl.int64) * T")
-    w(f"p0 = start - {S}")
     lag = 2 * S if (kind == "bwd" or not causal) else S
     w(f"n_it = (tl.minimum(L - start, T) + {lag}).to(tl.int32)")
     srcs = [("x", "xrow", "sxl")] if kind == "fwd" else [("x", "xrow", "sxl"), ("g", "grow", "sgl")]
@@ -769,6 +759,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         for s in range(S):
             w(f"ini{s} = tl.load(INIT + b64 * {S} * C + {s} * C + cols, mask=cmask, other=0.0)")
     if kind == "bwd":
+        w("acc = fz")
         w("end = tl.minimum(start + T, L)")
     nvv = S + 1 if not (causal and kind == "fwd") else 2
     # Programs whose rows (loads, prefetches and validity lookups) all lie inside the sequence run a copy of the loop
@@ -781,11 +772,10 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     # ... and the linear schemes' interior programs run the banded filter instead (``fir_unroll`` > 0: its loop's
     # unroll factor; 0: the walk's interior copy).
     fir = None
-    taps = _Src()
     if interior_path and fir_unroll > 0 and (kind == "bwd" or _is_linear(pde, causal, has_init=False)):
         fir = _Src()
         fir.depth = 2
-        fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll, taps=taps if tile_loop else fir)
+        fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll)
     elif interior_path:
         inner = _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, [],
                              depth=3, interior=True)
@@ -813,10 +803,6 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     else:
         w("for j in range(0, n_it):")
         w.lines += general.lines
-    if tile_loop:  # the per-tile lines become the body of a loop over this program's tiles, after the taps
-        n_progs = "n_tiles" if kind == "bwd" else "tl.num_programs(1)"
-        w.lines[program_lines:] = taps.lines + [f"    for tile in range(pid_l, tl.cdiv(L, T), {n_progs}):"] + [
-            "    " + line for line in w.lines[program_lines:]]
     src = "\n".join(w.lines)
     if kind == "bwd":
         src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)"
@@ -1096,11 +1082,10 @@ _STREAM_DEFAULTS = {
 
 
 def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str, device: torch.device):
-    """(T, BLOCK_C, num_warps, D, U, G) of the streaming kernels: rows per tile, channels per program, warps, prefetch
-    depth, the banded filter's loop unroll factor (0: no filter; unrolling lets the compiler rename the window's
-    registers instead of copying them row to row), and the number of programs to aim for when each program loops
-    over several tiles (0: one tile per program; see ``_stream_source``'s ``tile_loop``). ``_STREAM_TUNE`` (set by
-    benchmarks and tests) overrides the defaults above; its entries may leave out U (then 1) and G (then 0)."""
+    """(T, BLOCK_C, num_warps, D, U) of the streaming kernels: rows per program, channels per program, warps, prefetch
+    depth, and the banded filter's loop unroll factor (0: no filter; unrolling lets the compiler rename the window's
+    registers instead of copying them row to row). ``_STREAM_TUNE`` (set by benchmarks and tests) overrides the
+    defaults above; its entries may leave out U (then 1)."""
     key = (kind, causal, steps)
     if key in _STREAM_TUNE:
         cfg = _STREAM_TUNE[key]
@@ -1111,19 +1096,9 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
         cfg = table[min(table, key=lambda tuned: (abs(tuned - steps), tuned))]
     t, block_c, warps, d = cfg[:4]
     unroll = (cfg[4] if len(cfg) > 4 else 1) if USE_FIR else 0
-    programs = cfg[5] if len(cfg) > 5 else 0
     while _cdiv(seq, t) > 65535:
         t *= 2
-    return t, max(16, min(block_c, _next_pow2(channels))), warps, d, unroll, programs
-
-
-def _tile_programs(seq: int, t: int, channel_blocks: int, batch: int, programs: int) -> Tuple[int, bool]:
-    """(programs along the sequence, whether each loops over tiles) for a grid that aims at ``programs`` in all."""
-    tiles = _cdiv(seq, t)
-    if programs <= 0:
-        return tiles, False
-    along = min(tiles, max(1, _cdiv(programs, channel_blocks * batch)))
-    return along, along < tiles
+    return t, max(16, min(block_c, _next_pow2(channels))), warps, d, unroll
 
 
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:
@@ -1149,17 +1124,16 @@ def _mask_arg(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final):
     batch, seq, channels = x.shape
-    t, block_c, warps, d, unroll, programs = _stream_config(seq, channels, steps, causal, "fwd", x.device)
+    t, block_c, warps, d, unroll = _stream_config(seq, channels, steps, causal, "fwd", x.device)
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
     has_init = init is not None
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
-    along, tile_loop = _tile_programs(seq, t, _cdiv(channels, block_c), batch, programs)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          has_init and bool(causal), write_final, channels % block_c == 0, unroll, tile_loop))
-    grid = (_cdiv(channels, block_c), along, batch)
+                          has_init and bool(causal), write_final, channels % block_c == 0, unroll))
+    grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
             (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)
 
@@ -1170,14 +1144,14 @@ def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device)
 
 def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     batch, seq, channels = x.shape
-    t, block_c, warps, d, unroll, programs = _stream_config(seq, channels, steps, causal, "bwd", x.device)
-    n_tiles, tile_loop = _tile_programs(seq, t, _cdiv(channels, block_c), batch, programs)  # rows of partial sums
+    t, block_c, warps, d, unroll = _stream_config(seq, channels, steps, causal, "bwd", x.device)
+    n_tiles = _cdiv(seq, t)
     da = torch.empty((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          False, False, channels % block_c == 0, unroll, tile_loop))
+                          False, False, channels % block_c == 0, unroll))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
             (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)

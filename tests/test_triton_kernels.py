@@ -168,21 +168,19 @@ def test_parity_sampled(case):
     check_parity(*case)
 
 
-@pytest.fixture(params=[0, 8], ids=["tile-per-program", "tile-loop"])
-def small_stream_tiles(request):
+@pytest.fixture
+def small_stream_tiles():
     """Forces short tiles (T=8 rows, 8 channels, prefetch 3) on the streaming kernels, so that short sequences cross
     several tile boundaries (warm-up rows, the coefficient-gradient partial sums of each tile, the last partial tile,
-    partial channel blocks) -- the situations of the GPU's long sequences. Either one tile per program, or a grid of
-    about 8 programs in all, each looping over several tiles (taps once per program, partial sums per program).
-    Yields that program count (0: one tile per program)."""
+    partial channel blocks) -- the situations of the GPU's long sequences."""
     from cta import triton_cta
 
     saved = dict(triton_cta._STREAM_TUNE)
     for kind in ("fwd", "bwd"):
         for causal in (False, True):
             for steps in range(1, 17):
-                triton_cta._STREAM_TUNE[(kind, causal, steps)] = (8, 8, 1, 3, 1, request.param)
-    yield request.param
+                triton_cta._STREAM_TUNE[(kind, causal, steps)] = (8, 8, 1, 3)
+    yield
     triton_cta._STREAM_TUNE.clear()
     triton_cta._STREAM_TUNE.update(saved)
 
@@ -232,18 +230,13 @@ def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps,
     linear = _is_linear(pde, causal, False)
     monkeypatch.setattr(triton_cta, "USE_FIR", bool(fir_unroll))
     for key in list(triton_cta._STREAM_TUNE):
-        cfg = triton_cta._STREAM_TUNE[key]
-        triton_cta._STREAM_TUNE[key] = cfg[:4] + (max(fir_unroll, 1),) + cfg[5:]
-    tile_loop = small_stream_tiles > 0
+        triton_cta._STREAM_TUNE[key] = triton_cta._STREAM_TUNE[key][:4] + (max(fir_unroll, 1),)
     for kind in ("fwd", "bwd") if linear else ("fwd",):
-        key = (kind, pde, causal, steps, 3, False, True, False, False, False, True, fir_unroll, tile_loop)
+        key = (kind, pde, causal, steps, 3, False, True, False, False, False, True, fir_unroll)
         src = triton_cta._stream_source("k", *key)
         assert "if interior:" in src  # the path under test exists for this case
         assert bool(re.search(r"tl\.fma\([a-z]*tap", src)) == bool(fir_unroll)  # a filter's multiply-adds
         assert ("loop_unroll_factor" in src) == (fir_unroll > 1)
-        assert ("for tile in range" in src) == tile_loop
-        if tile_loop and fir_unroll:  # the taps come before the tile loop: once per program
-            assert src.index("tap0 =" if kind == "fwd" or causal else "dtap0 =") < src.index("for tile in range")
     check_parity(pde, causal, 64, 16, steps, "none", True, batch=2, seed=steps)
     if linear:  # scalar coefficient too (the taps broadcast)
         check_parity(pde, causal, 64, 16, steps, "none", False, batch=2, seed=steps + 1)
