@@ -1072,7 +1072,9 @@ USE_FIR = os.environ.get("CTA_FIR", "1") not in ("", "0")
 # steps, re-tuned after its filter became a cascade (stream_tuning_cascade_*.json: `--kernels bwd --modes bidi`);
 # kernels_NVIDIA_H200*.md were measured with it.
 # Other step counts use the nearest tuned one (ties: the smaller). Short tiles win: the kernels are latency-bound,
-# and more, smaller programs hide more of it.
+# and more, smaller programs hide more of it. Programs that loop over several tiles (the filter's taps computed once
+# per program, fewer coefficient-gradient partial sums) were measured too (commit 928ef44, reverted): 5-22% slower
+# forwards and within +-3% on backwards but for two cells 7-10% slower -- the taps held across tiles cost registers.
 _STREAM_DEFAULTS = {
     ('fwd', False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (16, 128, 1, 3, 16), 8: (16, 128, 1, 2, 16)},
     ('fwd', True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 16), 4: (8, 256, 2, 3, 8), 8: (16, 128, 1, 2, 16)},
