@@ -4,7 +4,8 @@ For every shape x steps x pde_type x {causal, bidirectional} it measures (median
 ``triton.testing.do_bench``), in one run on one GPU:
 
 * ``copy``: ``y.copy_(x)`` of the same tensor (the memory-bandwidth roof; read + write),
-* ``triton`` forward and forward+backward (grads for the input and a per-channel alpha/beta), each also captured
+* ``triton`` forward and forward+backward (grads for the input and alpha/beta: one per channel, or with
+  ``--coefficients scalar`` one scalar each, as a CTA model's default ``pde_per_channel=False`` has), each also captured
   once as a CUDA graph and replayed (``*_graph``): the kernels' GPU time without the host's. An eager
   forward+backward of a few thousand tokens is host-bound (Python, autograd's engine, launches: ~150 us per call
   on an H200 host, `benchmarks/profile_host.py --refine`), which a model step hides behind its other layers' GPU
@@ -19,6 +20,7 @@ Writes ``benchmarks/results/kernels_<gpu>.json``, ``kernels_<gpu>.md`` (a table)
 
     python benchmarks/bench_kernels.py            # full sweep (~5 min on an H100)
     python benchmarks/bench_kernels.py --quick    # (1,16384,4096) bf16, diffusion, steps 4 only
+    python benchmarks/bench_kernels.py --coefficients scalar --pde-types diffusion   # -> kernels_<gpu>_scalar.*
 """
 
 import argparse
@@ -43,6 +45,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="only (1,16384,4096), diffusion, steps 4 (a smoke test)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--coefficients", default="per-channel", choices=("per-channel", "scalar"),
+                   help="alpha/beta shape: [channels] (default) or scalars (files get a _scalar suffix)")
     p.add_argument("--shapes", default=None, help="e.g. '1x16384x4096,8x4096x4096' (default: the four above)")
     p.add_argument("--steps", default=None, help="comma list of steps (default 1,2,4,8)")
     p.add_argument("--pde-types", default=None, help="comma list (default: all four)")
@@ -81,13 +85,13 @@ def bench_graph(fn, rep_ms):
     return elapsed
 
 
-def _make(shape, dtype, pde, seed=0):
+def _make(shape, dtype, pde, per_channel=True, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
     a, b = COEFS[pde]
-    channels = shape[-1]
-    alpha = torch.full((channels,), a, device="cuda", requires_grad=True)
-    beta = torch.full((channels,), b, device="cuda", requires_grad=True) if b is not None else None
+    coef_shape = (shape[-1],) if per_channel else ()
+    alpha = torch.full(coef_shape, a, device="cuda", requires_grad=True)
+    beta = torch.full(coef_shape, b, device="cuda", requires_grad=True) if b is not None else None
     return x, alpha, beta
 
 
@@ -161,13 +165,13 @@ def main():
               flush=True)
         del x0, y0
         for pde in pdes:
-            x, alpha, beta = _make(shape, dtype, pde)
+            x, alpha, beta = _make(shape, dtype, pde, per_channel=args.coefficients == "per-channel")
             grad = torch.randn_like(x)
             for steps in steps_list:
                 for causal in (False, True):
                     kw = dict(pde_type=pde, steps=steps, causal=causal)
                     row = dict(shape=list(shape), dtype=args.dtype, pde_type=pde, steps=steps, causal=causal,
-                               copy_ms=copy_ms)
+                               coefficients=args.coefficients, copy_ms=copy_ms)
                     row["triton_fwd_ms"] = bench(lambda: pde_refine_triton(x, alpha=alpha, beta=beta, **kw),
                                                  args.rep_ms)
                     row["triton_fwdbwd_ms"] = bench(_fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.rep_ms)
@@ -208,10 +212,10 @@ def main():
 
 def _write_all(args, gpu, compile_cells, rows, t_start):
     os.makedirs(args.out, exist_ok=True)
-    suffix = "_quick" if args.quick else ""
+    suffix = ("_quick" if args.quick else "") + ("_scalar" if args.coefficients == "scalar" else "")
     base = os.path.join(args.out, f"kernels_{gpu}{suffix}")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-                dtype=args.dtype, compile_cells="all" if compile_cells is None else sorted(compile_cells),
+                dtype=args.dtype, coefficients=args.coefficients, compile_cells="all" if compile_cells is None else sorted(compile_cells),
                 stream_configs_tuned_in_this_run={f"{k[0]} causal={k[1]} steps={k[2]}": list(v) for k, v in
                                                   sorted(__import__("cta.triton_cta").triton_cta._STREAM_TUNE.items())},
                 command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
@@ -228,7 +232,8 @@ def _write_all(args, gpu, compile_cells, rows, t_start):
 
 def write_markdown(path, meta, rows):
     fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
-    lines = [f"# PDE kernels on {meta['gpu']} ({meta['dtype']}, torch {meta['torch']}, triton {meta['triton']})", "",
+    lines = [f"# PDE kernels on {meta['gpu']} ({meta['dtype']}, {meta.get('coefficients', 'per-channel')} coefficients, "
+             f"torch {meta['torch']}, triton {meta['triton']})", "",
              meta["note"] + f". torch.compile timed for: {meta['compile_cells']}.", "",
              "Targets (diffusion, steps <= 8): forward <= 1.25x copy, forward+backward <= 3x "
              "copy, extra activation memory <= 1.1x the input.", "",

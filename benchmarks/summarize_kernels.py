@@ -27,7 +27,8 @@ def summarize(path: Path) -> str:
     rows = [r for r in data["rows"] if r["pde_type"] == "diffusion" and r["steps"] <= 8]
     graphs = all("triton_fwdbwd_graph_x_copy" in r for r in rows)
     lines = [
-        f"Diffusion, {meta['dtype']}, {meta['gpu']} (torch {meta['torch']}, triton {meta['triton']}): time as a multiple "
+        f"Diffusion, {meta.get('coefficients', 'per-channel')} coefficients, {meta['dtype']}, {meta['gpu']} "
+        f"(torch {meta['torch']}, triton {meta['triton']}): time as a multiple "
         "of `y.copy_(x)` of the same tensor, and bytes kept for backward / input bytes. "
         f"Targets: forward <= {TARGETS['fwd']}x, forward+backward <= {TARGETS['fwdbwd']}x, memory <= {TARGETS['saved']}x "
         "(✓ met, ✗ missed). "
@@ -58,7 +59,7 @@ def summarize(path: Path) -> str:
     count = f"{eager} of {total} target cells met"
     if graphs:
         count += f" with the eager forward+backward, {graph} of {total} with its CUDA-graph time"
-    lines += ["", f"{count}. Full sweep (every PDE type): `{path.name[:-5]}.md`."]
+    lines += ["", f"{count}. Full sweep: `{path.name[:-5]}.md`."]
     return "\n".join(lines) + "\n"
 
 
