@@ -1,0 +1,105 @@
+"""Paired timing of the streaming kernels with a scalar coefficient: kept a scalar (what ``cta.triton_cta`` does;
+the banded filter's taps are scalars, computed once per program) against the same scalar expanded to one value per
+channel (the per-channel kernels, plus the expansion each call). Diffusion, forward and backward kernels (the
+backward without the coefficient's final reduction), both modes, steps 1, 2, 4, 8.
+
+The variants alternate within each round and every timing is a median of ``triton.testing.do_bench``; the table
+gives the median over rounds as a multiple of ``y.copy_(x)`` (timed in every round too), so host or clock drift
+between variants cancels.
+
+    python benchmarks/bench_scalar_coefficients.py                 # (1, 16384, 4096) bf16, 3 rounds
+    python benchmarks/bench_scalar_coefficients.py --rounds 5 --shape 8x4096x4096
+
+Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` and prints the table.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+STEPS = (1, 2, 4, 8)
+
+
+def expanded(c, like):
+    """The alternative to ``triton_cta._coef_arg`` for a scalar: one value per channel."""
+    if c is not None and c.dim() == 0:
+        return c.reshape(1).expand(like.shape[-1]).contiguous(), True
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="1x16384x4096")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rep-ms", type=float, default=15.0, help="do_bench repetition budget per timing")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_scalar_coefficients.py needs a CUDA GPU.")
+        return 1
+    os.environ.pop("TRITON_INTERPRET", None)
+    from triton.testing import do_bench
+
+    from cta import triton_cta
+
+    shape = tuple(int(v) for v in args.shape.split("x"))
+    x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
+    grad = torch.randn_like(x)
+    alpha = torch.tensor(0.2, device="cuda")
+    y = torch.empty_like(x)
+    kept = triton_cta._coef_arg
+    variants = {"scalar": kept, "expanded": lambda c, like: expanded(c, like) or kept(c, like)}
+    timings, copies = {}, []
+    for _ in range(args.rounds):
+        copies.append(do_bench(lambda: y.copy_(x), rep=25, return_mode="median"))
+        for name, coef_arg in variants.items():
+            triton_cta._coef_arg = coef_arg
+            try:
+                for steps in STEPS:
+                    for causal in (False, True):
+                        fwd = do_bench(lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps,
+                                                                      causal, False),
+                                       rep=args.rep_ms, return_mode="median")
+                        bwd = do_bench(lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion",
+                                                                      steps, causal, need_db=False),
+                                       rep=args.rep_ms, return_mode="median")
+                        timings.setdefault((name, steps, causal), []).append((fwd, bwd))
+            finally:
+                triton_cta._coef_arg = kept
+    copy_ms = statistics.median(copies)
+    rows = []
+    print(f"{args.shape} {args.dtype}, copy {copy_ms * 1e3:.1f} us; medians of {args.rounds} rounds, x copy")
+    print("| steps | mode | scalar fwd | expanded fwd | scalar bwd | expanded bwd |")
+    print("|---|---|---|---|---|---|")
+    for steps in STEPS:
+        for causal in (False, True):
+            row = dict(steps=steps, causal=causal)
+            for name in variants:
+                runs = timings[(name, steps, causal)]
+                row[f"{name}_fwd_x_copy"] = statistics.median(r[0] for r in runs) / copy_ms
+                row[f"{name}_bwd_x_copy"] = statistics.median(r[1] for r in runs) / copy_ms
+            rows.append(row)
+            print(f"| {steps} | {'causal' if causal else 'bidirectional'} | {row['scalar_fwd_x_copy']:.3f} | "
+                  f"{row['expanded_fwd_x_copy']:.3f} | {row['scalar_bwd_x_copy']:.3f} | "
+                  f"{row['expanded_bwd_x_copy']:.3f} |")
+    gpu = torch.cuda.get_device_name()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"scalar_coefficients_{gpu.replace(' ', '_')}.json")
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=__import__("triton").__version__, shape=list(shape),
+                dtype=args.dtype, rounds=args.rounds, copy_ms=copy_ms,
+                command="python benchmarks/bench_scalar_coefficients.py " + " ".join(sys.argv[1:]))
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
