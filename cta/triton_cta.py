@@ -25,8 +25,8 @@ Design
   (``u + a (d - d_left)``) was measured too and gained nothing, so the flux form stays.
 * Interior programs of the linear schemes (the common training case) do not walk at all: away from walls, ``S``
   levels of a constant-coefficient stencil are one banded filter (the stencil's ``S``-th power, ``2S+1`` or ``S+1``
-  taps per channel, computed per program), applied to a window of rows kept in registers: one multiply-add per tap
-  instead of about six instructions per level. Its backward is the transposed filter and a derivative filter, with
+  taps per channel, computed per program; one set of scalar taps for a scalar coefficient), applied to a window of
+  rows kept in registers: one multiply-add per tap instead of about six instructions per level. Its backward is the transposed filter and a derivative filter, with
   the coefficient gradient split per row exactly as the walk splits it (so per-program partial sums add up). The
   results equal the walk's to fp32 rounding, not bit for bit (``_fir_interior``; ``CTA_FIR=0`` turns it off).
 * Backward of the linear schemes (diffusion both ways, causal advection-diffusion = diffusion with ``a + b``), the
