@@ -215,7 +215,8 @@ def _write_all(args, gpu, compile_cells, rows, t_start):
     suffix = ("_quick" if args.quick else "") + ("_scalar" if args.coefficients == "scalar" else "")
     base = os.path.join(args.out, f"kernels_{gpu}{suffix}")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-                dtype=args.dtype, coefficients=args.coefficients, compile_cells="all" if compile_cells is None else sorted(compile_cells),
+                dtype=args.dtype, coefficients=args.coefficients,
+                compile_cells="all" if compile_cells is None else sorted(compile_cells),
                 stream_configs_tuned_in_this_run={f"{k[0]} causal={k[1]} steps={k[2]}": list(v) for k, v in
                                                   sorted(__import__("cta.triton_cta").triton_cta._STREAM_TUNE.items())},
                 command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
@@ -232,7 +233,8 @@ def _write_all(args, gpu, compile_cells, rows, t_start):
 
 def write_markdown(path, meta, rows):
     fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
-    lines = [f"# PDE kernels on {meta['gpu']} ({meta['dtype']}, {meta.get('coefficients', 'per-channel')} coefficients, "
+    coefficients = meta.get("coefficients", "per-channel")
+    lines = [f"# PDE kernels on {meta['gpu']} ({meta['dtype']}, {coefficients} coefficients, "
              f"torch {meta['torch']}, triton {meta['triton']})", "",
              meta["note"] + f". torch.compile timed for: {meta['compile_cells']}.", "",
              "Targets (diffusion, steps <= 8): forward <= 1.25x copy, forward+backward <= 3x "

@@ -26,9 +26,10 @@ Design
 * Interior programs of the linear schemes (the common training case) do not walk at all: away from walls, ``S``
   levels of a constant-coefficient stencil are one banded filter (the stencil's ``S``-th power, ``2S+1`` or ``S+1``
   taps per channel, computed per program; one set of scalar taps for a scalar coefficient), applied to a window of
-  rows kept in registers: one multiply-add per tap instead of about six instructions per level. Its backward is the transposed filter and a derivative filter, with
-  the coefficient gradient split per row exactly as the walk splits it (so per-program partial sums add up). The
-  results equal the walk's to fp32 rounding, not bit for bit (``_fir_interior``; ``CTA_FIR=0`` turns it off).
+  rows kept in registers: one multiply-add per tap instead of about six instructions per level. Its backward is the
+  transposed filter and a derivative filter, with the coefficient gradient split per row exactly as the walk splits
+  it (so per-program partial sums add up). The results equal the walk's to fp32 rounding, not bit for bit
+  (``_fir_interior``; ``CTA_FIR=0`` turns it off).
 * Backward of the linear schemes (diffusion both ways, causal advection-diffusion = diffusion with ``a + b``), the
   training case: one streaming pass. Bidirectional: the step matrix ``M = I + a L`` is symmetric (walls included),
   so ``dx = M^S g`` is the forward walk applied to ``g``, and ``dL/da = S <g, L M^(S-1) x> = S <M^k g, L M^(S-1-k) x>``
@@ -1340,11 +1341,11 @@ def _kernel_backward(ctx, gy, gfin, eager=False):
     """The input gradients of the forward op: the backward kernels (through the ``cta::pde_refine_bwd`` op, which
     ``torch.compile`` can trace, or launched directly when ``eager``), or :func:`_state_backward` when the state takes
     part."""
-    x, alpha, beta, mask, init = ctx.saved_tensors
-    pde, steps, causal = ctx.meta
     if gfin is not None or ctx.needs_input_grad[4]:
         dx, dalpha, dbeta, dinit = _state_backward(ctx, gy, gfin)
         return dx, dalpha, dbeta, None, dinit, None, None, None, None
+    x, alpha, beta, mask, init = ctx.saved_tensors
+    pde, steps, causal = ctx.meta
     if gy is None:
         gy = torch.zeros_like(x)
     if eager:
@@ -1537,8 +1538,9 @@ def pde_refine_triton(
     args = (hidden_states, alpha, beta, mask, init, _PDE_IDS[pde], int(steps), bool(causal), bool(return_final_state))
     if torch.compiler.is_compiling():  # the registered custom op: no graph break
         y, fin = _pde_refine_fwd(*args)
-    elif torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden_states, alpha, beta, init)
+    elif torch.is_grad_enabled() and (  # plain tests, not a generator: this runs once per layer and call
+        hidden_states.requires_grad or alpha.requires_grad or (beta is not None and beta.requires_grad)
+        or (init is not None and init.requires_grad)
     ):  # eager training: the same kernels through a plain autograd.Function (less dispatch overhead per call)
         y, fin = _PDERefineFunction.apply(*args)
     else:  # eager inference: launch directly
