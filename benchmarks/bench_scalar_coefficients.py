@@ -1,7 +1,12 @@
-"""Paired timing of the streaming kernels with a scalar coefficient: kept a scalar (what ``cta.triton_cta`` does;
-the banded filter's taps are scalars, computed once per program) against the same scalar expanded to one value per
-channel (the per-channel kernels, plus the expansion each call). Diffusion, forward and backward kernels (the
-backward without the coefficient's final reduction), both modes, steps 1, 2, 4, 8.
+"""Paired timing of two variants of the streaming kernels with a scalar coefficient. Diffusion, forward and backward
+kernels (the backward without the coefficient's final reduction), both modes, steps 1, 2, 4, 8 (``--steps``).
+
+``--compare coefficients`` (default): the scalar kept a scalar (what ``cta.triton_cta`` does; the banded filter's
+taps are scalars, computed once per program) against the same scalar expanded to one value per channel (the
+per-channel kernels, plus the expansion each call).
+
+``--compare mma``: interior tiles on tensor cores (``_mma_interior``, the default for bf16/fp16 inputs with a
+scalar coefficient) against the register filter (``CTA_MMA=0``), each with its own launch configuration.
 
 The variants alternate within each round and every timing is a median of ``triton.testing.do_bench``; the table
 gives the median over rounds as a multiple of ``y.copy_(x)`` (timed in every round too), so host or clock drift
@@ -9,8 +14,9 @@ between variants cancels.
 
     python benchmarks/bench_scalar_coefficients.py                 # (1, 16384, 4096) bf16, 3 rounds
     python benchmarks/bench_scalar_coefficients.py --rounds 5 --shape 8x4096x4096
+    python benchmarks/bench_scalar_coefficients.py --compare mma
 
-Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` and prints the table.
+Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>.json``) and prints the table.
 """
 
 import argparse
@@ -23,8 +29,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-STEPS = (1, 2, 4, 8)
-
 
 def expanded(c, like):
     """The alternative to ``triton_cta._coef_arg`` for a scalar: one value per channel."""
@@ -35,6 +39,9 @@ def expanded(c, like):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--compare", default="coefficients", choices=("coefficients", "mma"),
+                        help="which pair of variants to time (see above)")
+    parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
@@ -50,19 +57,30 @@ def main():
     from cta import triton_cta
 
     shape = tuple(int(v) for v in args.shape.split("x"))
+    steps_list = [int(v) for v in args.steps.split(",")]
     x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
     grad = torch.randn_like(x)
     alpha = torch.tensor(0.2, device="cuda")
     y = torch.empty_like(x)
     kept = triton_cta._coef_arg
-    variants = {"scalar": kept, "expanded": lambda c, like: expanded(c, like) or kept(c, like)}
+    if args.compare == "coefficients":  # the register filter's taps (the tensor-core filter has no per-channel form)
+        triton_cta.USE_MMA = False
+        variants = {"scalar": ("_coef_arg", kept),
+                    "expanded": ("_coef_arg", lambda c, like: expanded(c, like) or kept(c, like))}
+        stem = "scalar_coefficients"
+    else:
+        every_step = {key: 1 for key in triton_cta.MMA_MIN_STEPS}  # both filters at every step count
+        variants = {"mma": ("MMA_MIN_STEPS", every_step), "registers": ("USE_MMA", False)}
+        stem = "mma_filter"
+    first, second = variants
     timings, copies = {}, []
     for _ in range(args.rounds):
         copies.append(do_bench(lambda: y.copy_(x), rep=25, return_mode="median"))
-        for name, coef_arg in variants.items():
-            triton_cta._coef_arg = coef_arg
+        for name, (attribute, value) in variants.items():
+            saved = getattr(triton_cta, attribute)
+            setattr(triton_cta, attribute, value)
             try:
-                for steps in STEPS:
+                for steps in steps_list:
                     for causal in (False, True):
                         fwd = do_bench(lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps,
                                                                       causal, False),
@@ -72,13 +90,13 @@ def main():
                                        rep=args.rep_ms, return_mode="median")
                         timings.setdefault((name, steps, causal), []).append((fwd, bwd))
             finally:
-                triton_cta._coef_arg = kept
+                setattr(triton_cta, attribute, saved)
     copy_ms = statistics.median(copies)
     rows = []
     print(f"{args.shape} {args.dtype}, copy {copy_ms * 1e3:.1f} us; medians of {args.rounds} rounds, x copy")
-    print("| steps | mode | scalar fwd | expanded fwd | scalar bwd | expanded bwd |")
+    print(f"| steps | mode | {first} fwd | {second} fwd | {first} bwd | {second} bwd |")
     print("|---|---|---|---|---|---|")
-    for steps in STEPS:
+    for steps in steps_list:
         for causal in (False, True):
             row = dict(steps=steps, causal=causal)
             for name in variants:
@@ -86,12 +104,12 @@ def main():
                 row[f"{name}_fwd_x_copy"] = statistics.median(r[0] for r in runs) / copy_ms
                 row[f"{name}_bwd_x_copy"] = statistics.median(r[1] for r in runs) / copy_ms
             rows.append(row)
-            print(f"| {steps} | {'causal' if causal else 'bidirectional'} | {row['scalar_fwd_x_copy']:.3f} | "
-                  f"{row['expanded_fwd_x_copy']:.3f} | {row['scalar_bwd_x_copy']:.3f} | "
-                  f"{row['expanded_bwd_x_copy']:.3f} |")
+            print(f"| {steps} | {'causal' if causal else 'bidirectional'} | {row[f'{first}_fwd_x_copy']:.3f} | "
+                  f"{row[f'{second}_fwd_x_copy']:.3f} | {row[f'{first}_bwd_x_copy']:.3f} | "
+                  f"{row[f'{second}_bwd_x_copy']:.3f} |")
     gpu = torch.cuda.get_device_name()
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"scalar_coefficients_{gpu.replace(' ', '_')}.json")
+    path = os.path.join(args.out, f"{stem}_{gpu.replace(' ', '_')}.json")
     meta = dict(gpu=gpu, torch=torch.__version__, triton=__import__("triton").__version__, shape=list(shape),
                 dtype=args.dtype, rounds=args.rounds, copy_ms=copy_ms,
                 command="python benchmarks/bench_scalar_coefficients.py " + " ".join(sys.argv[1:]))

@@ -33,31 +33,34 @@ def _grid(steps_list, t_values, blocks, d_values, unroll_values, kernels=("fwd",
             yield (kind, causal, steps), (t, block_c, warps, d, u)
 
 
-def _runner(key, cfg, x, alpha, grad):
+def _runner(key, cfg, x, alpha, grad, mma=False):
     from cta import triton_cta
 
     kind, causal, steps = key
-    triton_cta._STREAM_TUNE[key] = cfg
+    if mma:  # the tensor-core filter's programs (scalar coefficient): (T, BLOCK_C, num_warps, D, blocks ahead)
+        triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = cfg
+    else:
+        triton_cta._STREAM_TUNE[key] = cfg
     if kind == "fwd":
         return lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps, causal, False)
     return lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps, causal)
 
 
-def _inputs(shape, dtype):
+def _inputs(shape, dtype, mma=False):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
     grad = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
-    alpha = torch.full((shape[-1],), 0.2, device="cuda")
+    alpha = torch.tensor(0.2, device="cuda") if mma else torch.full((shape[-1],), 0.2, device="cuda")
     return x, alpha, grad
 
 
 def _compile_worker(args):
-    jobs, shape, dtype = args
-    x, alpha, grad = _inputs(shape, getattr(torch, dtype))
+    jobs, shape, dtype, mma = args
+    x, alpha, grad = _inputs(shape, getattr(torch, dtype), mma)
     failed = []
     for key, cfg in jobs:
         try:
-            _runner(key, cfg, x, alpha, grad)()
+            _runner(key, cfg, x, alpha, grad, mma)()
         except Exception as exc:  # noqa: BLE001  (a configuration that does not compile is skipped)
             failed.append((key, cfg, f"{type(exc).__name__}: {str(exc)[:100]}"))
     torch.cuda.synchronize()
@@ -102,6 +105,9 @@ def main():
     parser.add_argument("--unroll-values", default="1,2", help="unroll factors of the banded filter's loop")
     parser.add_argument("--kernels", default="fwd,bwd", help="which kernels to tune (comma list of fwd, bwd)")
     parser.add_argument("--modes", default="bidi,causal", help="which schemes to tune (comma list of bidi, causal)")
+    parser.add_argument("--mma", action="store_true",
+                        help="tune the tensor-core filter's programs instead (scalar coefficient, 16-bit input; "
+                             "T a multiple of 16; --unroll-values are then the input blocks loaded ahead, 0 or 1)")
     parser.add_argument("--shape", default="1x16384x4096")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", type=int, default=16, help="processes compiling the grid")
@@ -120,18 +126,19 @@ def main():
     start = time.time()
     chunks = [grid[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:
-        failed = [f for part in pool.map(_compile_worker, [(c, shape, args.dtype) for c in chunks]) for f in part]
+        failed = [f for part in pool.map(_compile_worker, [(c, shape, args.dtype, args.mma) for c in chunks])
+                  for f in part]
     print(f"compiled {len(grid)} configurations in {time.time() - start:.0f}s ({len(failed)} failed)", flush=True)
     bad = {(k, c) for k, c, _ in failed}
 
-    x, alpha, grad = _inputs(shape, getattr(torch, args.dtype))
+    x, alpha, grad = _inputs(shape, getattr(torch, args.dtype), args.mma)
     y = torch.empty_like(x)
     copy_ms = do_bench(lambda: y.copy_(x), warmup=5, rep=25, return_mode="median")
     timings, best = [], {}
     for key, cfg in grid:
         if (key, cfg) in bad:
             continue
-        ms = do_bench(_runner(key, cfg, x, alpha, grad), warmup=2, rep=args.rep_ms, return_mode="median")
+        ms = do_bench(_runner(key, cfg, x, alpha, grad, args.mma), warmup=2, rep=args.rep_ms, return_mode="median")
         timings.append([key[0], key[1], key[2], *cfg, round(ms / copy_ms, 4)])
         if key not in best or ms < best[key][0]:
             best[key] = (ms, cfg)

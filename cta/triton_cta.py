@@ -708,11 +708,139 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll):
     return f"(start + {lo} >= 0) & (start + T + {hi} <= L)"
 
 
+# Interior programs with a scalar coefficient and 16-bit inputs can run the same banded filter on tensor cores
+# instead: the program's rows are cut into 16-row tiles, and each tile's output is ``W_a X_a + W_b X_b``, where
+# ``X_a``, ``X_b`` are the 16-row blocks of input around it (rows t0-8..t0+7 and t0+8..t0+23, so up to 8 steps of
+# halo each side) and ``W_a``, ``W_b`` the [16, 16] pieces of the banded filter matrix, built once per program from
+# the taps. The taps are fp32; each matrix is split into a 16-bit high part and a 16-bit remainder (two MMAs on the
+# same block, fp32 accumulation), so the filter keeps ~16 bits of each tap against 8 of a bf16 output. The 16-bit
+# inputs themselves are exact operands. Per element this leaves the load, a few MMA instructions and the store,
+# against ~2S+1 fp32 operations of the register filter -- which made the 8-step kernels instruction-bound.
+MMA_BLOCK = 16  # rows of one MMA tile; the input blocks sit half a tile either side, which bounds the steps
+MMA_MAX_STEPS = MMA_BLOCK // 2
+
+
+def _mma_dot(a, b, acc=None):
+    """A 16-bit tensor-core product (fp32 accumulation). The interpreter's bf16 ``tl.dot`` is wrong (triton 3.9: its
+    numpy path reads the bf16 bits as another type), so there the same operands go through an exact fp32 product."""
+    if _interpret():
+        a, b = f"{a}.to(tl.float32)", f"{b}.to(tl.float32)"
+        tail = ', input_precision="ieee"'
+    else:
+        tail = ""
+    return f"tl.dot({a}, {b}{'' if acc is None else ', ' + acc}{tail})"
+
+
+def _mma_band(w, name, taps, n, side):
+    """``{name}{a,b}_{hi,lo}``: the filter ``taps`` (0..n) as the [16, 16] matrices acting on input blocks a and b
+    (``offa``, ``offb``: input row - output row). ``side``: 'both' (tap k at offsets -k and +k), 'past' (at -k) or
+    'future' (at +k). Each matrix is split into a 16-bit part and the 16-bit rounding of what remains."""
+    for blk in "ab":
+        off = f"off{blk}"
+        dist = {"both": f"tl.abs({off})", "past": f"-{off}", "future": off}[side]
+        w(f"{name}{blk}d = {dist}")
+        w(f"{name}{blk} = tl.where({name}{blk}d == 0, {taps}0, 0.0)")
+        for k in range(1, n + 1):
+            w(f"{name}{blk} = tl.where({name}{blk}d == {k}, {taps}{k}, {name}{blk})")
+        w(f"{name}{blk}_hi = {name}{blk}.to(X.dtype.element_ty)")
+        w(f"{name}{blk}_lo = ({name}{blk} - {name}{blk}_hi.to(tl.float32)).to(X.dtype.element_ty)")
+
+
+def _mma_apply(w, out, name, a, b):
+    """``out = {name}a @ a + {name}b @ b``, each matrix as its two 16-bit parts."""
+    w(f"{out} = {_mma_dot(f'{name}a_hi', a)}")
+    w(f"{out} = {_mma_dot(f'{name}a_lo', a, out)}")
+    w(f"{out} = {_mma_dot(f'{name}b_hi', b, out)}")
+    w(f"{out} = {_mma_dot(f'{name}b_lo', b, out)}")
+
+
+def _mma_blocks(w, streams, ahead):
+    """The MMA tile loop over the program's rows: before the body runs for tile ``m`` (rows t0..t0+15), ``{pre}a``
+    and ``{pre}b`` hold the input blocks around it for each stream ``(pre, row pointer, row stride)``. ``ahead``
+    (0 or 1): blocks loaded that many tiles before their use (1: the next tile's new block is in flight while this
+    tile computes). Returns with ``w.depth`` inside the loop; the caller emits the body, then ``_mma_blocks_end``."""
+    half = MMA_BLOCK // 2
+    for pre, ptr, stride in streams:
+        w(f"{pre}a = tl.load({ptr} + (start - {half} + mi) * {stride})")
+        if ahead:
+            w(f"{pre}b = tl.load({ptr} + (start + {half} + mi) * {stride})")
+    w(f"for m in tl.static_range(T // {MMA_BLOCK}):")
+    w.depth += 1
+    w(f"t0 = start + {MMA_BLOCK} * m")
+    for pre, ptr, stride in streams:
+        if ahead:  # the block after next, except past the program's last tile (a compile-time condition)
+            w(f"if m + 2 <= T // {MMA_BLOCK}:")
+            w(f"    {pre}c = tl.load({ptr} + (t0 + {half + MMA_BLOCK} + mi) * {stride})")
+            w("else:")
+            w(f"    {pre}c = {pre}b")
+        else:
+            w(f"{pre}b = tl.load({ptr} + (t0 + {half} + mi) * {stride})")
+
+
+def _mma_blocks_end(w, streams, ahead):
+    for pre, _, _ in streams:
+        w(f"{pre}a = {pre}b")
+        if ahead:
+            w(f"{pre}b = {pre}c")
+    w.depth -= 1
+
+
+def _mma_interior(w, kind, pde, causal, S, ahead=0):
+    """The interior branch of a linear scheme's streaming kernel as the banded filter on tensor cores (see above;
+    the same taps, and in the backward the same per-row split of the coefficient gradient, as ``_fir_interior``).
+    ``ahead``: see ``_mma_blocks``. Returns the condition under which a program may take it."""
+    assert 1 <= S <= MMA_MAX_STEPS
+    c = "ab" if (kind == "fwd" and causal and pde == "advection_diffusion") else "a"
+    half = MMA_BLOCK // 2
+    w(f"mi = tl.arange(0, {MMA_BLOCK})[:, None]")
+    w(f"mj = tl.arange(0, {MMA_BLOCK})[None, :]")
+    w(f"offa = mj - mi - {half}")
+    w(f"offb = mj - mi + {half}")
+    w("x2 = xrow[None, :]")
+    w("c2 = cols[None, :]")
+    if kind == "fwd":
+        _fir_taps(w, "tap", causal, S, c)
+        _mma_band(w, "wf", "tap", S, "past" if causal else "both")
+        streams = [("x", "x2", "sxl")]
+        _mma_blocks(w, streams, ahead)
+        _mma_apply(w, "yv", "wf", "xa", "xb")
+        w("tl.store(Y + (b64 * L + t0 + mi) * C + c2, yv.to(Y.dtype.element_ty))")
+        _mma_blocks_end(w, streams, ahead)
+    else:
+        # coefficient gradient S * sum_r (M^k g)_r (D M^(S-1-k) x)_r with the walk's k (see _fir_interior)
+        k_g = 0 if causal else S // 2
+        _fir_taps(w, "tap", causal, S, c)
+        _mma_band(w, "wd", "tap", S, "future" if causal else "both")  # the input gradient: the transposed filter
+        _fir_dtaps(w, "dtap", causal, S - 1 - k_g, c)
+        _mma_band(w, "wx", "dtap", S - k_g, "past" if causal else "both")
+        if k_g:
+            _fir_taps(w, "gtap", causal, k_g, c)
+            _mma_band(w, "wg", "gtap", k_g, "both")
+        w("g2 = grow[None, :]")
+        w(f"acc2 = tl.zeros([{MMA_BLOCK}, BLOCK_C], dtype=tl.float32)")
+        streams = [("g", "g2", "sgl"), ("x", "x2", "sxl")]
+        _mma_blocks(w, streams, ahead)
+        # the coefficient's product first, so that its two factors are dead before the input gradient is computed
+        _mma_apply(w, "dux", "wx", "xa", "xb")
+        if k_g:
+            _mma_apply(w, "gk", "wg", "ga", "gb")
+        else:
+            w("gk = tl.load(g2 + (t0 + mi) * sgl).to(tl.float32)")
+        w("acc2 += gk * dux")
+        _mma_apply(w, "dxv", "wd", "ga", "gb")
+        w("tl.store(DX + (b64 * L + t0 + mi) * C + c2, dxv.to(DX.dtype.element_ty))")
+        _mma_blocks_end(w, streams, ahead)
+        w("acc = tl.sum(acc2, axis=0)")
+    return f"(start - {half} >= 0) & (start + T + {half} <= L)"
+
+
 def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
-                   fir_unroll=0):
+                   fir_unroll=0, mma=0):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
-    ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``."""
+    ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``mma`` > 0: interior programs run the
+    filter on tensor cores (``_mma_interior`` with ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs,
+    ``S <= MMA_MAX_STEPS``, ``T`` a multiple of ``MMA_BLOCK``)."""
     w = _Src()
     if kind == "fwd":
         head = f"def {name}(X, Y, M, A, Bc, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):"
@@ -729,7 +857,14 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     w("cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)")
     w("cmask = cols < C")
     w("cz = cols.to(tl.int64) * 0")
-    w("start = pid_l.to(tl.int64) * T")
+    if mma:
+        # The boundary tiles walk, which takes longer than a tile on tensor cores: the last one is scheduled second
+        # (program 1) rather than last, so that it does not run alone at the end of the launch.
+        w("n_t = (L + T - 1) // T")
+        w("tile = tl.where(pid_l == 0, 0, tl.where(pid_l == 1, n_t - 1, pid_l - 1))")
+        w("start = tile.to(tl.int64) * T")
+    else:
+        w("start = pid_l.to(tl.int64) * T")
     w(f"p0 = start - {S}")
     w("fz = tl.zeros([BLOCK_C], dtype=tl.float32)")
     w("xrow = X + b64 * sxb + cols")
@@ -773,7 +908,12 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     # ... and the linear schemes' interior programs run the banded filter instead (``fir_unroll`` > 0: its loop's
     # unroll factor; 0: the walk's interior copy).
     fir = None
-    if interior_path and fir_unroll > 0 and (kind == "bwd" or _is_linear(pde, causal, has_init=False)):
+    linear = kind == "bwd" or _is_linear(pde, causal, has_init=False)
+    if interior_path and mma and linear and not a_vec and not b_vec:
+        fir = _Src()
+        fir.depth = 2
+        fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=int(mma) - 1)
+    elif interior_path and fir_unroll > 0 and linear:
         fir = _Src()
         fir.depth = 2
         fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll)
@@ -1084,6 +1224,35 @@ _STREAM_DEFAULTS = {
 }
 
 
+# Interior tiles of the linear schemes with a scalar coefficient (the models' default) and bf16/fp16 inputs run the
+# filter on tensor cores (``_mma_interior``) from MMA_MIN_STEPS[(kind, causal)] to MMA_MAX_STEPS steps (None: never);
+# CTA_MMA=0 keeps the register filter everywhere. The thresholds come from a paired run of both filters on an H200
+# (``bench_scalar_coefficients.py --compare mma``, results/mma_filter_NVIDIA_H200.json): the tensor-core forward is
+# ~1.1x copy at every step count, so it wins once the register filter's ~2S+1 operations per element cost more;
+# its backward (three filters, two input streams, a quarter of the SM's warps resident) only wins at 8 bidirectional
+# steps, and the causal one never.
+USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
+MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 4, ("bwd", False): 8, ("bwd", True): None}
+# (T, BLOCK_C, num_warps, D, A) of its programs (D: the boundary tiles' walk; A: input blocks loaded ahead, see
+# ``_mma_blocks``), T a multiple of MMA_BLOCK: the best of `tune_stream.py --mma` (stream_tuning_mma_*.json, 4 and 8
+# steps) per kernel and mode. ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be
+# left out, then 0).
+_MMA_DEFAULTS = {
+    ("fwd", False): (32, 256, 4, 2, 0), ("fwd", True): (32, 128, 4, 2, 1),
+    ("bwd", False): (32, 128, 4, 2, 1), ("bwd", True): (128, 128, 4, 2, 0),
+}
+
+
+def _mma_ok(x: torch.Tensor, kind: str, causal: bool, a_vec: bool, b_vec: bool, has_mask: bool, steps: int,
+            linear: bool) -> bool:
+    """Whether a streaming launch takes the tensor-core filter for its interior tiles."""
+    if not (USE_MMA and linear) or a_vec or b_vec or has_mask or steps > MMA_MAX_STEPS:
+        return False
+    first = MMA_MIN_STEPS.get((kind, bool(causal)))
+    return (first is not None and steps >= first and x.dtype in (torch.bfloat16, torch.float16)
+            and (x.is_cuda or _interpret()))
+
+
 def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str, device: torch.device):
     """(T, BLOCK_C, num_warps, D, U) of the streaming kernels: rows per program, channels per program, warps, prefetch
     depth, and the banded filter's loop unroll factor (0: no filter; unrolling lets the compiler rename the window's
@@ -1129,17 +1298,35 @@ def _mask_arg(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return mask
 
 
+def _stream_plan(x, kind, steps, causal, a_vec, b_vec, has_mask, linear):
+    """(T, BLOCK_C, num_warps, D, U, mma) of one streaming launch: the tensor-core filter's programs where it applies
+    and the channels fill whole blocks of them (``mma`` = 1 + blocks loaded ahead), the register filter's otherwise
+    (``mma`` = 0)."""
+    _, seq, channels = x.shape
+    if _mma_ok(x, kind, causal, a_vec, b_vec, has_mask, steps, linear):
+        cfg = _STREAM_TUNE.get((kind + "_mma", causal, steps)) or _MMA_DEFAULTS[(kind, bool(causal))]
+        t, block_c, warps, d = cfg[:4]
+        block_c = max(16, min(block_c, _next_pow2(channels)))
+        while _cdiv(seq, t) > 65535:
+            t *= 2
+        if channels % block_c == 0 and t % MMA_BLOCK == 0:
+            return t, block_c, warps, d, 0, 1 + (cfg[4] if len(cfg) > 4 else 0)
+    return (*_stream_config(seq, channels, steps, causal, kind, x.device), 0)
+
+
 def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final):
     batch, seq, channels = x.shape
-    t, block_c, warps, d, unroll = _stream_config(seq, channels, steps, causal, "fwd", x.device)
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
+    b_vec = b_vec and beta is not None
     m = _mask_arg(mask)
     has_init = init is not None
+    t, block_c, warps, d, unroll, mma = _stream_plan(x, "fwd", steps, causal, a_vec, b_vec, m is not None,
+                                                     _is_linear(pde, causal, has_init))
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
-    kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          has_init and bool(causal), write_final, channels % block_c == 0, unroll))
+    kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
+                          has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
             (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)
@@ -1151,14 +1338,15 @@ def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device)
 
 def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     batch, seq, channels = x.shape
-    t, block_c, warps, d, unroll = _stream_config(seq, channels, steps, causal, "bwd", x.device)
-    n_tiles = _cdiv(seq, t)
-    da = torch.empty((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
+    b_vec = b_vec and beta is not None
     m = _mask_arg(mask)
-    kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec and beta is not None,
-                          False, False, channels % block_c == 0, unroll))
+    t, block_c, warps, d, unroll, mma = _stream_plan(x, "bwd", steps, causal, a_vec, b_vec, m is not None, True)
+    n_tiles = _cdiv(seq, t)
+    da = torch.empty((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
+    kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
+                          False, False, channels % block_c == 0, unroll, mma))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
             (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)

@@ -242,6 +242,78 @@ def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps,
         check_parity(pde, causal, 64, 16, steps, "none", False, batch=2, seed=steps + 1)
 
 
+def check_mma_parity(monkeypatch, dtype, pde, causal, steps, shape, seed=0):
+    """The tensor-core filter (interior tiles of a 16-bit input with a scalar coefficient) against the fp64
+    reference and against the register filter on the same input: outputs and input gradients within one rounding
+    of the 16-bit result, the coefficient gradients to fp32 accuracy (the upstream gradient is 16-bit exact, so
+    the reference sees the kernels' inputs). Checks that the forward and backward launches took the path asked for."""
+    from cta import triton_cta
+
+    monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
+    launched = []
+    build = triton_cta._gen_kernel
+    monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key[-1]) or build(key))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    alpha = (0.02 + 0.2 * torch.rand((), generator=gen)).to(DEVICE)
+    beta = (0.3 * torch.rand((), generator=gen)).to(DEVICE) if pde == "advection_diffusion" else None
+    grad_out = torch.randn(shape, generator=gen).to(DEVICE, dtype).float()
+    kwargs = dict(pde_type=pde, steps=steps, causal=causal)
+    runs = {}
+    for use_mma in (True, False):
+        monkeypatch.setattr(triton_cta, "USE_MMA", use_mma)
+        launched.clear()
+        runs[use_mma] = _run(pde_refine_triton, x, alpha, beta, grad_out, **kwargs)
+        assert [bool(mma) for mma in launched] == [use_mma, use_mma]  # forward and backward kernels
+    ref = _run(pde_refine_reference, x.double(), alpha.double(), beta.double() if beta is not None else None,
+               grad_out.double(), **kwargs)
+    one_rounding = dict(rtol=2 ** -7, atol=2 ** -7) if dtype == torch.bfloat16 else dict(rtol=2 ** -10, atol=2 ** -10)
+    tensor_cores, registers = runs[True], runs[False]
+    if dtype == torch.float16 or ON_GPU:  # (the interpreter truncates fp32 -> bf16 instead of rounding)
+        # An fp32-accurate filter rounds to the same 16-bit value as the exact result except within ~1e-6 of a
+        # rounding boundary; a filter whose taps kept only 16 bits would miss the exact rounding far more often.
+        for got, want in ((tensor_cores[0], ref[0]), (tensor_cores[1], ref[1])):
+            assert (got != want.to(dtype)).double().mean() < 0.01
+    for want in (ref, registers):
+        torch.testing.assert_close(tensor_cores[0].double(), want[0].double(), **one_rounding)
+        torch.testing.assert_close(tensor_cores[1].double(), want[1].double(), **one_rounding)
+        for got, expect in zip(tensor_cores[2:4], want[2:4]):
+            if expect is not None:
+                torch.testing.assert_close(got.double(), expect.double(), rtol=1e-3, atol=1e-3)
+
+
+def _mma_cases():
+    cases = []
+    for i, (pde, causal) in enumerate([("diffusion", False), ("diffusion", True), ("advection_diffusion", True)]):
+        for j, steps in enumerate((1, 3, 8)):
+            ahead = (i + j) % 2
+            cases.append(pytest.param(torch.float16, pde, causal, steps, ahead,
+                                      id=f"fp16-{pde}-{'causal' if causal else 'bidi'}-{steps}-ahead{ahead}"))
+        cases.append(pytest.param(torch.bfloat16, pde, causal, 8, 1,
+                                  id=f"bf16-{pde}-{'causal' if causal else 'bidi'}-8-ahead1"))
+    return cases
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype,pde,causal,steps,ahead", _mma_cases())
+def test_mma_interior_path(monkeypatch, dtype, pde, causal, steps, ahead):
+    """Interior tiles on tensor cores (16-row MMA tiles, two input blocks each, filter matrices split into two 16-bit
+    parts) vs the fp64 reference and the register filter, with short programs so that a 137-row sequence has
+    boundary tiles that walk at both ends and three MMA programs between them, each over two tiles (with and
+    without the next block loaded ahead), and two channel blocks. The interpreter's bf16 ``tl.dot`` is broken, so
+    there the same 16-bit operands are multiplied in fp32 (exact); the GPU test below runs the MMA instructions."""
+    from cta import triton_cta
+
+    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
+    for kind in ("fwd", "bwd"):
+        triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = (32, 16, 1, 2, ahead)
+        triton_cta._STREAM_TUNE[(kind, causal, steps)] = (32, 16, 1, 2, 1)
+        src = triton_cta._stream_source("k", kind, pde, causal, steps, 2, False, False, False, False, False, True, 1,
+                                        1 + ahead)
+        assert "tl.dot(" in src and "interior" in src
+    check_mma_parity(monkeypatch, dtype, pde, causal, steps, (2, 137, 32), seed=steps)
+
+
 @needs_kernels
 def test_stream_tiles_streaming_state(small_stream_tiles):
     """Initial / final causal state through tiled streaming kernels (the state lives in the first / last tile)."""
@@ -273,6 +345,15 @@ def test_parity_half_precision_gpu(dtype, pde, causal):
     check_parity(pde, causal, 4097, 512, 8, "none", False, batch=1, dtype=dtype)
 
 
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("pde,causal", [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)])
+@pytest.mark.parametrize("steps", range(1, 9))
+def test_mma_interior_gpu(monkeypatch, dtype, pde, causal, steps):
+    """The tensor-core filter at every step count it takes, with its default programs, on a GPU (MMA instructions)."""
+    check_mma_parity(monkeypatch, dtype, pde, causal, steps, (2, 1037, 256), seed=steps)
 
 @gpu
 @pytest.mark.gpu
