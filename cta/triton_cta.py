@@ -30,6 +30,11 @@ Design
   transposed filter and a derivative filter, with the coefficient gradient split per row exactly as the walk splits
   it (so per-program partial sums add up). The results equal the walk's to fp32 rounding, not bit for bit
   (``_fir_interior``; ``CTA_FIR=0`` turns it off).
+* With a scalar coefficient (the models' default) the filter is one matrix for all channels, so for bf16/fp16
+  inputs interior tiles run it on tensor cores (``_mma_interior``): 16-row tiles, each the product of two [16, 16]
+  pieces of the banded matrix (split into two 16-bit parts, fp32 accumulation) with the input blocks around it.
+  The forward is then ~1.1x copy at every step count; the backward only from 7 bidirectional steps (``MMA_MIN_STEPS``;
+  ``CTA_MMA=0`` turns it off).
 * Backward of the linear schemes (diffusion both ways, causal advection-diffusion = diffusion with ``a + b``), the
   training case: one streaming pass. Bidirectional: the step matrix ``M = I + a L`` is symmetric (walls included),
   so ``dx = M^S g`` is the forward walk applied to ``g``, and ``dL/da = S <g, L M^(S-1) x> = S <M^k g, L M^(S-1-k) x>``
@@ -1227,12 +1232,13 @@ _STREAM_DEFAULTS = {
 # Interior tiles of the linear schemes with a scalar coefficient (the models' default) and bf16/fp16 inputs run the
 # filter on tensor cores (``_mma_interior``) from MMA_MIN_STEPS[(kind, causal)] to MMA_MAX_STEPS steps (None: never);
 # CTA_MMA=0 keeps the register filter everywhere. The thresholds come from a paired run of both filters on an H200
-# (``bench_scalar_coefficients.py --compare mma``, results/mma_filter_NVIDIA_H200.json): the tensor-core forward is
-# ~1.1x copy at every step count, so it wins once the register filter's ~2S+1 operations per element cost more;
-# its backward (three filters, two input streams, a quarter of the SM's warps resident) only wins at 8 bidirectional
-# steps, and the causal one never.
+# (``bench_scalar_coefficients.py --compare mma --steps 1,2,3,4,5,6,7,8``, results/mma_filter_NVIDIA_H200.json): the
+# tensor-core forward is ~1.08-1.14x copy at every step count and wins from 3 steps (1.13 vs 1.17x bidirectional,
+# 1.09 vs 1.11x causal; 1.11 vs 1.41x and 1.27x at 8). Its backward (three filters on two input streams; 112
+# registers and 31 KB of shared memory per program leave a quarter of the warp slots filled) is ~2.5x copy
+# bidirectional, ahead of the register filter only from 7 steps (2.55 vs 2.73x at 8), and ~3.1x causal, never ahead.
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
-MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 4, ("bwd", False): 8, ("bwd", True): None}
+MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
 # (T, BLOCK_C, num_warps, D, A) of its programs (D: the boundary tiles' walk; A: input blocks loaded ahead, see
 # ``_mma_blocks``), T a multiple of MMA_BLOCK: the best of `tune_stream.py --mma` (stream_tuning_mma_*.json, 4 and 8
 # steps) per kernel and mode. ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be
