@@ -759,34 +759,38 @@ def _mma_apply(w, out, name, a, b):
     w(f"{out} = {_mma_dot(f'{name}b_lo', b, out)}")
 
 
-def _mma_blocks(w, streams, ahead):
-    """The MMA tile loop over the program's rows: before the body runs for tile ``m`` (rows t0..t0+15), ``{pre}a``
-    and ``{pre}b`` hold the input blocks around it for each stream ``(pre, row pointer, row stride)``. ``ahead``
-    (0 or 1): blocks loaded that many tiles before their use (1: the next tile's new block is in flight while this
-    tile computes). Returns with ``w.depth`` inside the loop; the caller emits the body, then ``_mma_blocks_end``."""
+def _mma_blocks(w, streams, ahead, dynamic):
+    """The MMA tile loop over the program's rows: when the body runs for tile ``m`` (rows t0..t0+15), ``{pre}b0`` and
+    ``{pre}b1`` hold the input blocks around it (block j: rows start-8+16j .. start+7+16j) for each stream
+    ``(pre, row pointer, row stride)``, and the next ``ahead`` blocks are in flight (``{pre}b2``...). ``dynamic``: a
+    loop the compiler keeps as a loop (the backward: its unrolled form holds more registers, and on an H200 ran
+    10-17% slower at 128 rows per program than a loop at its own best), otherwise unrolled (the forward: short
+    programs of two tiles were best). Returns with ``w.depth`` inside the loop; the caller emits the body, then
+    ``_mma_blocks_end``."""
     half = MMA_BLOCK // 2
     for pre, ptr, stride in streams:
-        w(f"{pre}a = tl.load({ptr} + (start - {half} + mi) * {stride})")
-        if ahead:
-            w(f"{pre}b = tl.load({ptr} + (start + {half} + mi) * {stride})")
-    w(f"for m in tl.static_range(T // {MMA_BLOCK}):")
+        for i in range(ahead + 1):
+            w(f"{pre}b{i} = tl.load({ptr} + (start - {half - MMA_BLOCK * i} + mi) * {stride})")
+    w(f"for m in {'range' if dynamic else 'tl.static_range'}(0, T // {MMA_BLOCK}):")
     w.depth += 1
     w(f"t0 = start + {MMA_BLOCK} * m")
     for pre, ptr, stride in streams:
-        if ahead:  # the block after next, except past the program's last tile (a compile-time condition)
-            w(f"if m + 2 <= T // {MMA_BLOCK}:")
-            w(f"    {pre}c = tl.load({ptr} + (t0 + {half + MMA_BLOCK} + mi) * {stride})")
+        new, row = f"{pre}b{ahead + 1}", f"t0 + {half + MMA_BLOCK * ahead}"  # block m + 1 + ahead
+        if ahead == 0:
+            w(f"{new} = tl.load({ptr} + ({row} + mi) * {stride})")
+        elif dynamic:  # past the program's last block, load the last one again (an L1 hit) rather than branch
+            w(f"{new} = tl.load({ptr} + (tl.minimum({row}, start + T - {half}) + mi) * {stride})")
+        else:  # a compile-time condition
+            w(f"if m + {1 + ahead} <= T // {MMA_BLOCK}:")
+            w(f"    {new} = tl.load({ptr} + ({row} + mi) * {stride})")
             w("else:")
-            w(f"    {pre}c = {pre}b")
-        else:
-            w(f"{pre}b = tl.load({ptr} + (t0 + {half} + mi) * {stride})")
+            w(f"    {new} = {pre}b{ahead}")
 
 
 def _mma_blocks_end(w, streams, ahead):
     for pre, _, _ in streams:
-        w(f"{pre}a = {pre}b")
-        if ahead:
-            w(f"{pre}b = {pre}c")
+        for i in range(ahead + 1):
+            w(f"{pre}b{i} = {pre}b{i + 1}")
     w.depth -= 1
 
 
@@ -807,8 +811,8 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         _fir_taps(w, "tap", causal, S, c)
         _mma_band(w, "wf", "tap", S, "past" if causal else "both")
         streams = [("x", "x2", "sxl")]
-        _mma_blocks(w, streams, ahead)
-        _mma_apply(w, "yv", "wf", "xa", "xb")
+        _mma_blocks(w, streams, ahead, dynamic=kind == "bwd")
+        _mma_apply(w, "yv", "wf", "xb0", "xb1")
         w("tl.store(Y + (b64 * L + t0 + mi) * C + c2, yv.to(Y.dtype.element_ty))")
         _mma_blocks_end(w, streams, ahead)
     else:
@@ -824,15 +828,15 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         w("g2 = grow[None, :]")
         w(f"acc2 = tl.zeros([{MMA_BLOCK}, BLOCK_C], dtype=tl.float32)")
         streams = [("g", "g2", "sgl"), ("x", "x2", "sxl")]
-        _mma_blocks(w, streams, ahead)
+        _mma_blocks(w, streams, ahead, dynamic=kind == "bwd")
         # the coefficient's product first, so that its two factors are dead before the input gradient is computed
-        _mma_apply(w, "dux", "wx", "xa", "xb")
+        _mma_apply(w, "dux", "wx", "xb0", "xb1")
         if k_g:
-            _mma_apply(w, "gk", "wg", "ga", "gb")
+            _mma_apply(w, "gk", "wg", "gb0", "gb1")
         else:
             w("gk = tl.load(g2 + (t0 + mi) * sgl).to(tl.float32)")
         w("acc2 += gk * dux")
-        _mma_apply(w, "dxv", "wd", "ga", "gb")
+        _mma_apply(w, "dxv", "wd", "gb0", "gb1")
         w("tl.store(DX + (b64 * L + t0 + mi) * C + c2, dxv.to(DX.dtype.element_ty))")
         _mma_blocks_end(w, streams, ahead)
         w("acc = tl.sum(acc2, axis=0)")
@@ -1238,14 +1242,14 @@ _STREAM_DEFAULTS = {
 # registers and 31 KB of shared memory per program leave a quarter of the warp slots filled) is ~2.5x copy
 # bidirectional, ahead of the register filter only from 7 steps (2.55 vs 2.73x at 8), and ~3.1x causal, never ahead.
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
-MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
+MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 5, ("bwd", True): None}
 # (T, BLOCK_C, num_warps, D, A) of its programs (D: the boundary tiles' walk; A: input blocks loaded ahead, see
 # ``_mma_blocks``), T a multiple of MMA_BLOCK: the best of `tune_stream.py --mma` (stream_tuning_mma_*.json, 4 and 8
 # steps) per kernel and mode. ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be
 # left out, then 0).
 _MMA_DEFAULTS = {
     ("fwd", False): (32, 256, 4, 2, 0), ("fwd", True): (32, 128, 4, 2, 1),
-    ("bwd", False): (32, 128, 4, 2, 1), ("bwd", True): (128, 128, 4, 2, 0),
+    ("bwd", False): (128, 256, 8, 2, 1), ("bwd", True): (64, 256, 8, 2, 1),
 }
 
 

@@ -286,7 +286,7 @@ def _mma_cases():
     cases = []
     for i, (pde, causal) in enumerate([("diffusion", False), ("diffusion", True), ("advection_diffusion", True)]):
         for j, steps in enumerate((1, 3, 8)):
-            ahead = (i + j) % 2
+            ahead = (i + j) % 3
             cases.append(pytest.param(torch.float16, pde, causal, steps, ahead,
                                       id=f"fp16-{pde}-{'causal' if causal else 'bidi'}-{steps}-ahead{ahead}"))
         cases.append(pytest.param(torch.bfloat16, pde, causal, 8, 1,
@@ -299,15 +299,17 @@ def _mma_cases():
 def test_mma_interior_path(monkeypatch, dtype, pde, causal, steps, ahead):
     """Interior tiles on tensor cores (16-row MMA tiles, two input blocks each, filter matrices split into two 16-bit
     parts) vs the fp64 reference and the register filter, with short programs so that a 137-row sequence has
-    boundary tiles that walk at both ends and three MMA programs between them, each over two tiles (with and
-    without the next block loaded ahead), and two channel blocks. The interpreter's bf16 ``tl.dot`` is broken, so
+    boundary tiles that walk at both ends and MMA programs between them: three programs of two tiles, or with two
+    blocks loaded ahead one of four tiles (0-2 blocks ahead: the unrolled forward loop and the backward's loop),
+    and two channel blocks. The interpreter's bf16 ``tl.dot`` is broken, so
     there the same 16-bit operands are multiplied in fp32 (exact); the GPU test below runs the MMA instructions."""
     from cta import triton_cta
 
     monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
     for kind in ("fwd", "bwd"):
-        triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = (32, 16, 1, 2, ahead)
-        triton_cta._STREAM_TUNE[(kind, causal, steps)] = (32, 16, 1, 2, 1)
+        rows = 64 if ahead == 2 else 32
+        triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = (rows, 16, 1, 2, ahead)
+        triton_cta._STREAM_TUNE[(kind, causal, steps)] = (rows, 16, 1, 2, 1)
         src = triton_cta._stream_source("k", kind, pde, causal, steps, 2, False, False, False, False, False, True, 1,
                                         1 + ahead)
         assert "tl.dot(" in src and "interior" in src
