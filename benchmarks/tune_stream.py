@@ -38,6 +38,7 @@ def _runner(key, cfg, x, alpha, grad, mma=False):
 
     kind, causal, steps = key
     if mma:  # the tensor-core filter's programs (scalar coefficient): (T, BLOCK_C, num_warps, D, blocks ahead)
+        triton_cta.MMA_MIN_STEPS = {k: 1 for k in triton_cta.MMA_MIN_STEPS}  # at every step count, whatever the default
         triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = cfg
     else:
         triton_cta._STREAM_TUNE[key] = cfg

@@ -1242,14 +1242,14 @@ _STREAM_DEFAULTS = {
 # registers and 31 KB of shared memory per program leave a quarter of the warp slots filled) is ~2.5x copy
 # bidirectional, ahead of the register filter only from 7 steps (2.55 vs 2.73x at 8), and ~3.1x causal, never ahead.
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
-MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 5, ("bwd", True): None}
+MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
 # (T, BLOCK_C, num_warps, D, A) of its programs (D: the boundary tiles' walk; A: input blocks loaded ahead, see
 # ``_mma_blocks``), T a multiple of MMA_BLOCK: the best of `tune_stream.py --mma` (stream_tuning_mma_*.json, 4 and 8
 # steps) per kernel and mode. ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be
 # left out, then 0).
 _MMA_DEFAULTS = {
     ("fwd", False): (32, 256, 4, 2, 0), ("fwd", True): (32, 128, 4, 2, 1),
-    ("bwd", False): (128, 256, 8, 2, 1), ("bwd", True): (64, 256, 8, 2, 1),
+    ("bwd", False): (64, 256, 8, 2, 1), ("bwd", True): (64, 256, 8, 2, 1),
 }
 
 
