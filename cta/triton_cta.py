@@ -33,8 +33,8 @@ Design
 * With a scalar coefficient (the models' default) the filter is one matrix for all channels, so for bf16/fp16
   inputs interior tiles run it on tensor cores (``_mma_interior``): 16-row tiles, each the product of two [16, 16]
   pieces of the banded matrix (split into two 16-bit parts, fp32 accumulation) with the input blocks around it.
-  The forward is then ~1.1x copy at every step count; the backward only from 7 bidirectional steps (``MMA_MIN_STEPS``;
-  ``CTA_MMA=0`` turns it off).
+  The forward is then ~1.1x copy at every step count; the backward is used from 7 bidirectional steps only
+  (``MMA_MIN_STEPS``; ``CTA_MMA=0`` turns it off).
 * Backward of the linear schemes (diffusion both ways, causal advection-diffusion = diffusion with ``a + b``), the
   training case: one streaming pass. Bidirectional: the step matrix ``M = I + a L`` is symmetric (walls included),
   so ``dx = M^S g`` is the forward walk applied to ``g``, and ``dL/da = S <g, L M^(S-1) x> = S <M^k g, L M^(S-1-k) x>``
@@ -763,10 +763,10 @@ def _mma_blocks(w, streams, ahead, dynamic):
     """The MMA tile loop over the program's rows: when the body runs for tile ``m`` (rows t0..t0+15), ``{pre}b0`` and
     ``{pre}b1`` hold the input blocks around it (block j: rows start-8+16j .. start+7+16j) for each stream
     ``(pre, row pointer, row stride)``, and the next ``ahead`` blocks are in flight (``{pre}b2``...). ``dynamic``: a
-    loop the compiler keeps as a loop (the backward: its unrolled form holds more registers, and on an H200 ran
-    10-17% slower at 128 rows per program than a loop at its own best), otherwise unrolled (the forward: short
-    programs of two tiles were best). Returns with ``w.depth`` inside the loop; the caller emits the body, then
-    ``_mma_blocks_end``."""
+    loop the compiler keeps as a loop (the backward: unrolled, it holds more registers, and ran 13-17% slower on an
+    H200 in a probe at 4 and 8 bidirectional steps, each form at its best configuration), otherwise unrolled (the
+    forward: short programs of two tiles were best). Returns with ``w.depth`` inside the loop; the caller emits the
+    body, then ``_mma_blocks_end``."""
     half = MMA_BLOCK // 2
     for pre, ptr, stride in streams:
         for i in range(ahead + 1):
@@ -1236,17 +1236,21 @@ _STREAM_DEFAULTS = {
 # Interior tiles of the linear schemes with a scalar coefficient (the models' default) and bf16/fp16 inputs run the
 # filter on tensor cores (``_mma_interior``) from MMA_MIN_STEPS[(kind, causal)] to MMA_MAX_STEPS steps (None: never);
 # CTA_MMA=0 keeps the register filter everywhere. The thresholds come from a paired run of both filters on an H200
-# (``bench_scalar_coefficients.py --compare mma --steps 1,2,3,4,5,6,7,8``, results/mma_filter_NVIDIA_H200.json): the
-# tensor-core forward is ~1.08-1.14x copy at every step count and wins from 3 steps (1.13 vs 1.17x bidirectional,
-# 1.09 vs 1.11x causal; 1.11 vs 1.41x and 1.27x at 8). Its backward (three filters on two input streams; 112
-# registers and 31 KB of shared memory per program leave a quarter of the warp slots filled) is ~2.5x copy
-# bidirectional, ahead of the register filter only from 7 steps (2.55 vs 2.73x at 8), and ~3.1x causal, never ahead.
+# (``bench_scalar_coefficients.py --compare mma --steps 1,2,3,4,5,6,7,8``, results/mma_filter_NVIDIA_H200.json,
+# 1x16384x4096): the tensor-core forward is 1.08-1.15x copy at every step count and wins from 3 steps (1.15 vs 1.17x
+# bidirectional, 1.08 vs 1.11x causal; 1.12 vs 1.40x and 1.11 vs 1.28x at 8). Its backward (three filters on two
+# input streams; 190 registers per thread in the default configuration, one 8-warp program per SM) is ~2.4x copy
+# bidirectional, ahead of the register filter from 7 steps (2.40 vs 2.67x at 7, 2.40 vs 2.73x at 8; a tie at 6), and
+# ~3.6x causal, never ahead (the register filter: 1.7-2.6x).
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
 MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
 # (T, BLOCK_C, num_warps, D, A) of its programs (D: the boundary tiles' walk; A: input blocks loaded ahead, see
-# ``_mma_blocks``), T a multiple of MMA_BLOCK: the best of `tune_stream.py --mma` (stream_tuning_mma_*.json, 4 and 8
-# steps) per kernel and mode. ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be
-# left out, then 0).
+# ``_mma_blocks``), T a multiple of MMA_BLOCK. Forward: the best of `tune_stream.py --mma` at 4 and 8 steps on
+# 1x16384x4096 (stream_tuning_mma_ahead_*.json). Backward: its grid (stream_tuning_mma_bwd_loop_*.json) favoured
+# 128-row programs on that shape, which lose on the other two large shapes (the boundary tiles walk all their rows);
+# 64 x 256 with 8 warps is the one configuration ahead of the register filter at 8 steps on all three
+# (bench_mma_backward_shapes.py: 2.39-2.57x against 2.66-2.90x). The causal entry is the same (off by default).
+# ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be left out, then 0).
 _MMA_DEFAULTS = {
     ("fwd", False): (32, 256, 4, 2, 0), ("fwd", True): (32, 128, 4, 2, 1),
     ("bwd", False): (64, 256, 8, 2, 1), ("bwd", True): (64, 256, 8, 2, 1),
