@@ -726,8 +726,8 @@ MMA_MAX_STEPS = MMA_BLOCK // 2
 
 
 def _mma_dot(a, b, acc=None):
-    """A 16-bit tensor-core product (fp32 accumulation). The interpreter's bf16 ``tl.dot`` is wrong (triton 3.9: its
-    numpy path reads the bf16 bits as another type), so there the same operands go through an exact fp32 product."""
+    """A 16-bit tensor-core product (fp32 accumulation). The interpreter's bf16 ``tl.dot`` returns garbage (triton 3.9;
+    its fp16 and fp32 products are right), so there the same operands go through an exact fp32 product."""
     if _interpret():
         a, b = f"{a}.to(tl.float32)", f"{b}.to(tl.float32)"
         tail = ', input_precision="ieee"'
