@@ -954,8 +954,10 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("for j in range(0, n_it):")
         w.lines += general.lines
     src = "\n".join(w.lines)
-    if kind == "bwd":
+    if kind == "bwd" and (a_vec or b_vec):  # per-channel partial sums (causal advection's coefficient is a + b)
         src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)"
+    elif kind == "bwd":  # a scalar coefficient: one partial sum per program (masked channels hold zeros)
+        src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, axis=0) * {S})"
     return src + "\n"
 
 
@@ -1351,6 +1353,9 @@ def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device)
 
 
 def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
+    """Runs the streaming backward; returns the gradient of the kernel's coefficient summed to [channels] when it is
+    per channel, to [1] when it is a scalar (each program then writes one partial sum, not one per channel: at
+    1x16384x4096 and 16 rows per program, 128 KB instead of 16 MB written and reduced)."""
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
@@ -1358,13 +1363,26 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     m = _mask_arg(mask)
     t, block_c, warps, d, unroll, mma = _stream_plan(x, "bwd", steps, causal, a_vec, b_vec, m is not None, True)
     n_tiles = _cdiv(seq, t)
-    da = torch.empty((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
+    per_channel = a_vec or b_vec
+    partial = channels if per_channel else _cdiv(channels, block_c)
+    da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           False, False, channels % block_c == 0, unroll, mma))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
             (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)
-    return da.sum(0)
+    return da.sum(0) if per_channel else da.sum().reshape(1)
+
+
+def _coef_grad_shape(c: Optional[torch.Tensor], channels: int) -> Tuple[int]:
+    """Shape of a coefficient's gradient as the backward returns it: [channels] for a per-channel coefficient (the
+    rule of ``_coef_arg``), [1] for a scalar or an absent one."""
+    return (channels,) if (c is not None and c.dim() == 1 and c.shape[0] == channels) else (1,)
+
+
+def _fit_coef_grad(g: torch.Tensor, c: Optional[torch.Tensor], channels: int) -> torch.Tensor:
+    """``g`` (per channel or one value) summed as far as ``c``'s gradient shape."""
+    return g if g.shape == _coef_grad_shape(c, channels) else g.sum().reshape(1)
 
 
 def _launch_fwd(x, alpha, beta, mask, init, pde, steps, causal, want_final):
@@ -1399,18 +1417,22 @@ def _launch_fwd(x, alpha, beta, mask, init, pde, steps, causal, want_final):
 
 
 def _launch_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal, need_db=True):
-    """(dx, dalpha partial-summed to [channels], dbeta likewise). ``need_db=False`` (eager autograd without a
-    ``beta``) returns None for dbeta of the streaming kernels instead of filling a tensor of zeros."""
+    """(dx, dalpha summed to ``_coef_grad_shape(alpha)``, dbeta likewise). ``need_db=False`` (eager autograd without
+    a ``beta``) returns None for dbeta of the streaming kernels instead of filling a tensor of zeros."""
     x = _channels_contiguous(x)
     gy = _channels_contiguous(gy)
     batch, seq, channels = x.shape
     dx = torch.empty((batch, seq, channels), device=x.device, dtype=x.dtype)
     linear = _is_linear(pde, causal, init is not None)
     if dx.numel() > 0 and steps > 0 and _stream_bwd_ok(pde, causal, init is not None, x.device):
-        da = _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal)
+        dc = _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal)
+        da = _fit_coef_grad(dc, alpha, channels)
         if pde == "advection_diffusion":  # causal advection-diffusion is diffusion with a + b: d/db = d/da
-            return dx, da, da.clone()
-        return dx, da, (torch.zeros_like(da) if need_db else None)
+            db = _fit_coef_grad(dc, beta, channels)
+            return dx, da, (db.clone() if db is da else db)  # (a custom op may not return one tensor twice)
+        if not need_db:
+            return dx, da, None
+        return dx, da, torch.zeros(_coef_grad_shape(beta, channels), device=x.device, dtype=torch.float32)
     hl, t, block_l, block_c, warps = _grid_config(seq, channels, causal, steps, True, linear, x.device)
     n_tiles = _cdiv(seq, t)
     da = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
@@ -1434,7 +1456,7 @@ def _launch_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal, need_db=True
     db = db.sum(0)
     if pde == "advection_diffusion" and causal and linear:
         db = da.clone()
-    return dx, da, db
+    return dx, _fit_coef_grad(da, alpha, channels), _fit_coef_grad(db, beta, channels)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1495,8 +1517,8 @@ def _pde_refine_bwd_fake(gy, x, alpha, beta, mask, init, pde, steps, causal):
     channels = x.shape[-1]
     return (
         x.new_empty(x.shape),
-        x.new_empty((channels,), dtype=torch.float32),
-        x.new_empty((channels,), dtype=torch.float32),
+        x.new_empty(_coef_grad_shape(alpha, channels), dtype=torch.float32),
+        x.new_empty(_coef_grad_shape(beta, channels), dtype=torch.float32),
     )
 
 
@@ -1510,10 +1532,11 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _coef_grads(alpha, beta, da, db):
-    dalpha = (da if alpha.dim() == 1 else da.sum()).to(alpha.dtype).reshape(alpha.shape)
+    """The coefficients' gradients in their own shapes and dtypes (``da``/``db``: ``_coef_grad_shape``)."""
+    dalpha = da.to(alpha.dtype).reshape(alpha.shape)
     dbeta = None
     if beta is not None:
-        dbeta = (db if beta.dim() == 1 else db.sum()).to(beta.dtype).reshape(beta.shape)
+        dbeta = db.to(beta.dtype).reshape(beta.shape)
     return dalpha, dbeta
 
 

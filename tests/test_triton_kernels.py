@@ -680,6 +680,49 @@ def test_torch_compile_has_no_graph_break():
     opcheck(triton_cta._pde_refine_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
+
+def _coefficient_shape_cases():
+    cases = []
+    for pde, causal, path in [("diffusion", False, "stream-bidi"), ("advection_diffusion", True, "stream-causal-adv"),
+                              ("wave", False, "tile-wave")]:
+        for alpha_vec, beta in [(False, None), (True, None), (False, "vec"), (True, "scalar"), (False, "scalar")]:
+            if beta is None and pde == "advection_diffusion":  # it needs beta
+                continue
+            cases.append(pytest.param(pde, causal, alpha_vec, beta,
+                                      id=f"{path}-alpha_{'vec' if alpha_vec else 'scalar'}-beta_{beta}"))
+    return cases
+
+
+@needs_kernels
+@pytest.mark.parametrize("pde,causal,alpha_vec,beta", _coefficient_shape_cases())
+def test_backward_op_coefficient_gradient_shapes(pde, causal, alpha_vec, beta):
+    """The backward op returns each coefficient's gradient per channel for a per-channel coefficient and as one value
+    for a scalar one (a scalar's partial sums are reduced per program in the streaming kernels), exactly as its fake
+    implementation -- what ``torch.compile`` traces -- says, on the streaming and the tile kernels; the values are
+    the reference's."""
+    from torch.library import opcheck
+
+    from cta import triton_cta
+
+    gen = torch.Generator().manual_seed(5)
+    channels = 11
+    x = torch.randn(2, 29, channels, generator=gen).to(DEVICE)
+    gy = torch.randn(2, 29, channels, generator=gen).to(DEVICE)
+    alpha = (torch.full((channels,), 0.15) if alpha_vec else torch.tensor(0.15)).to(DEVICE)
+    b = {None: None, "vec": torch.full((channels,), 0.05), "scalar": torch.tensor(0.05)}[beta]
+    b = b.to(DEVICE) if b is not None else None
+    args = (gy, x, alpha, b, None, None, triton_cta._PDE_IDS[pde], 3, causal)
+    opcheck(triton_cta._pde_refine_bwd, args, test_utils=("test_schema", "test_faketensor"))
+    _, da, db = triton_cta._pde_refine_bwd(*args)
+    a_ref = alpha.clone().requires_grad_(True)
+    b_ref = b.clone().requires_grad_(True) if b is not None else None
+    y = pde_refine_reference(x, pde_type=pde, steps=3, alpha=a_ref, beta=b_ref, causal=causal)
+    (y * gy).sum().backward()
+    torch.testing.assert_close(da.reshape(alpha.shape), a_ref.grad, rtol=1e-4, atol=1e-4)
+    if b is not None:  # (a scheme without beta gives zeros)
+        want = b_ref.grad if b_ref.grad is not None else torch.zeros_like(b)
+        torch.testing.assert_close(db.reshape(b.shape), want, rtol=1e-4, atol=1e-4)
+
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
