@@ -41,7 +41,7 @@ Design
   with ``k = S // 2`` so that both factors come out of the two walks at the same row (one row apart for odd ``S``).
   Causal: ``dx`` is the anti-causal adjoint walk over ``g`` and ``dL/dc = S <g, A M^(S-1) x>`` pairs with ``g`` at the
   current row. The coefficient gradient is summed per program in registers and written as ``[tiles, channels]``
-  partial sums. Reads ``g`` and ``x`` once, writes ``dx`` once; nothing but the input is saved by the forward.
+  partial sums, or for a scalar coefficient as one value per program (the op then returns it as ``[1]``). Reads ``g`` and ``x`` once, writes ``dx`` once; nothing but the input is saved by the forward.
 * Backward of the other schemes (wave, reaction, bidirectional advection, any causal scheme with an
   ``initial_state``): the tile kernel. Each program loads ``x`` and ``grad`` with a halo that covers the forward
   trajectory the adjoint needs (``2*steps`` per side for bidirectional, ``steps`` left and ``steps`` right for causal),
