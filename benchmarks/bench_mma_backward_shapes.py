@@ -11,7 +11,6 @@ over rounds (each a ``do_bench`` median; the copy is timed in every round). Writ
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -19,6 +18,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from results_io import write_results  # noqa: E402  (beside this script)
 
 SHAPES = ((1, 16384, 4096), (8, 4096, 4096), (1, 65536, 512))
 CONFIGS = ((32, 128, 4, 2, 1), (64, 128, 4, 2, 1), (64, 256, 8, 2, 1), (128, 128, 4, 2, 1), (128, 256, 8, 2, 1))
@@ -63,15 +64,8 @@ def main():
             rows.append(row)
             print(f"| {'x'.join(map(str, shape))} | {steps} | {row['registers']:.2f} | "
                   + " | ".join(f"{row['mma'][str(cfg)]:.2f}" for cfg in CONFIGS) + " |", flush=True)
-    gpu = torch.cuda.get_device_name()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"mma_backward_shapes_{gpu.replace(' ', '_')}.json")
-    meta = dict(gpu=gpu, torch=torch.__version__, triton=__import__("triton").__version__, rounds=args.rounds,
-                configs="(T, BLOCK_C, num_warps, D, blocks ahead)",
-                command="python benchmarks/bench_mma_backward_shapes.py " + " ".join(sys.argv[1:]))
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {path}")
+    write_results(args.out, "mma_backward_shapes", rows, rounds=args.rounds,
+                  configs="(T, BLOCK_C, num_warps, D, blocks ahead)")
     return 0
 
 

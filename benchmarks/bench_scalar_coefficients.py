@@ -20,7 +20,6 @@ Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from results_io import write_results  # noqa: E402  (beside this script)
 
 
 def expanded(c, like):
@@ -107,15 +108,7 @@ def main():
             print(f"| {steps} | {'causal' if causal else 'bidirectional'} | {row[f'{first}_fwd_x_copy']:.3f} | "
                   f"{row[f'{second}_fwd_x_copy']:.3f} | {row[f'{first}_bwd_x_copy']:.3f} | "
                   f"{row[f'{second}_bwd_x_copy']:.3f} |")
-    gpu = torch.cuda.get_device_name()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{stem}_{gpu.replace(' ', '_')}.json")
-    meta = dict(gpu=gpu, torch=torch.__version__, triton=__import__("triton").__version__, shape=list(shape),
-                dtype=args.dtype, rounds=args.rounds, copy_ms=copy_ms,
-                command="python benchmarks/bench_scalar_coefficients.py " + " ".join(sys.argv[1:]))
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {path}")
+    write_results(args.out, stem, rows, shape=list(shape), dtype=args.dtype, rounds=args.rounds, copy_ms=copy_ms)
     return 0
 
 

@@ -41,7 +41,8 @@ Design
   with ``k = S // 2`` so that both factors come out of the two walks at the same row (one row apart for odd ``S``).
   Causal: ``dx`` is the anti-causal adjoint walk over ``g`` and ``dL/dc = S <g, A M^(S-1) x>`` pairs with ``g`` at the
   current row. The coefficient gradient is summed per program in registers and written as ``[tiles, channels]``
-  partial sums, or for a scalar coefficient as one value per program (the op then returns it as ``[1]``). Reads ``g`` and ``x`` once, writes ``dx`` once; nothing but the input is saved by the forward.
+  partial sums, or for a scalar coefficient as one value per program (the op then returns it as ``[1]``). Reads
+  ``g`` and ``x`` once, writes ``dx`` once; nothing but the input is saved by the forward.
 * Backward of the other schemes (wave, reaction, bidirectional advection, any causal scheme with an
   ``initial_state``): the tile kernel. Each program loads ``x`` and ``grad`` with a halo that covers the forward
   trajectory the adjoint needs (``2*steps`` per side for bidirectional, ``steps`` left and ``steps`` right for causal),
@@ -726,8 +727,9 @@ MMA_MAX_STEPS = MMA_BLOCK // 2
 
 
 def _mma_dot(a, b, acc=None):
-    """A 16-bit tensor-core product (fp32 accumulation). The interpreter's bf16 ``tl.dot`` returns garbage (triton 3.9;
-    its fp16 and fp32 products are right), so there the same operands go through an exact fp32 product."""
+    """A 16-bit tensor-core product (fp32 accumulation). The interpreter's bf16 ``tl.dot`` returns garbage
+    (triton 3.9; its fp16 and fp32 products are right), so there the same operands go through an exact fp32
+    product."""
     if _interpret():
         a, b = f"{a}.to(tl.float32)", f"{b}.to(tl.float32)"
         tail = ', input_precision="ieee"'
@@ -811,7 +813,7 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         _fir_taps(w, "tap", causal, S, c)
         _mma_band(w, "wf", "tap", S, "past" if causal else "both")
         streams = [("x", "x2", "sxl")]
-        _mma_blocks(w, streams, ahead, dynamic=kind == "bwd")
+        _mma_blocks(w, streams, ahead, dynamic=False)
         _mma_apply(w, "yv", "wf", "xb0", "xb1")
         w("tl.store(Y + (b64 * L + t0 + mi) * C + c2, yv.to(Y.dtype.element_ty))")
         _mma_blocks_end(w, streams, ahead)
@@ -828,7 +830,7 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         w("g2 = grow[None, :]")
         w(f"acc2 = tl.zeros([{MMA_BLOCK}, BLOCK_C], dtype=tl.float32)")
         streams = [("g", "g2", "sgl"), ("x", "x2", "sxl")]
-        _mma_blocks(w, streams, ahead, dynamic=kind == "bwd")
+        _mma_blocks(w, streams, ahead, dynamic=True)
         # the coefficient's product first, so that its two factors are dead before the input gradient is computed
         _mma_apply(w, "dux", "wx", "xb0", "xb1")
         if k_g:
@@ -921,7 +923,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     if interior_path and mma and linear and not a_vec and not b_vec:
         fir = _Src()
         fir.depth = 2
-        fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=int(mma) - 1)
+        fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1)
     elif interior_path and fir_unroll > 0 and linear:
         fir = _Src()
         fir.depth = 2
@@ -957,7 +959,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     if kind == "bwd" and (a_vec or b_vec):  # per-channel partial sums (causal advection's coefficient is a + b)
         src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)"
     elif kind == "bwd":  # a scalar coefficient: one partial sum per program (masked channels hold zeros)
-        src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, axis=0) * {S})"
+        src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, 0) * {S})"
     return src + "\n"
 
 
@@ -1289,6 +1291,11 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
     return t, max(16, min(block_c, _next_pow2(channels))), warps, d, unroll
 
 
+def _is_per_channel(c: Optional[torch.Tensor], channels: int) -> bool:
+    """Whether a coefficient has one value per channel (else it is a scalar, or absent)."""
+    return c is not None and c.dim() == 1 and c.shape[0] == channels
+
+
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:
     """A coefficient as the kernels read it (any float dtype, converted to fp32 in the kernel): (tensor, is_vector).
     A scalar stays a scalar: the filter taps are then scalars too, computed once per program instead of once per
@@ -1297,7 +1304,7 @@ def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tens
     faster at 8 steps, 3-6% at 4, and within 3% at 1-2 (never more than 0.5% slower)."""
     if c is None:
         return like, False
-    if c.dim() == 1 and c.shape[0] == like.shape[-1]:
+    if _is_per_channel(c, like.shape[-1]):
         if c.stride(0) != 1:
             c = c.contiguous()
         return c, True
@@ -1334,7 +1341,6 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
-    b_vec = b_vec and beta is not None
     m = _mask_arg(mask)
     has_init = init is not None
     t, block_c, warps, d, unroll, mma = _stream_plan(x, "fwd", steps, causal, a_vec, b_vec, m is not None,
@@ -1359,7 +1365,6 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
-    b_vec = b_vec and beta is not None
     m = _mask_arg(mask)
     t, block_c, warps, d, unroll, mma = _stream_plan(x, "bwd", steps, causal, a_vec, b_vec, m is not None, True)
     n_tiles = _cdiv(seq, t)
@@ -1375,9 +1380,9 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
 
 
 def _coef_grad_shape(c: Optional[torch.Tensor], channels: int) -> Tuple[int]:
-    """Shape of a coefficient's gradient as the backward returns it: [channels] for a per-channel coefficient (the
-    rule of ``_coef_arg``), [1] for a scalar or an absent one."""
-    return (channels,) if (c is not None and c.dim() == 1 and c.shape[0] == channels) else (1,)
+    """Shape of a coefficient's gradient as the backward returns it: [channels] for a per-channel coefficient, [1]
+    for a scalar or an absent one."""
+    return (channels,) if _is_per_channel(c, channels) else (1,)
 
 
 def _fit_coef_grad(g: torch.Tensor, c: Optional[torch.Tensor], channels: int) -> torch.Tensor:

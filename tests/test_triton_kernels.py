@@ -301,8 +301,8 @@ def test_mma_interior_path(monkeypatch, dtype, pde, causal, steps, ahead):
     parts) vs the fp64 reference and the register filter, with short programs so that a 137-row sequence has
     boundary tiles that walk at both ends and MMA programs between them: three programs of two tiles, or with two
     blocks loaded ahead one of four tiles (0-2 blocks ahead: the unrolled forward loop and the backward's loop),
-    and two channel blocks. The interpreter's bf16 ``tl.dot`` is broken, so
-    there the same 16-bit operands are multiplied in fp32 (exact); the GPU test below runs the MMA instructions."""
+    and two channel blocks. The interpreter's bf16 ``tl.dot`` is broken, so there the same 16-bit operands are
+    multiplied in fp32 (exact); the GPU test below runs the MMA instructions."""
     from cta import triton_cta
 
     monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})

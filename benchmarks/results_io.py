@@ -1,0 +1,22 @@
+"""Writing a benchmark's result file: ``<out>/<stem>_<gpu>.json`` with the rows and a ``meta`` block that says where
+they came from (GPU, torch and triton versions, the command that reproduces them)."""
+
+import json
+import os
+import sys
+
+import torch
+
+
+def write_results(out_dir: str, stem: str, rows, **meta) -> str:
+    """Writes ``{"meta": ..., "rows": rows}`` (``meta``: the given fields plus gpu, torch, triton, command) and
+    returns the path."""
+    gpu = torch.cuda.get_device_name()
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=__import__("triton").__version__, **meta,
+                command="python benchmarks/" + " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}_{gpu.replace(' ', '_')}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"wrote {path}")
+    return path
