@@ -1,5 +1,5 @@
 """The tensor-core backward's launch configurations on the three large benchmark shapes, against the register filter,
-bidirectional diffusion with a scalar coefficient (bf16). The tuning grid (``tune_stream.py --mma``) runs on one
+diffusion with a scalar coefficient (bf16), bidirectional (``--modes bidi,causal`` adds the causal backward). The tuning grid (``tune_stream.py --mma``) runs on one
 shape; the best configuration there was not the best on the others, so ``_MMA_DEFAULTS`` and ``MMA_MIN_STEPS`` of
 the backward come from this table.
 
@@ -29,6 +29,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", default="5,8", help="comma list of step counts")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--modes", default="bidi", help="comma list of bidi, causal")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -48,21 +49,21 @@ def main():
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         grad = torch.randn_like(x)
         y = torch.empty_like(x)
-        for steps in (int(v) for v in args.steps.split(",")):
+        for causal, steps in ((m == "causal", int(v)) for m in args.modes.split(",") for v in args.steps.split(",")):
             times = {}
             for _ in range(args.rounds):
                 copy_ms = do_bench(lambda: y.copy_(x), rep=20, return_mode="median")
                 for cfg in (None, *CONFIGS):
                     triton_cta.USE_MMA = cfg is not None
                     if cfg is not None:
-                        triton_cta._STREAM_TUNE[("bwd_mma", False, steps)] = cfg
+                        triton_cta._STREAM_TUNE[("bwd_mma", causal, steps)] = cfg
                     ms = do_bench(lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps,
-                                                                 False, need_db=False), rep=10, return_mode="median")
+                                                                 causal, need_db=False), rep=10, return_mode="median")
                     times.setdefault(cfg, []).append(ms / copy_ms)
-            row = dict(shape=list(shape), steps=steps, registers=statistics.median(times[None]),
+            row = dict(shape=list(shape), steps=steps, causal=causal, registers=statistics.median(times[None]),
                        mma={str(cfg): statistics.median(times[cfg]) for cfg in CONFIGS})
             rows.append(row)
-            print(f"| {'x'.join(map(str, shape))} | {steps} | {row['registers']:.2f} | "
+            print(f"| {'x'.join(map(str, shape))} | {steps}{' causal' if causal else ''} | {row['registers']:.2f} | "
                   + " | ".join(f"{row['mma'][str(cfg)]:.2f}" for cfg in CONFIGS) + " |", flush=True)
     write_results(args.out, "mma_backward_shapes", rows, rounds=args.rounds,
                   configs="(T, BLOCK_C, num_warps, D, blocks ahead)")

@@ -569,10 +569,11 @@ def _rows(r: str) -> str:
 # stencil with constant coefficients are, away from the walls, one filter of ``2S+1`` (``S+1``) taps, the stencil's
 # ``S``-th power. Its taps are computed per program from the coefficient (a few vector operations); each output row
 # then costs ``2S+1`` (``S+1``) multiply-adds on a window of input rows carried in registers, against about four
-# operations and two register copies per level for the walk -- these kernels are instruction-bound. The backward is
-# the transposed filter for the input gradient and, for the coefficient, a derivative filter on x paired with a
-# filter on g that reproduces the walk's per-row split (see ``_fir_interior``; the factor ``S`` is applied by the
-# final store, as for the walk). Rows near the walls or a padding mask, whose taps differ, keep the walk.
+# operations and two register copies per level for the walk -- these kernels are instruction-bound. The backward
+# filters g only: ``S - 1`` levels of the transposed stencil, then one level for the input gradient and the
+# stencil's derivative for the coefficient's factor, paired with x at the output row -- the walk's per-row split
+# (see ``_fir_backward``; the factor ``S`` is applied by the final store, as for the walk). Rows near the walls or a
+# padding mask, whose taps differ, keep the walk.
 
 
 def _fir_taps(w, name, causal, S, c):
@@ -630,88 +631,96 @@ def _fir_apply(w, out, taps, n, win, causal, center):
         w(f"{out} = tl.fma({taps}{k}, {pair}, {out})")
 
 
-def _fir_interior(w, kind, pde, causal, S, D, unroll):
-    """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
-    condition under which a program may take it (every row it reads lies inside the sequence)."""
-    c = "ab" if (kind == "fwd" and causal and pde == "advection_diffusion") else "a"
-    wide = S + 1 if causal else 2 * S + 1
-    # The coefficient gradient is S * sum_r (M^k g)_r (D M^(S-1-k) x)_r (D: the stencil's derivative), summed per
-    # program over its rows; the walk pairs the levels with k = S // 2 (bidirectional) or 0 (causal), and the
-    # per-program partial sums only add up to the total if the filter uses the same split.
-    k_g = 0 if causal else S // 2
-    # Bidirectional backward: the input gradient M^S g is M^(S-k) (M^k g), and M^k g is the coefficient's factor,
-    # so one window of M^k g rows serves both (2S+2 multiply-adds per row instead of 3S+2).
-    cascade = kind == "bwd" and k_g > 0
-    rest = S - k_g  # levels of the input gradient's second stage, and of the x-side factor (plus D)
-    # (prefix, row pointer, row stride, lead = newest window row - output row, window width)
-    if kind == "fwd":
-        streams = [("xw", "xrow", "sxl", 0 if causal else S, wide)]
-    elif cascade:  # g feeds the M^k g window (rows t-rest .. t+rest); x only the coefficient's factor
-        streams = [("gw", "grow", "sgl", S, 2 * k_g + 1), ("xw", "xrow", "sxl", rest, 2 * rest + 1)]
-    else:  # the input gradient reads g ahead of the output row (transposed filter); the coefficient reads x behind
-        streams = [("gw", "grow", "sgl", S, wide), ("xw", "xrow", "sxl", 0 if causal else S, wide)]
-    if kind == "fwd" or not cascade:
-        _fir_taps(w, "tap", causal, S, c)
-    if kind == "bwd":
-        _fir_dtaps(w, "dtap", causal, S - 1 - k_g, c)
-        if k_g:
-            _fir_taps(w, "gtap", causal, k_g, c)
-        if cascade:
-            _fir_taps(w, "ctap", causal, rest, c)
-    for pre, row, stride, lead, width in streams:
-        if cascade and pre == "gw":  # M^k g at rows start-rest .. start+rest-1, from g rows start-S .. start+S-1
-            for i in range(2 * k_g):
-                w(f"gw{i} = tl.load({row} + (start + {i - S}) * {stride}).to(tl.float32)")
-            for i in range(2 * rest):
-                w(f"gw{2 * k_g} = tl.load({row} + (start + {2 * k_g + i - S}) * {stride}).to(tl.float32)")
-                _fir_apply(w, f"gkw{i}", "gtap", k_g, "gw", causal, k_g)
-                for j in range(2 * k_g):
-                    w(f"gw{j} = gw{j + 1}")
-        else:
-            for i in range(width - 1):
-                w(f"{pre}{i} = tl.load({row} + (start + {lead - width + 1 + i}) * {stride}).to(tl.float32)")
-        for k in range(D):
-            w(f"{pre}f{k} = tl.load({row} + (start + {lead + k}) * {stride})")
+def _fir_loop(w, unroll):
     w(f"for j in tl.range(0, T, loop_unroll_factor={unroll}):" if unroll > 1 else "for j in range(0, T):")
     w.depth += 1
     w("t = start + j")
-    for pre, row, stride, lead, width in streams:
-        w(f"{pre}{width - 1} = {pre}f0.to(tl.float32)")
-        for k in range(D - 1):
-            w(f"{pre}f{k} = {pre}f{k + 1}")
-        w(f"{pre}f{D - 1} = tl.load({row} + (t + {lead + D}) * {stride})")
-    x_center = streams[-1][4] - 1 - streams[-1][3]  # the output row's slot in the x window
-    if kind == "fwd":
-        _fir_apply(w, "yv", "tap", S, "xw", causal, S)
-        w("tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty))")
-    else:
-        if cascade:  # the newest M^k g row (t + rest), then the input gradient from the window around t
-            _fir_apply(w, f"gkw{2 * rest}", "gtap", k_g, "gw", causal, k_g)
-            _fir_apply(w, "dxv", "ctap", rest, "gkw", causal, rest)
-            w(f"gk = gkw{rest}")
-        elif causal:  # dx_t = sum_k tap_k g_(t+k): window gw holds rows t..t+S
-            w("dxv = tap0 * gw0")
-            for k in range(1, S + 1):
-                w(f"dxv = tl.fma(tap{k}, gw{k}, dxv)")
-            w("gk = gw0")
-        else:  # one step: symmetric, the same filter
-            _fir_apply(w, "dxv", "tap", S, "gw", causal, S)
-            w(f"gk = gw{S}")
-        _fir_apply(w, "dux", "dtap", S - k_g, "xw", causal, x_center)
-        w("acc = tl.fma(gk, dux, acc)")
-        w("tl.store(DX + (b64 * L + t) * C + cols, dxv.to(DX.dtype.element_ty))")
-    for pre, row, stride, lead, width in streams:
-        for i in range(width - 1):
-            w(f"{pre}{i} = {pre}{i + 1}")
-    if cascade:
-        for i in range(2 * rest):
-            w(f"gkw{i} = gkw{i + 1}")
+
+
+def _fir_next_row(w, pre, row, stride, lead, D, dest):
+    """``dest`` = the prefetched row ``t + lead`` of a stream; the prefetch advances to row ``t + lead + D``."""
+    w(f"{dest} = {pre}f0.to(tl.float32)")
+    for k in range(D - 1):
+        w(f"{pre}f{k} = {pre}f{k + 1}")
+    w(f"{pre}f{D - 1} = tl.load({row} + (t + {lead + D}) * {stride})")
+
+
+def _fir_prefetch(w, pre, row, stride, lead, D):
+    for k in range(D):
+        w(f"{pre}f{k} = tl.load({row} + (start + {lead + k}) * {stride})")
+
+
+def _fir_interior(w, kind, pde, causal, S, D, unroll):
+    """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
+    condition under which a program may take it (every row it reads lies inside the sequence)."""
+    if kind == "bwd":
+        return _fir_backward(w, causal, S, D, unroll)
+    c = "ab" if (causal and pde == "advection_diffusion") else "a"
+    wide = S + 1 if causal else 2 * S + 1
+    lead = 0 if causal else S  # newest window row - output row
+    _fir_taps(w, "tap", causal, S, c)
+    for i in range(wide - 1):
+        w(f"xw{i} = tl.load(xrow + (start + {lead - wide + 1 + i}) * sxl).to(tl.float32)")
+    _fir_prefetch(w, "x", "xrow", "sxl", lead, D)
+    _fir_loop(w, unroll)
+    _fir_next_row(w, "x", "xrow", "sxl", lead, D, f"xw{wide - 1}")
+    _fir_apply(w, "yv", "tap", S, "xw", causal, S)
+    w("tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty))")
+    for i in range(wide - 1):
+        w(f"xw{i} = xw{i + 1}")
     w.depth -= 1
-    lo = min(lead - width + 1 for _, _, _, lead, width in streams)
-    if cascade:
-        lo = min(lo, -S)  # the M^k g window's warm-up
-    hi = max(lead for _, _, _, lead, _ in streams) + D
-    return f"(start + {lo} >= 0) & (start + T + {hi} <= L)"
+    return f"(start + {lead - wide + 1} >= 0) & (start + T + {lead + D} <= L)"
+
+
+def _fir_backward(w, causal, S, D, unroll):
+    """The backward's interior as filters on g only, with the walk's split of the coefficient gradient
+    (``_stream_body``): with ``u = (M^T)^(S-1) g`` (one filter of S-1 levels: taps at offsets -k..k, or 0..k for the
+    causal adjoint), the input gradient is ``M^T u = u + a L^T u`` and the coefficient's factor ``L^T u``, paired
+    with x at the output row. ``u`` is kept at rows t-1, t, t+1 (causal: t, t+1)."""
+    k = S - 1
+    width = k + 1 if causal else 2 * k + 1  # g rows of one u row
+    first = 0 if causal else -S  # the first g row a program reads (that of u at row start-1, bidirectional)
+    n_u = 2 if causal else 3
+    if k:
+        _fir_taps(w, "gtap", causal, k, "a")
+
+    def u_row(dest):  # u at the row whose g window ``gw`` holds
+        if not k:
+            w(f"{dest} = gw0")
+        elif causal:  # the adjoint's taps point ahead: tap i reads gw{i}
+            w(f"{dest} = gtap0 * gw0")
+            for i in range(1, k + 1):
+                w(f"{dest} = tl.fma(gtap{i}, gw{i}, {dest})")
+        else:
+            _fir_apply(w, dest, "gtap", k, "gw", False, k)
+
+    for i in range(width - 1):
+        w(f"gw{i} = tl.load(grow + (start + {first + i}) * sgl).to(tl.float32)")
+    for j in range(n_u - 1):  # u at the rows before the first output row's newest (bidirectional: start-1, start)
+        w(f"gw{width - 1} = tl.load(grow + (start + {first + width - 1 + j}) * sgl).to(tl.float32)")
+        u_row(f"u{j}")
+        for i in range(width - 1):
+            w(f"gw{i} = gw{i + 1}")
+    _fir_prefetch(w, "g", "grow", "sgl", S, D)  # u at row t+1 needs g up to row t+S
+    _fir_prefetch(w, "x", "xrow", "sxl", 0, D)
+    _fir_loop(w, unroll)
+    _fir_next_row(w, "g", "grow", "sgl", S, D, f"gw{width - 1}")
+    u_row(f"u{n_u - 1}")
+    _fir_next_row(w, "x", "xrow", "sxl", 0, D, "xv")
+    if causal:
+        w("lu = u1 - u0")  # (L^T u)_t
+        w("dxv = tl.fma(a, lu, u0)")
+    else:
+        w("lu = tl.fma(-2.0, u1, u0 + u2)")  # (L u)_t
+        w("dxv = tl.fma(a, lu, u1)")
+    w("acc = tl.fma(xv, lu, acc)")
+    w("tl.store(DX + (b64 * L + t) * C + cols, dxv.to(DX.dtype.element_ty))")
+    for i in range(width - 1):
+        w(f"gw{i} = gw{i + 1}")
+    for i in range(n_u - 1):
+        w(f"u{i} = u{i + 1}")
+    w.depth -= 1
+    return f"(start + {first} >= 0) & (start + T + {S + D} <= L)"
 
 
 # Interior programs with a scalar coefficient and 16-bit inputs can run the same banded filter on tensor cores
@@ -818,26 +827,19 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         w("tl.store(Y + (b64 * L + t0 + mi) * C + c2, yv.to(Y.dtype.element_ty))")
         _mma_blocks_end(w, streams, ahead)
     else:
-        # coefficient gradient S * sum_r (M^k g)_r (D M^(S-1-k) x)_r with the walk's k (see _fir_interior)
-        k_g = 0 if causal else S // 2
+        # the walk's split of the coefficient gradient (see _fir_backward): the factor L^T (M^T)^(S-1) g, a filter
+        # of S + 1 taps on the same g blocks as the input gradient, paired with the x tile itself
         _fir_taps(w, "tap", causal, S, c)
         _mma_band(w, "wd", "tap", S, "future" if causal else "both")  # the input gradient: the transposed filter
-        _fir_dtaps(w, "dtap", causal, S - 1 - k_g, c)
-        _mma_band(w, "wx", "dtap", S - k_g, "past" if causal else "both")
-        if k_g:
-            _fir_taps(w, "gtap", causal, k_g, c)
-            _mma_band(w, "wg", "gtap", k_g, "both")
+        _fir_dtaps(w, "dtap", causal, S - 1, c)
+        _mma_band(w, "wl", "dtap", S, "future" if causal else "both")
         w("g2 = grow[None, :]")
         w(f"acc2 = tl.zeros([{MMA_BLOCK}, BLOCK_C], dtype=tl.float32)")
-        streams = [("g", "g2", "sgl"), ("x", "x2", "sxl")]
+        streams = [("g", "g2", "sgl")]
         _mma_blocks(w, streams, ahead, dynamic=True)
-        # the coefficient's product first, so that its two factors are dead before the input gradient is computed
-        _mma_apply(w, "dux", "wx", "xb0", "xb1")
-        if k_g:
-            _mma_apply(w, "gk", "wg", "gb0", "gb1")
-        else:
-            w("gk = tl.load(g2 + (t0 + mi) * sgl).to(tl.float32)")
-        w("acc2 += gk * dux")
+        # the coefficient's product first, so that its factor is dead before the input gradient is computed
+        _mma_apply(w, "lu", "wl", "gb0", "gb1")
+        w("acc2 += tl.load(x2 + (t0 + mi) * sxl).to(tl.float32) * lu")
         _mma_apply(w, "dxv", "wd", "gb0", "gb1")
         w("tl.store(DX + (b64 * L + t0 + mi) * C + c2, dxv.to(DX.dtype.element_ty))")
         _mma_blocks_end(w, streams, ahead)
@@ -876,7 +878,10 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("start = tile.to(tl.int64) * T")
     else:
         w("start = pid_l.to(tl.int64) * T")
-    w(f"p0 = start - {S}")
+    # The walk starts ``back`` rows before the program's first row: the bidirectional levels' lag; the causal forward
+    # needs rows behind (its levels carry no lag); the causal backward's adjoint only rows ahead.
+    back = 0 if (kind == "bwd" and causal) else S
+    w(f"p0 = start - {back}")
     w("fz = tl.zeros([BLOCK_C], dtype=tl.float32)")
     w("xrow = X + b64 * sxb + cols")
     if kind == "bwd":
@@ -891,17 +896,19 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("ab = a + b")
     if kind == "bwd" and pde == "advection_diffusion":
         w("a = ab")  # causal advection-diffusion is diffusion with a + b
-    lag = 2 * S if (kind == "bwd" or not causal) else S
+    lag = back + (S if (kind == "bwd" or not causal) else 0)  # iterations beyond the T rows: output row = q - lag + back
     w(f"n_it = (tl.minimum(L - start, T) + {lag}).to(tl.int32)")
-    srcs = [("x", "xrow", "sxl")] if kind == "fwd" else [("x", "xrow", "sxl"), ("g", "grow", "sgl")]
+    # (prefix, row pointer, row stride, row offset): iteration q reads row q + offset of each input. The backward
+    # reads x at its output row, S rows behind g (see _stream_body).
+    srcs = [("x", "xrow", "sxl", 0)] if kind == "fwd" else [("x", "xrow", "sxl", -S), ("g", "grow", "sgl", 0)]
     # prefetch
     for k in range(D):
-        w(f"r{k} = p0 + {k}")
-        for pre, row, stride in srcs:
-            w(f"{pre}f{k} = tl.load({row} + r{k} * {stride}, mask=cmask & ({_rows(f'r{k}')} >= 0) & ({_rows(f'r{k}')} < L), "
+        for pre, row, stride, off in srcs:
+            r = _rows(f"p0 + {k + off}")
+            w(f"{pre}f{k} = tl.load({row} + (p0 + {k + off}) * {stride}, mask=cmask & ({r} >= 0) & ({r} < L), "
               f"other=0.0)")
         if has_mask:
-            w(f"mf{k} = tl.load(mrow + r{k}, mask=(r{k} >= 0) & (r{k} < L), other=0)")
+            w(f"mf{k} = tl.load(mrow + p0 + {k}, mask=(p0 + {k} >= 0) & (p0 + {k} < L), other=0)")
     if has_init:
         for s in range(S):
             w(f"ini{s} = tl.load(INIT + b64 * {S} * C + {s} * C + cols, mask=cmask, other=0.0)")
@@ -944,7 +951,8 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("if interior:")
         w.lines += fir.lines
     elif interior_path:
-        w(f"interior = (start - {S + nvv - 1} >= 0) & (start - {S} + T + {lag + D} <= L)")
+        lowest = back + max(nvv - 1, S if kind == "bwd" else 0)  # validity lookups; the backward's x rows
+        w(f"interior = (start - {lowest} >= 0) & (start - {back} + T + {lag + D} <= L)")
         w("if interior:")
         w("    for j in range(0, n_it):")
         w.lines += inner.lines
@@ -969,15 +977,15 @@ def _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs,
     b = _Src()
     b.depth = depth
     b("q = p0 + j")
-    for pre, row, stride in srcs:
+    for pre, row, stride, off in srcs:
         b(f"{pre}q = {pre}f0")
         for k in range(D - 1):
             b(f"{pre}f{k} = {pre}f{k + 1}")
         if interior:
-            b(f"{pre}f{D - 1} = tl.load({row} + (q + {D}) * {stride})")
+            b(f"{pre}f{D - 1} = tl.load({row} + (q + {D + off}) * {stride})")
         else:
-            rq = _rows(f"q + {D}")
-            b(f"{pre}f{D - 1} = tl.load({row} + (q + {D}) * {stride}, mask=cmask & ({rq} >= 0) & ({rq} < L), "
+            rq = _rows(f"q + {D + off}")
+            b(f"{pre}f{D - 1} = tl.load({row} + (q + {D + off}) * {stride}, mask=cmask & ({rq} >= 0) & ({rq} < L), "
               f"other=0.0)")
         carry += [f"{pre}f{k}" for k in range(D)]
     if has_mask:
@@ -1016,53 +1024,34 @@ def _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs,
             b(f"ro = q - {S}")
         b(f"tl.store(Y + (b64 * L + ro) * C + cols, xn{S}.to(Y.dtype.element_ty), mask={store_mask})")
     else:
-        b("xn0 = xq.to(tl.float32)")
+        # dc = S * <g, L M^(S-1) x> = S * <L^T (M^T)^(S-1) g, x> (L and M commute: M = I + a L). The adjoint walk
+        # on g yields the factor at the output row ro = q - S as the last level's flux difference, paired with x
+        # read at that row (the x stream lags S rows): no walk on x at all.
         b("gn0 = gq.to(tl.float32)")
+        p, n = f"gp{S - 1}", f"gn{S - 1}"  # level S-1 at rows q-S and q-S+1
         if causal:
-            # dc = S * <g, A u_{S-1}>: u_{S-1} by S-1 causal levels on x, paired with g at row q
-            _causal_levels(b, "x", "diffusion", 1, S - 1, carry, interior=interior)
-            if interior:
-                b(f"au = xp{S - 1} - xn{S - 1}")
-            else:
-                b(f"au = (xp{S - 1} * vv1 - xn{S - 1}) * vv0")
-            b(f"xp{S - 1} = xn{S - 1}")
-            carry.append(f"xp{S - 1}")
-            b("ra = q")
-            b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gn0 * au, 0.0)")
             # adjoint (anti-causal): level s at row q-s from g rows q-s (p) and q-s+1 (n)
-            for s in range(1, S + 1):
-                p, n = f"gp{s - 1}", f"gn{s - 1}"
+            for s in range(1, S):
+                ps, ns = f"gp{s - 1}", f"gn{s - 1}"
                 if interior:
-                    b(f"gn{s} = {p} - {p} * a + a * {n}")
+                    b(f"gn{s} = {ps} + a * ({ns} - {ps})")
                 else:
-                    b(f"gwn{s} = {n} * vv{s - 1}")
-                    b(f"gwp{s} = {p} * vv{s}")
-                    b(f"gn{s} = {p} - gwp{s} * a + a * vv{s} * gwn{s}")
-                b(f"{p} = {n}")
-                carry.append(p)
+                    b(f"gn{s} = {ps} + a * vv{s} * ({ns} * vv{s - 1} - {ps})")
+                b(f"{ps} = {ns}")
+                carry.append(ps)
+            b(f"lu = {n} - {p}" if interior else f"lu = vv{S} * ({n} * vv{S - 1} - {p})")  # (L^T u)_ro
         else:
-            # dc = S * <g, L M^{S-1} x> = S * <M^k g, L M^{S-1-k} x>, k = S // 2 (M symmetric): equal lags
-            k = S // 2
-            m = S - 1 - k
-            b(f"gpair = gp{k}")  # level k of g at row q-k-1 (for odd S)
-            _bidi_levels(b, "x", "diffusion", 1, m, carry, c="a", interior=interior)
-            if interior:
-                b(f"xF = xn{m} - xp{m}")
-            else:
-                b(f"xe{m + 1} = vv{m + 1} * vv{m}")
-                b(f"xF = (xn{m} - xp{m}) * xe{m + 1}")
-            b("lu = xF - xfl")
-            b("xfl = xF")
-            b(f"xp{m} = xn{m}")
-            carry += ["xfl", f"xp{m}"]
-            _bidi_levels(b, "g", "diffusion", 1, S, carry, c="a", interior=interior)
-            if S % 2 == 0:
-                b(f"ra = q - {k}")
-                b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gn{k} * lu, 0.0)")
-            else:
-                b(f"ra = q - {k + 1}")
-                b(f"acc += tl.where(({_rows('ra')} >= start) & ({_rows('ra')} < end), gpair * lu, 0.0)")
+            _bidi_levels(b, "g", "diffusion", 1, S - 1, carry, c="a", interior=interior)
+            b(f"gF = {n} - {p}" if interior else f"gF = ({n} - {p}) * vv{S} * vv{S - 1}")  # flux ro -> ro+1
+            b("lu = gF - gFl")  # (L u)_ro, L symmetric
+            b("gFl = gF")
+            carry.append("gFl")
+        b(f"gn{S} = {p} + a * lu")
+        b(f"{p} = {n}")
+        carry.append(p)
         b(f"ro = q - {S}")
+        acc_mask = f"{_rows('ro')} >= start" if interior else f"({_rows('ro')} >= start) & ({_rows('ro')} < end)"
+        b(f"acc += tl.where({acc_mask}, xq.to(tl.float32) * lu, 0.0)")
         b(f"tl.store(DX + (b64 * L + ro) * C + cols, gn{S}.to(DX.dtype.element_ty), mask={store_mask})")
     return b
 
