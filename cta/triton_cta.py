@@ -26,21 +26,21 @@ Design
 * Interior programs of the linear schemes (the common training case) do not walk at all: away from walls, ``S``
   levels of a constant-coefficient stencil are one banded filter (the stencil's ``S``-th power, ``2S+1`` or ``S+1``
   taps per channel, computed per program; one set of scalar taps for a scalar coefficient), applied to a window of
-  rows kept in registers: one multiply-add per tap instead of about six instructions per level. Its backward is the
-  transposed filter and a derivative filter, with the coefficient gradient split per row exactly as the walk splits
-  it (so per-program partial sums add up). The results equal the walk's to fp32 rounding, not bit for bit
+  rows kept in registers: one multiply-add per tap instead of about six instructions per level. Its backward
+  filters ``g`` only (``S - 1`` transposed levels, then the last level and the stencil's derivative), with the
+  coefficient gradient split per row exactly as the walk splits it (so per-program partial sums add up). The results equal the walk's to fp32 rounding, not bit for bit
   (``_fir_interior``; ``CTA_FIR=0`` turns it off).
 * With a scalar coefficient (the models' default) the filter is one matrix for all channels, so for bf16/fp16
   inputs interior tiles run it on tensor cores (``_mma_interior``): 16-row tiles, each the product of two [16, 16]
   pieces of the banded matrix (split into two 16-bit parts, fp32 accumulation) with the input blocks around it.
-  The forward is then ~1.1x copy at every step count; the backward is used from 7 bidirectional steps only
+  The forward is then ~1.1x copy at every step count; the backward is used at 8 bidirectional steps only
   (``MMA_MIN_STEPS``; ``CTA_MMA=0`` turns it off).
 * Backward of the linear schemes (diffusion both ways, causal advection-diffusion = diffusion with ``a + b``), the
   training case: one streaming pass. Bidirectional: the step matrix ``M = I + a L`` is symmetric (walls included),
-  so ``dx = M^S g`` is the forward walk applied to ``g``, and ``dL/da = S <g, L M^(S-1) x> = S <M^k g, L M^(S-1-k) x>``
-  with ``k = S // 2`` so that both factors come out of the two walks at the same row (one row apart for odd ``S``).
-  Causal: ``dx`` is the anti-causal adjoint walk over ``g`` and ``dL/dc = S <g, A M^(S-1) x>`` pairs with ``g`` at the
-  current row. The coefficient gradient is summed per program in registers and written as ``[tiles, channels]``
+  so ``dx = M^S g`` is the forward walk applied to ``g``. Causal: ``dx`` is the anti-causal adjoint walk over ``g``.
+  ``M`` is a polynomial in ``L``, so the two commute and ``dL/da = S <g, L M^(S-1) x> = S <L^T (M^T)^(S-1) g, x>``:
+  the walk over ``g`` yields the factor at its last level (a flux difference), paired with ``x`` read at the output
+  row only -- no walk over ``x``, and the causal backward walks no rows behind its tile. The coefficient gradient is summed per program in registers and written as ``[tiles, channels]``
   partial sums, or for a scalar coefficient as one value per program (the op then returns it as ``[1]``). Reads
   ``g`` and ``x`` once, writes ``dx`` once; nothing but the input is saved by the forward.
 * Backward of the other schemes (wave, reaction, bidirectional advection, any causal scheme with an
@@ -773,33 +773,35 @@ def _mma_apply(w, out, name, a, b):
 def _mma_blocks(w, streams, ahead, dynamic):
     """The MMA tile loop over the program's rows: when the body runs for tile ``m`` (rows t0..t0+15), ``{pre}b0`` and
     ``{pre}b1`` hold the input blocks around it (block j: rows start-8+16j .. start+7+16j) for each stream
-    ``(pre, row pointer, row stride)``, and the next ``ahead`` blocks are in flight (``{pre}b2``...). ``dynamic``: a
+    ``(pre, row pointer, row stride, shift)``, and the next ``ahead`` blocks are in flight (``{pre}b2``...). A stream
+    with ``shift`` 8 holds the tile's own rows in ``{pre}b0`` instead (block j: rows start+16j .. start+15+16j). ``dynamic``: a
     loop the compiler keeps as a loop (the backward: unrolled, it holds more registers, and ran 13-17% slower on an
     H200 in a probe at 4 and 8 bidirectional steps, each form at its best configuration), otherwise unrolled (the
     forward: short programs of two tiles were best). Returns with ``w.depth`` inside the loop; the caller emits the
     body, then ``_mma_blocks_end``."""
     half = MMA_BLOCK // 2
-    for pre, ptr, stride in streams:
+    for pre, ptr, stride, shift in streams:
         for i in range(ahead + 1):
-            w(f"{pre}b{i} = tl.load({ptr} + (start - {half - MMA_BLOCK * i} + mi) * {stride})")
+            w(f"{pre}b{i} = tl.load({ptr} + (start + {shift - half + MMA_BLOCK * i} + mi) * {stride})")
     w(f"for m in {'range' if dynamic else 'tl.static_range'}(0, T // {MMA_BLOCK}):")
     w.depth += 1
     w(f"t0 = start + {MMA_BLOCK} * m")
-    for pre, ptr, stride in streams:
-        new, row = f"{pre}b{ahead + 1}", f"t0 + {half + MMA_BLOCK * ahead}"  # block m + 1 + ahead
-        if ahead == 0:
+    for pre, ptr, stride, shift in streams:
+        new, row = f"{pre}b{ahead + 1}", f"t0 + {half + shift + MMA_BLOCK * ahead}"  # block m + 1 + ahead
+        blocks = f"T // {MMA_BLOCK}" + (" - 1" if shift else "")  # the index of the program's last block
+        if ahead == 0 and not shift:
             w(f"{new} = tl.load({ptr} + ({row} + mi) * {stride})")
         elif dynamic:  # past the program's last block, load the last one again (an L1 hit) rather than branch
-            w(f"{new} = tl.load({ptr} + (tl.minimum({row}, start + T - {half}) + mi) * {stride})")
+            w(f"{new} = tl.load({ptr} + (tl.minimum({row}, start + T - {half + shift}) + mi) * {stride})")
         else:  # a compile-time condition
-            w(f"if m + {1 + ahead} <= T // {MMA_BLOCK}:")
+            w(f"if m + {1 + ahead} <= {blocks}:")
             w(f"    {new} = tl.load({ptr} + ({row} + mi) * {stride})")
             w("else:")
             w(f"    {new} = {pre}b{ahead}")
 
 
 def _mma_blocks_end(w, streams, ahead):
-    for pre, _, _ in streams:
+    for pre, *_ in streams:
         for i in range(ahead + 1):
             w(f"{pre}b{i} = {pre}b{i + 1}")
     w.depth -= 1
@@ -821,7 +823,7 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
     if kind == "fwd":
         _fir_taps(w, "tap", causal, S, c)
         _mma_band(w, "wf", "tap", S, "past" if causal else "both")
-        streams = [("x", "x2", "sxl")]
+        streams = [("x", "x2", "sxl", 0)]
         _mma_blocks(w, streams, ahead, dynamic=False)
         _mma_apply(w, "yv", "wf", "xb0", "xb1")
         w("tl.store(Y + (b64 * L + t0 + mi) * C + c2, yv.to(Y.dtype.element_ty))")
@@ -835,11 +837,14 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         _mma_band(w, "wl", "dtap", S, "future" if causal else "both")
         w("g2 = grow[None, :]")
         w(f"acc2 = tl.zeros([{MMA_BLOCK}, BLOCK_C], dtype=tl.float32)")
-        streams = [("g", "g2", "sgl")]
+        streams = [("g", "g2", "sgl", 0), ("x", "x2", "sxl", half)]
+        w("eye = tl.where(mi == mj, 1.0, 0.0).to(X.dtype.element_ty)")
         _mma_blocks(w, streams, ahead, dynamic=True)
         # the coefficient's product first, so that its factor is dead before the input gradient is computed
         _mma_apply(w, "lu", "wl", "gb0", "gb1")
-        w("acc2 += tl.load(x2 + (t0 + mi) * sxl).to(tl.float32) * lu")
+        # x in the accumulator's layout through an MMA with the identity (exact): loaded that way directly, the tile
+        # cost a layout conversion per tile (2.3-2.9x copy at 4 and 8 steps against 2.0-2.7x, bench_mma_backward_shapes)
+        w(f"acc2 += {_mma_dot('eye', 'xb0')} * lu")
         _mma_apply(w, "dxv", "wd", "gb0", "gb1")
         w("tl.store(DX + (b64 * L + t0 + mi) * C + c2, dxv.to(DX.dtype.element_ty))")
         _mma_blocks_end(w, streams, ahead)
@@ -1211,9 +1216,13 @@ USE_FIR = os.environ.get("CTA_FIR", "1") not in ("", "0")
 # (`benchmarks/tune_stream.py`, triton 3.6, bf16, (1, 16384, 4096), diffusion): 480 configurations per key
 # (stream_tuning_NVIDIA_H200.json; U = 0 is the walk, so the filter is only chosen where it is faster), then
 # unroll factors up to a full unroll of short tiles (stream_tuning_steps8_*.json, stream_tuning_steps124_*.json);
-# `tune_stream.py --merge` of the three files prints this table, except the bidirectional backward at 2, 4 and 8
-# steps, re-tuned after its filter became a cascade (stream_tuning_cascade_*.json: `--kernels bwd --modes bidi`);
-# kernels_NVIDIA_H200*.md were measured with it.
+# `tune_stream.py --merge` of the three files prints the forward entries. The backward entries were re-tuned after
+# it came to filter g only (stream_tuning_bwd_split_*.json: `--kernels bwd --steps 1,2,4,8 --t-values 16,32 --blocks
+# 64:1,128:1,128:2,256:2,256:4 --d-values 2,3 --unroll-values 0,1,16`; the previous entries were 0-11% slower there),
+# except the bidirectional one at 4 steps: its best there, (16, 64, 1, 3, 16), timed 2.00x copy against 1.91x for
+# the entry kept, with a scalar coefficient (mma_filter_*.json, this run and the one before; the grid's per-channel
+# timing had it 3% ahead).
+# kernels_NVIDIA_H200*.md were measured with this table.
 # Other step counts use the nearest tuned one (ties: the smaller). Short tiles win: the kernels are latency-bound,
 # and more, smaller programs hide more of it. Programs that loop over several tiles (the filter's taps computed once
 # per program, fewer coefficient-gradient partial sums) were measured too (commit 928ef44, reverted): 5-22% slower
@@ -1221,8 +1230,8 @@ USE_FIR = os.environ.get("CTA_FIR", "1") not in ("", "0")
 _STREAM_DEFAULTS = {
     ('fwd', False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (16, 128, 1, 3, 16), 8: (16, 128, 1, 2, 16)},
     ('fwd', True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 16), 4: (8, 256, 2, 3, 8), 8: (16, 128, 1, 2, 16)},
-    ('bwd', False): {1: (16, 128, 2, 3, 1), 2: (16, 128, 1, 2, 16), 4: (16, 128, 2, 2, 16), 8: (16, 128, 2, 3, 16)},
-    ('bwd', True): {1: (64, 1024, 4, 1, 0), 2: (16, 256, 4, 3, 1), 4: (16, 128, 1, 3, 1), 8: (16, 128, 2, 3, 16)},
+    ('bwd', False): {1: (16, 256, 4, 3, 16), 2: (16, 128, 2, 3, 16), 4: (16, 128, 2, 2, 16), 8: (16, 128, 2, 3, 16)},
+    ('bwd', True): {1: (16, 256, 4, 3, 1), 2: (16, 128, 1, 3, 16), 4: (16, 128, 2, 3, 1), 8: (16, 256, 2, 3, 16)},
 }
 
 
@@ -1230,23 +1239,23 @@ _STREAM_DEFAULTS = {
 # filter on tensor cores (``_mma_interior``) from MMA_MIN_STEPS[(kind, causal)] to MMA_MAX_STEPS steps (None: never);
 # CTA_MMA=0 keeps the register filter everywhere. The thresholds come from a paired run of both filters on an H200
 # (``bench_scalar_coefficients.py --compare mma --steps 1,2,3,4,5,6,7,8``, results/mma_filter_NVIDIA_H200.json,
-# 1x16384x4096): the tensor-core forward is 1.08-1.15x copy at every step count and wins from 3 steps (1.15 vs 1.17x
-# bidirectional, 1.08 vs 1.11x causal; 1.12 vs 1.40x and 1.11 vs 1.28x at 8). Its backward (three filters on two
-# input streams; 190 registers per thread in the default configuration, one 8-warp program per SM) is ~2.4x copy
-# bidirectional, ahead of the register filter from 7 steps (2.40 vs 2.67x at 7, 2.40 vs 2.73x at 8; a tie at 6), and
-# ~3.6x causal, never ahead (the register filter: 1.7-2.6x).
+# 1x16384x4096): the tensor-core forward is 1.08-1.14x copy at every step count and wins from 3 steps (1.13 vs 1.16x
+# bidirectional, 1.08 vs 1.10x causal; 1.11 vs 1.40x and 1.10 vs 1.26x at 8). Its backward (two filters on the g
+# blocks, x through an identity MMA) is 2.08-2.20x copy; the register filter, which also reads x at the output row
+# only, is ahead but for 8 bidirectional steps (2.16 vs 2.27x; 2.13 vs 2.10x at 7), and the causal one always
+# (1.61-1.89x). On the three large shapes (bench_mma_backward_shapes.py --steps 6,7,8 --modes bidi,causal,
+# mma_backward_shapes_*.json) the 8-step bidirectional MMA backward is 2.16 / 2.36 / 2.20x against 2.27 / 2.28 / 2.37x.
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
-MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
+MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 8, ("bwd", True): None}
 # (T, BLOCK_C, num_warps, D, A) of its programs (D: the boundary tiles' walk; A: input blocks loaded ahead, see
 # ``_mma_blocks``), T a multiple of MMA_BLOCK. Forward: the best of `tune_stream.py --mma` at 4 and 8 steps on
-# 1x16384x4096 (stream_tuning_mma_ahead_*.json). Backward: its grid (stream_tuning_mma_bwd_loop_*.json) favoured
-# 128-row programs on that shape, which lose on the other two large shapes (the boundary tiles walk all their rows);
-# 64 x 256 with 8 warps is the one configuration ahead of the register filter at 8 steps on all three
-# (bench_mma_backward_shapes.py: 2.39-2.57x against 2.66-2.90x). The causal entry is the same (off by default).
+# 1x16384x4096 (stream_tuning_mma_ahead_*.json). Backward: 128-row programs win on that shape and lose on the other
+# two large ones (the boundary tiles walk all their rows); 64 x 128 with 4 warps is the best of the five
+# configurations of bench_mma_backward_shapes.py over the three. The causal entry is the same (off by default).
 # ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be left out, then 0).
 _MMA_DEFAULTS = {
     ("fwd", False): (32, 256, 4, 2, 0), ("fwd", True): (32, 128, 4, 2, 1),
-    ("bwd", False): (64, 256, 8, 2, 1), ("bwd", True): (64, 256, 8, 2, 1),
+    ("bwd", False): (64, 128, 4, 2, 1), ("bwd", True): (64, 128, 4, 2, 1),
 }
 
 
