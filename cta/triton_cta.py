@@ -632,6 +632,7 @@ def _fir_apply(w, out, taps, n, win, causal, center):
 
 
 def _fir_loop(w, unroll):
+    """Opens the filter's row loop (row ``t``); the caller closes it (``w.depth -= 1``)."""
     w(f"for j in tl.range(0, T, loop_unroll_factor={unroll}):" if unroll > 1 else "for j in range(0, T):")
     w.depth += 1
     w("t = start + j")
@@ -646,6 +647,7 @@ def _fir_next_row(w, pre, row, stride, lead, D, dest):
 
 
 def _fir_prefetch(w, pre, row, stride, lead, D):
+    """Loads rows ``start + lead .. start + lead + D - 1`` of a stream into its prefetch registers."""
     for k in range(D):
         w(f"{pre}f{k} = tl.load({row} + (start + {lead + k}) * {stride})")
 
@@ -1221,7 +1223,8 @@ USE_FIR = os.environ.get("CTA_FIR", "1") not in ("", "0")
 # 64:1,128:1,128:2,256:2,256:4 --d-values 2,3 --unroll-values 0,1,16`; the previous entries were 0-11% slower there),
 # except the bidirectional one at 4 steps: its best there, (16, 64, 1, 3, 16), timed 2.00x copy against 1.91x for
 # the entry kept, with a scalar coefficient (mma_filter_*.json, this run and the one before; the grid's per-channel
-# timing had it 3% ahead).
+# timing had it 3% ahead). On 1x65536x512 (stream_tuning_bwd_narrow_*.json, steps 1, 2, 4) these entries are within
+# 0-4% of that shape's best, so there is no per-shape table.
 # kernels_NVIDIA_H200*.md were measured with this table.
 # Other step counts use the nearest tuned one (ties: the smaller). Short tiles win: the kernels are latency-bound,
 # and more, smaller programs hide more of it. Programs that loop over several tiles (the filter's taps computed once
