@@ -1,7 +1,7 @@
 """The tensor-core backward's launch configurations on the three large benchmark shapes, against the register filter,
-diffusion with a scalar coefficient (bf16), bidirectional (``--modes bidi,causal`` adds the causal backward). The tuning grid (``tune_stream.py --mma``) runs on one
-shape; the best configuration there was not the best on the others, so ``_MMA_DEFAULTS`` and ``MMA_MIN_STEPS`` of
-the backward come from this table.
+diffusion with a scalar coefficient (bf16), bidirectional (``--modes bidi,causal`` adds the causal backward). The
+tuning grid (``tune_stream.py --mma``) runs on one shape; the best configuration there was not the best on the others,
+so ``_MMA_DEFAULTS`` and ``MMA_MIN_STEPS`` of the backward come from this table.
 
     python benchmarks/bench_mma_backward_shapes.py            # steps 5 and 8, 2 rounds
 
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from results_io import write_results  # noqa: E402  (beside this script)
+from results_io import on_gpu, write_results  # noqa: E402  (beside this script)
 
 SHAPES = ((1, 16384, 4096), (8, 4096, 4096), (1, 65536, 512))
 CONFIGS = ((32, 128, 4, 2, 1), (64, 128, 4, 2, 1), (64, 256, 8, 2, 1), (128, 128, 4, 2, 1), (128, 256, 8, 2, 1))
@@ -32,10 +32,8 @@ def main():
     parser.add_argument("--modes", default="bidi", help="comma list of bidi, causal")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_mma_backward_shapes.py needs a CUDA GPU.")
+    if not on_gpu():
         return 1
-    os.environ.pop("TRITON_INTERPRET", None)
     from triton.testing import do_bench
 
     from cta import triton_cta

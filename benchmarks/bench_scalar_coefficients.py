@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from results_io import write_results  # noqa: E402  (beside this script)
+from results_io import on_gpu, write_results  # noqa: E402  (beside this script)
 
 
 def expanded(c, like):
@@ -49,10 +49,8 @@ def main():
     parser.add_argument("--rep-ms", type=float, default=15.0, help="do_bench repetition budget per timing")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_scalar_coefficients.py needs a CUDA GPU.")
+    if not on_gpu():
         return 1
-    os.environ.pop("TRITON_INTERPRET", None)
     from triton.testing import do_bench
 
     from cta import triton_cta

@@ -1,11 +1,22 @@
-"""Writing a benchmark's result file: ``<out>/<stem>_<gpu>.json`` with the rows and a ``meta`` block that says where
-they came from (GPU, torch and triton versions, the command that reproduces them)."""
+"""What the paired kernel benchmarks share: the check that a GPU is there (kernels compiled, not interpreted), and
+the result file ``<out>/<stem>_<gpu>.json`` with the rows and a ``meta`` block that says where they came from (GPU,
+torch and triton versions, the command that reproduces them)."""
 
 import json
 import os
 import sys
 
 import torch
+
+
+def on_gpu() -> bool:
+    """True when a CUDA GPU is there (and the kernels will be compiled, not run by Triton's interpreter); otherwise
+    prints that the calling script needs one."""
+    if not torch.cuda.is_available():
+        print(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU.")
+        return False
+    os.environ.pop("TRITON_INTERPRET", None)
+    return True
 
 
 def write_results(out_dir: str, stem: str, rows, **meta) -> str:

@@ -28,8 +28,8 @@ Design
   taps per channel, computed per program; one set of scalar taps for a scalar coefficient), applied to a window of
   rows kept in registers: one multiply-add per tap instead of about six instructions per level. Its backward
   filters ``g`` only (``S - 1`` transposed levels, then the last level and the stencil's derivative), with the
-  coefficient gradient split per row exactly as the walk splits it (so per-program partial sums add up). The results equal the walk's to fp32 rounding, not bit for bit
-  (``_fir_interior``; ``CTA_FIR=0`` turns it off).
+  coefficient gradient split per row exactly as the walk splits it (so per-program partial sums add up). The
+  results equal the walk's to fp32 rounding, not bit for bit (``_fir_interior``; ``CTA_FIR=0`` turns it off).
 * With a scalar coefficient (the models' default) the filter is one matrix for all channels, so for bf16/fp16
   inputs interior tiles run it on tensor cores (``_mma_interior``): 16-row tiles, each the product of two [16, 16]
   pieces of the banded matrix (split into two 16-bit parts, fp32 accumulation) with the input blocks around it.
@@ -40,9 +40,10 @@ Design
   so ``dx = M^S g`` is the forward walk applied to ``g``. Causal: ``dx`` is the anti-causal adjoint walk over ``g``.
   ``M`` is a polynomial in ``L``, so the two commute and ``dL/da = S <g, L M^(S-1) x> = S <L^T (M^T)^(S-1) g, x>``:
   the walk over ``g`` yields the factor at its last level (a flux difference), paired with ``x`` read at the output
-  row only -- no walk over ``x``, and the causal backward walks no rows behind its tile. The coefficient gradient is summed per program in registers and written as ``[tiles, channels]``
-  partial sums, or for a scalar coefficient as one value per program (the op then returns it as ``[1]``). Reads
-  ``g`` and ``x`` once, writes ``dx`` once; nothing but the input is saved by the forward.
+  row only -- no walk over ``x``, and the causal backward walks no rows behind its tile. The coefficient gradient
+  is summed per program in registers and written as ``[tiles, channels]`` partial sums, or for a scalar
+  coefficient as one value per program (the op then returns it as ``[1]``). Reads ``g`` and ``x`` once, writes
+  ``dx`` once; nothing but the input is saved by the forward.
 * Backward of the other schemes (wave, reaction, bidirectional advection, any causal scheme with an
   ``initial_state``): the tile kernel. Each program loads ``x`` and ``grad`` with a halo that covers the forward
   trajectory the adjoint needs (``2*steps`` per side for bidirectional, ``steps`` left and ``steps`` right for causal),
@@ -776,8 +777,8 @@ def _mma_blocks(w, streams, ahead, dynamic):
     """The MMA tile loop over the program's rows: when the body runs for tile ``m`` (rows t0..t0+15), ``{pre}b0`` and
     ``{pre}b1`` hold the input blocks around it (block j: rows start-8+16j .. start+7+16j) for each stream
     ``(pre, row pointer, row stride, shift)``, and the next ``ahead`` blocks are in flight (``{pre}b2``...). A stream
-    with ``shift`` 8 holds the tile's own rows in ``{pre}b0`` instead (block j: rows start+16j .. start+15+16j). ``dynamic``: a
-    loop the compiler keeps as a loop (the backward: unrolled, it holds more registers, and ran 13-17% slower on an
+    with ``shift`` 8 holds the tile's own rows in ``{pre}b0`` instead (block j: rows start+16j .. start+15+16j).
+    ``dynamic``: a loop the compiler keeps as a loop (the backward: unrolled, it holds more registers, and ran 13-17% slower on an
     H200 in a probe at 4 and 8 bidirectional steps, each form at its best configuration), otherwise unrolled (the
     forward: short programs of two tiles were best). Returns with ``w.depth`` inside the loop; the caller emits the
     body, then ``_mma_blocks_end``."""
@@ -844,8 +845,8 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         _mma_blocks(w, streams, ahead, dynamic=True)
         # the coefficient's product first, so that its factor is dead before the input gradient is computed
         _mma_apply(w, "lu", "wl", "gb0", "gb1")
-        # x in the accumulator's layout through an MMA with the identity (exact): loaded that way directly, the tile
-        # cost a layout conversion per tile (2.3-2.9x copy at 4 and 8 steps against 2.0-2.7x, bench_mma_backward_shapes)
+        # x in the accumulator's layout through an MMA with the identity (exact): loaded in that layout directly, each
+        # tile paid a layout conversion (5-10% slower at 4 and 8 steps on the three large shapes, in a probe)
         w(f"acc2 += {_mma_dot('eye', 'xb0')} * lu")
         _mma_apply(w, "dxv", "wd", "gb0", "gb1")
         w("tl.store(DX + (b64 * L + t0 + mi) * C + c2, dxv.to(DX.dtype.element_ty))")
@@ -903,7 +904,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("ab = a + b")
     if kind == "bwd" and pde == "advection_diffusion":
         w("a = ab")  # causal advection-diffusion is diffusion with a + b
-    lag = back + (S if (kind == "bwd" or not causal) else 0)  # iterations beyond the T rows: output row = q - lag + back
+    lag = back + (S if (kind == "bwd" or not causal) else 0)  # iterations beyond T; output row = q - lag + back
     w(f"n_it = (tl.minimum(L - start, T) + {lag}).to(tl.int32)")
     # (prefix, row pointer, row stride, row offset): iteration q reads row q + offset of each input. The backward
     # reads x at its output row, S rows behind g (see _stream_body).
@@ -1285,11 +1286,17 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
     else:
         table = _STREAM_DEFAULTS[(kind, bool(causal))]
         cfg = table[min(table, key=lambda tuned: (abs(tuned - steps), tuned))]
-    t, block_c, warps, d = cfg[:4]
+    t, block_c = _fit_program(seq, channels, *cfg[:2])
     unroll = (cfg[4] if len(cfg) > 4 else 1) if USE_FIR else 0
+    return t, block_c, cfg[2], cfg[3], unroll
+
+
+def _fit_program(seq: int, channels: int, t: int, block_c: int) -> Tuple[int, int]:
+    """(T, BLOCK_C) of a configuration fitted to the input: rows doubled until the grid's second axis fits (65535),
+    channels within [16, the next power of two of ``channels``]."""
     while _cdiv(seq, t) > 65535:
         t *= 2
-    return t, max(16, min(block_c, _next_pow2(channels))), warps, d, unroll
+    return t, max(16, min(block_c, _next_pow2(channels)))
 
 
 def _is_per_channel(c: Optional[torch.Tensor], channels: int) -> bool:
@@ -1329,12 +1336,9 @@ def _stream_plan(x, kind, steps, causal, a_vec, b_vec, has_mask, linear):
     _, seq, channels = x.shape
     if _mma_ok(x, kind, causal, a_vec, b_vec, has_mask, steps, linear):
         cfg = _STREAM_TUNE.get((kind + "_mma", causal, steps)) or _MMA_DEFAULTS[(kind, bool(causal))]
-        t, block_c, warps, d = cfg[:4]
-        block_c = max(16, min(block_c, _next_pow2(channels)))
-        while _cdiv(seq, t) > 65535:
-            t *= 2
+        t, block_c = _fit_program(seq, channels, *cfg[:2])
         if channels % block_c == 0 and t % MMA_BLOCK == 0:
-            return t, block_c, warps, d, 0, 1 + (cfg[4] if len(cfg) > 4 else 0)
+            return t, block_c, cfg[2], cfg[3], 0, 1 + (cfg[4] if len(cfg) > 4 else 0)
     return (*_stream_config(seq, channels, steps, causal, kind, x.device), 0)
 
 
