@@ -8,6 +8,10 @@ per-channel kernels, plus the expansion each call).
 ``--compare mma``: interior tiles on tensor cores (``_mma_interior``, the default for bf16/fp16 inputs with a
 scalar coefficient) against the register filter (``CTA_MMA=0``), each with its own launch configuration.
 
+``--compare walls``: the programs at the sequence ends filtering with the walls as an extension of the input (the
+default) against walking (``CTA_WALLS=0``), each with the default filters (``--per-channel``: one coefficient per
+channel, the register filter, instead of the scalar).
+
 The variants alternate within each round and every timing is a median of ``triton.testing.do_bench``; the table
 gives the median over rounds as a multiple of ``y.copy_(x)`` (timed in every round too), so host or clock drift
 between variants cancels.
@@ -15,8 +19,10 @@ between variants cancels.
     python benchmarks/bench_scalar_coefficients.py                 # (1, 16384, 4096) bf16, 3 rounds
     python benchmarks/bench_scalar_coefficients.py --rounds 5 --shape 8x4096x4096
     python benchmarks/bench_scalar_coefficients.py --compare mma
+    python benchmarks/bench_scalar_coefficients.py --compare walls --shape 1x4096x4096,8x4096x4096 --rounds 3
 
-Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>.json``) and prints the table.
+Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>.json``, ``walls_filter_<gpu>.json``,
+``walls_filter_per_channel_<gpu>.json``) and prints the table.
 """
 
 import argparse
@@ -40,10 +46,12 @@ def expanded(c, like):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", default="coefficients", choices=("coefficients", "mma"),
+    parser.add_argument("--compare", default="coefficients", choices=("coefficients", "mma", "walls"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
-    parser.add_argument("--shape", default="1x16384x4096")
+    parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
+    parser.add_argument("--per-channel", action="store_true",
+                        help="--compare walls: one coefficient per channel instead of a scalar")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=15.0, help="do_bench repetition budget per timing")
@@ -55,58 +63,68 @@ def main():
 
     from cta import triton_cta
 
-    shape = tuple(int(v) for v in args.shape.split("x"))
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shape.split(",")]
     steps_list = [int(v) for v in args.steps.split(",")]
-    x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
-    grad = torch.randn_like(x)
-    alpha = torch.tensor(0.2, device="cuda")
-    y = torch.empty_like(x)
     kept = triton_cta._coef_arg
     if args.compare == "coefficients":  # the register filter's taps (the tensor-core filter has no per-channel form)
         triton_cta.USE_MMA = False
         variants = {"scalar": ("_coef_arg", kept),
                     "expanded": ("_coef_arg", lambda c, like: expanded(c, like) or kept(c, like))}
         stem = "scalar_coefficients"
-    else:
+    elif args.compare == "mma":
         every_step = {key: 1 for key in triton_cta.MMA_MIN_STEPS}  # both filters at every step count
         variants = {"mma": ("MMA_MIN_STEPS", every_step), "registers": ("USE_MMA", False)}
         stem = "mma_filter"
+    else:
+        variants = {"walls": ("USE_WALLS", True), "walk": ("USE_WALLS", False)}
+        stem = "walls_filter" + ("_per_channel" if args.per_channel else "")
     first, second = variants
-    timings, copies = {}, []
-    for _ in range(args.rounds):
-        copies.append(do_bench(lambda: y.copy_(x), rep=25, return_mode="median"))
-        for name, (attribute, value) in variants.items():
-            saved = getattr(triton_cta, attribute)
-            setattr(triton_cta, attribute, value)
-            try:
-                for steps in steps_list:
-                    for causal in (False, True):
-                        fwd = do_bench(lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps,
-                                                                      causal, False),
-                                       rep=args.rep_ms, return_mode="median")
-                        bwd = do_bench(lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion",
-                                                                      steps, causal, need_db=False),
-                                       rep=args.rep_ms, return_mode="median")
-                        timings.setdefault((name, steps, causal), []).append((fwd, bwd))
-            finally:
-                setattr(triton_cta, attribute, saved)
-    copy_ms = statistics.median(copies)
-    rows = []
-    print(f"{args.shape} {args.dtype}, copy {copy_ms * 1e3:.1f} us; medians of {args.rounds} rounds, x copy")
-    print(f"| steps | mode | {first} fwd | {second} fwd | {first} bwd | {second} bwd |")
-    print("|---|---|---|---|---|---|")
-    for steps in steps_list:
-        for causal in (False, True):
-            row = dict(steps=steps, causal=causal)
-            for name in variants:
-                runs = timings[(name, steps, causal)]
-                row[f"{name}_fwd_x_copy"] = statistics.median(r[0] for r in runs) / copy_ms
-                row[f"{name}_bwd_x_copy"] = statistics.median(r[1] for r in runs) / copy_ms
-            rows.append(row)
-            print(f"| {steps} | {'causal' if causal else 'bidirectional'} | {row[f'{first}_fwd_x_copy']:.3f} | "
-                  f"{row[f'{second}_fwd_x_copy']:.3f} | {row[f'{first}_bwd_x_copy']:.3f} | "
-                  f"{row[f'{second}_bwd_x_copy']:.3f} |")
-    write_results(args.out, stem, rows, shape=list(shape), dtype=args.dtype, rounds=args.rounds, copy_ms=copy_ms)
+    rows, copies_ms = [], []
+    for shape in shapes:
+        x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
+        grad = torch.randn_like(x)
+        per_channel = args.per_channel and args.compare == "walls"
+        alpha = torch.full((shape[-1],) if per_channel else (), 0.2, device="cuda")
+        y = torch.empty_like(x)
+        timings, copies = {}, []
+        for _ in range(args.rounds):
+            copies.append(do_bench(lambda: y.copy_(x), rep=25, return_mode="median"))
+            for name, (attribute, value) in variants.items():
+                saved = getattr(triton_cta, attribute)
+                setattr(triton_cta, attribute, value)
+                try:
+                    for steps in steps_list:
+                        for causal in (False, True):
+                            fwd = do_bench(lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion",
+                                                                          steps, causal, False),
+                                           rep=args.rep_ms, return_mode="median")
+                            bwd = do_bench(lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None,
+                                                                          "diffusion", steps, causal, need_db=False),
+                                           rep=args.rep_ms, return_mode="median")
+                            timings.setdefault((name, steps, causal), []).append((fwd, bwd))
+                finally:
+                    setattr(triton_cta, attribute, saved)
+        copy_ms = statistics.median(copies)
+        copies_ms.append(copy_ms)
+        label = "x".join(map(str, shape))
+        print(f"{label} {args.dtype}, copy {copy_ms * 1e3:.1f} us; medians of {args.rounds} rounds, x copy")
+        print(f"| steps | mode | {first} fwd | {second} fwd | {first} bwd | {second} bwd |")
+        print("|---|---|---|---|---|---|")
+        for steps in steps_list:
+            for causal in (False, True):
+                row = dict(shape=label, steps=steps, causal=causal)
+                for name in variants:
+                    runs = timings[(name, steps, causal)]
+                    row[f"{name}_fwd_x_copy"] = statistics.median(r[0] for r in runs) / copy_ms
+                    row[f"{name}_bwd_x_copy"] = statistics.median(r[1] for r in runs) / copy_ms
+                rows.append(row)
+                print(f"| {steps} | {'causal' if causal else 'bidirectional'} | {row[f'{first}_fwd_x_copy']:.3f} | "
+                      f"{row[f'{second}_fwd_x_copy']:.3f} | {row[f'{first}_bwd_x_copy']:.3f} | "
+                      f"{row[f'{second}_bwd_x_copy']:.3f} |", flush=True)
+        del x, grad, y
+    meta_shape = list(shapes[0]) if len(shapes) == 1 else [list(shape) for shape in shapes]
+    write_results(args.out, stem, rows, shape=meta_shape, dtype=args.dtype, rounds=args.rounds,
+                  copy_ms=copies_ms[0] if len(shapes) == 1 else copies_ms)
     return 0
 
 

@@ -632,41 +632,69 @@ def _fir_apply(w, out, taps, n, win, causal, center):
         w(f"{out} = tl.fma({taps}{k}, {pair}, {out})")
 
 
-def _fir_loop(w, unroll):
-    """Opens the filter's row loop (row ``t``); the caller closes it (``w.depth -= 1``)."""
-    w(f"for j in tl.range(0, T, loop_unroll_factor={unroll}):" if unroll > 1 else "for j in range(0, T):")
+# Programs at the sequence ends (no padding mask) run the same filters: the walls are an extension of the input
+# beyond the ends, exact for these linear stencils. Bidirectional (zero-flux walls, ``open_edge``): the even
+# reflection about each end (row -1-r, row 2L-1-r) -- the 3-point stencil maps a reflection-symmetric sequence to a
+# reflection-symmetric one and gives the wall's flux-form update at the end rows, so S levels of the walled scheme
+# on the sequence are S levels of the unwalled one on its reflection (one reflection per side is exact for L >= S,
+# the rows within S of an output; farther rows, which meet zero taps, are clamped into the sequence). Causal (the
+# reference's zero left neighbour at the start): zeros before the first row, which the 2-point stencil keeps zero;
+# its adjoint, the anti-causal stencil, reads zeros past the last row. Rows past the end are neither stored nor
+# summed into the coefficient gradient.
+WALL_REFLECT, WALL_ZERO = "reflect", "zero"
+
+
+def _wall_load(ptr, r, stride, wall, vector=False):
+    """``tl.load`` of row ``r`` of a stream: as is (``wall`` None), or with the walls' extension (``WALL_REFLECT``,
+    ``WALL_ZERO``; ``vector``: ``r`` is a column of rows, as in the MMA blocks)."""
+    if wall is None:
+        return f"tl.load({ptr} + ({r}) * {stride})"
+    if wall == WALL_REFLECT:
+        mirrored = f"tl.where({r} < 0, -1 - ({r}), tl.where({r} >= L, 2 * L - 1 - ({r}), {r}))"
+        return f"tl.load({ptr} + tl.minimum(tl.maximum({mirrored}, 0), L - 1) * {stride})"
+    rr = f"({r})" if vector else _rows(r)
+    return f"tl.load({ptr} + ({r}) * {stride}, mask=({rr} >= 0) & ({rr} < L), other=0.0)"
+
+
+def _fir_loop(w, unroll, walls=False):
+    """Opens the filter's row loop (row ``t``); the caller closes it (``w.depth -= 1``). ``walls``: the program may
+    run past the sequence end, and stops there."""
+    bound = "tl.minimum(L - start, T)" if walls else "T"
+    w(f"for j in tl.range(0, {bound}, loop_unroll_factor={unroll}):" if unroll > 1 else f"for j in range(0, {bound}):")
     w.depth += 1
     w("t = start + j")
 
 
-def _fir_next_row(w, pre, row, stride, lead, D, dest):
+def _fir_next_row(w, pre, row, stride, lead, D, dest, wall=None):
     """``dest`` = the prefetched row ``t + lead`` of a stream; the prefetch advances to row ``t + lead + D``."""
     w(f"{dest} = {pre}f0.to(tl.float32)")
     for k in range(D - 1):
         w(f"{pre}f{k} = {pre}f{k + 1}")
-    w(f"{pre}f{D - 1} = tl.load({row} + (t + {lead + D}) * {stride})")
+    w(f"{pre}f{D - 1} = {_wall_load(row, f't + {lead + D}', stride, wall)}")
 
 
-def _fir_prefetch(w, pre, row, stride, lead, D):
+def _fir_prefetch(w, pre, row, stride, lead, D, wall=None):
     """Loads rows ``start + lead .. start + lead + D - 1`` of a stream into its prefetch registers."""
     for k in range(D):
-        w(f"{pre}f{k} = tl.load({row} + (start + {lead + k}) * {stride})")
+        w(f"{pre}f{k} = {_wall_load(row, f'start + {lead + k}', stride, wall)}")
 
 
-def _fir_interior(w, kind, pde, causal, S, D, unroll):
+def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False):
     """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
-    condition under which a program may take it (every row it reads lies inside the sequence)."""
+    condition under which a program may take it (every row it reads lies inside the sequence). ``walls``: the same
+    filter for programs at the sequence ends (rows beyond them read as the walls' extension, see ``_wall_load``)."""
     if kind == "bwd":
-        return _fir_backward(w, causal, S, D, unroll)
+        return _fir_backward(w, causal, S, D, unroll, walls)
     c = "ab" if (causal and pde == "advection_diffusion") else "a"
     wide = S + 1 if causal else 2 * S + 1
     lead = 0 if causal else S  # newest window row - output row
+    wall = (WALL_ZERO if causal else WALL_REFLECT) if walls else None
     _fir_taps(w, "tap", causal, S, c)
     for i in range(wide - 1):
-        w(f"xw{i} = tl.load(xrow + (start + {lead - wide + 1 + i}) * sxl).to(tl.float32)")
-    _fir_prefetch(w, "x", "xrow", "sxl", lead, D)
-    _fir_loop(w, unroll)
-    _fir_next_row(w, "x", "xrow", "sxl", lead, D, f"xw{wide - 1}")
+        w(f"xw{i} = {_wall_load('xrow', f'start + {lead - wide + 1 + i}', 'sxl', wall)}.to(tl.float32)")
+    _fir_prefetch(w, "x", "xrow", "sxl", lead, D, wall)
+    _fir_loop(w, unroll, walls)
+    _fir_next_row(w, "x", "xrow", "sxl", lead, D, f"xw{wide - 1}", wall)
     _fir_apply(w, "yv", "tap", S, "xw", causal, S)
     w("tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty))")
     for i in range(wide - 1):
@@ -675,11 +703,14 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll):
     return f"(start + {lead - wide + 1} >= 0) & (start + T + {lead + D} <= L)"
 
 
-def _fir_backward(w, causal, S, D, unroll):
+def _fir_backward(w, causal, S, D, unroll, walls=False):
     """The backward's interior as filters on g only, with the walk's split of the coefficient gradient
     (``_stream_body``): with ``u = (M^T)^(S-1) g`` (one filter of S-1 levels: taps at offsets -k..k, or 0..k for the
     causal adjoint), the input gradient is ``M^T u = u + a L^T u`` and the coefficient's factor ``L^T u``, paired
-    with x at the output row. ``u`` is kept at rows t-1, t, t+1 (causal: t, t+1)."""
+    with x at the output row. ``u`` is kept at rows t-1, t, t+1 (causal: t, t+1). ``walls``: see
+    ``_fir_interior`` (x is only read at output rows, so it needs no extension, only rows that exist)."""
+    wall = (WALL_ZERO if causal else WALL_REFLECT) if walls else None
+    x_wall = WALL_REFLECT if walls else None  # the prefetch's rows past the end: any row of the sequence
     k = S - 1
     width = k + 1 if causal else 2 * k + 1  # g rows of one u row
     first = 0 if causal else -S  # the first g row a program reads (that of u at row start-1, bidirectional)
@@ -698,18 +729,18 @@ def _fir_backward(w, causal, S, D, unroll):
             _fir_apply(w, dest, "gtap", k, "gw", False, k)
 
     for i in range(width - 1):
-        w(f"gw{i} = tl.load(grow + (start + {first + i}) * sgl).to(tl.float32)")
+        w(f"gw{i} = {_wall_load('grow', f'start + {first + i}', 'sgl', wall)}.to(tl.float32)")
     for j in range(n_u - 1):  # u at the rows before the first output row's newest (bidirectional: start-1, start)
-        w(f"gw{width - 1} = tl.load(grow + (start + {first + width - 1 + j}) * sgl).to(tl.float32)")
+        w(f"gw{width - 1} = {_wall_load('grow', f'start + {first + width - 1 + j}', 'sgl', wall)}.to(tl.float32)")
         u_row(f"u{j}")
         for i in range(width - 1):
             w(f"gw{i} = gw{i + 1}")
-    _fir_prefetch(w, "g", "grow", "sgl", S, D)  # u at row t+1 needs g up to row t+S
-    _fir_prefetch(w, "x", "xrow", "sxl", 0, D)
-    _fir_loop(w, unroll)
-    _fir_next_row(w, "g", "grow", "sgl", S, D, f"gw{width - 1}")
+    _fir_prefetch(w, "g", "grow", "sgl", S, D, wall)  # u at row t+1 needs g up to row t+S
+    _fir_prefetch(w, "x", "xrow", "sxl", 0, D, x_wall)
+    _fir_loop(w, unroll, walls)
+    _fir_next_row(w, "g", "grow", "sgl", S, D, f"gw{width - 1}", wall)
     u_row(f"u{n_u - 1}")
-    _fir_next_row(w, "x", "xrow", "sxl", 0, D, "xv")
+    _fir_next_row(w, "x", "xrow", "sxl", 0, D, "xv", x_wall)
     if causal:
         w("lu = u1 - u0")  # (L^T u)_t
         w("dxv = tl.fma(a, lu, u0)")
@@ -778,27 +809,29 @@ def _mma_blocks(w, streams, ahead, dynamic):
     ``{pre}b1`` hold the input blocks around it (block j: rows start-8+16j .. start+7+16j) for each stream
     ``(pre, row pointer, row stride, shift)``, and the next ``ahead`` blocks are in flight (``{pre}b2``...). A stream
     with ``shift`` 8 holds the tile's own rows in ``{pre}b0`` instead (block j: rows start+16j .. start+15+16j).
+    ``wall``: the stream's rows beyond the sequence ends (``_wall_load``; None in interior programs).
     ``dynamic``: a loop the compiler keeps as a loop (the backward: unrolled, it holds more registers, and ran 13-17% slower on an
     H200 in a probe at 4 and 8 bidirectional steps, each form at its best configuration), otherwise unrolled (the
     forward: short programs of two tiles were best). Returns with ``w.depth`` inside the loop; the caller emits the
     body, then ``_mma_blocks_end``."""
     half = MMA_BLOCK // 2
-    for pre, ptr, stride, shift in streams:
+    for pre, ptr, stride, shift, wall in streams:
         for i in range(ahead + 1):
-            w(f"{pre}b{i} = tl.load({ptr} + (start + {shift - half + MMA_BLOCK * i} + mi) * {stride})")
+            w(f"{pre}b{i} = {_wall_load(ptr, f'start + {shift - half + MMA_BLOCK * i} + mi', stride, wall, True)}")
     w(f"for m in {'range' if dynamic else 'tl.static_range'}(0, T // {MMA_BLOCK}):")
     w.depth += 1
     w(f"t0 = start + {MMA_BLOCK} * m")
-    for pre, ptr, stride, shift in streams:
+    for pre, ptr, stride, shift, wall in streams:
         new, row = f"{pre}b{ahead + 1}", f"t0 + {half + shift + MMA_BLOCK * ahead}"  # block m + 1 + ahead
         blocks = f"T // {MMA_BLOCK}" + (" - 1" if shift else "")  # the index of the program's last block
         if ahead == 0 and not shift:
-            w(f"{new} = tl.load({ptr} + ({row} + mi) * {stride})")
+            w(f"{new} = {_wall_load(ptr, f'{row} + mi', stride, wall, True)}")
         elif dynamic:  # past the program's last block, load the last one again (an L1 hit) rather than branch
-            w(f"{new} = tl.load({ptr} + (tl.minimum({row}, start + T - {half + shift}) + mi) * {stride})")
+            last = f"tl.minimum({row}, start + T - {half + shift}) + mi"
+            w(f"{new} = {_wall_load(ptr, last, stride, wall, True)}")
         else:  # a compile-time condition
             w(f"if m + {1 + ahead} <= {blocks}:")
-            w(f"    {new} = tl.load({ptr} + ({row} + mi) * {stride})")
+            w(f"    {new} = {_wall_load(ptr, f'{row} + mi', stride, wall, True)}")
             w("else:")
             w(f"    {new} = {pre}b{ahead}")
 
@@ -810,13 +843,16 @@ def _mma_blocks_end(w, streams, ahead):
     w.depth -= 1
 
 
-def _mma_interior(w, kind, pde, causal, S, ahead=0):
+def _mma_interior(w, kind, pde, causal, S, ahead=0, walls=False):
     """The interior branch of a linear scheme's streaming kernel as the banded filter on tensor cores (see above;
     the same taps, and in the backward the same per-row split of the coefficient gradient, as ``_fir_interior``).
-    ``ahead``: see ``_mma_blocks``. Returns the condition under which a program may take it."""
+    ``ahead``: see ``_mma_blocks``. ``walls``: the same for programs at the sequence ends (see ``_wall_load``; tiles
+    past the end are computed, not stored). Returns the condition under which an interior program may take it."""
     assert 1 <= S <= MMA_MAX_STEPS
     c = "ab" if (kind == "fwd" and causal and pde == "advection_diffusion") else "a"
     half = MMA_BLOCK // 2
+    wall = (WALL_ZERO if causal else WALL_REFLECT) if walls else None
+    store_mask = ", mask=t0 + mi < L" if walls else ""
     w(f"mi = tl.arange(0, {MMA_BLOCK})[:, None]")
     w(f"mj = tl.arange(0, {MMA_BLOCK})[None, :]")
     w(f"offa = mj - mi - {half}")
@@ -826,10 +862,10 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
     if kind == "fwd":
         _fir_taps(w, "tap", causal, S, c)
         _mma_band(w, "wf", "tap", S, "past" if causal else "both")
-        streams = [("x", "x2", "sxl", 0)]
+        streams = [("x", "x2", "sxl", 0, wall)]
         _mma_blocks(w, streams, ahead, dynamic=False)
         _mma_apply(w, "yv", "wf", "xb0", "xb1")
-        w("tl.store(Y + (b64 * L + t0 + mi) * C + c2, yv.to(Y.dtype.element_ty))")
+        w(f"tl.store(Y + (b64 * L + t0 + mi) * C + c2, yv.to(Y.dtype.element_ty){store_mask})")
         _mma_blocks_end(w, streams, ahead)
     else:
         # the walk's split of the coefficient gradient (see _fir_backward): the factor L^T (M^T)^(S-1) g, a filter
@@ -840,7 +876,8 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         _mma_band(w, "wl", "dtap", S, "future" if causal else "both")
         w("g2 = grow[None, :]")
         w(f"acc2 = tl.zeros([{MMA_BLOCK}, BLOCK_C], dtype=tl.float32)")
-        streams = [("g", "g2", "sgl", 0), ("x", "x2", "sxl", half)]
+        # (x past the end reads zeros: those rows add nothing to the coefficient gradient)
+        streams = [("g", "g2", "sgl", 0, wall), ("x", "x2", "sxl", half, WALL_ZERO if walls else None)]
         w("eye = tl.where(mi == mj, 1.0, 0.0).to(X.dtype.element_ty)")
         _mma_blocks(w, streams, ahead, dynamic=True)
         # the coefficient's product first, so that its factor is dead before the input gradient is computed
@@ -849,19 +886,22 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0):
         # tile paid a layout conversion (5-10% slower at 4 and 8 steps on the three large shapes, in a probe)
         w(f"acc2 += {_mma_dot('eye', 'xb0')} * lu")
         _mma_apply(w, "dxv", "wd", "gb0", "gb1")
-        w("tl.store(DX + (b64 * L + t0 + mi) * C + c2, dxv.to(DX.dtype.element_ty))")
+        w(f"tl.store(DX + (b64 * L + t0 + mi) * C + c2, dxv.to(DX.dtype.element_ty){store_mask})")
         _mma_blocks_end(w, streams, ahead)
         w("acc = tl.sum(acc2, axis=0)")
     return f"(start - {half} >= 0) & (start + T + {half} <= L)"
 
 
 def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
-                   fir_unroll=0, mma=0):
+                   fir_unroll=0, mma=0, walls=False):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
     ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``mma`` > 0: interior programs run the
     filter on tensor cores (``_mma_interior`` with ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs,
-    ``S <= MMA_MAX_STEPS``, ``T`` a multiple of ``MMA_BLOCK``)."""
+    ``S <= MMA_MAX_STEPS``, ``T`` a multiple of ``MMA_BLOCK``). ``walls``: programs at the sequence ends run the
+    same filter, reading the walls as an extension of the input (``_wall_load``), instead of walking; the walk is
+    then left for sequences shorter than ``S`` (bidirectional) and for the program that writes the causal final
+    state."""
     w = _Src()
     if kind == "fwd":
         head = f"def {name}(X, Y, M, A, Bc, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):"
@@ -933,16 +973,24 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
                            depth=3 if interior_path else 2, interior=False)
     # ... and the linear schemes' interior programs run the banded filter instead (``fir_unroll`` > 0: its loop's
     # unroll factor; 0: the walk's interior copy).
-    fir = None
+    fir = edge = None
     linear = kind == "bwd" or _is_linear(pde, causal, has_init=False)
-    if interior_path and mma and linear and not a_vec and not b_vec:
-        fir = _Src()
-        fir.depth = 2
-        fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1)
-    elif interior_path and fir_unroll > 0 and linear:
-        fir = _Src()
-        fir.depth = 2
-        fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll)
+    if interior_path and ((mma and not a_vec and not b_vec) or fir_unroll > 0) and linear:
+        fir, edge = _Src(), _Src()
+        fir.depth = edge.depth = 2
+        if mma and not a_vec and not b_vec:
+            fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1)
+            if walls:
+                _mma_interior(edge, kind, pde, causal, S, ahead=mma - 1, walls=True)
+        else:
+            fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll)
+            if walls:
+                _fir_interior(edge, kind, pde, causal, S, D, fir_unroll, walls=True)
+        # which end programs may filter: one reflection covers S rows; the causal final state and the rows an
+        # initial state reaches are the walk's
+        edge_condition = " & ".join(([] if causal else [f"(L >= {S})"])
+                                    + (["(start + T < L)"] if write_final and causal else [])
+                                    + ([f"(start >= {S})"] if has_init else [])) or "True"
     elif interior_path:
         inner = _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, [],
                              depth=3, interior=True)
@@ -958,6 +1006,9 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w(f"interior = {fir_condition}")
         w("if interior:")
         w.lines += fir.lines
+        if walls:
+            w(f"elif {edge_condition}:")
+            w.lines += edge.lines
     elif interior_path:
         lowest = back + max(nvv - 1, S if kind == "bwd" else 0)  # validity lookups; the backward's x rows
         w(f"interior = (start - {lowest} >= 0) & (start - {back} + T + {lag + D} <= L)")
@@ -1213,6 +1264,9 @@ STREAM_LAGGED_ON_CUDA = os.environ.get("CTA_STREAM_LAGGED", "1") not in ("", "0"
 # Interior programs of the linear schemes run the banded filter (see ``_fir_interior``; an initial state only reaches
 # the first S rows, which are never interior); CTA_FIR=0 keeps the walk there (for comparison).
 USE_FIR = os.environ.get("CTA_FIR", "1") not in ("", "0")
+# Programs at the sequence ends (no padding mask) run the filters too, with the walls as an extension of the input
+# (``_wall_load``); CTA_WALLS=0 makes them walk (for comparison).
+USE_WALLS = os.environ.get("CTA_WALLS", "1") not in ("", "0")
 
 
 # (T, BLOCK_C, num_warps, D, U) per (kernel, causal) and tuned step count: the best across three grids on an H200
@@ -1353,7 +1407,7 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
-                          has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma))
+                          has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma, USE_WALLS))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
             (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)
@@ -1377,7 +1431,7 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     partial = channels if per_channel else _cdiv(channels, block_c)
     da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
-                          False, False, channels % block_c == 0, unroll, mma))
+                          False, False, channels % block_c == 0, unroll, mma, USE_WALLS))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
             (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)

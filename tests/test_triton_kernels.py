@@ -241,6 +241,61 @@ def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps,
         check_parity(pde, causal, 64, 16, steps, "none", False, batch=2, seed=steps + 1)
 
 
+def _walls_cases():
+    """(pde, causal, steps, seq): sequences shorter than the steps (the bidirectional end programs then walk),
+    around one program, and over several with a partial last one."""
+    cases = []
+    for pde, causal in [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)]:
+        for steps, seq in [(1, 3), (3, 2), (3, 21), (8, 5), (8, 45)]:
+            cases.append(pytest.param(pde, causal, steps, seq,
+                                      id=f"{pde}-{'causal' if causal else 'bidi'}-{steps}-seq{seq}"))
+    return cases
+
+
+@needs_kernels
+@pytest.mark.parametrize("pde,causal,steps,seq", _walls_cases())
+def test_stream_walls_filter(monkeypatch, pde, causal, steps, seq):
+    """Programs at the sequence ends run the banded filter with the walls as an extension of the input (even
+    reflection for the zero-flux bidirectional walls, zeros for the causal ones): outputs and all gradients vs the
+    reference, per-channel and scalar, with 16-row programs (the first and last of each sequence are end programs,
+    the last one partial)."""
+    from cta import triton_cta
+
+    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
+    for kind in ("fwd", "bwd"):
+        triton_cta._STREAM_TUNE[(kind, causal, steps)] = (16, 16, 1, 3, 2)
+        src = triton_cta._stream_source("k", kind, pde, causal, steps, 3, False, False, False, False, False, True, 2,
+                                        0, True)
+        assert "elif " in src  # the end programs' branch
+        assert ("other=0.0)" if causal else "2 * L - 1 -") in src  # the walls' extension
+    check_parity(pde, causal, seq, 16, steps, "none", True, batch=2, seed=steps)
+    check_parity(pde, causal, seq, 16, steps, "none", False, batch=2, seed=steps + 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
+def test_stream_walls_filter_runs(monkeypatch, causal):
+    """The end programs take the filter, not the walk: with the walls' extension replaced by repeating the end rows
+    (wrong for both schemes), the rows near the ends no longer match the reference, while ``USE_WALLS=False`` (the
+    walk) still does."""
+    from cta import triton_cta
+
+    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {(kind, causal, 3): (16, 16, 1, 3, 2) for kind in ("fwd", "bwd")})
+    monkeypatch.setattr(triton_cta, "_GEN_CACHE", {})
+    monkeypatch.setattr(triton_cta, "_wall_load", lambda ptr, r, stride, wall, vector=False: (
+        f"tl.load({ptr} + tl.minimum(tl.maximum({r}, 0), L - 1) * {stride})"))
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 40, 16, generator=gen).to(DEVICE)
+    grad = torch.randn(2, 40, 16, generator=gen).to(DEVICE)
+    alpha = torch.tensor(0.1, device=DEVICE)
+    want = _run(pde_refine_reference, x, alpha, None, grad, pde_type="diffusion", steps=3, causal=causal)
+    for use_walls in (True, False):
+        monkeypatch.setattr(triton_cta, "USE_WALLS", use_walls)
+        got = _run(pde_refine_triton, x, alpha, None, grad, pde_type="diffusion", steps=3, causal=causal)
+        for name, a, b in zip(("output", "input gradient"), got[:2], want[:2]):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) != use_walls, name
+
+
 def check_mma_parity(monkeypatch, dtype, pde, causal, steps, shape, seed=0):
     """The tensor-core filter (interior tiles of a 16-bit input with a scalar coefficient) against the fp64
     reference and against the register filter on the same input: outputs and input gradients within one rounding
@@ -251,7 +306,7 @@ def check_mma_parity(monkeypatch, dtype, pde, causal, steps, shape, seed=0):
     monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
     launched = []
     build = triton_cta._gen_kernel
-    monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key[-1]) or build(key))
+    monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key[12]) or build(key))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
     alpha = (0.02 + 0.2 * torch.rand((), generator=gen)).to(DEVICE)
@@ -317,16 +372,20 @@ def test_mma_interior_path(monkeypatch, dtype, pde, causal, steps, ahead):
 
 @needs_kernels
 def test_stream_tiles_streaming_state(small_stream_tiles):
-    """Initial / final causal state through tiled streaming kernels (the state lives in the first / last tile)."""
+    """Initial / final causal state through tiled streaming kernels (the state lives in the first / last tile; with
+    whole channel blocks (16) the other end programs filter, the ones the state reaches walk)."""
     gen = torch.Generator().manual_seed(9)
-    x = torch.randn(2, 27, 9, generator=gen).to(DEVICE)
-    init = torch.randn(2, 3, 9, generator=gen).to(DEVICE)
-    for pde in ("diffusion", "wave"):
-        kwargs = dict(pde_type=pde, steps=3, alpha=0.1, causal=True, initial_state=init, return_final_state=True)
-        out, state = pde_refine_triton(x, **kwargs)
-        ref, ref_state = pde_refine_reference(x, **kwargs)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(state, ref_state, rtol=1e-5, atol=1e-6)
+    for pde, channels, with_init, final in (("diffusion", 9, True, True), ("wave", 9, True, True),
+                                             ("diffusion", 16, True, True), ("diffusion", 16, True, False),
+                                             ("diffusion", 16, False, True)):
+        x = torch.randn(2, 27, channels, generator=gen).to(DEVICE)
+        init = torch.randn(2, 3, channels, generator=gen).to(DEVICE) if with_init else None
+        kwargs = dict(pde_type=pde, steps=3, alpha=0.1, causal=True, initial_state=init, return_final_state=final)
+        out, ref = pde_refine_triton(x, **kwargs), pde_refine_reference(x, **kwargs)
+        if not final:
+            out, ref = (out, None), (ref, None)
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[1], ref[1], rtol=1e-5, atol=1e-6)
 
 
 @gpu
