@@ -659,7 +659,7 @@ def _wall_load(ptr, r, stride, wall, vector=False):
 def _fir_loop(w, unroll, walls=False):
     """Opens the filter's row loop (row ``t``); the caller closes it (``w.depth -= 1``). ``walls``: the program may
     run past the sequence end, and stops there."""
-    bound = "tl.minimum(L - start, T)" if walls else "T"
+    bound = "tl.minimum(L - start, T).to(tl.int32)" if walls else "T"  # (the walk's loop index is int32 too)
     w(f"for j in tl.range(0, {bound}, loop_unroll_factor={unroll}):" if unroll > 1 else f"for j in range(0, {bound}):")
     w.depth += 1
     w("t = start + j")
@@ -898,10 +898,10 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
     ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``mma`` > 0: interior programs run the
     filter on tensor cores (``_mma_interior`` with ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs,
-    ``S <= MMA_MAX_STEPS``, ``T`` a multiple of ``MMA_BLOCK``). ``walls``: programs at the sequence ends run the
-    same filter, reading the walls as an extension of the input (``_wall_load``), instead of walking; the walk is
-    then left for sequences shorter than ``S`` (bidirectional) and for the program that writes the causal final
-    state."""
+    ``S <= MMA_MAX_STEPS``, ``T`` a multiple of ``MMA_BLOCK``). ``walls`` (see ``_walls_mode``): 1, programs at the
+    sequence ends run the same filter, reading the walls as an extension of the input (``_wall_load``), and walk
+    only where that does not apply (a sequence shorter than ``S``, bidirectional; the programs a causal initial or
+    final state reaches); 2, the launch has none of those, and the kernel no walk."""
     w = _Src()
     if kind == "fwd":
         head = f"def {name}(X, Y, M, A, Bc, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):"
@@ -1006,7 +1006,10 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w(f"interior = {fir_condition}")
         w("if interior:")
         w.lines += fir.lines
-        if walls:
+        if walls == 2:  # every other program: no walk in this kernel (it cost the filters registers)
+            w("else:")
+            w.lines += edge.lines
+        elif walls:
             w(f"elif {edge_condition}:")
             w.lines += edge.lines
     elif interior_path:
@@ -1015,11 +1018,11 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("if interior:")
         w("    for j in range(0, n_it):")
         w.lines += inner.lines
-    if interior_path:
+    if interior_path and not (fir is not None and walls == 2):
         w("else:")
         w("    for j in range(0, n_it):")
         w.lines += general.lines
-    else:
+    elif not interior_path:
         w("for j in range(0, n_it):")
         w.lines += general.lines
     src = "\n".join(w.lines)
@@ -1396,6 +1399,16 @@ def _stream_plan(x, kind, steps, causal, a_vec, b_vec, has_mask, linear):
     return (*_stream_config(seq, channels, steps, causal, kind, x.device), 0)
 
 
+def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final: bool) -> int:
+    """How the programs at the sequence ends run (``_stream_source``'s ``walls``): 0 walk (``USE_WALLS`` off), 1
+    filter where the walls' extension applies and walk elsewhere, 2 filter (it applies to every program)."""
+    if not USE_WALLS:
+        return 0
+    if has_init or (causal and write_final) or (not causal and seq < steps):
+        return 1
+    return 2
+
+
 def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final):
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
@@ -1407,7 +1420,8 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
-                          has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma, USE_WALLS))
+                          has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma,
+                          _walls_mode(seq, steps, causal, has_init and bool(causal), write_final)))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
             (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)
@@ -1431,7 +1445,8 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     partial = channels if per_channel else _cdiv(channels, block_c)
     da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
-                          False, False, channels % block_c == 0, unroll, mma, USE_WALLS))
+                          False, False, channels % block_c == 0, unroll, mma,
+                          _walls_mode(seq, steps, causal, False, False)))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
             (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)

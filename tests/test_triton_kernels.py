@@ -264,10 +264,12 @@ def test_stream_walls_filter(monkeypatch, pde, causal, steps, seq):
     monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
     for kind in ("fwd", "bwd"):
         triton_cta._STREAM_TUNE[(kind, causal, steps)] = (16, 16, 1, 3, 2)
-        src = triton_cta._stream_source("k", kind, pde, causal, steps, 3, False, False, False, False, False, True, 2,
-                                        0, True)
-        assert "elif " in src  # the end programs' branch
-        assert ("other=0.0)" if causal else "2 * L - 1 -") in src  # the walls' extension
+        for walls in (1, 2):  # with a walk for short sequences, and without
+            src = triton_cta._stream_source("k", kind, pde, causal, steps, 3, False, False, False, False, False, True,
+                                            2, 0, walls)
+            assert ("elif " in src) == (walls == 1)  # the end programs' branch, under a condition
+            assert ("for j in range(0, n_it)" in src) == (walls == 1)  # the walk
+            assert ("other=0.0)" if causal else "2 * L - 1 -") in src  # the walls' extension
     check_parity(pde, causal, seq, 16, steps, "none", True, batch=2, seed=steps)
     check_parity(pde, causal, seq, 16, steps, "none", False, batch=2, seed=steps + 1)
 
