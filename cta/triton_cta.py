@@ -984,8 +984,8 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
                 _mma_interior(edge, kind, pde, causal, S, ahead=mma - 1, walls=True)
         else:
             fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll)
-            if walls:
-                _fir_interior(edge, kind, pde, causal, S, D, fir_unroll, walls=True)
+            if walls:  # a rolled loop: few programs run it, and a second unrolled copy cost the interior registers
+                _fir_interior(edge, kind, pde, causal, S, D, 1, walls=True)
         # which end programs may filter: one reflection covers S rows; the causal final state and the rows an
         # initial state reaches are the walk's
         edge_condition = " & ".join(([] if causal else [f"(L >= {S})"])
@@ -1304,19 +1304,23 @@ _STREAM_DEFAULTS = {
 # bidirectional, 1.08 vs 1.10x causal; 1.11 vs 1.40x and 1.10 vs 1.26x at 8). Its backward (two filters on the g
 # blocks, x through an identity MMA) is 2.08-2.20x copy; the register filter, which also reads x at the output row
 # only, is ahead but for 8 bidirectional steps (2.16 vs 2.27x; 2.13 vs 2.10x at 7), and the causal one always
-# (1.61-1.89x). On the three large shapes (bench_mma_backward_shapes.py --steps 6,7,8 --modes bidi,causal,
-# mma_backward_shapes_*.json) the 8-step bidirectional MMA backward is 2.16 / 2.36 / 2.20x against 2.27 / 2.28 / 2.37x.
+# (1.61-1.89x). Since the end programs filter too (``_walls_mode``), the bidirectional backward's threshold and
+# programs come from the three large shapes (bench_mma_backward_shapes.py --steps 6,7,8 --modes bidi,
+# mma_backward_shapes_*.json): with 128-row programs the MMA backward is 1.96 / 1.91 / 2.14x copy at 7 steps and
+# 1.97 / 1.90 / 2.14x at 8 on 1x16384x4096 / 8x4096x4096 / 1x65536x512, against the register filter's 2.26 / 2.30 /
+# 2.28x and 2.38 / 2.40 / 2.38x; at 6 steps the registers win (1.89 / 1.88 / 1.93x against 1.97 / 1.90 / 2.16x).
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
-MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 8, ("bwd", True): None}
+MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
 # (T, BLOCK_C, num_warps, D, A) of its programs (D: the boundary tiles' walk; A: input blocks loaded ahead, see
 # ``_mma_blocks``), T a multiple of MMA_BLOCK. Forward: the best of `tune_stream.py --mma` at 4 and 8 steps on
-# 1x16384x4096 (stream_tuning_mma_ahead_*.json). Backward: 128-row programs win on that shape and lose on the other
-# two large ones (the boundary tiles walk all their rows); 64 x 128 with 4 warps is the best of the five
-# configurations of bench_mma_backward_shapes.py over the three. The causal entry is the same (off by default).
+# 1x16384x4096 (stream_tuning_mma_ahead_*.json). Backward: 128 x 128 with 4 warps, the best of the five
+# configurations of bench_mma_backward_shapes.py on each of the three large shapes at 7 and 8 steps (before the end
+# programs filtered, their walk over 128 rows made it lose on two of them). The causal entry is the same (off by
+# default).
 # ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be left out, then 0).
 _MMA_DEFAULTS = {
     ("fwd", False): (32, 256, 4, 2, 0), ("fwd", True): (32, 128, 4, 2, 1),
-    ("bwd", False): (64, 128, 4, 2, 1), ("bwd", True): (64, 128, 4, 2, 1),
+    ("bwd", False): (128, 128, 4, 2, 1), ("bwd", True): (128, 128, 4, 2, 1),
 }
 
 
@@ -1399,10 +1403,20 @@ def _stream_plan(x, kind, steps, causal, a_vec, b_vec, has_mask, linear):
     return (*_stream_config(seq, channels, steps, causal, kind, x.device), 0)
 
 
-def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final: bool) -> int:
-    """How the programs at the sequence ends run (``_stream_source``'s ``walls``): 0 walk (``USE_WALLS`` off), 1
-    filter where the walls' extension applies and walk elsewhere, 2 filter (it applies to every program)."""
-    if not USE_WALLS:
+WALLS_MAX_STEPS_PER_CHANNEL = 4
+
+
+def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final: bool, per_channel: bool) -> int:
+    """How the programs at the sequence ends run (``_stream_source``'s ``walls``): 0 walk, 1 filter where the walls'
+    extension applies and walk elsewhere, 2 filter (it applies to every program).
+
+    Paired on an H200 (``bench_scalar_coefficients.py --compare walls``, results/walls_filter*_NVIDIA_H200.json):
+    with a scalar coefficient the filtering end programs are faster or within 3% at every step count and shape
+    (8 bidirectional steps on 8x4096x4096: forward 1.14 vs 1.19x copy, backward 2.11 vs 2.37x). With one per
+    channel, up to 4 steps likewise, but at 8 steps the second copy of the filter (17 tap vectors) made the interior
+    programs 4-10% slower, so per-channel launches above ``WALLS_MAX_STEPS_PER_CHANNEL`` steps walk (5-7 steps were
+    not measured)."""
+    if not USE_WALLS or (per_channel and steps > WALLS_MAX_STEPS_PER_CHANNEL):
         return 0
     if has_init or (causal and write_final) or (not causal and seq < steps):
         return 1
@@ -1421,7 +1435,7 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     write_final = bool(causal and want_final)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma,
-                          _walls_mode(seq, steps, causal, has_init and bool(causal), write_final)))
+                          _walls_mode(seq, steps, causal, has_init and bool(causal), write_final, a_vec or b_vec)))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
             (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)
@@ -1446,7 +1460,7 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           False, False, channels % block_c == 0, unroll, mma,
-                          _walls_mode(seq, steps, causal, False, False)))
+                          _walls_mode(seq, steps, causal, False, False, a_vec or b_vec)))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
             (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)
