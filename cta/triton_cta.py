@@ -30,6 +30,9 @@ Design
   filters ``g`` only (``S - 1`` transposed levels, then the last level and the stencil's derivative), with the
   coefficient gradient split per row exactly as the walk splits it (so per-program partial sums add up). The
   results equal the walk's to fp32 rounding, not bit for bit (``_fir_interior``; ``CTA_FIR=0`` turns it off).
+  Programs at the sequence ends filter too, reading the walls as an extension of the input (the even reflection
+  for the zero-flux bidirectional walls, zeros for the causal ones: exact for these stencils, ``_wall_load``); the
+  walk is left for padding masks, partial channel blocks, short sequences and causal states (``_walls_mode``).
 * With a scalar coefficient (the models' default) the filter is one matrix for all channels, so for bf16/fp16
   inputs interior tiles run it on tensor cores (``_mma_interior``): 16-row tiles, each the product of two [16, 16]
   pieces of the banded matrix (split into two 16-bit parts, fp32 accumulation) with the input blocks around it.
@@ -573,8 +576,8 @@ def _rows(r: str) -> str:
 # operations and two register copies per level for the walk -- these kernels are instruction-bound. The backward
 # filters g only: ``S - 1`` levels of the transposed stencil, then one level for the input gradient and the
 # stencil's derivative for the coefficient's factor, paired with x at the output row -- the walk's per-row split
-# (see ``_fir_backward``; the factor ``S`` is applied by the final store, as for the walk). Rows near the walls or a
-# padding mask, whose taps differ, keep the walk.
+# (see ``_fir_backward``; the factor ``S`` is applied by the final store, as for the walk). Programs at the sequence
+# ends run the same filter on the walls' extension of the input (``_wall_load``); padding masks keep the walk.
 
 
 def _fir_taps(w, name, causal, S, c):
@@ -807,13 +810,13 @@ def _mma_apply(w, out, name, a, b):
 def _mma_blocks(w, streams, ahead, dynamic):
     """The MMA tile loop over the program's rows: when the body runs for tile ``m`` (rows t0..t0+15), ``{pre}b0`` and
     ``{pre}b1`` hold the input blocks around it (block j: rows start-8+16j .. start+7+16j) for each stream
-    ``(pre, row pointer, row stride, shift)``, and the next ``ahead`` blocks are in flight (``{pre}b2``...). A stream
-    with ``shift`` 8 holds the tile's own rows in ``{pre}b0`` instead (block j: rows start+16j .. start+15+16j).
-    ``wall``: the stream's rows beyond the sequence ends (``_wall_load``; None in interior programs).
-    ``dynamic``: a loop the compiler keeps as a loop (the backward: unrolled, it holds more registers, and ran 13-17% slower on an
-    H200 in a probe at 4 and 8 bidirectional steps, each form at its best configuration), otherwise unrolled (the
-    forward: short programs of two tiles were best). Returns with ``w.depth`` inside the loop; the caller emits the
-    body, then ``_mma_blocks_end``."""
+    ``(pre, row pointer, row stride, shift, wall)``, and the next ``ahead`` blocks are in flight (``{pre}b2``...). A
+    stream with ``shift`` 8 holds the tile's own rows in ``{pre}b0`` instead (block j: rows start+16j ..
+    start+15+16j). ``wall``: how the stream reads rows beyond the sequence ends (``_wall_load``; None in interior
+    programs). ``dynamic``: a loop the compiler keeps as a loop (the backward: unrolled, it holds more registers,
+    and ran 13-17% slower on an H200 in a probe at 4 and 8 bidirectional steps, each form at its best
+    configuration), otherwise unrolled (the forward: short programs of two tiles were best). Returns with
+    ``w.depth`` inside the loop; the caller emits the body, then ``_mma_blocks_end``."""
     half = MMA_BLOCK // 2
     for pre, ptr, stride, shift, wall in streams:
         for i in range(ahead + 1):
@@ -919,8 +922,8 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     w("cmask = cols < C")
     w("cz = cols.to(tl.int64) * 0")
     if mma:
-        # The boundary tiles walk, which takes longer than a tile on tensor cores: the last one is scheduled second
-        # (program 1) rather than last, so that it does not run alone at the end of the launch.
+        # Where the end programs walk (walls off, or a causal state), that takes longer than a tile on tensor cores:
+        # the last one is scheduled second (program 1) rather than last, so that it does not run alone at the end.
         w("n_t = (L + T - 1) // T")
         w("tile = tl.where(pid_l == 0, 0, tl.where(pid_l == 1, n_t - 1, pid_l - 1))")
         w("start = tile.to(tl.int64) * T")
@@ -1410,12 +1413,12 @@ def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final:
     """How the programs at the sequence ends run (``_stream_source``'s ``walls``): 0 walk, 1 filter where the walls'
     extension applies and walk elsewhere, 2 filter (it applies to every program).
 
-    Paired on an H200 (``bench_scalar_coefficients.py --compare walls``, results/walls_filter*_NVIDIA_H200.json):
-    with a scalar coefficient the filtering end programs are faster or within 3% at every step count and shape
-    (8 bidirectional steps on 8x4096x4096: forward 1.14 vs 1.19x copy, backward 2.11 vs 2.37x). With one per
-    channel, up to 4 steps likewise, but at 8 steps the second copy of the filter (17 tap vectors) made the interior
-    programs 4-10% slower, so per-channel launches above ``WALLS_MAX_STEPS_PER_CHANNEL`` steps walk (5-7 steps were
-    not measured)."""
+    Paired on an H200 (``bench_scalar_coefficients.py --compare walls``, results/walls_filter*_NVIDIA_H200.json,
+    8x4096x4096 and 1x16384x4096): with a scalar coefficient the kernels are faster or at most 3.3% slower at
+    every step count (8 bidirectional steps on 8x4096x4096: forward 1.14 vs 1.19x copy, backward 2.11 vs 2.37x).
+    With one per channel, up to 4 steps likewise, but at 8 steps the second copy of the filter (its per-channel taps
+    and window) made the interior programs 4-10% slower, so per-channel launches above
+    ``WALLS_MAX_STEPS_PER_CHANNEL`` steps walk (5-7 steps were not measured)."""
     if not USE_WALLS or (per_channel and steps > WALLS_MAX_STEPS_PER_CHANNEL):
         return 0
     if has_init or (causal and write_final) or (not causal and seq < steps):
