@@ -903,8 +903,9 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     filter on tensor cores (``_mma_interior`` with ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs,
     ``S <= MMA_MAX_STEPS``, ``T`` a multiple of ``MMA_BLOCK``). ``walls`` (see ``_walls_mode``): 1, programs at the
     sequence ends run the same filter, reading the walls as an extension of the input (``_wall_load``), and walk
-    only where that does not apply (a sequence shorter than ``S``, bidirectional; the programs a causal initial or
-    final state reaches); 2, the launch has none of those, and the kernel no walk."""
+    only where that does not apply (the programs a causal initial or final state reaches; a bidirectional
+    sequence shorter than ``S``, which ``_walls_mode`` sends to 0); 2, the launch has none of those, and the kernel
+    no walk."""
     w = _Src()
     if kind == "fwd":
         head = f"def {name}(X, Y, M, A, Bc, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):"
@@ -1421,7 +1422,9 @@ def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final:
     ``WALLS_MAX_STEPS_PER_CHANNEL`` steps walk (5-7 steps were not measured)."""
     if not USE_WALLS or (per_channel and steps > WALLS_MAX_STEPS_PER_CHANNEL):
         return 0
-    if has_init or (causal and write_final) or (not causal and seq < steps):
+    if not causal and seq < steps:  # one reflection covers S rows: no program of this launch can filter its ends
+        return 0
+    if has_init or (causal and write_final):  # the programs the state reaches walk, the others filter
         return 1
     return 2
 

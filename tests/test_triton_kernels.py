@@ -373,6 +373,28 @@ def test_mma_interior_path(monkeypatch, dtype, pde, causal, steps, ahead):
 
 
 @needs_kernels
+def test_mma_walls_final_state(monkeypatch):
+    """A causal prefill that returns its final state (what a patched decoder caches) on the tensor-core filter: the
+    first program filters its end (zeros before the first row), the last one walks and writes the state; output and
+    state vs the fp64 reference, to one fp16 rounding."""
+    from cta import triton_cta
+
+    monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
+    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {("fwd_mma", True, 3): (32, 16, 1, 2, 1)})
+    launched = []
+    build = triton_cta._gen_kernel
+    monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key) or build(key))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 137, 32, generator=gen).to(DEVICE, torch.float16)
+    kwargs = dict(pde_type="diffusion", steps=3, alpha=0.15, causal=True, return_final_state=True)
+    out, state = pde_refine_triton(x, **kwargs)
+    ref, ref_state = pde_refine_reference(x.double(), **kwargs)
+    assert [(key[12], key[13]) for key in launched] == [(2, 1)]  # the tensor-core filter, ends filtered and walked
+    torch.testing.assert_close(out.double(), ref, rtol=2 ** -10, atol=2 ** -10)
+    torch.testing.assert_close(state.double(), ref_state, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 def test_stream_tiles_streaming_state(small_stream_tiles):
     """Initial / final causal state through tiled streaming kernels (the state lives in the first / last tile; with
     whole channel blocks (16) the other end programs filter, the ones the state reaches walk)."""
