@@ -34,9 +34,9 @@ Design
   for the zero-flux bidirectional walls, zeros for the causal ones: exact for these stencils, ``_wall_load``); the
   walk is left for padding masks, partial channel blocks, short sequences and causal states (``_walls_mode``).
 * With a scalar coefficient (the models' default) the filter is one matrix for all channels, so for bf16/fp16
-  inputs interior tiles run it on tensor cores (``_mma_interior``): 16-row tiles, each the product of two [16, 16]
-  pieces of the banded matrix (split into two 16-bit parts, fp32 accumulation) with the input blocks around it.
-  The forward is then ~1.1x copy at every step count; the backward is used at 8 bidirectional steps only
+  inputs the filtering programs run it on tensor cores (``_mma_interior``): 16-row tiles, each the product of two
+  [16, 16] pieces of the banded matrix (split into two 16-bit parts, fp32 accumulation) with the input blocks
+  around it. The forward is then ~1.1x copy from 3 steps on; the backward is used from 7 bidirectional steps
   (``MMA_MIN_STEPS``; ``CTA_MMA=0`` turns it off).
 * Backward of the linear schemes (diffusion both ways, causal advection-diffusion = diffusion with ``a + b``), the
   training case: one streaming pass. Bidirectional: the step matrix ``M = I + a L`` is symmetric (walls included),
