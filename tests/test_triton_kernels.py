@@ -825,3 +825,29 @@ from hypothesis import strategies as st  # noqa: E402
 )
 def test_parity_hypothesis(pde, causal, batch, seq, channels, steps, padding, per_channel, seed):
     check_parity(pde, causal, seq, channels, steps, padding, per_channel, batch=batch, seed=seed)
+
+
+@needs_kernels
+@settings(max_examples=40 if RUN_SLOW else 8, deadline=None, derandomize=True)
+@given(
+    pde_causal=st.sampled_from([("diffusion", False), ("diffusion", True), ("advection_diffusion", True)]),
+    batch=st.integers(1, 2),
+    seq=st.integers(1, 80 if RUN_SLOW else 40),
+    channels=st.sampled_from([16, 32]),
+    steps=st.integers(1, 16 if RUN_SLOW else 8),
+    rows=st.sampled_from([8, 16, 32]),
+    unroll=st.sampled_from([1, 2]),
+    per_channel=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_parity_hypothesis_filters(pde_causal, batch, seq, channels, steps, rows, unroll, per_channel, seed):
+    """The banded filters, interior and at the sequence ends (whole channel blocks, no padding: the inputs the
+    randomised test above seldom draws), with random program lengths, so that the ends fall anywhere in a program."""
+    from cta import triton_cta
+
+    tune = {(kind, causal, s): (rows, 16, 1, 2, unroll)
+            for kind in ("fwd", "bwd") for causal in (False, True) for s in range(1, 17)}
+    pde, causal = pde_causal
+    with pytest.MonkeyPatch.context() as patch:  # (hypothesis runs the body several times per fixture)
+        patch.setattr(triton_cta, "_STREAM_TUNE", tune)
+        check_parity(pde, causal, seq, channels, steps, "none", per_channel, batch=batch, seed=seed)
