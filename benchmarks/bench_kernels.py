@@ -219,6 +219,8 @@ def _write_all(args, gpu, compile_cells, rows, t_start):
                 compile_cells="all" if compile_cells is None else sorted(compile_cells),
                 stream_configs_tuned_in_this_run={f"{k[0]} causal={k[1]} steps={k[2]}": list(v) for k, v in
                                                   sorted(__import__("cta.triton_cta").triton_cta._STREAM_TUNE.items())},
+                kernel_switches={name: getattr(__import__("cta.triton_cta").triton_cta, name)
+                                 for name in ("USE_FIR", "USE_MMA", "USE_WALLS", "DIRECT_LAUNCH")},
                 command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
                 note="medians of triton.testing.do_bench; *_graph = the call captured as a CUDA graph and replayed "
                      "(GPU time, no host time); *_x_copy = time / y.copy_(x) time of the same tensor; "
