@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from results_io import on_gpu, write_results  # noqa: E402  (beside this script)
+from results_io import diffusion_launch, on_gpu, write_results  # noqa: E402  (beside this script)
 
 SHAPES = ((1, 16384, 4096), (8, 4096, 4096), (1, 65536, 512))
 CONFIGS = ((32, 128, 4, 2, 1), (64, 128, 4, 2, 1), (64, 256, 8, 2, 1), (128, 128, 4, 2, 1), (128, 256, 8, 2, 1))
@@ -55,8 +55,8 @@ def main():
                     triton_cta.USE_MMA = cfg is not None
                     if cfg is not None:
                         triton_cta._STREAM_TUNE[("bwd_mma", causal, steps)] = cfg
-                    ms = do_bench(lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps,
-                                                                 causal, need_db=False), rep=10, return_mode="median")
+                    ms = do_bench(diffusion_launch("bwd", x, alpha, grad, steps, causal), rep=10,
+                                  return_mode="median")
                     times.setdefault(cfg, []).append(ms / copy_ms)
             row = dict(shape=list(shape), steps=steps, causal=causal, registers=statistics.median(times[None]),
                        mma={str(cfg): statistics.median(times[cfg]) for cfg in CONFIGS})

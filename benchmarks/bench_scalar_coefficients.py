@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from results_io import on_gpu, write_results  # noqa: E402  (beside this script)
+from results_io import diffusion_launch, on_gpu, write_results  # noqa: E402  (beside this script)
 
 
 def expanded(c, like):
@@ -95,12 +95,8 @@ def main():
                 try:
                     for steps in steps_list:
                         for causal in (False, True):
-                            fwd = do_bench(lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion",
-                                                                          steps, causal, False),
-                                           rep=args.rep_ms, return_mode="median")
-                            bwd = do_bench(lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None,
-                                                                          "diffusion", steps, causal, need_db=False),
-                                           rep=args.rep_ms, return_mode="median")
+                            fwd, bwd = (do_bench(diffusion_launch(kind, x, alpha, grad, steps, causal),
+                                                 rep=args.rep_ms, return_mode="median") for kind in ("fwd", "bwd"))
                             timings.setdefault((name, steps, causal), []).append((fwd, bwd))
                 finally:
                     setattr(triton_cta, attribute, saved)

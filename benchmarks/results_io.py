@@ -1,6 +1,6 @@
-"""What the paired kernel benchmarks share: the check that a GPU is there (kernels compiled, not interpreted), and
-the result file ``<out>/<stem>_<gpu>.json`` with the rows and a ``meta`` block that says where they came from (GPU,
-torch and triton versions, the command that reproduces them)."""
+"""What the paired kernel benchmarks and the tuner share: the check that a GPU is there (kernels compiled, not
+interpreted), the kernel launch they time, and the result file ``<out>/<stem>_<gpu>.json`` with the rows and a
+``meta`` block that says where they came from (GPU, torch and triton versions, the command that reproduces them)."""
 
 import json
 import os
@@ -17,6 +17,17 @@ def on_gpu() -> bool:
         return False
     os.environ.pop("TRITON_INTERPRET", None)
     return True
+
+
+def diffusion_launch(kind: str, x, alpha, grad, steps: int, causal: bool):
+    """One streaming kernel launch as the benchmarks time it, a call without arguments: diffusion, no padding mask,
+    the forward (``kind`` 'fwd', no final state) or the backward ('bwd': the input and alpha gradients, no beta's, as
+    eager autograd runs it without a beta)."""
+    from cta import triton_cta
+
+    if kind == "fwd":
+        return lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps, causal, False)
+    return lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps, causal, need_db=False)
 
 
 def write_results(out_dir: str, stem: str, rows, **meta) -> str:

@@ -24,6 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from results_io import diffusion_launch  # noqa: E402  (beside this script)
+
 TIMING_COLUMNS = ["kind", "causal", "steps", "T", "BLOCK_C", "num_warps", "D", "U", "x_copy"]  # one row per timing
 
 
@@ -42,9 +44,7 @@ def _runner(key, cfg, x, alpha, grad, mma=False):
         triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = cfg
     else:
         triton_cta._STREAM_TUNE[key] = cfg
-    if kind == "fwd":
-        return lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps, causal, False)
-    return lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps, causal)
+    return diffusion_launch(kind, x, alpha, grad, steps, causal)
 
 
 def _inputs(shape, dtype, mma=False):

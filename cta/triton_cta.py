@@ -647,6 +647,11 @@ def _fir_apply(w, out, taps, n, win, causal, center):
 WALL_REFLECT, WALL_ZERO = "reflect", "zero"
 
 
+def _wall_kind(causal: bool, walls: bool):
+    """The extension a scheme's end programs read (None: an interior program, which reads rows as they are)."""
+    return (WALL_ZERO if causal else WALL_REFLECT) if walls else None
+
+
 def _wall_load(ptr, r, stride, wall, vector=False):
     """``tl.load`` of row ``r`` of a stream: as is (``wall`` None), or with the walls' extension (``WALL_REFLECT``,
     ``WALL_ZERO``; ``vector``: ``r`` is a column of rows, as in the MMA blocks)."""
@@ -662,7 +667,8 @@ def _wall_load(ptr, r, stride, wall, vector=False):
 def _fir_loop(w, unroll, walls=False):
     """Opens the filter's row loop (row ``t``); the caller closes it (``w.depth -= 1``). ``walls``: the program may
     run past the sequence end, and stops there."""
-    bound = "tl.minimum(L - start, T).to(tl.int32)" if walls else "T"  # (the walk's loop index is int32 too)
+    # (int32: the loop index must have one type in every branch of the kernel, and the walk's is int32)
+    bound = "tl.minimum(L - start, T).to(tl.int32)" if walls else "T"
     w(f"for j in tl.range(0, {bound}, loop_unroll_factor={unroll}):" if unroll > 1 else f"for j in range(0, {bound}):")
     w.depth += 1
     w("t = start + j")
@@ -691,7 +697,7 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False):
     c = "ab" if (causal and pde == "advection_diffusion") else "a"
     wide = S + 1 if causal else 2 * S + 1
     lead = 0 if causal else S  # newest window row - output row
-    wall = (WALL_ZERO if causal else WALL_REFLECT) if walls else None
+    wall = _wall_kind(causal, walls)
     _fir_taps(w, "tap", causal, S, c)
     for i in range(wide - 1):
         w(f"xw{i} = {_wall_load('xrow', f'start + {lead - wide + 1 + i}', 'sxl', wall)}.to(tl.float32)")
@@ -712,7 +718,7 @@ def _fir_backward(w, causal, S, D, unroll, walls=False):
     causal adjoint), the input gradient is ``M^T u = u + a L^T u`` and the coefficient's factor ``L^T u``, paired
     with x at the output row. ``u`` is kept at rows t-1, t, t+1 (causal: t, t+1). ``walls``: see
     ``_fir_interior`` (x is only read at output rows, so it needs no extension, only rows that exist)."""
-    wall = (WALL_ZERO if causal else WALL_REFLECT) if walls else None
+    wall = _wall_kind(causal, walls)
     x_wall = WALL_REFLECT if walls else None  # the prefetch's rows past the end: any row of the sequence
     k = S - 1
     width = k + 1 if causal else 2 * k + 1  # g rows of one u row
@@ -854,7 +860,7 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0, walls=False):
     assert 1 <= S <= MMA_MAX_STEPS
     c = "ab" if (kind == "fwd" and causal and pde == "advection_diffusion") else "a"
     half = MMA_BLOCK // 2
-    wall = (WALL_ZERO if causal else WALL_REFLECT) if walls else None
+    wall = _wall_kind(causal, walls)
     store_mask = ", mask=t0 + mi < L" if walls else ""
     w(f"mi = tl.arange(0, {MMA_BLOCK})[:, None]")
     w(f"mj = tl.arange(0, {MMA_BLOCK})[None, :]")
@@ -979,10 +985,11 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     # unroll factor; 0: the walk's interior copy).
     fir = edge = None
     linear = kind == "bwd" or _is_linear(pde, causal, has_init=False)
-    if interior_path and ((mma and not a_vec and not b_vec) or fir_unroll > 0) and linear:
+    tensor_cores = bool(mma) and not a_vec and not b_vec
+    if interior_path and (tensor_cores or fir_unroll > 0) and linear:
         fir, edge = _Src(), _Src()
         fir.depth = edge.depth = 2
-        if mma and not a_vec and not b_vec:
+        if tensor_cores:
             fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1)
             if walls:
                 _mma_interior(edge, kind, pde, causal, S, ahead=mma - 1, walls=True)
@@ -1315,7 +1322,7 @@ _STREAM_DEFAULTS = {
 # 2.28x and 2.38 / 2.40 / 2.38x; at 6 steps the registers win (1.89 / 1.88 / 1.93x against 1.97 / 1.90 / 2.16x).
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
 MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
-# (T, BLOCK_C, num_warps, D, A) of its programs (D: the boundary tiles' walk; A: input blocks loaded ahead, see
+# (T, BLOCK_C, num_warps, D, A) of its programs (D: the prefetch depth of any walk in the kernel; A: input blocks loaded ahead, see
 # ``_mma_blocks``), T a multiple of MMA_BLOCK. Forward: the best of `tune_stream.py --mma` at 4 and 8 steps on
 # 1x16384x4096 (stream_tuning_mma_ahead_*.json). Backward: 128 x 128 with 4 warps, the best of the five
 # configurations of bench_mma_backward_shapes.py on each of the three large shapes at 7 and 8 steps (before the end

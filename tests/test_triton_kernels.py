@@ -170,6 +170,17 @@ def test_parity_sampled(case):
 
 
 @pytest.fixture
+def launched_kernels(monkeypatch):
+    """The keys of the streaming kernels built or looked up, in launch order (``triton_cta._gen_kernel``)."""
+    from cta import triton_cta
+
+    launched = []
+    build = triton_cta._gen_kernel
+    monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key) or build(key))
+    return launched
+
+
+@pytest.fixture
 def small_stream_tiles():
     """Forces short tiles (T=8 rows, 8 channels, prefetch 3) on the streaming kernels, so that short sequences cross
     several tile boundaries (warm-up rows, the coefficient-gradient partial sums of each tile, the last partial tile,
@@ -225,7 +236,7 @@ def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps,
     """Whole channel blocks and no padding: the tiles away from both ends run the mask-free interior copy of the
     loop, or for the linear schemes the banded filter (the paths large inputs mostly take on a GPU); outputs and all
     gradients vs the reference. The coefficient gradient also checks that the filter's per-tile partial sums use the
-    walk's split (the boundary tiles still walk)."""
+    walk's split (the end programs filter too, on the walls' extension, or walk with ``USE_FIR`` off)."""
     from cta import triton_cta
 
     linear = _is_linear(pde, causal, False)
@@ -300,17 +311,15 @@ def test_stream_walls_filter_runs(monkeypatch, causal):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) != use_walls, name
 
 
-def check_mma_parity(monkeypatch, dtype, pde, causal, steps, shape, seed=0):
+def check_mma_parity(monkeypatch, launched, dtype, pde, causal, steps, shape, seed=0):
     """The tensor-core filter (interior tiles of a 16-bit input with a scalar coefficient) against the fp64
     reference and against the register filter on the same input: outputs and input gradients within one rounding
     of the 16-bit result, the coefficient gradients to fp32 accuracy (the upstream gradient is 16-bit exact, so
-    the reference sees the kernels' inputs). Checks that the forward and backward launches took the path asked for."""
+    the reference sees the kernels' inputs). Checks that the forward and backward launches took the path asked for
+    (``launched``: the ``launched_kernels`` fixture)."""
     from cta import triton_cta
 
     monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
-    launched = []
-    build = triton_cta._gen_kernel
-    monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key[12]) or build(key))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
     alpha = (0.02 + 0.2 * torch.rand((), generator=gen)).to(DEVICE)
@@ -322,7 +331,7 @@ def check_mma_parity(monkeypatch, dtype, pde, causal, steps, shape, seed=0):
         monkeypatch.setattr(triton_cta, "USE_MMA", use_mma)
         launched.clear()
         runs[use_mma] = _run(pde_refine_triton, x, alpha, beta, grad_out, **kwargs)
-        assert [bool(mma) for mma in launched] == [use_mma, use_mma]  # forward and backward kernels
+        assert [bool(key[12]) for key in launched] == [use_mma, use_mma]  # forward and backward kernels (mma)
     ref = _run(pde_refine_reference, x.double(), alpha.double(), beta.double() if beta is not None else None,
                grad_out.double(), **kwargs)
     one_rounding = dict(rtol=2 ** -7, atol=2 ** -7) if dtype == torch.bfloat16 else dict(rtol=2 ** -10, atol=2 ** -10)
@@ -354,10 +363,11 @@ def _mma_cases():
 
 @needs_kernels
 @pytest.mark.parametrize("dtype,pde,causal,steps,ahead", _mma_cases())
-def test_mma_interior_path(monkeypatch, dtype, pde, causal, steps, ahead):
+def test_mma_interior_path(monkeypatch, launched_kernels, dtype, pde, causal, steps, ahead):
     """Interior tiles on tensor cores (16-row MMA tiles, two input blocks each, filter matrices split into two 16-bit
     parts) vs the fp64 reference and the register filter, with short programs so that a 137-row sequence has
-    boundary tiles that walk at both ends and MMA programs between them: three programs of two tiles, or with two
+    end programs (on the walls' extension, the last one partial) and MMA programs between them: three programs of
+    two tiles, or with two
     blocks loaded ahead one of four tiles (0-2 blocks ahead: the unrolled forward loop and the backward's loop),
     and two channel blocks. The interpreter's bf16 ``tl.dot`` is broken, so there the same 16-bit operands are
     multiplied in fp32 (exact); the GPU test below runs the MMA instructions."""
@@ -371,11 +381,11 @@ def test_mma_interior_path(monkeypatch, dtype, pde, causal, steps, ahead):
         src = triton_cta._stream_source("k", kind, pde, causal, steps, 2, False, False, False, False, False, True, 1,
                                         1 + ahead)
         assert "tl.dot(" in src and "interior" in src
-    check_mma_parity(monkeypatch, dtype, pde, causal, steps, (2, 137, 32), seed=steps)
+    check_mma_parity(monkeypatch, launched_kernels, dtype, pde, causal, steps, (2, 137, 32), seed=steps)
 
 
 @needs_kernels
-def test_mma_walls_final_state(monkeypatch):
+def test_mma_walls_final_state(monkeypatch, launched_kernels):
     """A causal prefill that returns its final state (what a patched decoder caches) on the tensor-core filter: the
     first program filters its end (zeros before the first row), the last one walks and writes the state; output and
     state vs the fp64 reference, to one fp16 rounding."""
@@ -383,15 +393,12 @@ def test_mma_walls_final_state(monkeypatch):
 
     monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
     monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {("fwd_mma", True, 3): (32, 16, 1, 2, 1)})
-    launched = []
-    build = triton_cta._gen_kernel
-    monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key) or build(key))
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 137, 32, generator=gen).to(DEVICE, torch.float16)
     kwargs = dict(pde_type="diffusion", steps=3, alpha=0.15, causal=True, return_final_state=True)
     out, state = pde_refine_triton(x, **kwargs)
     ref, ref_state = pde_refine_reference(x.double(), **kwargs)
-    assert [(key[12], key[13]) for key in launched] == [(2, 1)]  # the tensor-core filter, ends filtered and walked
+    assert [(key[12], key[13]) for key in launched_kernels] == [(2, 1)]  # the tensor-core filter, ends filtered and walked
     torch.testing.assert_close(out.double(), ref, rtol=2 ** -10, atol=2 ** -10)
     torch.testing.assert_close(state.double(), ref_state, rtol=1e-5, atol=1e-5)
 
@@ -437,9 +444,9 @@ def test_parity_half_precision_gpu(dtype, pde, causal):
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("pde,causal", [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)])
 @pytest.mark.parametrize("steps", range(1, 9))
-def test_mma_interior_gpu(monkeypatch, dtype, pde, causal, steps):
+def test_mma_interior_gpu(monkeypatch, launched_kernels, dtype, pde, causal, steps):
     """The tensor-core filter at every step count it takes, with its default programs, on a GPU (MMA instructions)."""
-    check_mma_parity(monkeypatch, dtype, pde, causal, steps, (2, 1037, 256), seed=steps)
+    check_mma_parity(monkeypatch, launched_kernels, dtype, pde, causal, steps, (2, 1037, 256), seed=steps)
 
 @gpu
 @pytest.mark.gpu
