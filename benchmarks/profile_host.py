@@ -92,6 +92,59 @@ def site_costs(model, ids, args):
               f"{per_site:6.1f} us per site and token", flush=True)
 
 
+def site_timer(model, ids, args):
+    """In-situ host time of a patched decode step's pieces: the patched layer as a whole (``CTAPatchWrapper``), the
+    wrapped layer inside it, and the prepared PDE step (``_DecodePlan``), timed around each call while decoding
+    (one-token calls only), against the unpatched layer timed the same way. Prints microseconds per call."""
+    import cta.patching_cta as patching
+    import cta.pde_cta as pde_cta
+
+    totals = {}
+
+    def timed(name, fn):
+        def run(*a, **k):
+            hidden = next((v for v in (*a, *k.values()) if torch.is_tensor(v) and v.dim() == 3), None)
+            if hidden is None or hidden.shape[1] != 1:
+                return fn(*a, **k)
+            start = time.perf_counter_ns()
+            out = fn(*a, **k)
+            total = totals.setdefault(name, [0, 0])
+            total[0] += time.perf_counter_ns() - start
+            total[1] += 1
+            return out
+
+        return run
+
+    def layers():
+        return model.model.layers
+
+    results = {}
+    for variant in ("unpatched", "patched"):
+        if variant == "patched":
+            cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+        elif patching.is_patched(model):
+            cta.unpatch_model(model)
+        saved = patching.CTAPatchWrapper.forward, pde_cta._DecodePlan.__call__
+        inner = [layer._modules["wrapped"] if variant == "patched" else layer for layer in layers()]
+        try:
+            patching.CTAPatchWrapper.forward = timed("patched layer (wrapper)", saved[0])
+            pde_cta._DecodePlan.__call__ = timed("prepared PDE step", saved[1])
+            for layer in inner:
+                layer.forward = timed("decoder layer", layer.forward)
+            decode(model, ids, 4, args.mask)
+            totals.clear()
+            per_token = per_token_us(model, ids, args.tokens, args.device, args.mask)
+            results[variant] = (per_token, {k: v[0] / v[1] / 1e3 for k, v in totals.items()})
+        finally:
+            patching.CTAPatchWrapper.forward, pde_cta._DecodePlan.__call__ = saved
+            for layer in inner:
+                layer.__dict__.pop("forward", None)
+    print(f"in-situ host time while decoding ({args.layers} layers x {args.hidden}, "
+          f"{'all-ones attention mask' if args.mask else 'no attention mask'}), us per call:")
+    for variant, (per_token, parts) in results.items():
+        print(f"  {variant:10s} {per_token:8.0f} us/token; " + "; ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+
+
 def per_call_us(fn, device, n=2000):
     """Host microseconds per call: median of 5 rounds of ``n`` calls queued back to back, one sync per round."""
     import statistics
@@ -247,6 +300,8 @@ def main():
     parser.add_argument("--refine", action="store_true",
                         help="host time per call of each layer of pde_refine's eager training path (Triton)")
     parser.add_argument("--causal", action="store_true", help="--refine: the causal scheme (default bidirectional)")
+    parser.add_argument("--site-timer", action="store_true",
+                        help="also time the patched layer, its wrapped layer and the PDE step in situ while decoding")
     parser.add_argument("--bench-shape", default="1x4096x4096",
                         help="--refine: shape of the do_bench forward+backward, generic vs direct launch")
     args = parser.parse_args()
@@ -261,6 +316,8 @@ def main():
     model = llama_model(args.layers, args.hidden, intermediate, 32000, torch.device(args.device), dtype)
     ids = torch.randint(0, 32000, (1, 512), device=args.device)
     site_costs(model, ids, args)
+    if args.site_timer:
+        site_timer(model, ids, args)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if args.device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
