@@ -1,6 +1,6 @@
 """Where the host time of eager calls goes: decode steps, and the kernels' training path.
 
-    python benchmarks/profile_host.py [--layers 8] [--hidden 4096] [--tokens 48] [--rounds 7] [--mask]
+    python benchmarks/profile_host.py [--layers 8] [--hidden 4096] [--tokens 48] [--rounds 7] [--mask] [--site-timer]
     python benchmarks/profile_host.py --micro      # host time per call of each layer of the decode path
     python benchmarks/profile_host.py --refine     # host time per call of each layer of pde_refine's training path
 
@@ -8,7 +8,8 @@ The default mode splits the cost of a patched decode step (batch 1, greedy, thro
 round times the model unpatched, patched, patched without the prepared decode step (``_DecodePlan``: every step
 through ``PDERefinement``'s general fast path), and patched with pass-through wrappers (the wrappers alone, no PDE),
 in alternating order; it reports the median over rounds of each variant's overhead and of its extra microseconds per
-PDE site and token, then a torch.profiler table of the patched model. ``--mask`` passes an all-ones attention mask
+PDE site and token (``--site-timer``: then the host time of the patched layer, the layer inside it and the prepared
+PDE step, timed around each call while decoding), then a torch.profiler table of the patched model. ``--mask`` passes an all-ones attention mask
 with every step, as ``generate()`` does. A batch-1 decode step of an eager transformers model is bound by host time
 (Python and launches), and so is a forward+backward of a few thousand tokens; ``--micro`` and ``--refine`` time each
 layer of those paths by itself: calls queued back to back on a tensor small enough that the GPU never waits, one
