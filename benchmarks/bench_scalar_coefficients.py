@@ -12,6 +12,10 @@ scalar coefficient) against the register filter (``CTA_MMA=0``), each with its o
 default) against walking (``CTA_WALLS=0``), each with the default filters (``--per-channel``: one coefficient per
 channel, the register filter, instead of the scalar).
 
+``--compare one-copy``: forwards whose every program runs one copy of the filter on the walls' extension
+(``WALLS_ONE_COPY``, every entry) against none (interior and end programs in two branches, or ends walking where
+``_walls_mode`` says so); ``--per-channel`` as above.
+
 The variants alternate within each round and every timing is a median of ``triton.testing.do_bench``; the table
 gives the median over rounds as a multiple of ``y.copy_(x)`` (timed in every round too), so host or clock drift
 between variants cancels.
@@ -20,9 +24,10 @@ between variants cancels.
     python benchmarks/bench_scalar_coefficients.py --rounds 5 --shape 8x4096x4096
     python benchmarks/bench_scalar_coefficients.py --compare mma
     python benchmarks/bench_scalar_coefficients.py --compare walls --shape 1x4096x4096,8x4096x4096 --rounds 3
+    python benchmarks/bench_scalar_coefficients.py --compare one-copy --shape 1x16384x4096,8x4096x4096,1x65536x512
 
 Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>.json``, ``walls_filter_<gpu>.json``,
-``walls_filter_per_channel_<gpu>.json``) and prints the table.
+``walls_filter_per_channel_<gpu>.json``, ``walls_one_copy[_per_channel]_<gpu>.json``) and prints the table.
 """
 
 import argparse
@@ -46,12 +51,12 @@ def expanded(c, like):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", default="coefficients", choices=("coefficients", "mma", "walls"),
+    parser.add_argument("--compare", default="coefficients", choices=("coefficients", "mma", "walls", "one-copy"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
     parser.add_argument("--per-channel", action="store_true",
-                        help="--compare walls: one coefficient per channel instead of a scalar")
+                        help="--compare walls, one-copy: one coefficient per channel instead of a scalar")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=15.0, help="do_bench repetition budget per timing")
@@ -75,15 +80,19 @@ def main():
         every_step = {key: 1 for key in triton_cta.MMA_MIN_STEPS}  # both filters at every step count
         variants = {"mma": ("MMA_MIN_STEPS", every_step), "registers": ("USE_MMA", False)}
         stem = "mma_filter"
-    else:
+    elif args.compare == "walls":
         variants = {"walls": ("USE_WALLS", True), "walk": ("USE_WALLS", False)}
         stem = "walls_filter" + ("_per_channel" if args.per_channel else "")
+    else:
+        every = {(causal, mma) for causal in (False, True) for mma in (False, True)}
+        variants = {"one_copy": ("WALLS_ONE_COPY", every), "branches": ("WALLS_ONE_COPY", set())}
+        stem = "walls_one_copy" + ("_per_channel" if args.per_channel else "")
     first, second = variants
     rows, copies_ms = [], []
     for shape in shapes:
         x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
         grad = torch.randn_like(x)
-        per_channel = args.per_channel and args.compare == "walls"
+        per_channel = args.per_channel and args.compare in ("walls", "one-copy")
         alpha = torch.full((shape[-1],) if per_channel else (), 0.2, device="cuda")
         y = torch.empty_like(x)
         timings, copies = {}, []

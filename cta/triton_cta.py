@@ -666,9 +666,9 @@ def _wall_load(ptr, r, stride, wall, vector=False):
 
 def _fir_loop(w, unroll, walls=False):
     """Opens the filter's row loop (row ``t``); the caller closes it (``w.depth -= 1``). ``walls``: the program may
-    run past the sequence end, and stops there."""
+    run past the sequence end, and stops there ('static': it runs all ``T`` rows, and the caller masks the stores)."""
     # (int32: the loop index must have one type in every branch of the kernel, and the walk's is int32)
-    bound = "tl.minimum(L - start, T).to(tl.int32)" if walls else "T"
+    bound = "tl.minimum(L - start, T).to(tl.int32)" if walls is True else "T"
     w(f"for j in tl.range(0, {bound}, loop_unroll_factor={unroll}):" if unroll > 1 else f"for j in range(0, {bound}):")
     w.depth += 1
     w("t = start + j")
@@ -691,8 +691,11 @@ def _fir_prefetch(w, pre, row, stride, lead, D, wall=None):
 def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False):
     """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
     condition under which a program may take it (every row it reads lies inside the sequence). ``walls``: the same
-    filter for programs at the sequence ends (rows beyond them read as the walls' extension, see ``_wall_load``)."""
+    filter for programs at the sequence ends (rows beyond them read as the walls' extension, see ``_wall_load``);
+    'static' (the forward only): a loop over all ``T`` rows whatever the program, with the stores past the end
+    masked (the one copy of a kernel whose every program filters: see ``WALLS_ONE_COPY``)."""
     if kind == "bwd":
+        assert walls != "static"
         return _fir_backward(w, causal, S, D, unroll, walls)
     c = "ab" if (causal and pde == "advection_diffusion") else "a"
     wide = S + 1 if causal else 2 * S + 1
@@ -705,7 +708,7 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False):
     _fir_loop(w, unroll, walls)
     _fir_next_row(w, "x", "xrow", "sxl", lead, D, f"xw{wide - 1}", wall)
     _fir_apply(w, "yv", "tap", S, "xw", causal, S)
-    w("tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty))")
+    w(f"tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty){', mask=' + _rows('t') + ' < L' if walls == 'static' else ''})")
     for i in range(wide - 1):
         w(f"xw{i} = xw{i + 1}")
     w.depth -= 1
@@ -911,7 +914,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     sequence ends run the same filter, reading the walls as an extension of the input (``_wall_load``), and walk
     only where that does not apply (the programs a causal initial or final state reaches; a bidirectional
     sequence shorter than ``S``, which ``_walls_mode`` sends to 0); 2, the launch has none of those, and the kernel
-    no walk."""
+    no walk; 3, as 2 with one copy of the filter, which every program runs (no interior branch: ``WALLS_ONE_COPY``)."""
     w = _Src()
     if kind == "fwd":
         head = f"def {name}(X, Y, M, A, Bc, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):"
@@ -989,7 +992,13 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     if interior_path and (tensor_cores or fir_unroll > 0) and linear:
         fir, edge = _Src(), _Src()
         fir.depth = edge.depth = 2
-        if tensor_cores:
+        if walls == 3:  # one copy of the filter, on the walls' extension, that every program runs
+            fir.depth = 1
+            if tensor_cores:
+                _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1, walls=True)
+            else:
+                _fir_interior(fir, kind, pde, causal, S, D, fir_unroll, walls="static")
+        elif tensor_cores:
             fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1)
             if walls:
                 _mma_interior(edge, kind, pde, causal, S, ahead=mma - 1, walls=True)
@@ -1013,7 +1022,9 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
             continue
         seen.add(v)
         w(f"{v} = fz")
-    if fir is not None:
+    if fir is not None and walls == 3:
+        w.lines += fir.lines
+    elif fir is not None:
         w(f"interior = {fir_condition}")
         w("if interior:")
         w.lines += fir.lines
@@ -1029,7 +1040,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("if interior:")
         w("    for j in range(0, n_it):")
         w.lines += inner.lines
-    if interior_path and not (fir is not None and walls == 2):
+    if interior_path and not (fir is not None and walls >= 2):
         w("else:")
         w("    for j in range(0, n_it):")
         w.lines += general.lines
@@ -1415,11 +1426,24 @@ def _stream_plan(x, kind, steps, causal, a_vec, b_vec, has_mask, linear):
 
 
 WALLS_MAX_STEPS_PER_CHANNEL = 4
+# Forward launches where every program, interior or not, runs one copy of the filter on the walls' extension
+# (``_walls_mode`` 3: no interior branch; the register filter loops over all T rows and masks the stores past the
+# end), keyed (causal, tensor cores). An H200 probe that dropped the end programs' branch altogether (wrong at the
+# ends, timing only, not kept) ran the bidirectional forwards several percent faster: the branch costs the interior
+# programs. One copy with the walls' loads everywhere pays for those loads instead; paired on the three large shapes
+# (``bench_scalar_coefficients.py --compare one-copy [--per-channel]``, results/walls_one_copy*_NVIDIA_H200.json)
+# it wins for the bidirectional tensor-core forward at 8 steps (1.110 / 1.101 / 1.135x copy against 1.145 / 1.153
+# / 1.157x on 1x16384x4096 / 8x4096x4096 / 1x65536x512) and ties at 4 (1.118 / 1.107 / 1.145 against 1.120 /
+# 1.110 / 1.131); the causal one ties (1.03-1.05x both); the register filter loses bidirectionally (per channel,
+# 8 steps: 1.97-2.18 against 1.55-1.60x; 2 steps scalar: 1.04-1.09 against 1.02-1.03x) and ties causally.
+WALLS_ONE_COPY = {(False, True)}
 
 
-def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final: bool, per_channel: bool) -> int:
+def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final: bool, per_channel: bool,
+                one_copy: bool = False) -> int:
     """How the programs at the sequence ends run (``_stream_source``'s ``walls``): 0 walk, 1 filter where the walls'
-    extension applies and walk elsewhere, 2 filter (it applies to every program).
+    extension applies and walk elsewhere, 2 filter (it applies to every program), 3 as 2 with one copy of the filter
+    that every program runs (``one_copy``, a forward in ``WALLS_ONE_COPY``).
 
     Paired on an H200 (``bench_scalar_coefficients.py --compare walls``, results/walls_filter*_NVIDIA_H200.json,
     8x4096x4096 and 1x16384x4096): with a scalar coefficient the kernels are faster or at most 3.3% slower at
@@ -1427,13 +1451,13 @@ def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final:
     With one per channel, up to 4 steps likewise, but at 8 steps the second copy of the filter (its per-channel taps
     and window) made the interior programs 4-10% slower, so per-channel launches above
     ``WALLS_MAX_STEPS_PER_CHANNEL`` steps walk (5-7 steps were not measured)."""
-    if not USE_WALLS or (per_channel and steps > WALLS_MAX_STEPS_PER_CHANNEL):
+    if not USE_WALLS or (per_channel and steps > WALLS_MAX_STEPS_PER_CHANNEL and not one_copy):
         return 0
     if not causal and seq < steps:  # one reflection covers S rows: no program of this launch can filter its ends
         return 0
     if has_init or (causal and write_final):  # the programs the state reaches walk, the others filter
         return 1
-    return 2
+    return 3 if one_copy else 2
 
 
 def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final):
@@ -1446,9 +1470,11 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
                                                      _is_linear(pde, causal, has_init))
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
+    one_copy = (bool(causal), mma > 0) in WALLS_ONE_COPY
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma,
-                          _walls_mode(seq, steps, causal, has_init and bool(causal), write_final, a_vec or b_vec)))
+                          _walls_mode(seq, steps, causal, has_init and bool(causal), write_final, a_vec or b_vec,
+                                      one_copy)))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
             (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)

@@ -288,6 +288,37 @@ def test_stream_walls_filter(monkeypatch, pde, causal, steps, seq):
 
 
 @needs_kernels
+@pytest.mark.parametrize("pde,causal,steps,seq", _walls_cases())
+def test_stream_walls_one_copy(monkeypatch, launched_kernels, pde, causal, steps, seq):
+    """Forwards whose every program runs one copy of the filter on the walls' extension (``WALLS_ONE_COPY``, here
+    every entry: the register filter's loop over all rows with masked stores, and the tensor-core filter): outputs
+    and gradients vs the reference, per-channel and scalar, fp32 and fp16 (tensor cores where the program fits),
+    with 16- and 32-row programs; the forward kernel has that one copy and no walk, except for bidirectional
+    sequences shorter than the steps, which walk."""
+    from cta import triton_cta
+
+    monkeypatch.setattr(triton_cta, "WALLS_ONE_COPY", {(c, m) for c in (False, True) for m in (False, True)})
+    monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
+    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
+    for kind in ("fwd", "bwd"):
+        triton_cta._STREAM_TUNE[(kind, causal, steps)] = (16, 16, 1, 3, 2)
+        triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = (32, 16, 1, 2, 1)
+    for mma in (0, 2):
+        src = triton_cta._stream_source("k", "fwd", pde, causal, steps, 3, False, False, False, False, False, True,
+                                        2, mma, 3)
+        assert "if interior:" not in src and "for j in range(0, n_it)" not in src  # one copy, no walk
+        assert ("other=0.0)" if causal else "2 * L - 1 -") in src  # the walls' extension
+    want = 0 if (not causal and seq < steps) else 3
+    for dtype, per_channel in ((torch.float32, True), (torch.float32, False), (torch.float16, False)):
+        launched_kernels.clear()
+        check_parity(pde, causal, seq, 32, steps, "none", per_channel, batch=2, dtype=dtype, seed=steps)
+        forward = launched_kernels[0]
+        assert forward[0] == "fwd" and forward[13] == want
+        if dtype == torch.float16 and seq > 32:  # two channel blocks, programs of two MMA tiles
+            assert forward[12] > 0
+
+
+@needs_kernels
 @pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
 def test_stream_walls_filter_runs(monkeypatch, causal):
     """The end programs take the filter, not the walk: with the walls' extension replaced by repeating the end rows
