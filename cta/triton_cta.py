@@ -1330,19 +1330,26 @@ _STREAM_DEFAULTS = {
 # programs come from the three large shapes (bench_mma_backward_shapes.py --steps 6,7,8 --modes bidi,
 # mma_backward_shapes_*.json): with 128-row programs the MMA backward is 1.96 / 1.91 / 2.14x copy at 7 steps and
 # 1.97 / 1.90 / 2.14x at 8 on 1x16384x4096 / 8x4096x4096 / 1x65536x512, against the register filter's 2.26 / 2.30 /
-# 2.28x and 2.38 / 2.40 / 2.38x; at 6 steps the registers win (1.89 / 1.88 / 1.93x against 1.97 / 1.90 / 2.16x).
+# 2.28x and 2.38 / 2.40 / 2.38x; at 6 steps the registers win (1.89 / 1.88 / 1.93x against 1.97 / 1.90 / 2.16x)
+# (the backward's programs were re-tuned since, see ``_MMA_DEFAULTS``: the 7-step threshold was not re-measured with
+# them).
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
 MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
 # (T, BLOCK_C, num_warps, D, A) of its programs (D: the prefetch depth of any walk in the kernel; A: input blocks loaded ahead, see
-# ``_mma_blocks``), T a multiple of MMA_BLOCK. Forward: the best of `tune_stream.py --mma` at 4 and 8 steps on
-# 1x16384x4096 (stream_tuning_mma_ahead_*.json). Backward: 128 x 128 with 4 warps, the best of the five
-# configurations of bench_mma_backward_shapes.py on each of the three large shapes at 7 and 8 steps (before the end
-# programs filtered, their walk over 128 rows made it lose on two of them). The causal entry is the same (off by
-# default).
+# ``_mma_blocks``), T a multiple of MMA_BLOCK. Bidirectional: the best on all three large shapes of one grid at 8
+# steps, since the forward runs one copy (`tune_stream.py --mma --kernels fwd,bwd --modes bidi --steps 8 --shape S
+# --t-values 32,64,128,256 --blocks 64:2,64:4,128:2,128:4,256:4 --d-values 2 --unroll-values 0,1,2`,
+# stream_tuning_mma_{1x16384x4096,8x4096x4096,narrow}_*.json, the last one 1x65536x512): forward 32 x 256, 4 warps,
+# two blocks ahead, 1.046 / 1.037 / 1.079x copy on 1x16384x4096 / 8x4096x4096 / 1x65536x512 against 1.097 / 1.086
+# / 1.177x for the entry before (none ahead); backward 256 x 128 with 2 warps (a warp count the earlier grids left
+# out), 1.751 / 1.728 / 1.881x against 1.982 / 1.904 / 2.217x for 128 x 128 with 4 warps. They apply at every step
+# count the filter takes, measured at 8 only. Causal forward: the best of `tune_stream.py --mma` at 4 and 8 steps on
+# 1x16384x4096 (stream_tuning_mma_ahead_*.json); the causal backward (off by default) keeps the bidirectional
+# backward's entry before.
 # ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be left out, then 0).
 _MMA_DEFAULTS = {
-    ("fwd", False): (32, 256, 4, 2, 0), ("fwd", True): (32, 128, 4, 2, 1),
-    ("bwd", False): (128, 128, 4, 2, 1), ("bwd", True): (128, 128, 4, 2, 1),
+    ("fwd", False): (32, 256, 4, 2, 2), ("fwd", True): (32, 128, 4, 2, 1),
+    ("bwd", False): (256, 128, 2, 2, 1), ("bwd", True): (128, 128, 4, 2, 1),
 }
 
 
