@@ -211,6 +211,8 @@ def main():
 
 
 def _write_all(args, gpu, compile_cells, rows, t_start):
+    from cta import triton_cta
+
     os.makedirs(args.out, exist_ok=True)
     suffix = ("_quick" if args.quick else "") + ("_scalar" if args.coefficients == "scalar" else "")
     base = os.path.join(args.out, f"kernels_{gpu}{suffix}")
@@ -218,9 +220,10 @@ def _write_all(args, gpu, compile_cells, rows, t_start):
                 dtype=args.dtype, coefficients=args.coefficients,
                 compile_cells="all" if compile_cells is None else sorted(compile_cells),
                 stream_configs_tuned_in_this_run={f"{k[0]} causal={k[1]} steps={k[2]}": list(v) for k, v in
-                                                  sorted(__import__("cta.triton_cta").triton_cta._STREAM_TUNE.items())},
-                kernel_switches={name: getattr(__import__("cta.triton_cta").triton_cta, name)
+                                                  sorted(triton_cta._STREAM_TUNE.items())},
+                kernel_switches={name: getattr(triton_cta, name)
                                  for name in ("USE_FIR", "USE_MMA", "USE_WALLS", "DIRECT_LAUNCH")},
+                walls_one_copy=sorted(map(list, triton_cta.WALLS_ONE_COPY)),
                 command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
                 note="medians of triton.testing.do_bench; *_graph = the call captured as a CUDA graph and replayed "
                      "(GPU time, no host time); *_x_copy = time / y.copy_(x) time of the same tensor; "

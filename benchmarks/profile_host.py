@@ -9,8 +9,8 @@ round times the model unpatched, patched, patched without the prepared decode st
 through ``PDERefinement``'s general fast path), and patched with pass-through wrappers (the wrappers alone, no PDE),
 in alternating order; it reports the median over rounds of each variant's overhead and of its extra microseconds per
 PDE site and token (``--site-timer``: then the host time of the patched layer, the layer inside it and the prepared
-PDE step, timed around each call while decoding), then a torch.profiler table of the patched model. ``--mask`` passes an all-ones attention mask
-with every step, as ``generate()`` does. A batch-1 decode step of an eager transformers model is bound by host time
+PDE step, timed around each call while decoding), then a torch.profiler table of the patched model. ``--mask``
+passes an all-ones attention mask with every step, as ``generate()`` does. A batch-1 decode step of an eager transformers model is bound by host time
 (Python and launches), and so is a forward+backward of a few thousand tokens; ``--micro`` and ``--refine`` time each
 layer of those paths by itself: calls queued back to back on a tensor small enough that the GPU never waits, one
 synchronisation at the end. ``--refine`` then measures, in the same run, what that host time does to
@@ -116,9 +116,6 @@ def site_timer(model, ids, args):
 
         return run
 
-    def layers():
-        return model.model.layers
-
     results = {}
     for variant in ("unpatched", "patched"):
         if variant == "patched":
@@ -126,7 +123,7 @@ def site_timer(model, ids, args):
         elif patching.is_patched(model):
             cta.unpatch_model(model)
         saved = patching.CTAPatchWrapper.forward, pde_cta._DecodePlan.__call__
-        inner = [layer._modules["wrapped"] if variant == "patched" else layer for layer in layers()]
+        inner = [layer._modules["wrapped"] if variant == "patched" else layer for layer in model.model.layers]
         try:
             patching.CTAPatchWrapper.forward = timed("patched layer (wrapper)", saved[0])
             pde_cta._DecodePlan.__call__ = timed("prepared PDE step", saved[1])

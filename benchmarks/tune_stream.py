@@ -108,7 +108,7 @@ def main():
     parser.add_argument("--modes", default="bidi,causal", help="which schemes to tune (comma list of bidi, causal)")
     parser.add_argument("--mma", action="store_true",
                         help="tune the tensor-core filter's programs instead (scalar coefficient, 16-bit input; "
-                             "T a multiple of 16; --unroll-values are then the input blocks loaded ahead, 0 or 1)")
+                             "T a multiple of 16; --unroll-values are then the input blocks loaded ahead, 0-2)")
     parser.add_argument("--shape", default="1x16384x4096")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", type=int, default=16, help="processes compiling the grid")

@@ -76,7 +76,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -708,7 +708,8 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False):
     _fir_loop(w, unroll, walls)
     _fir_next_row(w, "x", "xrow", "sxl", lead, D, f"xw{wide - 1}", wall)
     _fir_apply(w, "yv", "tap", S, "xw", causal, S)
-    w(f"tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty){', mask=' + _rows('t') + ' < L' if walls == 'static' else ''})")
+    past_end = f", mask={_rows('t')} < L" if walls == "static" else ""
+    w(f"tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty){past_end})")
     for i in range(wide - 1):
         w(f"xw{i} = xw{i + 1}")
     w.depth -= 1
