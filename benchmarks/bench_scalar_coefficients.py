@@ -16,6 +16,9 @@ channel, the register filter, instead of the scalar).
 (``WALLS_ONE_COPY``, every entry) against none (interior and end programs in two branches, or ends walking where
 ``_walls_mode`` says so); ``--per-channel`` as above.
 
+``--compare taps``: the banded filter's taps in closed form (``FIR_CLOSED_FORM_TAPS``, the default) against level
+by level; ``--per-channel`` as above (where every program computes them for each of its channels).
+
 The variants alternate within each round and every timing is a median of ``triton.testing.do_bench``; the table
 gives the median over rounds as a multiple of ``y.copy_(x)`` (timed in every round too), so host or clock drift
 between variants cancels.
@@ -25,9 +28,11 @@ between variants cancels.
     python benchmarks/bench_scalar_coefficients.py --compare mma
     python benchmarks/bench_scalar_coefficients.py --compare walls --shape 1x4096x4096,8x4096x4096 --rounds 3
     python benchmarks/bench_scalar_coefficients.py --compare one-copy --shape 1x16384x4096,8x4096x4096,1x65536x512
+    python benchmarks/bench_scalar_coefficients.py --compare taps --per-channel --shape 1x16384x4096,8x4096x4096
 
 Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>.json``, ``walls_filter_<gpu>.json``,
-``walls_filter_per_channel_<gpu>.json``, ``walls_one_copy[_per_channel]_<gpu>.json``) and prints the table.
+``walls_filter_per_channel_<gpu>.json``, ``walls_one_copy[_per_channel]_<gpu>.json``,
+``fir_taps[_per_channel]_<gpu>.json``) and prints the table.
 """
 
 import argparse
@@ -51,12 +56,12 @@ def expanded(c, like):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", default="coefficients", choices=("coefficients", "mma", "walls", "one-copy"),
+    parser.add_argument("--compare", default="coefficients", choices=("coefficients", "mma", "walls", "one-copy", "taps"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
     parser.add_argument("--per-channel", action="store_true",
-                        help="--compare walls, one-copy: one coefficient per channel instead of a scalar")
+                        help="--compare walls, one-copy, taps: one coefficient per channel instead of a scalar")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=15.0, help="do_bench repetition budget per timing")
@@ -83,6 +88,9 @@ def main():
     elif args.compare == "walls":
         variants = {"walls": ("USE_WALLS", True), "walk": ("USE_WALLS", False)}
         stem = "walls_filter" + ("_per_channel" if args.per_channel else "")
+    elif args.compare == "taps":
+        variants = {"closed_form": ("FIR_CLOSED_FORM_TAPS", True), "levels": ("FIR_CLOSED_FORM_TAPS", False)}
+        stem = "fir_taps" + ("_per_channel" if args.per_channel else "")
     else:
         every = {(causal, mma) for causal in (False, True) for mma in (False, True)}
         variants = {"one_copy": ("WALLS_ONE_COPY", every), "branches": ("WALLS_ONE_COPY", set())}
@@ -92,7 +100,7 @@ def main():
     for shape in shapes:
         x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
         grad = torch.randn_like(x)
-        per_channel = args.per_channel and args.compare in ("walls", "one-copy")
+        per_channel = args.per_channel and args.compare in ("walls", "one-copy", "taps")
         alpha = torch.full((shape[-1],) if per_channel else (), 0.2, device="cuda")
         y = torch.empty_like(x)
         timings, copies = {}, []

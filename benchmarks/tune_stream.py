@@ -29,10 +29,13 @@ from results_io import diffusion_launch  # noqa: E402  (beside this script)
 TIMING_COLUMNS = ["kind", "causal", "steps", "T", "BLOCK_C", "num_warps", "D", "U", "x_copy"]  # one row per timing
 
 
+FULL_UNROLL = -1  # "T" in --unroll-values: the unroll factor equal to T (the filter's loop unrolled whole)
+
+
 def _grid(steps_list, t_values, blocks, d_values, unroll_values, kernels=("fwd", "bwd"), modes=(False, True)):
     for kind, causal, steps in itertools.product(kernels, modes, steps_list):
         for t, (block_c, warps), d, u in itertools.product(t_values, blocks, d_values, unroll_values):
-            yield (kind, causal, steps), (t, block_c, warps, d, u)
+            yield (kind, causal, steps), (t, block_c, warps, d, t if u == FULL_UNROLL else u)
 
 
 def _runner(key, cfg, x, alpha, grad, mma=False):
@@ -103,7 +106,8 @@ def main():
     parser.add_argument("--blocks", default="64:1,128:1,256:1,256:2,512:2,512:4,1024:4,1024:8",
                         help="BLOCK_C:num_warps pairs")
     parser.add_argument("--d-values", default="1,2,4", help="prefetch depths")
-    parser.add_argument("--unroll-values", default="1,2", help="unroll factors of the banded filter's loop")
+    parser.add_argument("--unroll-values", default="1,2",
+                        help="unroll factors of the banded filter's loop (T: each T's own, the loop unrolled whole)")
     parser.add_argument("--kernels", default="fwd,bwd", help="which kernels to tune (comma list of fwd, bwd)")
     parser.add_argument("--modes", default="bidi,causal", help="which schemes to tune (comma list of bidi, causal)")
     parser.add_argument("--mma", action="store_true",
@@ -122,7 +126,8 @@ def main():
     ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
     blocks = [tuple(int(v) for v in pair.split(":")) for pair in args.blocks.split(",")]
     modes = {"bidi": False, "causal": True}
-    grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values), ints(args.unroll_values),
+    unrolls = [FULL_UNROLL if v == "T" else int(v) for v in args.unroll_values.split(",")]
+    grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values), unrolls,
                       tuple(args.kernels.split(",")), tuple(modes[m] for m in args.modes.split(","))))
     start = time.time()
     chunks = [grid[i::args.workers] for i in range(args.workers)]

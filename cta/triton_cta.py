@@ -468,16 +468,18 @@ _GEN_CACHE = {}
 
 def _gen_kernel(key):
     """Builds (once) and returns the @triton.jit streaming kernel for ``key`` (see ``_stream_source``)."""
-    fn = _GEN_CACHE.get(key)
+    cache_key = (key, FIR_CLOSED_FORM_TAPS)
+    fn = _GEN_CACHE.get(cache_key)
     if fn is None:
         name = "_cta_stream_" + "_".join(str(int(k)) if isinstance(k, bool) else str(k) for k in key)
+        name += "" if FIR_CLOSED_FORM_TAPS else "_levels"
         src = _stream_source(name, *key)
         filename = f"<cta-triton-generated:{name}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
         namespace = {"triton": triton, "tl": tl, "_tanh": _tanh, "_KEEP": _KEEP}
         exec(compile(src, filename, "exec"), namespace)
         fn = namespace[name]
-        _GEN_CACHE[key] = fn
+        _GEN_CACHE[cache_key] = fn
     return fn
 
 
@@ -580,9 +582,61 @@ def _rows(r: str) -> str:
 # ends run the same filter on the walls' extension of the input (``_wall_load``); padding masks keep the walk.
 
 
+# The filter's taps in closed form (``_fir_taps``); False: level by level (``_fir_taps_by_levels``), for
+# ``bench_scalar_coefficients.py --compare taps``.
+FIR_CLOSED_FORM_TAPS = True
+
+
+def _fir_tap_terms(causal: bool, S: int):
+    """The taps of ``S`` levels in closed form: for each tap k, the pairs (integer factor, j) of its sum
+    ``sum_j factor * m^(S-j) * c^j`` (m the stencil's centre weight). Bidirectional, ``(m + c (z + 1/z))^S``:
+    tap k = sum over j >= k, j - k even, of C(S, j) C(j, (j - k) / 2) m^(S-j) c^j; causal, ``(m + c / z)^S``:
+    tap k = C(S, k) m^(S-k) c^k."""
+    from math import comb
+
+    if causal:
+        return [[(comb(S, k), k)] for k in range(S + 1)]
+    return [[(comb(S, j) * comb(j, (j - k) // 2), j) for j in range(k, S + 1, 2)] for k in range(S + 1)]
+
+
 def _fir_taps(w, name, causal, S, c):
     """Emits ``{name}{k}``, k = 0..S: taps of ``S`` levels (bidirectional: symmetric, tap k at offsets -k and +k;
-    causal: tap k at offset -k). ``S = 0`` gives the identity."""
+    causal: tap k at offset -k). ``S = 0`` gives the identity.
+
+    The taps are the closed form of ``_fir_tap_terms`` (powers of m and c, then a few multiply-adds per tap): with a
+    coefficient per channel every program computes them for each of its channels, and the level-by-level
+    convolution they replace (about 3 operations per tap and level, ~130 at 8 bidirectional steps) was a sizeable
+    share of those programs' instructions. With 0 <= c <= 1/2 (1 causal) every term is non-negative: no
+    cancellation."""
+    if not FIR_CLOSED_FORM_TAPS:
+        return _fir_taps_by_levels(w, name, causal, S, c)
+    keep = f"{name}m"
+    w(f"{keep} = 1.0 - {'' if causal else '2.0 * '}{c}")
+    if S == 0:
+        w(f"{name}0 = {keep} * 0.0 + 1.0")
+        return
+    # {name}p{j} = m^(S-j) c^j, from the powers of m ({name}m{e}) and of c ({name}c{e})
+    pow_m = lambda e: "1.0" if e == 0 else (keep if e == 1 else f"{name}m{e}")  # noqa: E731
+    pow_c = lambda e: "1.0" if e == 0 else (c if e == 1 else f"{name}c{e}")  # noqa: E731
+    for e in range(2, S + 1):
+        w(f"{pow_m(e)} = {pow_m(e - 1)} * {keep}")
+        w(f"{pow_c(e)} = {pow_c(e - 1)} * {c}")
+    for j in range(S + 1):
+        factors = [f for f in (pow_m(S - j), pow_c(j)) if f != "1.0"]
+        w(f"{name}p{j} = {' * '.join(factors)}")
+    for k, terms in enumerate(_fir_tap_terms(causal, S)):
+        expr = None
+        for factor, j in terms:
+            if expr is None:
+                expr = f"{name}p{j}" if factor == 1 else f"{float(factor)!r} * {name}p{j}"
+            else:
+                expr = f"tl.fma({float(factor)!r}, {name}p{j}, {expr})"
+        w(f"{name}{k} = {expr}")
+
+
+def _fir_taps_by_levels(w, name, causal, S, c):
+    """``_fir_taps`` level by level: the stencil convolved with itself ``S`` times (the taps before the closed form;
+    ``FIR_CLOSED_FORM_TAPS = False``, kept for the paired comparison)."""
     keep = f"{name}m"
     w(f"{keep} = 1.0 - {'' if causal else '2.0 * '}{c}")
     prev = {0: "1.0"}
@@ -1306,17 +1360,35 @@ USE_WALLS = os.environ.get("CTA_WALLS", "1") not in ("", "0")
 # the entry kept, with a scalar coefficient (mma_filter_*.json, this run and the one before; the grid's per-channel
 # timing had it 3% ahead). On 1x65536x512 (stream_tuning_bwd_narrow_*.json, steps 1, 2, 4) these entries are within
 # 0-4% of that shape's best, so there is no per-shape table.
+# The forwards at 4 and 8 steps (but the causal one at 4) were re-tuned after the taps took their closed form
+# (``_fir_taps``), on the three large shapes, with rows per program around the filter's window and the loop unrolled
+# whole (`--kernels fwd --modes bidi,causal --steps 4,8 --t-values 16,17,18,20,22,24,32 --blocks 64:1,128:1,256:2
+# --d-values 2,3 --unroll-values T --shape S`, stream_tuning_rows_fwd[_8x4096x4096,_narrow]_*.json): each entry is
+# the best mean over the shapes of its multiple of each shape's best (x copy on 1x16384x4096 / 8x4096x4096 /
+# 1x65536x512): bidirectional 4 steps 1.189 / 1.173 / 1.197 (16 rows: 1.195 / 1.170 / 1.259), 8 steps 1.389 /
+# 1.383 / 1.492 (16 rows: 1.447 / 1.437 / 1.559), causal 8 steps 1.211 / 1.224 / 1.396 (16 rows: 1.284 / 1.243 /
+# 1.418). A row or two more than 16 shortens the halo's share; more rows cost more (the window's registers). Rows
+# in multiples of the window with the loop unrolled by the window's length, so that its registers rotate back in
+# place every pass (stream_tuning_window_{bidi4,bidi8,causal8}_*.json, 1x16384x4096), did not beat 17-27 rows.
+# The backwards likewise (`--kernels bwd --modes bidi,causal --steps 4,8 --t-values 16,17,18,20,24 --blocks
+# 128:1,128:2,256:2 --d-values 2,3 --unroll-values 1,T --shape S`, stream_tuning_rows_bwd_<S>_*.json): only the
+# bidirectional one at 8 steps changed, to 24 rows, 2.587 / 2.280 / 2.557x copy against 2.506 / 2.454 / 2.729x (the
+# others' entries are within 3% of their best mean); at 4 steps the grid's best, with one warp, is 3-5% faster per
+# channel, but a scalar coefficient (the register filter up to 6 steps) was faster with the entry kept (see above),
+# so it is an entry of _STREAM_DEFAULTS_PER_CHANNEL.
 # kernels_NVIDIA_H200*.md were measured with this table.
 # Other step counts use the nearest tuned one (ties: the smaller). Short tiles win: the kernels are latency-bound,
 # and more, smaller programs hide more of it. Programs that loop over several tiles (the filter's taps computed once
 # per program, fewer coefficient-gradient partial sums) were measured too (commit 928ef44, reverted): 5-22% slower
 # forwards and within +-3% on backwards but for two cells 7-10% slower -- the taps held across tiles cost registers.
 _STREAM_DEFAULTS = {
-    ('fwd', False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (16, 128, 1, 3, 16), 8: (16, 128, 1, 2, 16)},
-    ('fwd', True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 16), 4: (8, 256, 2, 3, 8), 8: (16, 128, 1, 2, 16)},
-    ('bwd', False): {1: (16, 256, 4, 3, 16), 2: (16, 128, 2, 3, 16), 4: (16, 128, 2, 2, 16), 8: (16, 128, 2, 3, 16)},
+    ('fwd', False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (24, 64, 1, 3, 24), 8: (17, 256, 2, 2, 17)},
+    ('fwd', True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 16), 4: (8, 256, 2, 3, 8), 8: (18, 256, 2, 2, 18)},
+    ('bwd', False): {1: (16, 256, 4, 3, 16), 2: (16, 128, 2, 3, 16), 4: (16, 128, 2, 2, 16), 8: (24, 128, 2, 3, 24)},
     ('bwd', True): {1: (16, 256, 4, 3, 1), 2: (16, 128, 1, 3, 16), 4: (16, 128, 2, 3, 1), 8: (16, 256, 2, 3, 16)},
 }
+# Entries that differ for a coefficient per channel (the taps then per channel: more registers per program).
+_STREAM_DEFAULTS_PER_CHANNEL = {('bwd', False): {4: (16, 128, 1, 3, 1)}}
 
 
 # Interior tiles of the linear schemes with a scalar coefficient (the models' default) and bf16/fp16 inputs run the
@@ -1364,11 +1436,13 @@ def _mma_ok(x: torch.Tensor, kind: str, causal: bool, a_vec: bool, b_vec: bool, 
             and (x.is_cuda or _interpret()))
 
 
-def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str, device: torch.device):
+def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str, device: torch.device,
+                   per_channel: bool = False):
     """(T, BLOCK_C, num_warps, D, U) of the streaming kernels: rows per program, channels per program, warps, prefetch
     depth, and the banded filter's loop unroll factor (0: no filter; unrolling lets the compiler rename the window's
     registers instead of copying them row to row). ``_STREAM_TUNE`` (set by benchmarks and tests) overrides the
-    defaults above; its entries may leave out U (then 1)."""
+    defaults above (``_STREAM_DEFAULTS_PER_CHANNEL`` over ``_STREAM_DEFAULTS`` for a ``per_channel`` coefficient);
+    its entries may leave out U (then 1)."""
     key = (kind, causal, steps)
     if key in _STREAM_TUNE:
         cfg = _STREAM_TUNE[key]
@@ -1376,7 +1450,9 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
         cfg = (max(seq, 1), min(_next_pow2(channels), 256), 1, 2, 1)
     else:
         table = _STREAM_DEFAULTS[(kind, bool(causal))]
-        cfg = table[min(table, key=lambda tuned: (abs(tuned - steps), tuned))]
+        tuned = min(table, key=lambda tuned: (abs(tuned - steps), tuned))
+        overrides = _STREAM_DEFAULTS_PER_CHANNEL.get((kind, bool(causal)), {}) if per_channel else {}
+        cfg = overrides.get(tuned, table[tuned])
     t, block_c = _fit_program(seq, channels, *cfg[:2])
     unroll = (cfg[4] if len(cfg) > 4 else 1) if USE_FIR else 0
     return t, block_c, cfg[2], cfg[3], unroll
@@ -1430,7 +1506,7 @@ def _stream_plan(x, kind, steps, causal, a_vec, b_vec, has_mask, linear):
         t, block_c = _fit_program(seq, channels, *cfg[:2])
         if channels % block_c == 0 and t % MMA_BLOCK == 0:
             return t, block_c, cfg[2], cfg[3], 0, 1 + (cfg[4] if len(cfg) > 4 else 0)
-    return (*_stream_config(seq, channels, steps, causal, kind, x.device), 0)
+    return (*_stream_config(seq, channels, steps, causal, kind, x.device, a_vec or b_vec), 0)
 
 
 WALLS_MAX_STEPS_PER_CHANNEL = 4

@@ -21,6 +21,8 @@ import itertools
 import os
 import random
 
+import numpy as np
+
 os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("CTA_TEST_GPU") else "1")
 
 import pytest
@@ -252,6 +254,42 @@ def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps,
     check_parity(pde, causal, 64, 16, steps, "none", True, batch=2, seed=steps)
     if linear:  # scalar coefficient too (the taps broadcast)
         check_parity(pde, causal, 64, 16, steps, "none", False, batch=2, seed=steps + 1)
+
+
+def _emitted_taps(emit, causal, steps, c):
+    """Runs the tap lines ``emit`` writes (``_fir_taps`` or ``_fir_taps_by_levels``) on the tensor ``c``."""
+    from types import SimpleNamespace
+
+    from cta import triton_cta
+
+    w = triton_cta._Src()
+    emit(w, "tap", causal, steps, "c")
+    scope = {"c": c, "tl": SimpleNamespace(fma=lambda a, b, acc: a * b + acc)}
+    exec("\n".join(line.strip() for line in w.lines), scope)
+    return torch.stack([torch.as_tensor(scope[f"tap{k}"], dtype=c.dtype).expand_as(c) for k in range(steps + 1)])
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
+def test_fir_taps_closed_form(causal):
+    """The banded filter's taps in closed form equal the stencil convolved with itself ``steps`` times (the
+    stencil's polynomial to that power, numpy in float64), for 0..16 steps and coefficients over the whole stable range, in float64
+    (to rounding) and float32 (every term is non-negative: a few ulps); the level-by-level emitter, kept for the
+    paired benchmark, agrees too."""
+    from cta import triton_cta
+
+    c = torch.tensor([0.0, 0.02, 0.1, 0.25, 0.4, 0.5] + ([0.75, 1.0] if causal else []), dtype=torch.float64)
+    for steps in range(17):
+        # the stencil's polynomial to the power steps (numpy): coefficient i of (c + m z + c z^2)^steps is the tap
+        # at offset i - steps; of (c + m z)^steps, the causal tap at offset -(steps - i)
+        stencils = [[v, 1 - v] if causal else [v, 1 - 2 * v, v] for v in c.tolist()]
+        size = (1 if causal else 2) * steps + 1
+        powers = [np.polynomial.polynomial.polypow(stencil, steps) for stencil in stencils]
+        powers = [np.pad(p, (0, size - len(p))) for p in powers]  # (polypow drops trailing zeros: c = 0)
+        expected = torch.tensor(np.stack([p[::-1] if causal else p[steps:] for p in powers], axis=1))
+        for emit in (triton_cta._fir_taps, triton_cta._fir_taps_by_levels):
+            torch.testing.assert_close(_emitted_taps(emit, causal, steps, c), expected, rtol=1e-12, atol=1e-15)
+        closed32 = _emitted_taps(triton_cta._fir_taps, causal, steps, c.float())
+        torch.testing.assert_close(closed32.double(), expected, rtol=4e-6, atol=1e-7)
 
 
 def _walls_cases():
@@ -759,6 +797,23 @@ def test_decode_plan_follows_every_change(pde, decode_plan_calls):
         assert "_decode_plan" not in modules["triton"].__dict__
     else:
         assert plan is None and not any(planned)  # no direct launch on the interpreter: no plan
+
+
+def test_stream_config_per_channel_entries():
+    """On CUDA the launch configuration comes from the tuned table at the nearest tuned step count, with the
+    per-channel table's entry instead where it has one (and only for a per-channel coefficient); the interpreter
+    ignores both. (Only the table lookup: no kernel runs.)"""
+    from cta import triton_cta
+
+    cuda = torch.device("cuda")
+    shared = triton_cta._STREAM_DEFAULTS[("bwd", False)]
+    for steps, tuned in ((3, 2), (4, 4), (5, 4), (6, 4), (7, 8)):  # (ties: the smaller)
+        own = triton_cta._STREAM_DEFAULTS_PER_CHANNEL.get(("bwd", False), {}).get(tuned, shared[tuned])
+        assert triton_cta._stream_config(16384, 4096, steps, False, "bwd", cuda)[:4] == shared[tuned][:4]
+        assert triton_cta._stream_config(16384, 4096, steps, False, "bwd", cuda, per_channel=True)[:4] == own[:4]
+    assert triton_cta._STREAM_DEFAULTS_PER_CHANNEL[("bwd", False)][4] != shared[4]  # the entry that differs
+    cpu = triton_cta._stream_config(100, 60, 4, False, "bwd", torch.device("cpu"), per_channel=True)
+    assert cpu[:2] == (100, 64)
 
 
 @needs_kernels
