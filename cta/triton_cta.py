@@ -1373,7 +1373,7 @@ USE_WALLS = os.environ.get("CTA_WALLS", "1") not in ("", "0")
 # The backwards likewise (`--kernels bwd --modes bidi,causal --steps 4,8 --t-values 16,17,18,20,24 --blocks
 # 128:1,128:2,256:2 --d-values 2,3 --unroll-values 1,T --shape S`, stream_tuning_rows_bwd_<S>_*.json): only the
 # bidirectional one at 8 steps changed, to 24 rows, 2.587 / 2.280 / 2.557x copy against 2.506 / 2.454 / 2.729x (the
-# others' entries are within 3% of their best mean); at 4 steps the grid's best, with one warp, is 3-5% faster per
+# others' entries are within 3% of their best mean); at 4 steps the grid's best, with one warp, is 2-5% faster per
 # channel, but a scalar coefficient (the register filter up to 6 steps) was faster with the entry kept (see above),
 # so it is an entry of _STREAM_DEFAULTS_PER_CHANNEL.
 # kernels_NVIDIA_H200*.md were measured with this table.
