@@ -10,7 +10,8 @@ scalar coefficient) against the register filter (``CTA_MMA=0``), each with its o
 
 ``--compare walls``: the programs at the sequence ends filtering with the walls as an extension of the input (the
 default) against walking (``CTA_WALLS=0``), each with the default filters (``--per-channel``: one coefficient per
-channel, the register filter, instead of the scalar).
+channel, the register filter, instead of the scalar; the ends then filter at every step count, beyond the default's
+``WALLS_MAX_STEPS_PER_CHANNEL``).
 
 ``--compare one-copy``: forwards whose every program runs one copy of the filter on the walls' extension
 (``WALLS_ONE_COPY``, every entry) against none (interior and end programs in two branches, or ends walking where
@@ -56,7 +57,8 @@ def expanded(c, like):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--compare", default="coefficients", choices=("coefficients", "mma", "walls", "one-copy", "taps"),
+    parser.add_argument("--compare", default="coefficients",
+                        choices=("coefficients", "mma", "walls", "one-copy", "taps"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
@@ -86,6 +88,9 @@ def main():
         variants = {"mma": ("MMA_MIN_STEPS", every_step), "registers": ("USE_MMA", False)}
         stem = "mma_filter"
     elif args.compare == "walls":
+        # the ends filter at every step count (by default per-channel launches above 4 steps walk them)
+        triton_cta.WALLS_MAX_STEPS_PER_CHANNEL = dict.fromkeys(triton_cta.WALLS_MAX_STEPS_PER_CHANNEL,
+                                                               triton_cta.MAX_FUSED_STEPS)
         variants = {"walls": ("USE_WALLS", True), "walk": ("USE_WALLS", False)}
         stem = "walls_filter" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "taps":

@@ -1509,7 +1509,9 @@ def _stream_plan(x, kind, steps, causal, a_vec, b_vec, has_mask, linear):
     return (*_stream_config(seq, channels, steps, causal, kind, x.device, a_vec or b_vec), 0)
 
 
-WALLS_MAX_STEPS_PER_CHANNEL = 4
+# The most steps at which per-channel launches filter their ends, per (kernel, causal); above, they walk them (see
+# ``_walls_mode``). The benchmark's --compare walls lifts them all to MAX_FUSED_STEPS.
+WALLS_MAX_STEPS_PER_CHANNEL = {("fwd", False): 4, ("fwd", True): 8, ("bwd", False): 8, ("bwd", True): 4}
 # Forward launches where every program, interior or not, runs one copy of the filter on the walls' extension
 # (``_walls_mode`` 3: no interior branch; the register filter loops over all T rows and masks the stores past the
 # end), keyed (causal, tensor cores). An H200 probe that dropped the end programs' branch altogether (wrong at the
@@ -1523,8 +1525,8 @@ WALLS_MAX_STEPS_PER_CHANNEL = 4
 WALLS_ONE_COPY = {(False, True)}
 
 
-def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final: bool, per_channel: bool,
-                one_copy: bool = False) -> int:
+def _walls_mode(kind: str, seq: int, steps: int, causal: bool, has_init: bool, write_final: bool,
+                per_channel: bool, one_copy: bool = False) -> int:
     """How the programs at the sequence ends run (``_stream_source``'s ``walls``): 0 walk, 1 filter where the walls'
     extension applies and walk elsewhere, 2 filter (it applies to every program), 3 as 2 with one copy of the filter
     that every program runs (``one_copy``, a forward in ``WALLS_ONE_COPY``).
@@ -1532,10 +1534,16 @@ def _walls_mode(seq: int, steps: int, causal: bool, has_init: bool, write_final:
     Paired on an H200 (``bench_scalar_coefficients.py --compare walls``, results/walls_filter*_NVIDIA_H200.json,
     8x4096x4096 and 1x16384x4096): with a scalar coefficient the kernels are faster or at most 3.3% slower at
     every step count (8 bidirectional steps on 8x4096x4096: forward 1.14 vs 1.19x copy, backward 2.11 vs 2.37x).
-    With one per channel, up to 4 steps likewise, but at 8 steps the second copy of the filter (its per-channel taps
-    and window) made the interior programs 4-10% slower, so per-channel launches above
-    ``WALLS_MAX_STEPS_PER_CHANNEL`` steps walk (5-7 steps were not measured)."""
-    if not USE_WALLS or (per_channel and steps > WALLS_MAX_STEPS_PER_CHANNEL and not one_copy):
+    With one per channel, up to 4 steps likewise. At 8 steps the second copy of the filter (its per-channel taps and
+    window) made the interior programs slower; re-measured since the taps' closed form
+    (walls_filter_per_channel_*.json, --steps 4,8 on 1x16384x4096 / 8x4096x4096 / 1x65536x512), the ends' filter
+    wins at 8 steps for the causal forward (1.171 / 1.171 / 1.274x copy against 1.221 / 1.229 / 1.374x) and the
+    bidirectional backward (2.469 / 2.178 / 2.381x against 2.582 / 2.300 / 2.556x), and loses for the bidirectional
+    forward (1.512 / 1.522 / 1.525x against 1.389 / 1.395 / 1.459x) and the causal backward (2.104 / 2.052 /
+    2.310x against 2.054 / 1.966 / 2.279x). So per-channel launches above ``WALLS_MAX_STEPS_PER_CHANNEL[(kind,
+    causal)]`` steps walk (5-7 and 9-16 steps were not measured)."""
+    limit = WALLS_MAX_STEPS_PER_CHANNEL[(kind, bool(causal))]
+    if not USE_WALLS or (per_channel and steps > limit and not one_copy):
         return 0
     if not causal and seq < steps:  # one reflection covers S rows: no program of this launch can filter its ends
         return 0
@@ -1557,7 +1565,7 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     one_copy = (bool(causal), mma > 0) in WALLS_ONE_COPY
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma,
-                          _walls_mode(seq, steps, causal, has_init and bool(causal), write_final, a_vec or b_vec,
+                          _walls_mode("fwd", seq, steps, causal, has_init and bool(causal), write_final, a_vec or b_vec,
                                       one_copy)))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
@@ -1583,7 +1591,7 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           False, False, channels % block_c == 0, unroll, mma,
-                          _walls_mode(seq, steps, causal, False, False, a_vec or b_vec)))
+                          _walls_mode("bwd", seq, steps, causal, False, False, a_vec or b_vec)))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
             (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)

@@ -272,9 +272,9 @@ def _emitted_taps(emit, causal, steps, c):
 @pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
 def test_fir_taps_closed_form(causal):
     """The banded filter's taps in closed form equal the stencil convolved with itself ``steps`` times (the
-    stencil's polynomial to that power, numpy in float64), for 0..16 steps and coefficients over the whole stable range, in float64
-    (to rounding) and float32 (every term is non-negative: a few ulps); the level-by-level emitter, kept for the
-    paired benchmark, agrees too."""
+    stencil's polynomial to that power, numpy in float64), for 0..16 steps and coefficients over the whole stable
+    range, in float64 (to rounding) and float32 (every term is non-negative: a few ulps); the level-by-level
+    emitter, kept for the paired benchmark, agrees too."""
     from cta import triton_cta
 
     c = torch.tensor([0.0, 0.02, 0.1, 0.25, 0.4, 0.5] + ([0.75, 1.0] if causal else []), dtype=torch.float64)
@@ -305,11 +305,12 @@ def _walls_cases():
 
 @needs_kernels
 @pytest.mark.parametrize("pde,causal,steps,seq", _walls_cases())
-def test_stream_walls_filter(monkeypatch, pde, causal, steps, seq):
+def test_stream_walls_filter(monkeypatch, launched_kernels, pde, causal, steps, seq):
     """Programs at the sequence ends run the banded filter with the walls as an extension of the input (even
     reflection for the zero-flux bidirectional walls, zeros for the causal ones): outputs and all gradients vs the
     reference, per-channel and scalar, with 16-row programs (the first and last of each sequence are end programs,
-    the last one partial)."""
+    the last one partial). Per channel, each kernel filters its ends up to its ``WALLS_MAX_STEPS_PER_CHANNEL`` and
+    walks them above (at 8 steps: the causal forward and the bidirectional backward filter)."""
     from cta import triton_cta
 
     monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
@@ -321,7 +322,12 @@ def test_stream_walls_filter(monkeypatch, pde, causal, steps, seq):
             assert ("elif " in src) == (walls == 1)  # the end programs' branch, under a condition
             assert ("for j in range(0, n_it)" in src) == (walls == 1)  # the walk
             assert ("other=0.0)" if causal else "2 * L - 1 -") in src  # the walls' extension
+    launched_kernels.clear()
     check_parity(pde, causal, seq, 16, steps, "none", True, batch=2, seed=steps)
+    walls = {key[0]: key[13] for key in launched_kernels}
+    for kind in ("fwd", "bwd"):
+        filters = steps <= triton_cta.WALLS_MAX_STEPS_PER_CHANNEL[(kind, causal)] and (causal or seq >= steps)
+        assert (walls[kind] > 0) == filters, (kind, walls)
     check_parity(pde, causal, seq, 16, steps, "none", False, batch=2, seed=steps + 1)
 
 
