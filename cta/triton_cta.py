@@ -32,7 +32,8 @@ Design
   results equal the walk's to fp32 rounding, not bit for bit (``_fir_interior``; ``CTA_FIR=0`` turns it off).
   Programs at the sequence ends filter too, reading the walls as an extension of the input (the even reflection
   for the zero-flux bidirectional walls, zeros for the causal ones: exact for these stencils, ``_wall_load``); the
-  walk is left for padding masks, partial channel blocks, short sequences and causal states (``_walls_mode``).
+  walk is left for padding masks, partial channel blocks, short sequences, causal states and some per-channel
+  kernels above 4 steps (``_walls_mode``).
 * With a scalar coefficient (the models' default) the filter is one matrix for all channels, so for bf16/fp16
   inputs the filtering programs run it on tensor cores (``_mma_interior``): 16-row tiles, each the product of two
   [16, 16] pieces of the banded matrix (split into two 16-bit parts, fp32 accumulation) with the input blocks
