@@ -88,7 +88,8 @@ def main():
         variants = {"mma": ("MMA_MIN_STEPS", every_step), "registers": ("USE_MMA", False)}
         stem = "mma_filter"
     elif args.compare == "walls":
-        # the ends filter at every step count (by default per-channel launches above 4 steps walk them)
+        # the ends filter at every step count (by default per-channel launches walk them above
+        # WALLS_MAX_STEPS_PER_CHANNEL, 4 or 8 steps depending on the kernel)
         triton_cta.WALLS_MAX_STEPS_PER_CHANNEL = dict.fromkeys(triton_cta.WALLS_MAX_STEPS_PER_CHANNEL,
                                                                triton_cta.MAX_FUSED_STEPS)
         variants = {"walls": ("USE_WALLS", True), "walk": ("USE_WALLS", False)}

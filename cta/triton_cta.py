@@ -469,7 +469,7 @@ _GEN_CACHE = {}
 
 def _gen_kernel(key):
     """Builds (once) and returns the @triton.jit streaming kernel for ``key`` (see ``_stream_source``)."""
-    cache_key = (key, FIR_CLOSED_FORM_TAPS)
+    cache_key = key if FIR_CLOSED_FORM_TAPS else (key, "levels")  # (the default's key as is: this runs every launch)
     fn = _GEN_CACHE.get(cache_key)
     if fn is None:
         name = "_cta_stream_" + "_".join(str(int(k)) if isinstance(k, bool) else str(k) for k in key)
@@ -1370,7 +1370,9 @@ USE_WALLS = os.environ.get("CTA_WALLS", "1") not in ("", "0")
 # 1.383 / 1.492 (16 rows: 1.447 / 1.437 / 1.559), causal 8 steps 1.211 / 1.224 / 1.396 (16 rows: 1.284 / 1.243 /
 # 1.418). A row or two more than 16 shortens the halo's share; more rows cost more (the window's registers). Rows
 # in multiples of the window with the loop unrolled by the window's length, so that its registers rotate back in
-# place every pass (stream_tuning_window_{bidi4,bidi8,causal8}_*.json, 1x16384x4096), did not beat 17-27 rows.
+# place every pass (stream_tuning_window_{bidi4,bidi8,causal8}_*.json, 1x16384x4096), did not beat 17-27 rows;
+# 32 and 64 rows with a 16-fold unroll were slower still (stream_tuning_closed_taps_*.json, 1.65-2.95x at 8
+# bidirectional steps).
 # The backwards likewise (`--kernels bwd --modes bidi,causal --steps 4,8 --t-values 16,17,18,20,24 --blocks
 # 128:1,128:2,256:2 --d-values 2,3 --unroll-values 1,T --shape S`, stream_tuning_rows_bwd_<S>_*.json): only the
 # bidirectional one at 8 steps changed, to 24 rows, 2.587 / 2.280 / 2.557x copy against 2.506 / 2.454 / 2.729x (the
