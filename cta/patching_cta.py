@@ -159,6 +159,25 @@ def _has_forward_hooks(module) -> bool:
     )
 
 
+try:  # where transformers' `output_hidden_states` hooks put what they record (recent 5.x)
+    from transformers.utils.output_capturing import _active_collector as _output_collector
+except ImportError:
+    try:
+        from transformers.utils.generic import _active_collector as _output_collector
+    except ImportError:
+        _output_collector = None
+
+
+def _record_refined(unrefined, refined):
+    """transformers records ``output_hidden_states`` with a forward hook on each layer, which fires inside the
+    wrapper, before the refinement. The refined tensor is the layer's output as the next layer sees it: it replaces
+    the recorded one."""
+    collected = _output_collector.get() if _output_collector is not None else None
+    states = collected.get("hidden_states") if isinstance(collected, dict) else None
+    if states and states[-1] is unrefined:
+        states[-1] = refined
+
+
 def _first_tensor(output):
     if torch.is_tensor(output):
         return output
@@ -260,6 +279,8 @@ class CTAPatchWrapper(nn.Module):
                 refined = plan(hidden_states, cache, mask)
             if refined is None:
                 refined = pde(hidden_states, mask, cache)
+            if wrapped._forward_hooks:
+                _record_refined(hidden_states, refined)
             output = _replace_first(output, refined)
         return output
 
@@ -605,7 +626,19 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
     _apply_patch(model, spec)
     model.config.__class__ = config_class
     model.__class__ = model_class
+    _register_recorded_outputs(model)
     return model
+
+
+def _register_recorded_outputs(model):
+    """transformers looks up which layer outputs ``output_hidden_states`` / ``output_attentions`` record by the
+    model's class, registered when a model is built; a model patched in place has a new class, registered here."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+    if getattr(model, "_can_record_outputs", None) is not None:
+        _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
 
 
 def unpatch_model(model):

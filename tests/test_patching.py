@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from cta.patching_cta import (
     PATCH_PLACEMENTS,
+    CTAPatchWrapper,
     load_patched,
     mark_pde_trainable,
     patch_model,
@@ -161,6 +162,30 @@ def patched_decoder(arch, placement, steps=3):
                         placement=placement, per_channel=True)
     randomize_pde(model)
     return model
+
+
+@pytest.mark.parametrize("base_model", [False, True], ids=["with_head", "base_model"])
+@pytest.mark.parametrize("arch", DECODERS + ENCODERS)
+def test_output_hidden_states_are_what_each_layer_receives(arch, base_model):
+    """``output_hidden_states``: entry k is the input of layer k, refined (transformers records them with hooks on
+    the wrapped layers, which fire before the refinement; and a base model patched in place has a new class)."""
+    model = tiny_model(arch)
+    if base_model:
+        model = model.base_model
+    ids, mask = batch()
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    patch_model(model, pde_steps=2, placement=["embedding", "block_output"], init="paper")
+    received = []
+    for wrapper in [m for m in model.modules() if isinstance(m, CTAPatchWrapper) and m.role == "block"]:
+        wrapper.wrapped.register_forward_pre_hook(
+            lambda module, args, kwargs: received.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+    with torch.no_grad():
+        states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert states is not None and len(states) == len(plain) == len(received) + 1
+    for k, layer_input in enumerate(received):
+        torch.testing.assert_close(states[k], layer_input, atol=0, rtol=0)
+    assert (states[1] - plain[1]).abs().max() > 1e-3  # refined, not the unpatched model's
 
 
 @pytest.mark.parametrize("arch", DECODERS)
