@@ -16,8 +16,13 @@ The overheads come from paired rounds (``--rounds``): each round times every wor
 patched (the patch removed with ``cta.unpatch_model`` and re-applied in place between them, the order alternating), and
 an overhead is the median over rounds of patched / unpatched - 1. Decoding and short steps are partly host-bound, and
 the host's speed drifts over a run; pairing keeps that drift out of the ratio (measured one after the other, the
-decode overhead of one unchanged build read +1.9%, +7.4% and +8.7% in three sessions). The first, sequential
-measurement of each model still gives the memory peaks, the exactness check and its own medians (in the JSON).
+decode overhead of one unchanged build read +1.9%, +7.4% and +8.7% in three sessions). A batch-1 decode step is
+host-bound and takes milliseconds, and paired rounds of whole decode runs still moved by several percent (in one
+run of ``profile_host.py --split``, variants that do strictly less than the patch read -5.8% and -10.4%); so the
+decode overhead comes from per-token pairs instead (``--decode-pair-tokens``): an unpatched copy of the model (same
+seed, same weights) decodes beside the patched one, and every token is decoded by each, back to back, each step timed
+by itself (the rounds' figure stays in the JSON and the table's text). The first, sequential measurement of each
+model still gives the memory peaks, the exactness check and its own medians (in the JSON).
 
 Timings are medians over ``--repeats`` runs after warm-up (CUDA synchronised wall clock). Writes
 ``benchmarks/results/patched_model_<gpu>.json`` / ``.md`` / ``.png``; the JSON records the PDE backend that ran.
@@ -53,6 +58,8 @@ def parse_args():
     p.add_argument("--train-length", type=int, default=4096, help="tokens of the training step")
     p.add_argument("--decode-prefill", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-pair-tokens", type=int, default=1024,
+                   help="tokens of the per-token paired decode (the decode overhead; 0: from the paired rounds)")
     p.add_argument("--steps", type=int, default=4, help="PDE steps per site")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"))
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions (median reported)")
@@ -170,6 +177,38 @@ def paired_rounds(model, args, device):
     return times
 
 
+def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, device, mask=False):
+    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding: both models prefill ``prompt``, then each token
+    is decoded by one model and then the other (the order alternating), each step synchronised and timed by itself,
+    as ``generate()`` synchronises once per token. Host speed drifts over seconds; two steps a few milliseconds apart
+    see the same host. Passes of ``tokens`` tokens from the prompt, after one untimed pass: every cache length then
+    has been seen before (sdpa's cuDNN backend builds a plan per new length, which costs tens of milliseconds the
+    first time). ``mask``: pass an all-ones attention mask with every step, as ``generate()`` does."""
+    passes = 1 + -(-pairs_wanted // tokens)
+    ones = torch.ones(prompt.shape[0], prompt.shape[1] + tokens, dtype=torch.long, device=prompt.device)
+    pairs = []
+    with torch.no_grad():
+        for p in range(passes):
+            states = {}
+            for name, model in (("unpatched", unpatched), ("patched", patched)):
+                out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+                states[name] = [model, out.past_key_values, out.logits[:, -1:].argmax(-1)]
+            for t in range(tokens):
+                step = {}
+                for name in ("unpatched", "patched") if t % 2 == 0 else ("patched", "unpatched"):
+                    model, cache, token = states[name]
+                    sync(device)
+                    start = time.perf_counter()
+                    step_mask = ones[:, : prompt.shape[1] + t + 1] if mask else None
+                    out = model(input_ids=token, past_key_values=cache, use_cache=True, attention_mask=step_mask)
+                    states[name][2] = out.logits[:, -1:].argmax(-1)
+                    sync(device)
+                    step[name] = time.perf_counter() - start
+                if p > 0:
+                    pairs.append((step["unpatched"], step["patched"]))
+    return pairs[:pairs_wanted]
+
+
 def measure(model, args, device, label):
     """One pass over the workloads (medians of ``--repeats`` runs; training and decoding: half as many, at least
     3), their memory peaks, and the exactness of cached decoding."""
@@ -270,7 +309,23 @@ def main():
         # decode is reported as tokens/s: fewer tokens/s is the overhead (1 - u/p of the times)
         overhead[name] = 100.0 * (1.0 - 1.0 / statistics.median(ratios)) if key == "decode" else \
             100.0 * (statistics.median(ratios) - 1.0)
-        medians[name] = (statistics.median(u for u, _ in pairs), statistics.median(p for _, p in pairs))
+        scale = args.decode_tokens if key == "decode" else 1  # decode: seconds per token
+        medians[name] = (statistics.median(u for u, _ in pairs) / scale, statistics.median(p for _, p in pairs) / scale)
+    decode_method = f"paired rounds of {args.decode_tokens}-token runs"
+    if args.decode_pair_tokens > 0:
+        info["decode_rounds_overhead_percent"] = overhead["decode_tokens_per_s"]
+        # A second, unpatched copy (same seed, same weights) decodes beside the patched model, token by token.
+        unpatched = llama_model(args.layers, hidden, intermediate, args.vocab, device, dtype)
+        unpatched.config._attn_implementation = "sdpa"
+        prompt = torch.randint(0, args.vocab, (1, args.decode_prefill),
+                               generator=torch.Generator(device="cpu").manual_seed(2)).to(device)
+        pairs = paired_decode(model, unpatched, prompt, args.decode_tokens, args.decode_pair_tokens, device)
+        del unpatched
+        info["decode_token_pairs_s"] = pairs
+        overhead["decode_tokens_per_s"] = 100.0 * (1.0 - 1.0 / statistics.median(p / u for u, p in pairs))
+        medians["decode_tokens_per_s"] = (statistics.median(u for u, _ in pairs), statistics.median(p for _, p in pairs))
+        decode_method = f"{len(pairs)} per-token pairs"
+    info["decode_overhead_method"] = decode_method
     info["overhead_percent"] = overhead
     info["paired_medians_s"] = medians
     targets = {"prefill_16384": 2.0, "train_step": 5.0, "decode_tokens_per_s": 5.0}
@@ -287,7 +342,11 @@ def main():
         f"PDE after every block: diffusion, {args.steps} steps, backend `{info['patch']['backend_used']}`. "
         f"Overheads: median over {args.rounds} paired rounds (each times every workload unpatched and patched, the "
         f"patch removed and re-applied in between) of patched / unpatched; times: the medians of those rounds. "
-        f"Measured one after the other instead (the first pass, {args.repeats} runs each), the overheads read "
+        + (f"Decode: median over {decode_method} (an unpatched copy of the model decodes beside the patched one, "
+           f"each token timed by itself, synchronised, the order alternating) of patched / unpatched per-token time; "
+           f"the paired rounds' {args.decode_tokens}-token runs read {info['decode_rounds_overhead_percent']:+.2f}%. "
+           if args.decode_pair_tokens > 0 else "")
+        + f"Measured one after the other instead (the first pass, {args.repeats} runs each), the overheads read "
         + ", ".join(f"{k.replace('_', ' ')} {v:+.2f}%" for k, v in sequential.items()) + ".",
         "",
         "| measurement | unpatched | patched | overhead | target |",
@@ -297,7 +356,7 @@ def main():
         unpatched_s, patched_s = medians[key]
         if key == "decode_tokens_per_s":
             row = (f"decode tokens/s (batch 1, after {args.decode_prefill}-token prefill)",
-                   f"{args.decode_tokens / unpatched_s:.1f}", f"{args.decode_tokens / patched_s:.1f}")
+                   f"{1 / unpatched_s:.1f}", f"{1 / patched_s:.1f}")
         else:
             name = f"prefill {key.split('_')[1]} tokens (ms)" if key.startswith("prefill") else \
                 f"training step fwd+bwd {args.train_length} tokens (ms)"

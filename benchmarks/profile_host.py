@@ -1,21 +1,27 @@
 """Where the host time of eager calls goes: decode steps, and the kernels' training path.
 
-    python benchmarks/profile_host.py [--layers 8] [--hidden 4096] [--tokens 48] [--rounds 7] [--mask] [--site-timer]
+    python benchmarks/profile_host.py [--layers 8] [--hidden 4096] [--pairs 256] [--mask] [--split] [--site-timer]
     python benchmarks/profile_host.py --micro      # host time per call of each layer of the decode path
     python benchmarks/profile_host.py --refine     # host time per call of each layer of pde_refine's training path
 
-The default mode splits the cost of a patched decode step (batch 1, greedy, through the cache) in paired rounds: each
-round times the model unpatched, patched, patched without the prepared decode step (``_DecodePlan``: every step
-through ``PDERefinement``'s general fast path), and patched with pass-through wrappers (the wrappers alone, no PDE),
-in alternating order; it reports the median over rounds of each variant's overhead and of its extra microseconds per
-PDE site and token (``--site-timer``: then the host time of the patched layer, the layer inside it and the prepared
-PDE step, timed around each call while decoding), then a torch.profiler table of the patched model. ``--mask``
-passes an all-ones attention mask with every step, as ``generate()`` does. A batch-1 decode step of an eager transformers model is bound by host time
-(Python and launches), and so is a forward+backward of a few thousand tokens; ``--micro`` and ``--refine`` time each
-layer of those paths by itself: calls queued back to back on a tensor small enough that the GPU never waits, one
-synchronisation at the end. ``--refine`` then measures, in the same run, what that host time does to
-``triton.testing.do_bench`` of a forward+backward at ``--bench-shape`` with Triton's generic launch and with the
-direct launch (``cta.triton_cta.DIRECT_LAUNCH``).
+The default mode splits the cost of a patched decode step (batch 1, greedy, through the cache) into variants, each
+measured in per-token pairs against an unpatched copy of the model (``bench_patched_model.paired_decode``: every
+token decoded by both models back to back, each step synchronised and timed by itself): patched; patched without the
+prepared decode step (``_DecodePlan``: every step through ``PDERefinement``'s general fast path); pass-through
+wrappers (the wrappers alone, no PDE); with ``--split`` also the refined token written to a new tensor instead of
+over the wrapped layer's output (``patching_cta.DECODE_IN_PLACE = False``), the wrapper with a prepared step that
+returns its input, and the prepared step without its launch. Each line gives the median over tokens of patched /
+unpatched with a bootstrap 95% interval, and the extra microseconds per PDE site and token. ``--site-timer``: then
+the host time of the patched layer, the layer inside it and the prepared PDE step, timed around each call while
+decoding; last, a torch.profiler table of the patched model and the PDE kernels' device time. ``--mask`` passes an
+all-ones attention mask with every step, as ``generate()`` does.
+
+A batch-1 decode step of an eager transformers model is bound by host time (Python and launches), and so is a
+forward+backward of a few thousand tokens; ``--micro`` and ``--refine`` time each layer of those paths by itself:
+calls queued back to back on a tensor small enough that the GPU never waits, one synchronisation at the end.
+``--refine`` then measures, in the same run, what that host time does to ``triton.testing.do_bench`` of a
+forward+backward at ``--bench-shape`` with Triton's generic launch and with the direct launch
+(``cta.triton_cta.DIRECT_LAUNCH``).
 """
 
 import argparse
@@ -52,45 +58,65 @@ def per_token_us(model, ids, tokens, device, mask=True):
 
 
 def site_costs(model, ids, args):
-    """Paired rounds of the decode variants (see the module docstring); prints one line per variant."""
+    """Per-token pairs of each decode variant against an unpatched copy of the model (see the module docstring);
+    prints one line per variant. Leaves ``model`` patched."""
     import statistics
 
     import cta.patching_cta as patching
+    import cta.pde_cta as pde_cta
     import cta.triton_cta as kernels
+    from bench_patched_model import paired_decode
 
-    wrapper_forward, bind = patching.CTAPatchWrapper.forward, kernels.bind_decode_update
+    wrapper_forward, bind, plan_call = (
+        patching.CTAPatchWrapper.forward, kernels.bind_decode_update, pde_cta._DecodePlan.__call__)
 
     def set_variant(name):
         patching.CTAPatchWrapper.forward, kernels.bind_decode_update = wrapper_forward, bind
-        if name == "unpatched":
-            if patching.is_patched(model):
-                cta.unpatch_model(model)
-            return
-        if not patching.is_patched(model):
-            cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+        pde_cta._DecodePlan.__call__ = plan_call
+        patching.DECODE_IN_PLACE = True
         for _, pde in patching.pde_modules(model):
             pde.__dict__.pop("_decode_plan", None)
         if name == "patched, no prepared step":
             kernels.bind_decode_update = lambda *unused: None
+        elif name == "patched, output not in place":
+            patching.DECODE_IN_PLACE = False
         elif name == "pass-through wrappers":
             patching.CTAPatchWrapper.forward = lambda self, *a, **k: self._modules["wrapped"](*a, **k)
+        elif name == "prepared step: no launch":
+            kernels.bind_decode_update = lambda *unused: lambda x, y, state, token_mask: None
+        elif name == "wrapper returns its input":
+            # Plans are still prepared (by each pass's first token); calling one then returns its input.
+            pde_cta._DecodePlan.__call__ = lambda self, hidden_states, *unused: hidden_states
 
-    names = ["unpatched", "patched", "patched, no prepared step", "pass-through wrappers"]
-    times = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            set_variant(name)
-            times[name].append(statistics.median(
-                per_token_us(model, ids, args.tokens, args.device, args.mask) for _ in range(3)))
-    set_variant("patched")
-    base = times["unpatched"]
-    print(f"decode, batch 1, {args.layers} layers x {args.hidden}, {args.rounds} paired rounds, "
-          f"{'all-ones attention mask' if args.mask else 'no attention mask'} (median over rounds):")
+    names = ["patched", "patched, no prepared step", "pass-through wrappers"]
+    if args.split:
+        names += ["patched, output not in place", "wrapper returns its input", "prepared step: no launch"]
+    cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+    unpatched = llama_model(args.layers, args.hidden, args.intermediate, 32000, torch.device(args.device), args.dtype)
+    print(f"decode, batch 1, {args.layers} layers x {args.hidden}, {args.pairs} per-token pairs per variant against "
+          f"an unpatched copy (median over tokens of patched / unpatched; 95% interval of that median by bootstrap), "
+          f"{'all-ones attention mask' if args.mask else 'no attention mask'}:")
     for name in names:
-        overhead = statistics.median(t / b - 1 for t, b in zip(times[name], base))
-        per_site = statistics.median(t - b for t, b in zip(times[name], base)) / args.layers
-        print(f"  {name:28s} {statistics.median(times[name]):8.0f} us/token  {100 * overhead:+6.2f}%  "
-              f"{per_site:6.1f} us per site and token", flush=True)
+        set_variant(name)
+        pairs = paired_decode(model, unpatched, ids, 64, args.pairs, torch.device(args.device), mask=args.mask)
+        ratios = [p / u for u, p in pairs]
+        low, high = _bootstrap_median(ratios)
+        per_site = statistics.median(p - u for u, p in pairs) * 1e6 / args.layers
+        print(f"  {name:32s} {1e6 * statistics.median(u for u, _ in pairs):7.0f} -> "
+              f"{1e6 * statistics.median(p for _, p in pairs):7.0f} us/token  {100 * (statistics.median(ratios) - 1):+6.2f}% "
+              f"[{100 * (low - 1):+.2f}, {100 * (high - 1):+.2f}]  {per_site:6.1f} us per site and token", flush=True)
+    set_variant("patched")
+    del unpatched
+
+
+def _bootstrap_median(values, resamples=2000, seed=0):
+    """A 95% interval of the median of ``values`` (percentile bootstrap)."""
+    import random
+    import statistics
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples)]
 
 
 def site_timer(model, ids, args):
@@ -208,6 +234,19 @@ def micro(args):
                          *pointers, args.hidden, h.stride(0), state.stride(0), state.stride(1),
                          0, args.steps, False, False, False, block_c)
         rows.append(("  the same with integer pointers", integer_pointers_run))
+        if hasattr(compiled.run, "launch"):  # Triton's CudaLauncher: Python around its C launch function
+            stubbed_launcher = compiled.run
+            rows.append(("  its Python part alone (C launch stubbed)", integer_pointers_run))
+            launcher = kernels._launcher(compiled)
+            if hasattr(launcher, "c_launch"):  # what the cached launches call (triton_cta.RAW_C_LAUNCH)
+                c_launch, cooperative, pdl = launcher.c_launch
+
+                def c_launch_run():
+                    stream = triton.runtime.driver.active.get_current_stream(h.device.index)
+                    c_launch(grid[0], grid[1], 1, stream, compiled.function, cooperative, pdl, None, None,
+                             compiled.packed_metadata, None, None, None, *pointers, args.hidden, h.stride(0),
+                             state.stride(0), state.stride(1), 0, args.steps, False, False, False, block_c)
+                rows.append(("  its C launch function called directly", c_launch_run))
     for direct in (False, True):
         def update(direct=direct):
             kernels.DIRECT_LAUNCH = direct
@@ -222,7 +261,14 @@ def micro(args):
         rows.append(("  its prepared step alone (_DecodePlan call)", lambda: plan(h, cache)))
     with torch.no_grad():
         for name, fn in rows:
-            print(f"{name:45s} {per_call_us(fn, device):8.1f} us/call", flush=True)
+            saved = None
+            if "C launch stubbed" in name:
+                saved, stubbed_launcher.launch = stubbed_launcher.launch, lambda *unused: None
+            try:
+                print(f"{name:45s} {per_call_us(fn, device):8.1f} us/call", flush=True)
+            finally:
+                if saved is not None:
+                    stubbed_launcher.launch = saved
 
 
 def micro_refine(args):
@@ -290,7 +336,7 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size (the model of bench_patched_model)")
     parser.add_argument("--tokens", type=int, default=48, help="decoded tokens per timing")
-    parser.add_argument("--rounds", type=int, default=7, help="paired rounds of the decode variants")
+    parser.add_argument("--pairs", type=int, default=256, help="per-token pairs of each decode variant")
     parser.add_argument("--mask", action="store_true", help="pass an all-ones attention mask with every step")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -300,6 +346,9 @@ def main():
     parser.add_argument("--causal", action="store_true", help="--refine: the causal scheme (default bidirectional)")
     parser.add_argument("--site-timer", action="store_true",
                         help="also time the patched layer, its wrapped layer and the PDE step in situ while decoding")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the prepared step in pieces: the wrapper with a step that returns its input, "
+                             "the step without its launch, and with an aten copy_ in place of the Triton launch")
     parser.add_argument("--bench-shape", default="1x4096x4096",
                         help="--refine: shape of the do_bench forward+backward, generic vs direct launch")
     args = parser.parse_args()
@@ -309,9 +358,9 @@ def main():
     if args.refine:
         micro_refine(args)
         return
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    intermediate = int(round(11008 * args.hidden / 4096 / 64)) * 64  # as bench_patched_model
-    model = llama_model(args.layers, args.hidden, intermediate, 32000, torch.device(args.device), dtype)
+    args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    args.intermediate = int(round(11008 * args.hidden / 4096 / 64)) * 64  # as bench_patched_model
+    model = llama_model(args.layers, args.hidden, args.intermediate, 32000, torch.device(args.device), args.dtype)
     ids = torch.randint(0, 32000, (1, 512), device=args.device)
     site_costs(model, ids, args)
     if args.site_timer:
@@ -322,6 +371,10 @@ def main():
     with torch.profiler.profile(activities=activities) as prof:
         decode(model, ids, 8, args.mask)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    for event in prof.key_averages():
+        if "pde" in event.key:  # the PDE kernels' device time (not among the rows above)
+            print(f"{event.key[:60]:60s} calls {event.count:5d}  device time per call "
+                  f"{getattr(event, 'device_time', 0.0):.2f} us")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,10 @@ def _has_forward_hooks(module) -> bool:
     )
 
 
+# Decoding: the prepared step writes the refined token over the wrapped module's own output where no hook saw it
+# (False: into a new tensor; for benchmarks/profile_host.py --split).
+DECODE_IN_PLACE = True
+
 try:  # where transformers' `output_hidden_states` hooks put what they record (recent 5.x)
     from transformers.utils.output_capturing import _active_collector as _output_collector
 except ImportError:
@@ -275,11 +279,14 @@ class CTAPatchWrapper(nn.Module):
             # calling the module would do (no hooks on it).
             pde = modules[pde_name]
             plan = pde.__dict__.get("_decode_plan")
+            recorded = bool(wrapped._forward_hooks)  # a hook may hold the wrapped module's output
             if plan is not None and not _has_forward_hooks(pde):
-                refined = plan(hidden_states, cache, mask)
+                # In place over the wrapped module's own fresh output (a residual sum or a projection) when no
+                # hook saw it: no allocation per site and token.
+                refined = plan(hidden_states, cache, mask, DECODE_IN_PLACE and not recorded)
             if refined is None:
                 refined = pde(hidden_states, mask, cache)
-            if wrapped._forward_hooks:
+            if recorded:
                 _record_refined(hidden_states, refined)
             output = _replace_first(output, refined)
         return output
@@ -633,12 +640,10 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
 def _register_recorded_outputs(model):
     """transformers looks up which layer outputs ``output_hidden_states`` / ``output_attentions`` record by the
     model's class, registered when a model is built; a model patched in place has a new class, registered here."""
-    try:
-        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
-    except ImportError:
-        return
-    if getattr(model, "_can_record_outputs", None) is not None:
-        _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+    registry = getattr(transformers.modeling_utils, "_CAN_RECORD_REGISTRY", None)
+    if isinstance(registry, dict) and getattr(model, "_can_record_outputs", None) is not None:
+        # Keyed on str(class) in every 5.x so far (a plain dict, or a dict subclass that takes the model as key).
+        dict.__setitem__(registry, str(type(model)), model._can_record_outputs)
 
 
 def unpatch_model(model):

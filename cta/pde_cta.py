@@ -634,8 +634,9 @@ class _DecodePlan:
         self.launches = [None, None]  # [without, with] a token mask
 
     def applies(self, hidden_states, state) -> bool:
-        """Whether this plan holds for this token and state buffer (everything but the cache slot and grad mode)."""
-        if state is not self.state():
+        """Whether this plan holds for this token and state buffer (everything but the cache slot and grad mode;
+        ``__call__`` checks the same, inline)."""
+        if state is None or state is not self.state():
             return False
         if (
             hidden_states.shape != self.shape
@@ -652,7 +653,9 @@ class _DecodePlan:
             parameters["beta"] is beta and (beta.data_ptr(), beta._version) == self.beta_version
         )
 
-    def __call__(self, hidden_states, past_key_values, attention_mask=None):
+    def __call__(self, hidden_states, past_key_values, attention_mask=None, in_place=False):
+        """The refined token (a new tensor; with ``in_place``, written over ``hidden_states``, which the caller then
+        must own: nothing else may read it afterwards), or None where the general path must run."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         launch = self.launches[attention_mask is not None]
@@ -674,10 +677,27 @@ class _DecodePlan:
         conv_states = getattr(layer, "conv_states", None)
         if conv_states is None or not layer.has_previous_state.get(self.state_idx, False):
             return None
+        # self.applies(hidden_states, state), inline: this runs once per site and token.
         state = conv_states.get(self.state_idx)
-        if not self.applies(hidden_states, state):
+        if (
+            state is None
+            or state is not self.state()
+            or hidden_states.shape != self.shape
+            or hidden_states.dtype != self.dtype
+            or hidden_states.get_device() != self.device
+            or not hidden_states.is_contiguous()
+            or hidden_states.data_ptr() % 16
+        ):
             return None
-        out = torch.empty_like(hidden_states)
+        alpha, beta, parameters = self.alpha, self.beta, self.parameters
+        if parameters["alpha"] is not alpha or (alpha.data_ptr(), alpha._version) != self.alpha_version:
+            return None
+        if beta is not None and (
+            parameters["beta"] is not beta or (beta.data_ptr(), beta._version) != self.beta_version
+        ):
+            return None
+        # The kernel reads each element before it writes it: in place is exact.
+        out = hidden_states if in_place else torch.empty_like(hidden_states)
         launch(hidden_states, out, state, attention_mask)
         return out
 

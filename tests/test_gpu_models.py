@@ -92,6 +92,23 @@ def test_patched_decode_plan_is_exact_and_keeps_hooks(decode_plan_calls):
     with torch.no_grad():
         decode(6, 14)
         assert planned.count(True) == 2 * 6  # 2 sites, every token after the first of each kind (mask or not)
+        assert planned.in_place == planned.count(True)  # over the layers' own outputs: no hook saw them
+        # output_hidden_states while decoding: its recording hooks see the layers' outputs, which then stay as they
+        # are (the step writes a new tensor) and are replaced by the refined ones, what each next layer receives.
+        received = []
+        hooks = [wrapper.wrapped.register_forward_pre_hook(lambda module, args: received.append(args[0]))
+                 for wrapper in model.model.layers]
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        for t in range(6, 9):
+            del received[:]
+            in_place, hits = planned.in_place, planned.count(True)
+            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True, output_hidden_states=True)
+            torch.testing.assert_close(out.logits[:, -1], full[:, t], rtol=1e-4, atol=1e-4)
+            assert planned.in_place == in_place and (t == 6 or planned.count(True) == hits + 2)
+            for k, layer_input in enumerate(received):
+                torch.testing.assert_close(out.hidden_states[k], layer_input, rtol=0, atol=0)
+        for hook in hooks:
+            hook.remove()
         hooked = []
         _, pde = cta.patching_cta.pde_modules(model)[0]
         handle = pde.register_forward_hook(lambda module, args, output: hooked.append(1))
