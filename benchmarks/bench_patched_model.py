@@ -17,9 +17,8 @@ patched (the patch removed with ``cta.unpatch_model`` and re-applied in place be
 an overhead is the median over rounds of patched / unpatched - 1. Decoding and short steps are partly host-bound, and
 the host's speed drifts over a run; pairing keeps that drift out of the ratio (measured one after the other, the
 decode overhead of one unchanged build read +1.9%, +7.4% and +8.7% in three sessions). A batch-1 decode step is
-host-bound and takes milliseconds, and paired rounds of whole decode runs still moved by several percent (in one
-run of ``profile_host.py --split``, variants that do strictly less than the patch read -5.8% and -10.4%); so the
-decode overhead comes from per-token pairs instead (``--decode-pair-tokens``): an unpatched copy of the model (same
+host-bound and takes milliseconds, and paired rounds of whole decode runs still moved a lot (the nine rounds of one
+run read from -29% to +66%); so the decode overhead comes from per-token pairs instead (``--decode-pair-tokens``): an unpatched copy of the model (same
 seed, same weights) decodes beside the patched one, and every token is decoded by each, back to back, each step timed
 by itself (the rounds' figure stays in the JSON and the table's text). The first, sequential measurement of each
 model still gives the memory peaks, the exactness check and its own medians (in the JSON).

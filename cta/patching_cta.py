@@ -25,6 +25,8 @@
   ``generate`` read) with a view whose ``layer_types`` are ``hybrid`` / ``hybrid_sliding`` and whose
   ``number_of_conv_states`` counts the PDE sites per layer; the config's own ``layer_types`` are untouched (Qwen2/3
   index their masks with them).
+* ``output_hidden_states``: entry ``k`` is what layer ``k`` receives, i.e. the refined output of layer ``k - 1``
+  (transformers records it with hooks on the wrapped layers; the wrapper replaces the recorded tensor).
 * PEFT: ``LoraConfig(target_modules=[...], modules_to_save=pde_modules_to_save(model))`` trains LoRA and the PDE
   coefficients together and saves both in the adapter; :func:`mark_pde_trainable` trains the PDE alone.
 """
