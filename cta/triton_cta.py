@@ -1288,8 +1288,9 @@ _COMPILED = {}  # launch key -> (Triton's compiled kernel, its launcher: see _la
 
 # Triton 3.6's launcher object (``compiled.run``) is Python around a C function: it allocates the kernel's global and
 # profile scratch buffers, then calls ``launch(grid, stream, function, cooperative, pdl, scratch, scratch, *args)``.
-# Our kernels need no scratch; calling the C function directly saves that Python, 4.3 of 10.5 us per launch on an
-# H200 host (`profile_host.py --micro`). Other Triton versions lay the call out differently and keep ``compiled.run``.
+# Our kernels need no scratch; calling the C function directly saves that Python: 2.4 of 9.6 us per launch on an H200
+# host (benchmarks/results/decode_micro_NVIDIA_H200.txt). Other Triton versions lay the call out differently and keep
+# ``compiled.run``.
 RAW_C_LAUNCH = triton.__version__.startswith("3.6.") if triton is not None else False
 
 

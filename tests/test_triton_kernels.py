@@ -796,6 +796,9 @@ def test_decode_plan_follows_every_change(pde, decode_plan_calls):
     plan = modules["triton"].__dict__.get("_decode_plan")
     if ON_GPU and kernels.DIRECT_LAUNCH:
         assert sum(planned) >= 8, planned  # most decode steps took the prepared launch
+        launchers = [launcher for key, (_, launcher) in kernels._COMPILED.items() if key[0] is kernels._pde_decode_kernel]
+        # Triton 3.6: through the launcher's C function (RAW_C_LAUNCH); the parity above is then that path's.
+        assert launchers and all(hasattr(launcher, "c_launch") == kernels.RAW_C_LAUNCH for launcher in launchers)
         assert not all(planned)  # and it stood aside where it had to
         gc.collect()
         assert plan is not None and plan.state() is None  # the finished caches' states were not kept alive
