@@ -18,10 +18,11 @@ an overhead is the median over rounds of patched / unpatched - 1. Decoding and s
 the host's speed drifts over a run; pairing keeps that drift out of the ratio (measured one after the other, the
 decode overhead of one unchanged build read +1.9%, +7.4% and +8.7% in three sessions). A batch-1 decode step is
 host-bound and takes milliseconds, and paired rounds of whole decode runs still moved a lot (the nine rounds of one
-run read from -29% to +66%); so the decode overhead comes from per-token pairs instead (``--decode-pair-tokens``): an unpatched copy of the model (same
-seed, same weights) decodes beside the patched one, and every token is decoded by each, back to back, each step timed
-by itself (the rounds' figure stays in the JSON and the table's text). The first, sequential measurement of each
-model still gives the memory peaks, the exactness check and its own medians (in the JSON).
+run read from -29% to +66%); so the decode overhead comes from per-token pairs instead (``--decode-pair-tokens``):
+an unpatched copy of the model (same seed, same weights) decodes beside the patched one, and every token is decoded
+by each, back to back, each step timed by itself (the rounds' figure stays in the JSON and the table's text). The
+first, sequential measurement of each model still gives the memory peaks, the exactness check and its own medians
+(in the JSON).
 
 Timings are medians over ``--repeats`` runs after warm-up (CUDA synchronised wall clock). Writes
 ``benchmarks/results/patched_model_<gpu>.json`` / ``.md`` / ``.png``; the JSON records the PDE backend that ran.
@@ -196,9 +197,9 @@ def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, device, mask
                 step = {}
                 for name in ("unpatched", "patched") if t % 2 == 0 else ("patched", "unpatched"):
                     model, cache, token = states[name]
+                    step_mask = ones[:, : prompt.shape[1] + t + 1] if mask else None
                     sync(device)
                     start = time.perf_counter()
-                    step_mask = ones[:, : prompt.shape[1] + t + 1] if mask else None
                     out = model(input_ids=token, past_key_values=cache, use_cache=True, attention_mask=step_mask)
                     states[name][2] = out.logits[:, -1:].argmax(-1)
                     sync(device)
@@ -309,7 +310,7 @@ def main():
         overhead[name] = 100.0 * (1.0 - 1.0 / statistics.median(ratios)) if key == "decode" else \
             100.0 * (statistics.median(ratios) - 1.0)
         scale = args.decode_tokens if key == "decode" else 1  # decode: seconds per token
-        medians[name] = (statistics.median(u for u, _ in pairs) / scale, statistics.median(p for _, p in pairs) / scale)
+        medians[name] = tuple(statistics.median(side) / scale for side in zip(*pairs))
     decode_method = f"paired rounds of {args.decode_tokens}-token runs"
     if args.decode_pair_tokens > 0:
         info["decode_rounds_overhead_percent"] = overhead["decode_tokens_per_s"]
@@ -322,7 +323,7 @@ def main():
         del unpatched
         info["decode_token_pairs_s"] = pairs
         overhead["decode_tokens_per_s"] = 100.0 * (1.0 - 1.0 / statistics.median(p / u for u, p in pairs))
-        medians["decode_tokens_per_s"] = (statistics.median(u for u, _ in pairs), statistics.median(p for _, p in pairs))
+        medians["decode_tokens_per_s"] = tuple(statistics.median(side) for side in zip(*pairs))
         decode_method = f"{len(pairs)} per-token pairs"
     info["decode_overhead_method"] = decode_method
     info["overhead_percent"] = overhead

@@ -102,9 +102,10 @@ def site_costs(model, ids, args):
         ratios = [p / u for u, p in pairs]
         low, high = _bootstrap_median(ratios)
         per_site = statistics.median(p - u for u, p in pairs) * 1e6 / args.layers
-        print(f"  {name:32s} {1e6 * statistics.median(u for u, _ in pairs):7.0f} -> "
-              f"{1e6 * statistics.median(p for _, p in pairs):7.0f} us/token  {100 * (statistics.median(ratios) - 1):+6.2f}% "
-              f"[{100 * (low - 1):+.2f}, {100 * (high - 1):+.2f}]  {per_site:6.1f} us per site and token", flush=True)
+        unpatched_us, patched_us = (1e6 * statistics.median(side) for side in zip(*pairs))
+        print(f"  {name:32s} {unpatched_us:7.0f} -> {patched_us:7.0f} us/token  "
+              f"{100 * (statistics.median(ratios) - 1):+6.2f}% [{100 * (low - 1):+.2f}, {100 * (high - 1):+.2f}]  "
+              f"{per_site:6.1f} us per site and token", flush=True)
     set_variant("patched")
     del unpatched
 
@@ -347,8 +348,8 @@ def main():
     parser.add_argument("--site-timer", action="store_true",
                         help="also time the patched layer, its wrapped layer and the PDE step in situ while decoding")
     parser.add_argument("--split", action="store_true",
-                        help="also time the prepared step in pieces: the wrapper with a step that returns its input, "
-                             "the step without its launch, and with an aten copy_ in place of the Triton launch")
+                        help="also time the prepared step in pieces: the refined token written to a new tensor, the "
+                             "wrapper with a step that returns its input, and the step without its launch")
     parser.add_argument("--bench-shape", default="1x4096x4096",
                         help="--refine: shape of the do_bench forward+backward, generic vs direct launch")
     args = parser.parse_args()

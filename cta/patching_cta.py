@@ -273,6 +273,7 @@ class CTAPatchWrapper(nn.Module):
             output = wrapped(*args, **kwargs)
 
         modules = self._modules
+        recorded = bool(wrapped._forward_hooks)  # a hook may hold the wrapped module's output
         for pde_name in self._output_pde_names:
             hidden_states = _first_tensor(output)
             mask = context.token_mask(hidden_states.shape[1]) if context is not None else None
@@ -281,7 +282,6 @@ class CTAPatchWrapper(nn.Module):
             # calling the module would do (no hooks on it).
             pde = modules[pde_name]
             plan = pde.__dict__.get("_decode_plan")
-            recorded = bool(wrapped._forward_hooks)  # a hook may hold the wrapped module's output
             if plan is not None and not _has_forward_hooks(pde):
                 # In place over the wrapped module's own fresh output (a residual sum or a projection) when no
                 # hook saw it: no allocation per site and token.

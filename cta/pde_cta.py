@@ -634,8 +634,7 @@ class _DecodePlan:
         self.launches = [None, None]  # [without, with] a token mask
 
     def applies(self, hidden_states, state) -> bool:
-        """Whether this plan holds for this token and state buffer (everything but the cache slot and grad mode;
-        ``__call__`` checks the same, inline)."""
+        """Whether this plan holds for this token and state buffer (everything but the cache slot and grad mode)."""
         if state is None or state is not self.state():
             return False
         if (
@@ -677,24 +676,8 @@ class _DecodePlan:
         conv_states = getattr(layer, "conv_states", None)
         if conv_states is None or not layer.has_previous_state.get(self.state_idx, False):
             return None
-        # self.applies(hidden_states, state), inline: this runs once per site and token.
         state = conv_states.get(self.state_idx)
-        if (
-            state is None
-            or state is not self.state()
-            or hidden_states.shape != self.shape
-            or hidden_states.dtype != self.dtype
-            or hidden_states.get_device() != self.device
-            or not hidden_states.is_contiguous()
-            or hidden_states.data_ptr() % 16
-        ):
-            return None
-        alpha, beta, parameters = self.alpha, self.beta, self.parameters
-        if parameters["alpha"] is not alpha or (alpha.data_ptr(), alpha._version) != self.alpha_version:
-            return None
-        if beta is not None and (
-            parameters["beta"] is not beta or (beta.data_ptr(), beta._version) != self.beta_version
-        ):
+        if not self.applies(hidden_states, state):
             return None
         # The kernel reads each element before it writes it: in place is exact.
         out = hidden_states if in_place else torch.empty_like(hidden_states)
