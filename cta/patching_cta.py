@@ -18,8 +18,8 @@
   before the residual add), ``mlp_output`` (MLP output before the residual add), ``block_output`` (after each block).
   ``attention_matrix`` is not available for patched models (it needs its own attention kernel); use the native models.
 * Decoders get the causal stencil, encoders the bidirectional one. Padding walls come from the 2D ``attention_mask``
-  given to the model (captured by a forward pre-hook on the base model; its last ``L`` columns are the current
-  tokens). A 4D custom mask gives no walls.
+  given to the model (captured by the base model's ``forward``, wrapped on the instance; its last ``L`` columns are
+  the current tokens). A 4D custom mask gives no walls.
 * Cached decoding: the causal PDE state lives in the model's own cache as conv states of transformers' hybrid cache
   layers. The patched config answers ``get_text_config(decoder=True)`` (what ``DynamicCache(config=...)`` and
   ``generate`` read) with a view whose ``layer_types`` are ``hybrid`` / ``hybrid_sliding`` and whose
@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import json
 import os
@@ -108,7 +109,7 @@ def _base_model_type(config) -> str:
 class _PatchContext:
     """Per-forward state shared by the wrappers of one model: the 2D padding mask and the cache in use.
 
-    ``capture`` is a forward pre-hook (with kwargs) on the base model, ``release`` a forward hook (always called).
+    The base model's forward captures it on entry and releases it on exit (:func:`_capturing_forward`).
     """
 
     def __init__(self, mask_position: Optional[int]):
@@ -118,7 +119,7 @@ class _PatchContext:
         self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
         self._step_mask = None  # the fp32 [batch, 1] mask of a one-token step, made once per forward
 
-    def capture(self, module, args, kwargs):
+    def capture(self, args, kwargs):
         mask = kwargs.get("attention_mask")
         if mask is None and self.mask_position is not None and len(args) > self.mask_position:
             mask = args[self.mask_position]
@@ -128,9 +129,14 @@ class _PatchContext:
         self.cache = kwargs.get("past_key_values")
         return None
 
-    def release(self, module, args, kwargs, output):
+    def release(self):
         self.mask = self.cache = self._padded = self._step_mask = None
-        return None
+
+    def snapshot(self):
+        return self.mask, self.cache, self._padded, self._step_mask
+
+    def restore(self, state):
+        self.mask, self.cache, self._padded, self._step_mask = state
 
     def token_mask(self, length: int):
         mask = self.mask
@@ -151,6 +157,19 @@ class _PatchContext:
             # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
             self._padded = torch.compiler.is_compiling() or not bool(mask.all())
         return mask[:, -length:] if self._padded else None
+
+
+def _capturing_forward(module, *args, **kwargs):
+    """The base model's ``forward`` while patched (an instance attribute: ``functools.partial`` of this, as
+    accelerate's hooks do, so that a deep copy calls its own copy): captures the per-forward context around the
+    forward it replaced. Forward hooks would do the same, but any hook sends every call of the model through
+    ``nn.Module``'s general path, a per-token cost when decoding."""
+    context = module._cta_context
+    context.capture(args, kwargs)
+    try:
+        return module._cta_inner_forward(*args, **kwargs)
+    finally:
+        context.release()
 
 
 def _has_forward_hooks(module) -> bool:
@@ -269,14 +288,19 @@ class CTAPatchWrapper(nn.Module):
                 output = wrapped(*args, **kwargs)
             finally:
                 handle.remove()
+        elif self.training and context is not None and wrapped.__dict__.get("gradient_checkpointing"):
+            output = self._call_checkpointed(wrapped, context, args, kwargs)
         else:
             output = wrapped(*args, **kwargs)
 
+        # Every decoded token passes here once per site, and a batch-1 step is host-bound: the common case (a tensor
+        # output, no mask, no hooks) costs no helper call.
         modules = self._modules
         recorded = bool(wrapped._forward_hooks)  # a hook may hold the wrapped module's output
         for pde_name in self._output_pde_names:
-            hidden_states = _first_tensor(output)
-            mask = context.token_mask(hidden_states.shape[1]) if context is not None else None
+            plain = type(output) is torch.Tensor
+            hidden_states = output if plain else _first_tensor(output)
+            mask = None if context is None or context.mask is None else context.token_mask(hidden_states.shape[1])
             refined = None
             # Decoding: the step the PDE module prepared (``_DecodePlan``), called here directly when that is what
             # calling the module would do (no hooks on it).
@@ -290,8 +314,38 @@ class CTAPatchWrapper(nn.Module):
                 refined = pde(hidden_states, mask, cache)
             if recorded:
                 _record_refined(hidden_states, refined)
-            output = _replace_first(output, refined)
+            output = refined if plain else _replace_first(output, refined)
         return output
+
+    @staticmethod
+    def _call_checkpointed(wrapped, context, args, kwargs):
+        """Calls a layer that checkpoints its forward (transformers' gradient checkpointing). Its recomputation runs
+        in the backward pass, after this forward's context was released, and the wrappers nested in the layer read
+        the padding mask from that context: the checkpointed function runs with this call's context restored."""
+        checkpoint = wrapped.__dict__.get("_gradient_checkpointing_func")
+        if checkpoint is None:
+            return wrapped(*args, **kwargs)
+        state = context.snapshot()
+
+        def in_context(function):
+            def run(*inner_args, **inner_kwargs):
+                saved = context.snapshot()
+                context.restore(state)
+                try:
+                    return function(*inner_args, **inner_kwargs)
+                finally:
+                    context.restore(saved)
+
+            return run
+
+        def checkpoint_in_context(function, *checkpoint_args, **checkpoint_kwargs):
+            return checkpoint(in_context(function), *checkpoint_args, **checkpoint_kwargs)
+
+        wrapped.__dict__["_gradient_checkpointing_func"] = checkpoint_in_context
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            wrapped.__dict__["_gradient_checkpointing_func"] = checkpoint
 
     def _make_value_hook(self, cache):
         def hook(module, args, output):
@@ -534,8 +588,8 @@ def _apply_patch(model, spec):
     mask_position = _signature_index(base.forward, "attention_mask")
     context = _PatchContext(mask_position)
     base._cta_context = context
-    base.register_forward_pre_hook(context.capture, with_kwargs=True)
-    base.register_forward_hook(context.release, with_kwargs=True, always_call=True)
+    base._cta_inner_forward = base.forward  # the bound class method, or an instance forward set before (accelerate)
+    base.forward = functools.update_wrapper(functools.partial(_capturing_forward, base), base._cta_inner_forward)
     if spec["pde_steps"] == 0:
         return model
     hidden = config.hidden_size
@@ -580,17 +634,13 @@ def _apply_patch(model, spec):
 
 def _remove_patch_modules(model):
     for name, module in list(model.named_modules()):
-        hooks = getattr(module, "_forward_pre_hooks", {})
-        for key, hook in list(hooks.items()):
-            if isinstance(getattr(hook, "__self__", None), _PatchContext):
-                del hooks[key]
-                module._forward_pre_hooks_with_kwargs.pop(key, None)
-        hooks = getattr(module, "_forward_hooks", {})
-        for key, hook in list(hooks.items()):
-            if isinstance(getattr(hook, "__self__", None), _PatchContext):
-                del hooks[key]
-                module._forward_hooks_with_kwargs.pop(key, None)
-                module._forward_hooks_always_called.pop(key, None)
+        inner = module.__dict__.pop("_cta_inner_forward", None)
+        if inner is not None:
+            # Back to the class's forward, or to the instance forward that was there before the patch.
+            if getattr(inner, "__self__", None) is module and inner.__func__ is type(module).forward:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = inner
         module.__dict__.pop("_cta_context", None)
     # Unwrap deepest first so that nested wrappers (attention inside a block) are replaced inside their new parent.
     wrappers = [(name, m) for name, m in model.named_modules() if isinstance(m, CTAPatchWrapper)]

@@ -621,7 +621,7 @@ class _DecodePlan:
     """
 
     __slots__ = ("layer_idx", "state_idx", "state", "shape", "dtype", "device", "parameters", "alpha", "beta",
-                 "alpha_version", "beta_version", "launches")
+                 "alpha_ptr", "alpha_version", "beta_ptr", "beta_version", "launches")
 
     def __init__(self, module, hidden_states, state):
         self.layer_idx, self.state_idx = module.layer_idx, module.state_idx
@@ -629,8 +629,9 @@ class _DecodePlan:
         self.shape, self.dtype, self.device = hidden_states.shape, hidden_states.dtype, hidden_states.get_device()
         self.parameters = module._parameters  # the module's own dict: a replaced parameter is seen here
         self.alpha, self.beta = module.alpha, module.beta
-        self.alpha_version = (self.alpha.data_ptr(), self.alpha._version)
-        self.beta_version = None if self.beta is None else (self.beta.data_ptr(), self.beta._version)
+        # An in-place update bumps the version, a `.data` swap moves the storage, a new Parameter replaces the object.
+        self.alpha_ptr, self.alpha_version = self.alpha.data_ptr(), self.alpha._version
+        self.beta_ptr, self.beta_version = (0, 0) if self.beta is None else (self.beta.data_ptr(), self.beta._version)
         self.launches = [None, None]  # [without, with] a token mask
 
     def applies(self, hidden_states, state) -> bool:
@@ -639,17 +640,17 @@ class _DecodePlan:
             return False
         if (
             hidden_states.shape != self.shape
-            or hidden_states.dtype != self.dtype
+            or hidden_states.dtype is not self.dtype
             or hidden_states.get_device() != self.device
             or not hidden_states.is_contiguous()
             or hidden_states.data_ptr() % 16
         ):
             return False
         alpha, beta, parameters = self.alpha, self.beta, self.parameters
-        if parameters["alpha"] is not alpha or (alpha.data_ptr(), alpha._version) != self.alpha_version:
+        if parameters["alpha"] is not alpha or alpha._version != self.alpha_version or alpha.data_ptr() != self.alpha_ptr:
             return False
         return beta is None or (
-            parameters["beta"] is beta and (beta.data_ptr(), beta._version) == self.beta_version
+            parameters["beta"] is beta and beta._version == self.beta_version and beta.data_ptr() == self.beta_ptr
         )
 
     def __call__(self, hidden_states, past_key_values, attention_mask=None, in_place=False):
@@ -669,14 +670,11 @@ class _DecodePlan:
                 or attention_mask.data_ptr() % 16
             ):
                 return None
-        layers = getattr(past_key_values, "layers", None)
-        if layers is None or len(layers) <= self.layer_idx:
+        try:  # the state buffer of a hybrid cache layer that holds one; any other cache takes the general path
+            layer = past_key_values.layers[self.layer_idx]
+            state = layer.conv_states[self.state_idx] if layer.has_previous_state[self.state_idx] else None
+        except (AttributeError, IndexError, KeyError, TypeError):
             return None
-        layer = layers[self.layer_idx]
-        conv_states = getattr(layer, "conv_states", None)
-        if conv_states is None or not layer.has_previous_state.get(self.state_idx, False):
-            return None
-        state = conv_states.get(self.state_idx)
         if not self.applies(hidden_states, state):
             return None
         # The kernel reads each element before it writes it: in place is exact.

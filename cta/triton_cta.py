@@ -1898,20 +1898,32 @@ def bind_decode_update(x, state, alpha, beta, token_mask, pde: int, steps: int):
     current_stream = triton.runtime.driver.active.get_current_stream
     device = key[1]
     grid_x, grid_y = grid
-    alpha_ptr, beta_ptr = pointers[4], pointers[5]  # bound (the closure keeps alpha and b alive)
     b = tensors[5]
+    tail = (pointers[4], pointers[5], *ints, *consts)  # alpha and b bound (the closure keeps them alive)
+    # Triton's launch hooks as found now (None, or empty HookChains): while they are these objects and their lists
+    # of calls stay empty, a launch skips _launch_hooks (three calls per launch, at one launch per site and token).
+    runtime = triton.knobs.runtime
+    enter_seen, leave_seen = runtime.launch_enter_hook, runtime.launch_exit_hook
+    enter_calls, leave_calls = getattr(enter_seen, "calls", None), getattr(leave_seen, "calls", None)
+    idle = _launch_hooks() == (None, None)
+    idle_middle = (*middle, None, None, None)  # no launch metadata, no hooks
 
     def launch(x, y, state, token_mask):
         stream = current_stream(device)
-        enter, leave = _launch_hooks()
         x_ptr = x.data_ptr()
-        tm = x if token_mask is None else token_mask  # the kernel never reads the mask pointer without a mask
+        # Integer pointers, as in _launch; the kernel never reads the mask pointer without a mask.
+        tm_ptr = x_ptr if token_mask is None else token_mask.data_ptr()
+        if idle and runtime.launch_enter_hook is enter_seen and runtime.launch_exit_hook is leave_seen and \
+                not enter_calls and not leave_calls:
+            call(grid_x, grid_y, 1, stream, *idle_middle, x_ptr, y.data_ptr(), state.data_ptr(), tm_ptr, *tail)
+            return
+        enter, leave = _launch_hooks()
         metadata = None
         if enter is not None:
+            tm = x if token_mask is None else token_mask
             metadata = compiled.launch_metadata((grid_x, grid_y, 1), stream, x, y, state, tm, alpha, b, *ints, *consts)
-        # Integer pointers, as in _launch.
         call(grid_x, grid_y, 1, stream, *middle, metadata, enter, leave, x_ptr, y.data_ptr(), state.data_ptr(),
-             x_ptr if token_mask is None else token_mask.data_ptr(), alpha_ptr, beta_ptr, *ints, *consts)
+             tm_ptr, *tail)
 
     return launch
 

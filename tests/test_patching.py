@@ -1,5 +1,6 @@
 """patch_model on pretrained architectures: identity init, walls, exact cached decoding, save/reload, PEFT."""
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -121,6 +122,7 @@ def test_identity_and_paper_init_tiny(arch):
     unpatch_model(model)
     assert not type(model).__name__.startswith("CTAPatched") and not hasattr(model.config, "cta_patch")
     assert not any("cta_" in name for name, _ in model.named_parameters())
+    assert not any(name.startswith(("forward", "_cta")) for name in vars(model.base_model))  # the class's forward again
     torch.testing.assert_close(logits(model, ids, mask), reference, atol=0, rtol=0)
 
 
@@ -210,9 +212,38 @@ def test_padding_is_a_wall(arch):
         mask = mask.flip(-1)
     other = torch.where(mask.bool(), ids, (ids + 7) % VOCAB)
     a, b = logits(model, ids, mask), logits(model, other, mask)
+    twin = copy.deepcopy(model)  # runs its own forward, with its own padding context, after the original changes
+    randomize_pde(model)
+    twin_b = logits(twin, other, mask)
     if arch in DECODERS:
-        a, b = a[1, 4:], b[1, 4:]
+        a, b, twin_b = a[1, 4:], b[1, 4:], twin_b[1, 4:]
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(twin_b, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_gradient_checkpointing_gives_the_same_gradients(arch, reentrant):
+    """transformers' gradient checkpointing recomputes each layer in the backward pass, after the forward's padding
+    context was released; the wrappers nested in a layer (value / attention / MLP placements) must still see the
+    padding walls there (they did not: the recomputed layer ran without walls, and the gradients were off by 0.1)."""
+    model = patch_model(tiny_model(arch), pde_steps=3, placement=list(PATCH_PLACEMENTS), init="paper")
+    randomize_pde(model)
+    ids, mask = batch(pad=4)
+    if arch in ENCODERS:
+        mask = mask.flip(-1)
+    twin = copy.deepcopy(model)
+    twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    grads = []
+    for m in (model, twin):
+        m.train()
+        torch.manual_seed(0)  # the same dropout masks
+        labels = ids if arch in DECODERS else torch.tensor([0, 2])
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("cta_value" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("placement", list(PATCH_PLACEMENTS) + ["all"])

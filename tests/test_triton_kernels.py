@@ -804,6 +804,31 @@ def test_decode_plan_follows_every_change(pde, decode_plan_calls):
         assert plan is not None and plan.state() is None  # the finished caches' states were not kept alive
         modules["triton"].steps = steps  # setting any attribute of the module drops its plan
         assert "_decode_plan" not in modules["triton"].__dict__
+        # A Triton launch hook (what profilers install) added while plans are bound sees every prepared launch,
+        # and once removed, the prepared launches skip the hooks again.
+        runtime, names = kernels.triton.knobs.runtime, []
+
+        def hook(metadata):
+            names.append(getattr(metadata, "data", {}).get("name"))
+
+        chain = runtime.launch_enter_hook
+        with torch.no_grad():
+            generation(2, 4)
+            if hasattr(chain, "add"):
+                chain.add(hook)
+            else:
+                runtime.launch_enter_hook = hook
+            try:
+                generation(2, 4)
+            finally:
+                if hasattr(chain, "add"):
+                    chain.remove(hook)
+                else:
+                    runtime.launch_enter_hook = chain
+            decode_launches = names.count(kernels._pde_decode_kernel.__name__)
+            generation(2, 4)
+        assert decode_launches >= 3, names
+        assert names.count(kernels._pde_decode_kernel.__name__) == decode_launches
     else:
         assert plan is None and not any(planned)  # no direct launch on the interpreter: no plan
 
