@@ -127,7 +127,6 @@ class _PatchContext:
         self.mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
         self._padded = self._step_mask = None
         self.cache = kwargs.get("past_key_values")
-        return None
 
     def release(self):
         self.mask = self.cache = self._padded = self._step_mask = None
