@@ -326,19 +326,16 @@ class CTAPatchWrapper(nn.Module):
             return wrapped(*args, **kwargs)
         state = context.snapshot()
 
-        def in_context(function):
-            def run(*inner_args, **inner_kwargs):
+        def checkpoint_in_context(function, *checkpoint_args, **checkpoint_kwargs):
+            def run(*run_args, **run_kwargs):  # the forward and, later, its recomputation
                 saved = context.snapshot()
                 context.restore(state)
                 try:
-                    return function(*inner_args, **inner_kwargs)
+                    return function(*run_args, **run_kwargs)
                 finally:
                     context.restore(saved)
 
-            return run
-
-        def checkpoint_in_context(function, *checkpoint_args, **checkpoint_kwargs):
-            return checkpoint(in_context(function), *checkpoint_args, **checkpoint_kwargs)
+            return checkpoint(run, *checkpoint_args, **checkpoint_kwargs)
 
         wrapped.__dict__["_gradient_checkpointing_func"] = checkpoint_in_context
         try:

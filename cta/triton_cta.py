@@ -1437,8 +1437,8 @@ _STREAM_DEFAULTS_PER_CHANNEL = {('bwd', False): {4: (16, 128, 1, 3, 1)}}
 # them).
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
 MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
-# (T, BLOCK_C, num_warps, D, A) of its programs (D: the prefetch depth of any walk in the kernel; A: input blocks loaded ahead, see
-# ``_mma_blocks``), T a multiple of MMA_BLOCK. Bidirectional: the best on all three large shapes of one grid at 8
+# (T, BLOCK_C, num_warps, D, A) of its programs (D: the prefetch depth of any walk in the kernel; A: input blocks
+# loaded ahead, see ``_mma_blocks``), T a multiple of MMA_BLOCK. Bidirectional: the best on all three large shapes of one grid at 8
 # steps, since the forward runs one copy (`tune_stream.py --mma --kernels fwd,bwd --modes bidi --steps 8 --shape S
 # --t-values 32,64,128,256 --blocks 64:2,64:4,128:2,128:4,256:4 --d-values 2 --unroll-values 0,1,2`,
 # stream_tuning_mma_{1x16384x4096,8x4096x4096,narrow}_*.json, the last one 1x65536x512): forward 32 x 256, 4 warps,
