@@ -171,6 +171,33 @@ def _capturing_forward(module, *args, **kwargs):
         context.release()
 
 
+_MODULE_CALL = nn.Module.__call__  # torch.fx's symbolic tracing patches it while it traces
+
+
+def _runs_bare(module) -> bool:
+    """Whether ``nn.Module.__call__`` would call ``module.forward`` and nothing else: no hook of its own or global,
+    no compiled call (``module.compile()``), no JIT trace (the checks of ``_wrapped_call_impl`` and ``_call_impl``),
+    and ``nn.Module.__call__`` not patched (torch.fx)."""
+    return not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
+        or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks
+        or module._compiled_call_impl is not None or torch._C._get_tracing_state()
+        or nn.Module.__call__ is not _MODULE_CALL
+    )
+
+
+# The ``__call__`` of layers that, outside training, only call nn.Module.__call__ (transformers' gradient
+# checkpointing layer overrides it in some 5.x releases; it checkpoints only while training).
+_PLAIN_CALLS = {_MODULE_CALL}
+try:
+    from transformers.modeling_layers import GradientCheckpointingLayer as _CheckpointingLayer
+
+    _PLAIN_CALLS.add(_CheckpointingLayer.__call__)
+except ImportError:  # pragma: no cover - transformers without that base class
+    pass
+
+
 def _has_forward_hooks(module) -> bool:
     """Whether calling ``module`` would run any forward hook (its own or global ones), as ``nn.Module`` checks."""
     return bool(
@@ -261,7 +288,20 @@ class CTAPatchWrapper(nn.Module):
         mask = self._cta_context.token_mask(hidden_states.shape[1]) if self._cta_context is not None else None
         return self._modules[pde_name](hidden_states, mask, cache)
 
+    def __call__(self, *args, **kwargs):
+        # nn.Module.__call__ takes two frames that re-pack the layer's keyword arguments to check for hooks, and the
+        # wrapped layer's call as many again: a decode step pays them once per layer and token. With nothing to run
+        # around forward (``_runs_bare``), this calls forward's body directly.
+        if _runs_bare(self):
+            return self._forward(args, kwargs, True)
+        return super().__call__(*args, **kwargs)
+
     def forward(self, *args, **kwargs):
+        return self._forward(args, kwargs, False)
+
+    def _forward(self, args, kwargs, bare):
+        """The forward; ``bare``: called with no hook, compiled call or trace around it (then, in eval mode, the
+        wrapped layer's forward is called directly too where nothing would run around it either)."""
         # Runs once per layer and token when decoding, where host time is the cost: plain attributes and dict
         # lookups only (a submodule read through nn.Module.__getattr__ costs a failed lookup first).
         context = self._cta_context
@@ -289,6 +329,11 @@ class CTAPatchWrapper(nn.Module):
                 handle.remove()
         elif self.training and context is not None and wrapped.__dict__.get("gradient_checkpointing"):
             output = self._call_checkpointed(wrapped, context, args, kwargs)
+        elif bare and not wrapped.training and type(wrapped).__call__ in _PLAIN_CALLS and not (
+            wrapped._forward_hooks or wrapped._forward_pre_hooks or wrapped._backward_hooks
+            or wrapped._backward_pre_hooks or wrapped._compiled_call_impl is not None
+        ):  # what calling it would do (global hooks and tracing: checked for this call already)
+            output = wrapped.forward(*args, **kwargs)
         else:
             output = wrapped(*args, **kwargs)
 
@@ -305,7 +350,9 @@ class CTAPatchWrapper(nn.Module):
             # calling the module would do (no hooks on it).
             pde = modules[pde_name]
             plan = pde.__dict__.get("_decode_plan")
-            if plan is not None and not _has_forward_hooks(pde):
+            if plan is not None and not (
+                pde._forward_hooks or pde._forward_pre_hooks or not bare and _has_forward_hooks(pde)
+            ):  # (bare: no global hook)
                 # In place over the wrapped module's own fresh output (a residual sum or a projection) when no
                 # hook saw it: no allocation per site and token.
                 refined = plan(hidden_states, cache, mask, DECODE_IN_PLACE and not recorded)

@@ -246,6 +246,65 @@ def test_gradient_checkpointing_gives_the_same_gradients(arch, reentrant):
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_module_calls_are_skipped_only_where_nothing_runs_around_forward(monkeypatch, arch):
+    """The wrappers call their forward directly, and so do they the layers they wrap in eval mode (nn.Module's call
+    re-packs a layer's arguments in two frames, per layer and decoded token). A global hook, a hook on a wrapped
+    layer, a hook on a wrapper, and training each put the module calls back; every path gives the same outputs."""
+    model = patch_model(tiny_model(arch), pde_steps=3, placement=list(PATCH_PLACEMENTS), init="paper")
+    randomize_pde(model)
+    ids, mask = batch(pad=4)
+    if arch in ENCODERS:
+        mask = mask.flip(-1)
+    called = []
+    call_impl = torch.nn.Module._call_impl
+
+    def counting_call_impl(self, *args, **kwargs):
+        called.append(self)
+        return call_impl(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "_call_impl", counting_call_impl)
+    wrappers = [m for m in model.modules() if isinstance(m, CTAPatchWrapper)]
+    # A wrapper refining the value projection calls its layer with a hook on that projection.
+    direct = [w.wrapped for w in wrappers if "value" not in w.placements]
+    assert len(direct) >= 2 * 2
+
+    def module_called(module):
+        return any(m is module for m in called)
+
+    bare = logits(model, ids, mask)
+    assert not any(module_called(m) for m in wrappers + direct)
+
+    called.clear()
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: seen.append(module) if isinstance(module, CTAPatchWrapper) else None)
+    try:
+        hooked = logits(model, ids, mask)
+    finally:
+        handle.remove()
+    assert len(seen) == len(wrappers) and all(module_called(m) for m in wrappers + direct)
+    torch.testing.assert_close(hooked, bare, atol=0, rtol=0)
+
+    block = next(w for w in wrappers if w.role == "block")
+    outputs = {}
+    handles = [block.wrapped.register_forward_hook(lambda module, args, output: outputs.setdefault("layer", output)),
+               block.register_forward_hook(lambda module, args, output: outputs.setdefault("wrapper", output))]
+    try:
+        hooked = logits(model, ids, mask)
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(hooked, bare, atol=0, rtol=0)
+    unrefined, refined = (out if torch.is_tensor(out) else out[0] for out in (outputs["layer"], outputs["wrapper"]))
+    assert (refined - unrefined).abs().max() > 1e-4  # the layer's hook saw its own output, the wrapper's the refined
+
+    called.clear()
+    model.train()
+    model(input_ids=ids, attention_mask=mask)
+    assert all(module_called(m) for m in direct) and not any(module_called(m) for m in wrappers)
+
+
 @pytest.mark.parametrize("placement", list(PATCH_PLACEMENTS) + ["all"])
 @pytest.mark.parametrize("arch", DECODERS)
 def test_cached_decoding_is_exact(arch, placement):
