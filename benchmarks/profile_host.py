@@ -67,12 +67,13 @@ def site_costs(model, ids, args):
     import cta.triton_cta as kernels
     from bench_patched_model import paired_decode
 
-    wrapper_forward, bind, plan_call = (
-        patching.CTAPatchWrapper.forward, kernels.bind_decode_update, pde_cta._DecodePlan.__call__)
+    bind, plan_call = kernels.bind_decode_update, pde_cta._DecodePlan.__call__
 
     def set_variant(name):
-        patching.CTAPatchWrapper.forward, kernels.bind_decode_update = wrapper_forward, bind
+        kernels.bind_decode_update = bind
         pde_cta._DecodePlan.__call__ = plan_call
+        for wrapper, output_pdes in output_pde_names.items():
+            wrapper._output_pde_names = output_pdes
         patching.DECODE_IN_PLACE = True
         for _, pde in patching.pde_modules(model):
             pde.__dict__.pop("_decode_plan", None)
@@ -80,8 +81,9 @@ def site_costs(model, ids, args):
             kernels.bind_decode_update = lambda *unused: None
         elif name == "patched, output not in place":
             patching.DECODE_IN_PLACE = False
-        elif name == "pass-through wrappers":
-            patching.CTAPatchWrapper.forward = lambda self, *a, **k: self._modules["wrapped"](*a, **k)
+        elif name == "pass-through wrappers":  # everything the wrappers do but refine
+            for wrapper in output_pde_names:
+                wrapper._output_pde_names = ()
         elif name == "prepared step: no launch":
             kernels.bind_decode_update = lambda *unused: lambda x, y, state, token_mask: None
         elif name == "wrapper returns its input":
@@ -92,6 +94,7 @@ def site_costs(model, ids, args):
     if args.split:
         names += ["patched, output not in place", "wrapper returns its input", "prepared step: no launch"]
     cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+    output_pde_names = {m: m._output_pde_names for m in model.modules() if isinstance(m, patching.CTAPatchWrapper)}
     unpatched = llama_model(args.layers, args.hidden, args.intermediate, 32000, torch.device(args.device), args.dtype)
     print(f"decode, batch 1, {args.layers} layers x {args.hidden}, {args.pairs} per-token pairs per variant against "
           f"an unpatched copy (median over tokens of patched / unpatched; 95% interval of that median by bootstrap), "
@@ -149,10 +152,10 @@ def site_timer(model, ids, args):
             cta.patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
         elif patching.is_patched(model):
             cta.unpatch_model(model)
-        saved = patching.CTAPatchWrapper.forward, pde_cta._DecodePlan.__call__
+        saved = patching.CTAPatchWrapper.__call__, pde_cta._DecodePlan.__call__
         inner = [layer._modules["wrapped"] if variant == "patched" else layer for layer in model.model.layers]
         try:
-            patching.CTAPatchWrapper.forward = timed("patched layer (wrapper)", saved[0])
+            patching.CTAPatchWrapper.__call__ = timed("patched layer (wrapper)", saved[0])
             pde_cta._DecodePlan.__call__ = timed("prepared PDE step", saved[1])
             for layer in inner:
                 layer.forward = timed("decoder layer", layer.forward)
@@ -161,7 +164,7 @@ def site_timer(model, ids, args):
             per_token = per_token_us(model, ids, args.tokens, args.device, args.mask)
             results[variant] = (per_token, {k: v[0] / v[1] / 1e3 for k, v in totals.items()})
         finally:
-            patching.CTAPatchWrapper.forward, pde_cta._DecodePlan.__call__ = saved
+            patching.CTAPatchWrapper.__call__, pde_cta._DecodePlan.__call__ = saved
             for layer in inner:
                 layer.__dict__.pop("forward", None)
     print(f"in-situ host time while decoding ({args.layers} layers x {args.hidden}, "
