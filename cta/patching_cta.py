@@ -344,7 +344,12 @@ class CTAPatchWrapper(nn.Module):
         for pde_name in self._output_pde_names:
             plain = type(output) is torch.Tensor
             hidden_states = output if plain else _first_tensor(output)
-            mask = None if context is None or context.mask is None else context.token_mask(hidden_states.shape[1])
+            if context is None or context.mask is None:
+                mask = None
+            else:  # a one-token forward's mask, made once by its first site (every site has one token), or the lookup
+                mask = context._step_mask
+                if mask is None:
+                    mask = context.token_mask(hidden_states.shape[1])
             refined = None
             # Decoding: the step the PDE module prepared (``_DecodePlan``), called here directly when that is what
             # calling the module would do (no hooks on it).

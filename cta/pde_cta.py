@@ -620,13 +620,14 @@ class _DecodePlan:
     generation's cache is not kept alive.
     """
 
-    __slots__ = ("layer_idx", "state_idx", "state", "shape", "dtype", "device", "parameters", "alpha", "beta",
-                 "alpha_ptr", "alpha_version", "beta_ptr", "beta_version", "launches")
+    __slots__ = ("layer_idx", "state_idx", "state", "shape", "mask_shape", "dtype", "device", "parameters", "alpha",
+                 "beta", "alpha_ptr", "alpha_version", "beta_ptr", "beta_version", "launches")
 
     def __init__(self, module, hidden_states, state):
         self.layer_idx, self.state_idx = module.layer_idx, module.state_idx
         self.state = weakref.ref(state)
         self.shape, self.dtype, self.device = hidden_states.shape, hidden_states.dtype, hidden_states.get_device()
+        self.mask_shape = (hidden_states.shape[0], 1)  # of a token mask
         self.parameters = module._parameters  # the module's own dict: a replaced parameter is seen here
         self.alpha, self.beta = module.alpha, module.beta
         # An in-place update bumps the version, a `.data` swap moves the storage, a new Parameter replaces the object.
@@ -663,8 +664,8 @@ class _DecodePlan:
             return None
         if attention_mask is not None:
             if (
-                attention_mask.dtype != torch.float32
-                or attention_mask.shape != (self.shape[0], 1)
+                attention_mask.dtype is not torch.float32
+                or attention_mask.shape != self.mask_shape
                 or attention_mask.get_device() != self.device
                 or not attention_mask.is_contiguous()
                 or attention_mask.data_ptr() % 16
