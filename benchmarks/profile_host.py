@@ -65,7 +65,7 @@ def site_costs(model, ids, args):
     import cta.patching_cta as patching
     import cta.pde_cta as pde_cta
     import cta.triton_cta as kernels
-    from bench_patched_model import paired_decode
+    from bench_patched_model import bootstrap_median, paired_decode
 
     bind, plan_call = kernels.bind_decode_update, pde_cta._DecodePlan.__call__
 
@@ -103,7 +103,7 @@ def site_costs(model, ids, args):
         set_variant(name)
         pairs = paired_decode(model, unpatched, ids, 64, args.pairs, torch.device(args.device), mask=args.mask)
         ratios = [p / u for u, p in pairs]
-        low, high = _bootstrap_median(ratios)
+        low, high = bootstrap_median(ratios)
         per_site = statistics.median(p - u for u, p in pairs) * 1e6 / args.layers
         unpatched_us, patched_us = (1e6 * statistics.median(side) for side in zip(*pairs))
         print(f"  {name:32s} {unpatched_us:7.0f} -> {patched_us:7.0f} us/token  "
@@ -111,16 +111,6 @@ def site_costs(model, ids, args):
               f"{per_site:6.1f} us per site and token", flush=True)
     set_variant("patched")
     del unpatched
-
-
-def _bootstrap_median(values, resamples=2000, seed=0):
-    """A 95% interval of the median of ``values`` (percentile bootstrap)."""
-    import random
-    import statistics
-
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples)]
 
 
 def site_timer(model, ids, args):
