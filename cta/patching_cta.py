@@ -44,6 +44,7 @@ import torch
 import torch.nn.modules.module as _module_hooks  # the global hook registries nn.Module.__call__ consults
 import transformers
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .pde_cta import (
     MAX_PDE_STEPS,
@@ -172,30 +173,30 @@ def _capturing_forward(module, *args, **kwargs):
 
 
 _MODULE_CALL = nn.Module.__call__  # torch.fx's symbolic tracing patches it while it traces
+# The ``__call__`` of layers that, outside training, only call nn.Module.__call__ (transformers' gradient
+# checkpointing layer overrides it in some 5.x releases; it checkpoints only while training).
+_PLAIN_CALLS = {_MODULE_CALL, GradientCheckpointingLayer.__call__}
 
 
-def _runs_bare(module) -> bool:
-    """Whether ``nn.Module.__call__`` would call ``module.forward`` and nothing else: no hook of its own or global,
-    no compiled call (``module.compile()``), no JIT trace (the checks of ``_wrapped_call_impl`` and ``_call_impl``),
-    and ``nn.Module.__call__`` not patched (torch.fx)."""
-    return not (
+def _has_call_extras(module) -> bool:
+    """Whether ``nn.Module.__call__`` would run anything of the module's own around its forward: a hook of any kind,
+    or a compiled call (``module.compile()``)."""
+    return bool(
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-        or _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
-        or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks
-        or module._compiled_call_impl is not None or torch._C._get_tracing_state()
-        or nn.Module.__call__ is not _MODULE_CALL
+        or module._compiled_call_impl is not None
     )
 
 
-# The ``__call__`` of layers that, outside training, only call nn.Module.__call__ (transformers' gradient
-# checkpointing layer overrides it in some 5.x releases; it checkpoints only while training).
-_PLAIN_CALLS = {_MODULE_CALL}
-try:
-    from transformers.modeling_layers import GradientCheckpointingLayer as _CheckpointingLayer
-
-    _PLAIN_CALLS.add(_CheckpointingLayer.__call__)
-except ImportError:  # pragma: no cover - transformers without that base class
-    pass
+def _runs_bare(module) -> bool:
+    """Whether ``nn.Module.__call__`` would call ``module.forward`` and nothing else: nothing of the module's own
+    (``_has_call_extras``), no global hook, no JIT trace (the checks of ``_wrapped_call_impl`` and ``_call_impl``),
+    and ``nn.Module.__call__`` not patched (torch.fx)."""
+    return not (
+        _has_call_extras(module)
+        or _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
+        or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks
+        or torch._C._get_tracing_state() or nn.Module.__call__ is not _MODULE_CALL
+    )
 
 
 def _has_forward_hooks(module) -> bool:
@@ -329,10 +330,8 @@ class CTAPatchWrapper(nn.Module):
                 handle.remove()
         elif self.training and context is not None and wrapped.__dict__.get("gradient_checkpointing"):
             output = self._call_checkpointed(wrapped, context, args, kwargs)
-        elif bare and not wrapped.training and type(wrapped).__call__ in _PLAIN_CALLS and not (
-            wrapped._forward_hooks or wrapped._forward_pre_hooks or wrapped._backward_hooks
-            or wrapped._backward_pre_hooks or wrapped._compiled_call_impl is not None
-        ):  # what calling it would do (global hooks and tracing: checked for this call already)
+        elif bare and not wrapped.training and type(wrapped).__call__ in _PLAIN_CALLS and not _has_call_extras(wrapped):
+            # what calling it would do (global hooks and tracing: checked for this call already)
             output = wrapped.forward(*args, **kwargs)
         else:
             output = wrapped(*args, **kwargs)
@@ -355,9 +354,10 @@ class CTAPatchWrapper(nn.Module):
             # calling the module would do (no hooks on it).
             pde = modules[pde_name]
             plan = pde.__dict__.get("_decode_plan")
+            # (bare: no global hook is set, so only the module's own hooks are left to ask about)
             if plan is not None and not (
                 pde._forward_hooks or pde._forward_pre_hooks or not bare and _has_forward_hooks(pde)
-            ):  # (bare: no global hook)
+            ):
                 # In place over the wrapped module's own fresh output (a residual sum or a projection) when no
                 # hook saw it: no allocation per site and token.
                 refined = plan(hidden_states, cache, mask, DECODE_IN_PLACE and not recorded)

@@ -648,7 +648,10 @@ class _DecodePlan:
         ):
             return False
         alpha, beta, parameters = self.alpha, self.beta, self.parameters
-        if parameters["alpha"] is not alpha or alpha._version != self.alpha_version or alpha.data_ptr() != self.alpha_ptr:
+        if (
+            parameters["alpha"] is not alpha or alpha._version != self.alpha_version
+            or alpha.data_ptr() != self.alpha_ptr
+        ):
             return False
         return beta is None or (
             parameters["beta"] is beta and beta._version == self.beta_version and beta.data_ptr() == self.beta_ptr
