@@ -1,5 +1,6 @@
 """Paired timing of two variants of the streaming kernels with a scalar coefficient. Diffusion, forward and backward
-kernels (the backward without the coefficient's final reduction), both modes, steps 1, 2, 4, 8 (``--steps``).
+kernels (the backward with the reduction of the coefficient's partial sums), both modes, steps 1, 2, 4, 8
+(``--steps``).
 
 ``--compare coefficients`` (default): the scalar kept a scalar (what ``cta.triton_cta`` does; the banded filter's
 taps are scalars, computed once per program) against the same scalar expanded to one value per channel (the
@@ -20,6 +21,11 @@ channel, the register filter, instead of the scalar; the ends then filter at eve
 ``--compare taps``: the banded filter's taps in closed form (``FIR_CLOSED_FORM_TAPS``, the default) against level
 by level; ``--per-channel`` as above (where every program computes them for each of its channels).
 
+``--compare coef-atomic``: a per-channel coefficient (always, without ``--per-channel``) whose gradient the backward
+programs add into a few rows with atomics (``COEF_GRAD_ATOMIC``, the default; ``--spreads``: one variant per value
+of ``COEF_GRAD_ATOMIC_SPREAD``, the addresses that share them) against per-program partial sums that a second
+kernel reduces. The forwards are the same kernel in every variant (a control of the pairing).
+
 The variants alternate within each round and every timing is a median of ``triton.testing.do_bench``; the table
 gives the median over rounds as a multiple of ``y.copy_(x)`` (timed in every round too), so host or clock drift
 between variants cancels.
@@ -30,10 +36,12 @@ between variants cancels.
     python benchmarks/bench_scalar_coefficients.py --compare walls --shape 1x4096x4096,8x4096x4096 --rounds 3
     python benchmarks/bench_scalar_coefficients.py --compare one-copy --shape 1x16384x4096,8x4096x4096,1x65536x512
     python benchmarks/bench_scalar_coefficients.py --compare taps --per-channel --shape 1x16384x4096,8x4096x4096
+    python benchmarks/bench_scalar_coefficients.py --compare coef-atomic --shape 1x16384x4096,8x4096x4096,1x65536x512
+    python benchmarks/bench_scalar_coefficients.py --compare coef-atomic --spreads 4096,8192,16384,32768
 
 Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>.json``, ``walls_filter_<gpu>.json``,
 ``walls_filter_per_channel_<gpu>.json``, ``walls_one_copy[_per_channel]_<gpu>.json``,
-``fir_taps[_per_channel]_<gpu>.json``) and prints the table.
+``fir_taps[_per_channel]_<gpu>.json``, ``coef_grad_atomic[_spreads]_<gpu>.json``) and prints the table.
 """
 
 import argparse
@@ -58,12 +66,15 @@ def expanded(c, like):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", default="coefficients",
-                        choices=("coefficients", "mma", "walls", "one-copy", "taps"),
+                        choices=("coefficients", "mma", "walls", "one-copy", "taps", "coef-atomic"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
     parser.add_argument("--per-channel", action="store_true",
                         help="--compare walls, one-copy, taps: one coefficient per channel instead of a scalar")
+    parser.add_argument("--spreads", default=None,
+                        help="--compare coef-atomic: comma list of COEF_GRAD_ATOMIC_SPREAD values, one variant each "
+                             "(default: the module's value)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=15.0, help="do_bench repetition budget per timing")
@@ -97,16 +108,23 @@ def main():
     elif args.compare == "taps":
         variants = {"closed_form": ("FIR_CLOSED_FORM_TAPS", True), "levels": ("FIR_CLOSED_FORM_TAPS", False)}
         stem = "fir_taps" + ("_per_channel" if args.per_channel else "")
+    elif args.compare == "coef-atomic":
+        if args.spreads:
+            variants = {f"atomic_{v}": ("COEF_GRAD_ATOMIC_SPREAD", int(v)) for v in args.spreads.split(",")}
+        else:
+            variants = {"atomic": ("COEF_GRAD_ATOMIC", True)}
+        variants["partial_sums"] = ("COEF_GRAD_ATOMIC", False)
+        stem = "coef_grad_atomic" + ("_spreads" if args.spreads else "")
     else:
         every = {(causal, mma) for causal in (False, True) for mma in (False, True)}
         variants = {"one_copy": ("WALLS_ONE_COPY", every), "branches": ("WALLS_ONE_COPY", set())}
         stem = "walls_one_copy" + ("_per_channel" if args.per_channel else "")
-    first, second = variants
     rows, copies_ms = [], []
     for shape in shapes:
         x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
         grad = torch.randn_like(x)
-        per_channel = args.per_channel and args.compare in ("walls", "one-copy", "taps")
+        per_channel = (args.per_channel and args.compare in ("walls", "one-copy", "taps")
+                       or args.compare == "coef-atomic")
         alpha = torch.full((shape[-1],) if per_channel else (), 0.2, device="cuda")
         y = torch.empty_like(x)
         timings, copies = {}, []
@@ -127,8 +145,10 @@ def main():
         copies_ms.append(copy_ms)
         label = "x".join(map(str, shape))
         print(f"{label} {args.dtype}, copy {copy_ms * 1e3:.1f} us; medians of {args.rounds} rounds, x copy")
-        print(f"| steps | mode | {first} fwd | {second} fwd | {first} bwd | {second} bwd |")
-        print("|---|---|---|---|---|---|")
+        columns = [f"{name}_{kind}_x_copy" for kind in ("fwd", "bwd") for name in variants]
+        print("| steps | mode | " + " | ".join(c[:-len("_x_copy")].replace("_fwd", " fwd").replace("_bwd", " bwd")
+                                              for c in columns) + " |")
+        print("|---|---|" + "---|" * len(columns))
         for steps in steps_list:
             for causal in (False, True):
                 row = dict(shape=label, steps=steps, causal=causal)
@@ -137,12 +157,11 @@ def main():
                     row[f"{name}_fwd_x_copy"] = statistics.median(r[0] for r in runs) / copy_ms
                     row[f"{name}_bwd_x_copy"] = statistics.median(r[1] for r in runs) / copy_ms
                 rows.append(row)
-                print(f"| {steps} | {'causal' if causal else 'bidirectional'} | {row[f'{first}_fwd_x_copy']:.3f} | "
-                      f"{row[f'{second}_fwd_x_copy']:.3f} | {row[f'{first}_bwd_x_copy']:.3f} | "
-                      f"{row[f'{second}_bwd_x_copy']:.3f} |", flush=True)
+                print(f"| {steps} | {'causal' if causal else 'bidirectional'} | "
+                      + " | ".join(f"{row[c]:.3f}" for c in columns) + " |", flush=True)
         del x, grad, y
     meta_shape = list(shapes[0]) if len(shapes) == 1 else [list(shape) for shape in shapes]
-    write_results(args.out, stem, rows, shape=meta_shape, dtype=args.dtype, rounds=args.rounds,
+    write_results(args.out, stem, rows, shape=meta_shape, dtype=args.dtype, rounds=args.rounds, variants=list(variants),
                   copy_ms=copies_ms[0] if len(shapes) == 1 else copies_ms)
     return 0
 

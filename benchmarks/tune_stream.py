@@ -10,6 +10,7 @@ Writes ``stream_tuning_<gpu>.json`` (every timing, as a multiple of ``y.copy_(x)
 key) and prints the best configurations in the form of ``cta.triton_cta._STREAM_DEFAULTS``.
 
     python benchmarks/tune_stream.py --merge A.json B.json ...   # the best per key across several grids
+    python benchmarks/tune_stream.py --from-defaults --steps 1,2,4,8 --t-values base,24 --d-values base,4,8,12
 """
 
 import argparse
@@ -36,6 +37,24 @@ def _grid(steps_list, t_values, blocks, d_values, unroll_values, kernels=("fwd",
     for kind, causal, steps in itertools.product(kernels, modes, steps_list):
         for t, (block_c, warps), d, u in itertools.product(t_values, blocks, d_values, unroll_values):
             yield (kind, causal, steps), (t, block_c, warps, d, t if u == FULL_UNROLL else u)
+
+
+BASE = -2  # "base" in --t-values / --d-values (with --from-defaults): the default configuration's own value
+
+
+def _grid_from_defaults(steps_list, t_values, d_values, kernels, modes):
+    """Per key, the per-channel default's channels and warps with each rows x prefetch depth pair (the loop unrolled
+    whole where the default unrolls it whole, else the default's unroll factor)."""
+    from cta import triton_cta
+
+    for kind, causal, steps in itertools.product(kernels, modes, steps_list):
+        base = (triton_cta._STREAM_DEFAULTS_PER_CHANNEL.get((kind, causal), {}).get(steps)
+                or triton_cta._STREAM_DEFAULTS[(kind, causal)][steps])
+        t0, block_c, warps, d0, u0 = base
+        ts = dict.fromkeys(t0 if t == BASE else t for t in t_values)
+        ds = dict.fromkeys(d0 if d == BASE else d for d in d_values)
+        for t, d in itertools.product(ts, ds):
+            yield (kind, causal, steps), (t, block_c, warps, d, t if u0 == t0 else u0)
 
 
 def _runner(key, cfg, x, alpha, grad, mma=False):
@@ -113,6 +132,10 @@ def main():
     parser.add_argument("--mma", action="store_true",
                         help="tune the tensor-core filter's programs instead (scalar coefficient, 16-bit input; "
                              "T a multiple of 16; --unroll-values are then the input blocks loaded ahead, 0-2)")
+    parser.add_argument("--from-defaults", action="store_true",
+                        help="instead of the --blocks x --unroll-values grid: per key, the per-channel default's "
+                             "BLOCK_C, warps and unrolling with each --t-values x --d-values pair ('base': the "
+                             "default's own value; --steps must be tuned step counts)")
     parser.add_argument("--shape", default="1x16384x4096")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", type=int, default=16, help="processes compiling the grid")
@@ -123,12 +146,17 @@ def main():
     from triton.testing import do_bench
 
     shape = tuple(int(s) for s in args.shape.split("x"))
-    ints = lambda text: [int(v) for v in text.split(",")]  # noqa: E731
+    ints = lambda text: [BASE if v == "base" else int(v) for v in text.split(",")]  # noqa: E731
     blocks = [tuple(int(v) for v in pair.split(":")) for pair in args.blocks.split(",")]
     modes = {"bidi": False, "causal": True}
     unrolls = [FULL_UNROLL if v == "T" else int(v) for v in args.unroll_values.split(",")]
-    grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values), unrolls,
-                      tuple(args.kernels.split(",")), tuple(modes[m] for m in args.modes.split(","))))
+    kernels, mode_flags = tuple(args.kernels.split(",")), tuple(modes[m] for m in args.modes.split(","))
+    if args.from_defaults:
+        grid = list(_grid_from_defaults(ints(args.steps), ints(args.t_values), ints(args.d_values), kernels,
+                                        mode_flags))
+    else:
+        grid = list(_grid(ints(args.steps), ints(args.t_values), blocks, ints(args.d_values), unrolls, kernels,
+                          mode_flags))
     start = time.time()
     chunks = [grid[i::args.workers] for i in range(args.workers)]
     with mp.get_context("spawn").Pool(args.workers) as pool:

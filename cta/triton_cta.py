@@ -45,9 +45,10 @@ Design
   ``M`` is a polynomial in ``L``, so the two commute and ``dL/da = S <g, L M^(S-1) x> = S <L^T (M^T)^(S-1) g, x>``:
   the walk over ``g`` yields the factor at its last level (a flux difference), paired with ``x`` read at the output
   row only -- no walk over ``x``, and the causal backward walks no rows behind its tile. The coefficient gradient
-  is summed per program in registers and written as ``[tiles, channels]`` partial sums, or for a scalar
-  coefficient as one value per program (the op then returns it as ``[1]``). Reads ``g`` and ``x`` once, writes
-  ``dx`` once; nothing but the input is saved by the forward.
+  is summed per program in registers, then added with atomics into a few ``[channels]`` rows for a per-channel
+  coefficient (``COEF_GRAD_ATOMIC``; ``[tiles, channels]`` partial sums under deterministic algorithms), or
+  written as one value per program for a scalar one (the op then returns it as ``[1]``). Reads ``g`` and ``x``
+  once, writes ``dx`` once; nothing but the input is saved by the forward.
 * Backward of the other schemes (wave, reaction, bidirectional advection, any causal scheme with an
   ``initial_state``): the tile kernel. Each program loads ``x`` and ``grad`` with a halo that covers the forward
   trajectory the adjoint needs (``2*steps`` per side for bidirectional, ``steps`` left and ``steps`` right for causal),
@@ -961,7 +962,7 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0, walls=False):
 
 
 def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
-                   fir_unroll=0, mma=0, walls=False):
+                   fir_unroll=0, mma=0, walls=False, coef_atomic=False):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
     ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``mma`` > 0: interior programs run the
@@ -970,12 +971,16 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     sequence ends run the same filter, reading the walls as an extension of the input (``_wall_load``), and walk
     only where that does not apply (the programs a causal initial or final state reaches; a bidirectional
     sequence shorter than ``S``, which ``_walls_mode`` sends to 0); 2, the launch has none of those, and the kernel
-    no walk; 3, as 2 with one copy of the filter, which every program runs (no interior branch: ``WALLS_ONE_COPY``)."""
+    no walk; 3, as 2 with one copy of the filter, which every program runs (no interior branch: ``WALLS_ONE_COPY``).
+    ``coef_atomic`` (backward, per-channel coefficient): each program adds its partial sums into a row of
+    ``DA[n_groups, channels]`` with atomics instead of storing a row of ``DA[tiles, channels]`` (see
+    ``COEF_GRAD_ATOMIC``)."""
     w = _Src()
+    walk_d = min(D, WALK_MAX_PREFETCH)  # (a rolled loop: its prefetch registers move every row)
     if kind == "fwd":
         head = f"def {name}(X, Y, M, A, Bc, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):"
     else:
-        head = (f"def {name}(GY, X, DX, M, A, Bc, DA, L, C, sxb, sxl, sgb, sgl, n_tiles, T: tl.constexpr, "
+        head = (f"def {name}(GY, X, DX, M, A, Bc, DA, L, C, sxb, sxl, sgb, sgl, n_tiles, n_groups, T: tl.constexpr, "
                 f"BLOCK_C: tl.constexpr):")
     w.depth = 0
     w("@triton.jit")
@@ -1019,7 +1024,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     # reads x at its output row, S rows behind g (see _stream_body).
     srcs = [("x", "xrow", "sxl", 0)] if kind == "fwd" else [("x", "xrow", "sxl", -S), ("g", "grow", "sgl", 0)]
     # prefetch
-    for k in range(D):
+    for k in range(walk_d):
         for pre, row, stride, off in srcs:
             r = _rows(f"p0 + {k + off}")
             w(f"{pre}f{k} = tl.load({row} + (p0 + {k + off}) * {stride}, mask=cmask & ({r} >= 0) & ({r} < L), "
@@ -1038,7 +1043,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     # instructions. Needs no padding mask and whole channel blocks.
     interior_path = not has_mask and even_c
     carry = []
-    general = _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, carry,
+    general = _stream_body(kind, pde, causal, S, walk_d, has_mask, has_init, write_final, srcs, nvv, carry,
                            depth=3 if interior_path else 2, interior=False)
     # ... and the linear schemes' interior programs run the banded filter instead (``fir_unroll`` > 0: its loop's
     # unroll factor; 0: the walk's interior copy).
@@ -1068,7 +1073,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
                                     + (["(start + T < L)"] if write_final and causal else [])
                                     + ([f"(start >= {S})"] if has_init else [])) or "True"
     elif interior_path:
-        inner = _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, [],
+        inner = _stream_body(kind, pde, causal, S, walk_d, has_mask, has_init, write_final, srcs, nvv, [],
                              depth=3, interior=True)
     # initialise the loop-carried state (prefetch registers are loaded above)
     seen = set()
@@ -1092,7 +1097,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
             w.lines += edge.lines
     elif interior_path:
         lowest = back + max(nvv - 1, S if kind == "bwd" else 0)  # validity lookups; the backward's x rows
-        w(f"interior = (start - {lowest} >= 0) & (start - {back} + T + {lag + D} <= L)")
+        w(f"interior = (start - {lowest} >= 0) & (start - {back} + T + {lag + walk_d} <= L)")
         w("if interior:")
         w("    for j in range(0, n_it):")
         w.lines += inner.lines
@@ -1104,7 +1109,10 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
         w("for j in range(0, n_it):")
         w.lines += general.lines
     src = "\n".join(w.lines)
-    if kind == "bwd" and (a_vec or b_vec):  # per-channel partial sums (causal advection's coefficient is a + b)
+    if kind == "bwd" and (a_vec or b_vec) and coef_atomic:  # summed in place (relaxed: only the sum is wanted)
+        src += (f"\n    tl.atomic_add(DA + ((b64 * n_tiles + pid_l) % n_groups) * C + cols, acc * {S}, mask=cmask, "
+                f"sem='relaxed')")
+    elif kind == "bwd" and (a_vec or b_vec):  # per-channel partial sums (causal advection's coefficient is a + b)
         src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)"
     elif kind == "bwd":  # a scalar coefficient: one partial sum per program (masked channels hold zeros)
         src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, 0) * {S})"
@@ -1416,8 +1424,36 @@ _STREAM_DEFAULTS = {
     ('bwd', False): {1: (16, 256, 4, 3, 16), 2: (16, 128, 2, 3, 16), 4: (16, 128, 2, 2, 16), 8: (24, 128, 2, 3, 24)},
     ('bwd', True): {1: (16, 256, 4, 3, 1), 2: (16, 128, 1, 3, 16), 4: (16, 128, 2, 3, 1), 8: (16, 256, 2, 3, 16)},
 }
-# Entries that differ for a coefficient per channel (the taps then per channel: more registers per program).
-_STREAM_DEFAULTS_PER_CHANNEL = {('bwd', False): {4: (16, 128, 1, 3, 1)}}
+# Entries that differ for a coefficient per channel (the taps then per channel: more registers per program). Nsight
+# Compute on an H200 (1x16384x4096, per channel; benchmarks/profile_kernels.py, results/kernel_profile*_H200.txt)
+# showed the 4-step bidirectional kernels waiting on loads (long scoreboard: 5.7 and 6.7 cycles per issued
+# instruction, backward and forward, 43% and 64% issue) and the 8-step bidirectional forward issue-bound (73% issue,
+# 1.3 cycles of long scoreboard): prefetch depths beyond the earlier grids' 2-3 rows. The 4-step bidirectional kernels
+# and the 8-step causal backward first (`tune_stream.py --kernels bwd --modes bidi --steps 4 --t-values 16,24,32
+# --blocks 64:1,128:1,128:2 --d-values 3,4,6,8 --unroll-values 1,T --shape S`, likewise `--kernels fwd ... --t-values
+# 17,24 --blocks 64:1,128:1` and `--kernels bwd --modes causal --steps 8 --t-values 16,24 --blocks 128:1,128:2,256:2
+# --d-values 3,4,6`, stream_tuning_prefetch_{bwd_bidi4,fwd_bidi4,bwd_causal8}_<S>_*.json, on the three large shapes),
+# then every key from these entries with 24 rows and deeper prefetch (`tune_stream.py --from-defaults --steps 1,2,4,8
+# --t-values base,24 --d-values base,4,6,8,12 --shape S`, stream_tuning_prefetch_<S>_*.json). Each entry is the best
+# mean over the shapes of its multiple of each shape's best; keys whose default was within 2% of that stay as they
+# are. Against the entries before, in the last grid (x copy on 1x16384x4096 / 1x65536x512 / 8x4096x4096):
+# bidirectional backward 1 step 1.552 / 1.725 / 1.529 (was 1.572 / 1.804 / 1.550), 2 steps 1.599 / 1.771 / 1.559
+# (1.649 / 1.903 / 1.601), 8 steps 2.038 / 2.355 / 2.027 (2.208 / 2.271 / 2.193); causal backward 1 step 1.542 / 1.716
+# / 1.526 (1.555 / 1.782 / 1.540), 2 steps 1.564 / 1.721 / 1.535 (1.635 / 1.875 / 1.587); causal forward 1 step 1.024
+# / 1.053 / 1.018 (1.031 / 1.092 / 1.035), 4 steps 1.028 / 1.047 / 1.029 (1.070 / 1.072 / 1.070), 8 steps 1.145 /
+# 1.198 / 1.126 (1.167 / 1.278 / 1.171); and in the first grids the 4-step bidirectional backward 1.616 / 1.844 /
+# 1.585 (1.812 / 2.017 / 1.783), the 8-step causal backward 1.753 / 1.984 / 1.694 (1.866 / 2.070 / 1.808), and the
+# 4-step bidirectional forward 1.136 / 1.141 (1.186 / 1.198) on the first two shapes (the third one's file did not
+# come back from the GPU). The scalar coefficient keeps _STREAM_DEFAULTS (not re-tuned: it meets its targets).
+_STREAM_DEFAULTS_PER_CHANNEL = {
+    ('fwd', False): {4: (24, 64, 1, 8, 24)},
+    ('fwd', True): {1: (8, 256, 2, 8, 8), 4: (8, 256, 2, 8, 8), 8: (24, 256, 2, 12, 24)},
+    ('bwd', False): {1: (24, 256, 4, 8, 24), 2: (24, 128, 2, 8, 24), 4: (24, 128, 2, 8, 24), 8: (24, 128, 2, 4, 24)},
+    ('bwd', True): {1: (24, 256, 4, 12, 1), 2: (24, 128, 1, 12, 24), 8: (24, 128, 2, 6, 24)},
+}
+# The walk's rows (padding masks, some sequence ends) keep at most this prefetch depth: its loop is not unrolled, so
+# every prefetch register moves once per row (the depths above were measured on the filters' unrolled loops).
+WALK_MAX_PREFETCH = 3
 
 
 # Interior tiles of the linear schemes with a scalar coefficient (the models' default) and bf16/fp16 inputs run the
@@ -1605,6 +1641,32 @@ def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device)
     return USE_STREAM and (device.type != "cuda" or STREAM_LAGGED_ON_CUDA) and _is_linear(pde, causal, has_init)
 
 
+# A per-channel coefficient's gradient: each backward program adds its partial sums with atomics into one of a few
+# [channels] rows (COEF_GRAD_ATOMIC), instead of writing a row of [tiles, channels] partial sums that a second kernel
+# reduces. Those partial sums are 4 bytes per channel and program, 1/8 of the input's bytes at 16 rows per program
+# (2-byte inputs), written once and read once. Programs take the rows in turn, so that about
+# COEF_GRAD_ATOMIC_SPREAD addresses share the atomics (few channels on one address each would queue them up); the
+# rows are then summed. The atomics' order varies from run to run, so the sum may differ in its last bits between
+# runs; under ``torch.use_deterministic_algorithms(True)`` the partial sums are kept (a fixed order).
+# CTA_COEF_ATOMIC=0 keeps them always. Paired on an H200 with the per-channel entries above
+# (``bench_scalar_coefficients.py --compare coef-atomic``, results/coef_grad_atomic_NVIDIA_H200.json, eager launches,
+# steps 1-8, both modes): 1.53-2.06x copy against 1.68-2.52x on 1x16384x4096 and 8x4096x4096; on 1x65536x512 a
+# gain but for the 1- and 2-step causal backwards (2.14 / 1.94x against 1.85 / 1.87x, host time included; in the
+# CUDA-graph sweep these cells' forward+backward fell from 2.87 / 3.00x to 2.53 / 2.58x with the new entries). The
+# spread: with the entries before, 2048, 8192 and 32768 addresses (coef_grad_atomic_spreads_NVIDIA_H200.json) gave
+# 4096 channels 1, 2 and 8 rows, and 512 channels 4, 16 and 64. One row was the fastest on the 4096-channel shapes
+# at 1 step and for the causal backwards, and within 4% elsewhere; on 1x65536x512, 4 rows were slower than 16 or 64
+# (1-step bidirectional: 1.829x against 1.743 / 1.757x, partial sums 1.974x). 4096 addresses: 1 row and 8.
+COEF_GRAD_ATOMIC = os.environ.get("CTA_COEF_ATOMIC", "1") not in ("", "0")
+COEF_GRAD_ATOMIC_SPREAD = 4096
+
+
+def _coef_grad_groups(channels: int, programs: int) -> int:
+    """Rows of the atomics' [rows, channels] sum: about ``COEF_GRAD_ATOMIC_SPREAD`` addresses, a power of two, at
+    most one row per program along the sequence."""
+    return max(1, min(_next_pow2(_cdiv(COEF_GRAD_ATOMIC_SPREAD, channels)), programs))
+
+
 def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     """Runs the streaming backward; returns the gradient of the kernel's coefficient summed to [channels] when it is
     per channel, to [1] when it is a scalar (each program then writes one partial sum, not one per channel: at
@@ -1616,14 +1678,21 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     t, block_c, warps, d, unroll, mma = _stream_plan(x, "bwd", steps, causal, a_vec, b_vec, m is not None, True)
     n_tiles = _cdiv(seq, t)
     per_channel = a_vec or b_vec
-    partial = channels if per_channel else _cdiv(channels, block_c)
-    da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
+    atomic = per_channel and COEF_GRAD_ATOMIC and not torch.are_deterministic_algorithms_enabled()
+    groups = _coef_grad_groups(channels, batch * n_tiles) if atomic else 1
+    if atomic:
+        da = torch.zeros((groups, channels), device=x.device, dtype=torch.float32)
+    else:
+        partial = channels if per_channel else _cdiv(channels, block_c)
+        da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           False, False, channels % block_c == 0, unroll, mma,
-                          _walls_mode("bwd", seq, steps, causal, False, False, a_vec or b_vec)))
+                          _walls_mode("bwd", seq, steps, causal, False, False, a_vec or b_vec), atomic))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
-            (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles), (t, block_c), warps)
+            (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles, groups), (t, block_c), warps)
+    if atomic:
+        return da[0] if groups == 1 else da.sum(0)
     return da.sum(0) if per_channel else da.sum().reshape(1)
 
 

@@ -17,6 +17,7 @@ Tolerances (``torch.testing.assert_close``, relative to the reference computed f
   1e-3; gradients are compared in fp32 with rtol=2e-2.
 """
 
+import contextlib
 import itertools
 import os
 import random
@@ -180,6 +181,17 @@ def launched_kernels(monkeypatch):
     build = triton_cta._gen_kernel
     monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key) or build(key))
     return launched
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled):
+    """``torch.use_deterministic_algorithms(enabled)`` within the block, restored after it."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
 
 
 @pytest.fixture
@@ -544,16 +556,21 @@ def test_direct_launch_gpu(monkeypatch, causal):
         y.backward(grad)
         return y.detach(), xx.grad, alpha.grad
 
-    monkeypatch.setattr(kernels, "DIRECT_LAUNCH", False)
-    generic = run()
-    monkeypatch.setattr(kernels, "DIRECT_LAUNCH", True)
-    kernels._COMPILED.clear()
-    run()  # compiles (or finds) the kernels through Triton and caches them
-    cached = [key[0] for key in kernels._COMPILED]
-    assert len(cached) == 2 and all(k is not kernels._pde_decode_kernel for k in cached)  # forward and backward
-    direct = run()
-    for d, g in zip(direct, generic):
-        assert torch.equal(d, g)
+    for deterministic in (True, False):  # the coefficient gradient's partial sums, then its atomics
+        with deterministic_algorithms(deterministic):
+            monkeypatch.setattr(kernels, "DIRECT_LAUNCH", False)
+            generic = run()
+            monkeypatch.setattr(kernels, "DIRECT_LAUNCH", True)
+            kernels._COMPILED.clear()
+            run()  # compiles (or finds) the kernels through Triton and caches them
+            cached = [key[0] for key in kernels._COMPILED]
+            assert len(cached) == 2 and all(k is not kernels._pde_decode_kernel for k in cached)  # fwd and bwd
+            direct = run()
+        assert torch.equal(direct[0], generic[0]) and torch.equal(direct[1], generic[1])
+        if deterministic:
+            assert torch.equal(direct[2], generic[2])
+        else:  # atomics add in no fixed order: equal up to fp32 rounding
+            torch.testing.assert_close(direct[2], generic[2], rtol=1e-5, atol=1e-4)
     base = torch.randn(1, 2 * 65 * 96 + 1, generator=gen).to(DEVICE, torch.bfloat16)
     odd = base[:, 1:].view(2, 65, 96)  # 2-byte offset: not 16-byte aligned, never cached
     before = len(kernels._COMPILED)
@@ -850,6 +867,22 @@ def test_stream_config_per_channel_entries():
     assert cpu[:2] == (100, 64)
 
 
+def test_walk_prefetch_depth_is_capped():
+    """A configuration's prefetch depth above ``WALK_MAX_PREFETCH`` (measured on the filters' unrolled loops) reaches
+    the filters only: the walk (a padding mask, every program) is generated as with the cap, while the filter's
+    loop (no mask) prefetches the configured rows."""
+    from cta import triton_cta
+
+    cap = triton_cta.WALK_MAX_PREFETCH
+    for kind in ("fwd", "bwd"):
+        walk = [triton_cta._stream_source("k", kind, "diffusion", False, 4, d, True, True, False, False, False, True, 8)
+                for d in (cap, cap + 5)]
+        assert walk[0] == walk[1]
+        fir = triton_cta._stream_source("k", kind, "diffusion", False, 4, cap + 5, False, True, False, False, False,
+                                        True, 8, 0, 2)
+        assert f"xf{cap + 4} = " in fir and f"xf{cap + 5} = " not in fir
+
+
 @needs_kernels
 def test_dispatch_and_fallbacks():
     assert is_available()
@@ -933,6 +966,34 @@ def test_backward_op_coefficient_gradient_shapes(pde, causal, alpha_vec, beta):
     if b is not None:  # (a scheme without beta gives zeros)
         want = b_ref.grad if b_ref.grad is not None else torch.zeros_like(b)
         torch.testing.assert_close(db.reshape(b.shape), want, rtol=1e-4, atol=1e-4)
+
+@needs_kernels
+@pytest.mark.parametrize("pde,causal", [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_per_channel_coefficient_gradient_paths(monkeypatch, launched_kernels, pde, causal, deterministic):
+    """A per-channel coefficient's gradient is summed with atomics into a few rows, or, under
+    ``torch.use_deterministic_algorithms(True)`` (or ``COEF_GRAD_ATOMIC`` off), as partial sums per program reduced
+    afterwards: both equal the reference's gradient, over several programs per sequence (8-row tiles: 10 programs
+    with a batch of two) sharing one row, 4 rows in turn, or one row each; a scalar coefficient never takes the
+    atomics."""
+    from cta import triton_cta
+
+    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {("bwd", causal, 3): (8, 16, 1, 2, 1)})
+    monkeypatch.setattr(triton_cta, "COEF_GRAD_ATOMIC", True)
+    with deterministic_algorithms(deterministic):
+        for spread, rows in ((16, 1), (48, 4), (8192, 10)):
+            monkeypatch.setattr(triton_cta, "COEF_GRAD_ATOMIC_SPREAD", spread)
+            assert triton_cta._coef_grad_groups(16, 10) == rows
+            for per_channel in (True, False):
+                launched_kernels.clear()
+                check_parity(pde, causal, 37, 16, 3, "none", per_channel, batch=2, seed=11)
+                atomic = [key[-1] for key in launched_kernels if key[0] == "bwd"]
+                assert atomic == [per_channel and not deterministic], atomic
+    monkeypatch.setattr(triton_cta, "COEF_GRAD_ATOMIC", False)
+    launched_kernels.clear()
+    check_parity(pde, causal, 37, 16, 3, "left", True, batch=2, seed=12)  # (the walk's programs, with a mask)
+    assert [key[-1] for key in launched_kernels if key[0] == "bwd"] == [False]
+
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
