@@ -21,6 +21,10 @@ channel, the register filter, instead of the scalar; the ends then filter at eve
 ``--compare taps``: the banded filter's taps in closed form (``FIR_CLOSED_FORM_TAPS``, the default) against level
 by level; ``--per-channel`` as above (where every program computes them for each of its channels).
 
+``--compare pointers``: the interior filters reading and writing rows through pointers that step one row at a
+time (``FIR_POINTER_STEPS`` for every kernel; by default only some take it) against addresses computed from each
+row's index; ``--per-channel`` as above.
+
 ``--compare coef-atomic``: a per-channel coefficient (always, without ``--per-channel``) whose gradient the backward
 programs add into a few rows with atomics (``COEF_GRAD_ATOMIC``, the default; ``--spreads``: one variant per value
 of ``COEF_GRAD_ATOMIC_SPREAD``, the addresses that share them) against per-program partial sums that a second
@@ -36,12 +40,14 @@ between variants cancels.
     python benchmarks/bench_scalar_coefficients.py --compare walls --shape 1x4096x4096,8x4096x4096 --rounds 3
     python benchmarks/bench_scalar_coefficients.py --compare one-copy --shape 1x16384x4096,8x4096x4096,1x65536x512
     python benchmarks/bench_scalar_coefficients.py --compare taps --per-channel --shape 1x16384x4096,8x4096x4096
+    python benchmarks/bench_scalar_coefficients.py --compare pointers --per-channel --shape 1x16384x4096,8x4096x4096
     python benchmarks/bench_scalar_coefficients.py --compare coef-atomic --shape 1x16384x4096,8x4096x4096,1x65536x512
     python benchmarks/bench_scalar_coefficients.py --compare coef-atomic --spreads 4096,8192,16384,32768
 
 Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>.json``, ``walls_filter_<gpu>.json``,
 ``walls_filter_per_channel_<gpu>.json``, ``walls_one_copy[_per_channel]_<gpu>.json``,
-``fir_taps[_per_channel]_<gpu>.json``, ``coef_grad_atomic[_spreads]_<gpu>.json``) and prints the table.
+``fir_taps[_per_channel]_<gpu>.json``, ``fir_pointers[_per_channel]_<gpu>.json``,
+``coef_grad_atomic[_spreads]_<gpu>.json``) and prints the table.
 """
 
 import argparse
@@ -66,12 +72,13 @@ def expanded(c, like):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", default="coefficients",
-                        choices=("coefficients", "mma", "walls", "one-copy", "taps", "coef-atomic"),
+                        choices=("coefficients", "mma", "walls", "one-copy", "taps", "pointers", "coef-atomic"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
     parser.add_argument("--per-channel", action="store_true",
-                        help="--compare walls, one-copy, taps: one coefficient per channel instead of a scalar")
+                        help="--compare walls, one-copy, taps, pointers: one coefficient per channel instead of a "
+                             "scalar")
     parser.add_argument("--spreads", default=None,
                         help="--compare coef-atomic: comma list of COEF_GRAD_ATOMIC_SPREAD values, one variant each "
                              "(default: the module's value)")
@@ -108,6 +115,10 @@ def main():
     elif args.compare == "taps":
         variants = {"closed_form": ("FIR_CLOSED_FORM_TAPS", True), "levels": ("FIR_CLOSED_FORM_TAPS", False)}
         stem = "fir_taps" + ("_per_channel" if args.per_channel else "")
+    elif args.compare == "pointers":
+        every = {(kind, causal, vec) for kind in ("fwd", "bwd") for causal in (False, True) for vec in (False, True)}
+        variants = {"stepping": ("FIR_POINTER_STEPS", every), "indexed": ("FIR_POINTER_STEPS", set())}
+        stem = "fir_pointers" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "coef-atomic":
         if args.spreads:
             variants = {f"atomic_{v}": ("COEF_GRAD_ATOMIC_SPREAD", int(v)) for v in args.spreads.split(",")}
@@ -123,7 +134,7 @@ def main():
     for shape in shapes:
         x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
         grad = torch.randn_like(x)
-        per_channel = (args.per_channel and args.compare in ("walls", "one-copy", "taps")
+        per_channel = (args.per_channel and args.compare in ("walls", "one-copy", "taps", "pointers")
                        or args.compare == "coef-atomic")
         alpha = torch.full((shape[-1],) if per_channel else (), 0.2, device="cuda")
         y = torch.empty_like(x)

@@ -730,21 +730,72 @@ def _fir_loop(w, unroll, walls=False):
     w("t = start + j")
 
 
-def _fir_next_row(w, pre, row, stride, lead, D, dest, wall=None):
-    """``dest`` = the prefetched row ``t + lead`` of a stream; the prefetch advances to row ``t + lead + D``."""
+# The interior filters of these launches, keyed (kernel, causal, per-channel coefficient), read each stream's rows in
+# order through a pointer that steps one row per load (one 64-bit add), and store through one that steps likewise,
+# instead of computing every row's address from its index (programs at the sequence ends always load by index).
+# Paired on an H200 (``bench_scalar_coefficients.py --compare pointers [--per-channel]``,
+# results/fir_pointers[_per_channel]_NVIDIA_H200.json, 1x16384x4096 / 8x4096x4096 / 1x65536x512): per channel,
+# the 8-step bidirectional forward 1.357 / 1.345 / 1.418x copy against 1.387 / 1.502 / 1.473x, the 4-step one
+# 1.075 / 1.060 / 1.080x against 1.128 / 1.144 / 1.136x, the 8-step bidirectional backward 1.886 / 1.869 / 2.093x
+# against 2.034 / 2.129 / 2.301x; the causal forwards gain a little (8 steps 1.115 / 1.099 / 1.139x against 1.142 /
+# 1.133 / 1.164x). The per-channel causal backward lost (8 steps 1.799 / 1.725 / 1.997x against 1.731 / 1.693 /
+# 1.949x) and the scalar bidirectional backward at 4 steps too (2.062 / 2.032 / 2.168x against 1.880 / 1.932 /
+# 1.982x), so those, and the scalar kernels, keep the index.
+FIR_POINTER_STEPS = {("fwd", False, True), ("fwd", True, True), ("bwd", False, True)}
+
+
+class _Rows:
+    """Emits the loads of one stream's consecutive rows, from row ``first`` on: ``load(dest, r)`` sets ``dest`` to
+    row ``r`` (which must be the row after the previous load's) through a stepping pointer ``name`` (``pointers``,
+    no walls' extension: see ``FIR_POINTER_STEPS``), or by index (``_wall_load``)."""
+
+    def __init__(self, w, name, row, stride, first, wall, pointers):
+        self.w, self.name, self.row, self.stride, self.wall = w, name, row, stride, wall
+        self.stepping = pointers and wall is None
+        if self.stepping:
+            w(f"{name} = {row} + ({first}) * {stride}")
+
+    def load(self, dest, r, to_float=False):
+        cast = ".to(tl.float32)" if to_float else ""
+        if self.stepping:
+            self.w(f"{dest} = tl.load({self.name}){cast}")
+            self.w(f"{self.name} += {self.stride}")
+        else:
+            self.w(f"{dest} = {_wall_load(self.row, r, self.stride, self.wall)}{cast}")
+
+
+def _fir_store(w, base, value, wall, pointers, past_end=""):
+    """Stores ``value`` at row ``t`` of ``base`` (an output's [batch, seq, channels] pointer): through a pointer
+    ``{base}_at`` that steps one row per store where ``_Rows`` steps (it is set before the loop, see
+    ``_fir_store_start``), else by index."""
+    if pointers and wall is None:
+        w(f"tl.store({base.lower()}_at, {value}{past_end})")
+        w(f"{base.lower()}_at += C")
+    else:
+        w(f"tl.store({base} + (b64 * L + t) * C + cols, {value}{past_end})")
+
+
+def _fir_store_start(w, base, wall, pointers):
+    if pointers and wall is None:
+        w(f"{base.lower()}_at = {base} + (b64 * L + start) * C + cols")
+
+
+def _fir_next_row(w, pre, rows, lead, D, dest):
+    """``dest`` = the prefetched row ``t + lead`` of a stream; the prefetch (``rows``) advances to row
+    ``t + lead + D``."""
     w(f"{dest} = {pre}f0.to(tl.float32)")
     for k in range(D - 1):
         w(f"{pre}f{k} = {pre}f{k + 1}")
-    w(f"{pre}f{D - 1} = {_wall_load(row, f't + {lead + D}', stride, wall)}")
+    rows.load(f"{pre}f{D - 1}", f"t + {lead + D}")
 
 
-def _fir_prefetch(w, pre, row, stride, lead, D, wall=None):
+def _fir_prefetch(w, pre, rows, lead, D):
     """Loads rows ``start + lead .. start + lead + D - 1`` of a stream into its prefetch registers."""
     for k in range(D):
-        w(f"{pre}f{k} = {_wall_load(row, f'start + {lead + k}', stride, wall)}")
+        rows.load(f"{pre}f{k}", f"start + {lead + k}")
 
 
-def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False):
+def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False, pointers=False):
     """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
     condition under which a program may take it (every row it reads lies inside the sequence). ``walls``: the same
     filter for programs at the sequence ends (rows beyond them read as the walls' extension, see ``_wall_load``);
@@ -752,27 +803,29 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False):
     masked (the one copy of a kernel whose every program filters: see ``WALLS_ONE_COPY``)."""
     if kind == "bwd":
         assert walls != "static"
-        return _fir_backward(w, causal, S, D, unroll, walls)
+        return _fir_backward(w, causal, S, D, unroll, walls, pointers)
     c = "ab" if (causal and pde == "advection_diffusion") else "a"
     wide = S + 1 if causal else 2 * S + 1
     lead = 0 if causal else S  # newest window row - output row
     wall = _wall_kind(causal, walls)
     _fir_taps(w, "tap", causal, S, c)
+    x_rows = _Rows(w, "x_at", "xrow", "sxl", f"start + {lead - wide + 1}", wall, pointers)
     for i in range(wide - 1):
-        w(f"xw{i} = {_wall_load('xrow', f'start + {lead - wide + 1 + i}', 'sxl', wall)}.to(tl.float32)")
-    _fir_prefetch(w, "x", "xrow", "sxl", lead, D, wall)
+        x_rows.load(f"xw{i}", f"start + {lead - wide + 1 + i}", to_float=True)
+    _fir_prefetch(w, "x", x_rows, lead, D)
+    _fir_store_start(w, "Y", wall, pointers)
     _fir_loop(w, unroll, walls)
-    _fir_next_row(w, "x", "xrow", "sxl", lead, D, f"xw{wide - 1}", wall)
+    _fir_next_row(w, "x", x_rows, lead, D, f"xw{wide - 1}")
     _fir_apply(w, "yv", "tap", S, "xw", causal, S)
     past_end = f", mask={_rows('t')} < L" if walls == "static" else ""
-    w(f"tl.store(Y + (b64 * L + t) * C + cols, yv.to(Y.dtype.element_ty){past_end})")
+    _fir_store(w, "Y", "yv.to(Y.dtype.element_ty)", wall, pointers, past_end)
     for i in range(wide - 1):
         w(f"xw{i} = xw{i + 1}")
     w.depth -= 1
     return f"(start + {lead - wide + 1} >= 0) & (start + T + {lead + D} <= L)"
 
 
-def _fir_backward(w, causal, S, D, unroll, walls=False):
+def _fir_backward(w, causal, S, D, unroll, walls=False, pointers=False):
     """The backward's interior as filters on g only, with the walk's split of the coefficient gradient
     (``_stream_body``): with ``u = (M^T)^(S-1) g`` (one filter of S-1 levels: taps at offsets -k..k, or 0..k for the
     causal adjoint), the input gradient is ``M^T u = u + a L^T u`` and the coefficient's factor ``L^T u``, paired
@@ -797,19 +850,22 @@ def _fir_backward(w, causal, S, D, unroll, walls=False):
         else:
             _fir_apply(w, dest, "gtap", k, "gw", False, k)
 
+    g_rows = _Rows(w, "g_at", "grow", "sgl", f"start + {first}", wall, pointers)
     for i in range(width - 1):
-        w(f"gw{i} = {_wall_load('grow', f'start + {first + i}', 'sgl', wall)}.to(tl.float32)")
+        g_rows.load(f"gw{i}", f"start + {first + i}", to_float=True)
     for j in range(n_u - 1):  # u at the rows before the first output row's newest (bidirectional: start-1, start)
-        w(f"gw{width - 1} = {_wall_load('grow', f'start + {first + width - 1 + j}', 'sgl', wall)}.to(tl.float32)")
+        g_rows.load(f"gw{width - 1}", f"start + {first + width - 1 + j}", to_float=True)
         u_row(f"u{j}")
         for i in range(width - 1):
             w(f"gw{i} = gw{i + 1}")
-    _fir_prefetch(w, "g", "grow", "sgl", S, D, wall)  # u at row t+1 needs g up to row t+S
-    _fir_prefetch(w, "x", "xrow", "sxl", 0, D, x_wall)
+    _fir_prefetch(w, "g", g_rows, S, D)  # u at row t+1 needs g up to row t+S (the rows above end at row S-1)
+    x_rows = _Rows(w, "x_at", "xrow", "sxl", "start", x_wall, pointers)
+    _fir_prefetch(w, "x", x_rows, 0, D)
+    _fir_store_start(w, "DX", wall, pointers)
     _fir_loop(w, unroll, walls)
-    _fir_next_row(w, "g", "grow", "sgl", S, D, f"gw{width - 1}", wall)
+    _fir_next_row(w, "g", g_rows, S, D, f"gw{width - 1}")
     u_row(f"u{n_u - 1}")
-    _fir_next_row(w, "x", "xrow", "sxl", 0, D, "xv", x_wall)
+    _fir_next_row(w, "x", x_rows, 0, D, "xv")
     if causal:
         w("lu = u1 - u0")  # (L^T u)_t
         w("dxv = tl.fma(a, lu, u0)")
@@ -817,7 +873,7 @@ def _fir_backward(w, causal, S, D, unroll, walls=False):
         w("lu = tl.fma(-2.0, u1, u0 + u2)")  # (L u)_t
         w("dxv = tl.fma(a, lu, u1)")
     w("acc = tl.fma(xv, lu, acc)")
-    w("tl.store(DX + (b64 * L + t) * C + cols, dxv.to(DX.dtype.element_ty))")
+    _fir_store(w, "DX", "dxv.to(DX.dtype.element_ty)", wall, pointers)
     for i in range(width - 1):
         w(f"gw{i} = gw{i + 1}")
     for i in range(n_u - 1):
@@ -962,7 +1018,7 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0, walls=False):
 
 
 def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
-                   fir_unroll=0, mma=0, walls=False, coef_atomic=False):
+                   fir_unroll=0, mma=0, walls=False, coef_atomic=False, pointers=False):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
     ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``mma`` > 0: interior programs run the
@@ -974,7 +1030,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     no walk; 3, as 2 with one copy of the filter, which every program runs (no interior branch: ``WALLS_ONE_COPY``).
     ``coef_atomic`` (backward, per-channel coefficient): each program adds its partial sums into a row of
     ``DA[n_groups, channels]`` with atomics instead of storing a row of ``DA[tiles, channels]`` (see
-    ``COEF_GRAD_ATOMIC``)."""
+    ``COEF_GRAD_ATOMIC``). ``pointers``: the interior filter steps its row pointers (``FIR_POINTER_STEPS``)."""
     w = _Src()
     walk_d = min(D, WALK_MAX_PREFETCH)  # (a rolled loop: its prefetch registers move every row)
     if kind == "fwd":
@@ -1064,7 +1120,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
             if walls:
                 _mma_interior(edge, kind, pde, causal, S, ahead=mma - 1, walls=True)
         else:
-            fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll)
+            fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll, pointers=pointers)
             if walls:  # a rolled loop: few programs run it, and a second unrolled copy cost the interior registers
                 _fir_interior(edge, kind, pde, causal, S, D, 1, walls=True)
         # which end programs may filter: one reflection covers S rows; the causal final state and the rows an
@@ -1631,7 +1687,7 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma,
                           _walls_mode("fwd", seq, steps, causal, has_init and bool(causal), write_final, a_vec or b_vec,
-                                      one_copy)))
+                                      one_copy), False, ("fwd", bool(causal), a_vec or b_vec) in FIR_POINTER_STEPS))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
             (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)
@@ -1687,7 +1743,8 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
         da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           False, False, channels % block_c == 0, unroll, mma,
-                          _walls_mode("bwd", seq, steps, causal, False, False, a_vec or b_vec), atomic))
+                          _walls_mode("bwd", seq, steps, causal, False, False, a_vec or b_vec), atomic,
+                          ("bwd", bool(causal), per_channel) in FIR_POINTER_STEPS))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
             (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles, groups), (t, block_c), warps)

@@ -884,6 +884,39 @@ def test_walk_prefetch_depth_is_capped():
 
 
 @needs_kernels
+@pytest.mark.parametrize("causal", [False, True], ids=["bidi", "causal"])
+def test_fir_pointer_steps_match_indexed(monkeypatch, launched_kernels, causal):
+    """The interior filters that step their row pointers (``FIR_POINTER_STEPS``) give the same outputs and gradients,
+    bit for bit, as those that address rows by index (only the addressing differs), over several interior programs
+    per sequence; the default steps per channel in the forwards and the bidirectional backward only."""
+    from cta import triton_cta
+
+    tune = {(kind, causal, 3): (8, 16, 1, 2, 8) for kind in ("fwd", "bwd")}
+    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", tune)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 61, 32, generator=gen).to(DEVICE)
+    grad = torch.randn(2, 61, 32, generator=gen).to(DEVICE)
+    every = {(kind, c, vec) for kind in ("fwd", "bwd") for c in (False, True) for vec in (False, True)}
+    for per_channel in (True, False):
+        alpha = (0.05 + 0.2 * torch.rand((32,) if per_channel else (), generator=gen)).to(DEVICE)
+        runs = []
+        for steps_set in (every, set()):
+            monkeypatch.setattr(triton_cta, "FIR_POINTER_STEPS", steps_set)
+            launched_kernels.clear()
+            runs.append(_run(pde_refine_triton, x, alpha, None, grad, pde_type="diffusion", steps=3, causal=causal))
+            assert [key[15] for key in launched_kernels] == [bool(steps_set)] * 2
+        for got, want in zip(runs[0][:3], runs[1][:3]):
+            assert torch.equal(got, want)
+    monkeypatch.undo()
+    src = triton_cta._stream_source("k", "fwd", "diffusion", causal, 3, 2, False, True, False, False, False, True, 8,
+                                    0, 2, False, True)
+    assert "x_at += sxl" in src and "y_at += C" in src
+    defaults = triton_cta.FIR_POINTER_STEPS
+    assert ("fwd", causal, True) in defaults and (("bwd", causal, True) in defaults) == (not causal)
+    assert not any(vec for vec in (("fwd", causal, False) in defaults, ("bwd", causal, False) in defaults))
+
+
+@needs_kernels
 def test_dispatch_and_fallbacks():
     assert is_available()
     x = torch.randn(1, 12, 4, device=DEVICE)
@@ -987,12 +1020,12 @@ def test_per_channel_coefficient_gradient_paths(monkeypatch, launched_kernels, p
             for per_channel in (True, False):
                 launched_kernels.clear()
                 check_parity(pde, causal, 37, 16, 3, "none", per_channel, batch=2, seed=11)
-                atomic = [key[-1] for key in launched_kernels if key[0] == "bwd"]
+                atomic = [key[14] for key in launched_kernels if key[0] == "bwd"]
                 assert atomic == [per_channel and not deterministic], atomic
     monkeypatch.setattr(triton_cta, "COEF_GRAD_ATOMIC", False)
     launched_kernels.clear()
     check_parity(pde, causal, 37, 16, 3, "left", True, batch=2, seed=12)  # (the walk's programs, with a mask)
-    assert [key[-1] for key in launched_kernels if key[0] == "bwd"] == [False]
+    assert [key[14] for key in launched_kernels if key[0] == "bwd"] == [False]
 
 
 hypothesis = pytest.importorskip("hypothesis")
