@@ -1530,14 +1530,14 @@ WALK_MAX_PREFETCH = 3
 USE_MMA = os.environ.get("CTA_MMA", "1") not in ("", "0")
 MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
 # (T, BLOCK_C, num_warps, D, A) of its programs (D: the prefetch depth of any walk in the kernel; A: input blocks
-# loaded ahead, see ``_mma_blocks``), T a multiple of MMA_BLOCK. Bidirectional: the best on all three large shapes of one grid at 8
-# steps, since the forward runs one copy (`tune_stream.py --mma --kernels fwd,bwd --modes bidi --steps 8 --shape S
-# --t-values 32,64,128,256 --blocks 64:2,64:4,128:2,128:4,256:4 --d-values 2 --unroll-values 0,1,2`,
+# loaded ahead, see ``_mma_blocks``), T a multiple of MMA_BLOCK. Bidirectional: the best on all three large shapes of
+# one grid at 8 steps, since the forward runs one copy (`tune_stream.py --mma --kernels fwd,bwd --modes bidi --steps 8
+# --shape S --t-values 32,64,128,256 --blocks 64:2,64:4,128:2,128:4,256:4 --d-values 2 --unroll-values 0,1,2`,
 # stream_tuning_mma_{1x16384x4096,8x4096x4096,narrow}_*.json, the last one 1x65536x512): forward 32 x 256, 4 warps,
-# two blocks ahead, 1.046 / 1.037 / 1.079x copy on 1x16384x4096 / 8x4096x4096 / 1x65536x512 against 1.097 / 1.086
-# / 1.177x for the entry before (none ahead); backward 256 x 128 with 2 warps (a warp count the earlier grids left
-# out), 1.751 / 1.728 / 1.881x against 1.982 / 1.904 / 2.217x for 128 x 128 with 4 warps. They apply at every step
-# count the filter takes, measured at 8 only. Causal forward: the best of `tune_stream.py --mma` at 4 and 8 steps on
+# two blocks ahead, 1.046 / 1.037 / 1.079x copy on 1x16384x4096 / 8x4096x4096 / 1x65536x512 against 1.097 / 1.086 /
+# 1.177x for the entry before (none ahead); backward 256 x 128 with 2 warps (a warp count the earlier grids left out),
+# 1.751 / 1.728 / 1.881x against 1.982 / 1.904 / 2.217x for 128 x 128 with 4 warps. They apply at every step count the
+# filter takes, measured at 8 only. Causal forward: the best of `tune_stream.py --mma` at 4 and 8 steps on
 # 1x16384x4096 (stream_tuning_mma_ahead_*.json); the causal backward (off by default) keeps the bidirectional
 # backward's entry before.
 # ``_STREAM_TUNE`` entries ``(kind + "_mma", causal, steps)`` override them (A may be left out, then 0).
@@ -1718,8 +1718,8 @@ COEF_GRAD_ATOMIC_SPREAD = 4096
 
 
 def _coef_grad_groups(channels: int, programs: int) -> int:
-    """Rows of the atomics' [rows, channels] sum: about ``COEF_GRAD_ATOMIC_SPREAD`` addresses, a power of two, at
-    most one row per program along the sequence."""
+    """Rows of the atomics' [rows, channels] sum: a power of two giving about ``COEF_GRAD_ATOMIC_SPREAD``
+    addresses, or one row per program (``programs``) where there are fewer programs."""
     return max(1, min(_next_pow2(_cdiv(COEF_GRAD_ATOMIC_SPREAD, channels)), programs))
 
 

@@ -181,7 +181,8 @@ def test_output_hidden_states_are_what_each_layer_receives(arch, base_model):
     received = []
     for wrapper in [m for m in model.modules() if isinstance(m, CTAPatchWrapper) and m.role == "block"]:
         wrapper.wrapped.register_forward_pre_hook(
-            lambda module, args, kwargs: received.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+            lambda module, args, kwargs: received.append(args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True)
     with torch.no_grad():
         states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
     assert states is not None and len(states) == len(plain) == len(received) + 1

@@ -813,7 +813,8 @@ def test_decode_plan_follows_every_change(pde, decode_plan_calls):
     plan = modules["triton"].__dict__.get("_decode_plan")
     if ON_GPU and kernels.DIRECT_LAUNCH:
         assert sum(planned) >= 8, planned  # most decode steps took the prepared launch
-        launchers = [launcher for key, (_, launcher) in kernels._COMPILED.items() if key[0] is kernels._pde_decode_kernel]
+        launchers = [launcher for key, (_, launcher) in kernels._COMPILED.items()
+                     if key[0] is kernels._pde_decode_kernel]
         # Triton 3.6: through the launcher's C function (RAW_C_LAUNCH); the parity above is then that path's.
         assert launchers and all(hasattr(launcher, "c_launch") == kernels.RAW_C_LAUNCH for launcher in launchers)
         assert not all(planned)  # and it stood aside where it had to
@@ -913,7 +914,7 @@ def test_fir_pointer_steps_match_indexed(monkeypatch, launched_kernels, causal):
     assert "x_at += sxl" in src and "y_at += C" in src
     defaults = triton_cta.FIR_POINTER_STEPS
     assert ("fwd", causal, True) in defaults and (("bwd", causal, True) in defaults) == (not causal)
-    assert not any(vec for vec in (("fwd", causal, False) in defaults, ("bwd", causal, False) in defaults))
+    assert ("fwd", causal, False) not in defaults and ("bwd", causal, False) not in defaults
 
 
 @needs_kernels
