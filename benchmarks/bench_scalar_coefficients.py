@@ -25,6 +25,17 @@ by level; ``--per-channel`` as above (where every program computes them for each
 time (``FIR_POINTER_STEPS`` for every kernel; by default only some take it) against addresses computed from each
 row's index; ``--per-channel`` as above.
 
+``--compare rows``: the register filters' row handling, four variants: channels and row strides as constexprs
+(``STATIC_ROWS``, constant row offsets) and bf16 rows widened by a shift and a mask (``FIR_WIDEN_ASM``), each on or
+off; ``--per-channel`` as above.
+
+``--compare last-tile``: register-filter launches whose end programs walk, with the last row tile run second
+(``LAST_TILE_SECOND`` for every kernel; by default only some take it) against in order; ``--per-channel`` as above.
+
+``--compare configs``: launch configurations, one variant per ``'|'``-separated group of ``--configs`` (each as
+``profile_kernels.py --configs`` takes them: ``';'``-separated ``kernel:mode:steps=T,BLOCK_C,num_warps,D,U``; an
+empty group is the defaults); ``--per-channel`` as above.
+
 ``--compare coef-atomic``: a per-channel coefficient (always, without ``--per-channel``) whose gradient the backward
 programs add into a few rows with atomics (``COEF_GRAD_ATOMIC``, the default; ``--spreads``: one variant per value
 of ``COEF_GRAD_ATOMIC_SPREAD``, the addresses that share them) against per-program partial sums that a second
@@ -42,12 +53,17 @@ between variants cancels.
     python benchmarks/bench_scalar_coefficients.py --compare taps --per-channel --shape 1x16384x4096,8x4096x4096
     python benchmarks/bench_scalar_coefficients.py --compare pointers --per-channel --shape 1x16384x4096,8x4096x4096
     python benchmarks/bench_scalar_coefficients.py --compare coef-atomic --shape 1x16384x4096,8x4096x4096,1x65536x512
+    python benchmarks/bench_scalar_coefficients.py --compare rows --per-channel --shape 1x16384x4096,1x65536x512
+    python benchmarks/bench_scalar_coefficients.py --compare last-tile --per-channel --steps 8
+    python benchmarks/bench_scalar_coefficients.py --compare configs --per-channel --steps 8 \
+        --configs "|fwd:bidi:8=34,128,2,4,34;bwd:bidi:8=24,128,2,8,24"
     python benchmarks/bench_scalar_coefficients.py --compare coef-atomic --spreads 4096,8192,16384,32768
 
 Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>.json``, ``walls_filter_<gpu>.json``,
 ``walls_filter_per_channel_<gpu>.json``, ``walls_one_copy[_per_channel]_<gpu>.json``,
 ``fir_taps[_per_channel]_<gpu>.json``, ``fir_pointers[_per_channel]_<gpu>.json``,
-``coef_grad_atomic[_spreads]_<gpu>.json``) and prints the table.
+``coef_grad_atomic[_spreads]_<gpu>.json``, ``fir_rows[_per_channel]_<gpu>.json``,
+``last_tile[_per_channel]_<gpu>.json``, ``stream_configs[_per_channel]_<gpu>.json``) and prints the table.
 """
 
 import argparse
@@ -59,7 +75,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from results_io import diffusion_launch, on_gpu, write_results  # noqa: E402  (beside this script)
+from results_io import diffusion_launch, on_gpu, parse_configs, write_results  # noqa: E402  (beside this script)
 
 
 def expanded(c, like):
@@ -72,16 +88,20 @@ def expanded(c, like):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", default="coefficients",
-                        choices=("coefficients", "mma", "walls", "one-copy", "taps", "pointers", "coef-atomic"),
+                        choices=("coefficients", "mma", "walls", "one-copy", "taps", "pointers", "coef-atomic", "rows",
+                                 "last-tile", "configs"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
     parser.add_argument("--per-channel", action="store_true",
-                        help="--compare walls, one-copy, taps, pointers: one coefficient per channel instead of a "
-                             "scalar")
+                        help="--compare walls, one-copy, taps, pointers, rows, last-tile, configs: one coefficient "
+                             "per channel instead of a scalar")
     parser.add_argument("--spreads", default=None,
                         help="--compare coef-atomic: comma list of COEF_GRAD_ATOMIC_SPREAD values, one variant each "
                              "(default: the module's value)")
+    parser.add_argument("--configs", default="",
+                        help="--compare configs: '|'-separated variants of ';'-separated "
+                             "kernel:mode:steps=T,BLOCK_C,num_warps,D,U entries")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rep-ms", type=float, default=15.0, help="do_bench repetition budget per timing")
@@ -119,6 +139,26 @@ def main():
         every = {(kind, causal, vec) for kind in ("fwd", "bwd") for causal in (False, True) for vec in (False, True)}
         variants = {"stepping": ("FIR_POINTER_STEPS", every), "indexed": ("FIR_POINTER_STEPS", set())}
         stem = "fir_pointers" + ("_per_channel" if args.per_channel else "")
+    elif args.compare == "rows":
+        every = {(kind, causal, vec) for kind in ("fwd", "bwd") for causal in (False, True) for vec in (False, True)}
+        variants = {("static" if static else "strided") + ("_widen" if widen else "_convert"):
+                    [("STATIC_ROWS", every if static else set()), ("FIR_WIDEN_ASM", widen)]
+                    for static in (True, False) for widen in (True, False)}
+        stem = "fir_rows" + ("_per_channel" if args.per_channel else "")
+    elif args.compare == "configs":
+        groups = args.configs.split("|")
+        if len(groups) < 2:
+            parser.error("--compare configs needs two or more '|'-separated --configs groups")
+        variants = {}
+        for group in groups:
+            entries = parse_configs(group)
+            name = "+".join(f"{k}{'c' if c else 'b'}{s}_" + "_".join(map(str, v)) for (k, c, s), v in entries.items())
+            variants[name or "defaults"] = ("_STREAM_TUNE", entries)
+        stem = "stream_configs" + ("_per_channel" if args.per_channel else "")
+    elif args.compare == "last-tile":
+        every = frozenset((kind, causal) for kind in ("fwd", "bwd") for causal in (False, True))
+        variants = {"last_second": ("LAST_TILE_SECOND", every), "in_order": ("LAST_TILE_SECOND", frozenset())}
+        stem = "last_tile" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "coef-atomic":
         if args.spreads:
             variants = {f"atomic_{v}": ("COEF_GRAD_ATOMIC_SPREAD", int(v)) for v in args.spreads.split(",")}
@@ -134,16 +174,19 @@ def main():
     for shape in shapes:
         x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
         grad = torch.randn_like(x)
-        per_channel = (args.per_channel and args.compare in ("walls", "one-copy", "taps", "pointers")
+        per_channel = (args.per_channel
+                       and args.compare in ("walls", "one-copy", "taps", "pointers", "rows", "last-tile", "configs")
                        or args.compare == "coef-atomic")
         alpha = torch.full((shape[-1],) if per_channel else (), 0.2, device="cuda")
         y = torch.empty_like(x)
         timings, copies = {}, []
         for _ in range(args.rounds):
             copies.append(do_bench(lambda: y.copy_(x), rep=25, return_mode="median"))
-            for name, (attribute, value) in variants.items():
-                saved = getattr(triton_cta, attribute)
-                setattr(triton_cta, attribute, value)
+            for name, settings in variants.items():
+                settings = [settings] if isinstance(settings, tuple) else settings  # (attribute, value) pairs
+                saved = [(attribute, getattr(triton_cta, attribute)) for attribute, _ in settings]
+                for attribute, value in settings:
+                    setattr(triton_cta, attribute, value)
                 try:
                     for steps in steps_list:
                         for causal in (False, True):
@@ -151,7 +194,8 @@ def main():
                                                  rep=args.rep_ms, return_mode="median") for kind in ("fwd", "bwd"))
                             timings.setdefault((name, steps, causal), []).append((fwd, bwd))
                 finally:
-                    setattr(triton_cta, attribute, saved)
+                    for attribute, value in saved:
+                        setattr(triton_cta, attribute, value)
         copy_ms = statistics.median(copies)
         copies_ms.append(copy_ms)
         label = "x".join(map(str, shape))

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from results_io import diffusion_launch, on_gpu  # noqa: E402  (beside this script)
+from results_io import diffusion_launch, on_gpu, parse_case, parse_configs  # noqa: E402  (beside this script)
 
 METRICS = [
     "gpu__time_duration.sum",
@@ -57,23 +57,14 @@ def parse_args():
 
 
 def _cases(text):
-    cases = []
-    for case in text.split(","):
-        kind, mode, steps = case.split(":")
-        if kind not in ("fwd", "bwd") or mode not in ("bidi", "causal"):
-            raise SystemExit(f"--cases: {case!r} is not kernel:mode:steps with kernel fwd|bwd and mode bidi|causal")
-        cases.append((kind, mode == "causal", int(steps)))
-    return cases
+    return [parse_case(case) for case in text.split(",")]
 
 
 def launch(args):
     """Each case's launch twice (compiles and warms up), then once more between cudaProfilerStart and Stop."""
     from cta import triton_cta
 
-    for entry in filter(None, args.configs.split(";")):
-        case, config = entry.split("=")
-        (key,) = _cases(case)
-        triton_cta._STREAM_TUNE[key] = tuple(int(v) for v in config.split(","))
+    triton_cta._STREAM_TUNE.update(parse_configs(args.configs))
     shape = tuple(int(v) for v in args.shape.split("x"))
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)

@@ -129,6 +129,19 @@ if _HAS_TRITON:
     _ADV = tl.constexpr(3)
     _KEEP = tl.constexpr(1.0 - WAVE_DAMPING)
 
+    # bf16 -> fp32 of the filters' rows: a bf16 is the top half of an fp32, so each packed pair of them widens with
+    # one shift (the low one) and one mask (the high one); the conversion Triton emits spends a byte permute and a
+    # shift on the high one (FIR_WIDEN_ASM; measured with STATIC_ROWS, see there). The interpreter runs no inline
+    # assembly: it converts.
+    _WIDEN_ASM = tl.constexpr(not _INTERPRET_AT_IMPORT)
+
+    @triton.jit
+    def _widen(x):
+        if _WIDEN_ASM and x.dtype == tl.bfloat16:
+            return tl.inline_asm_elementwise("shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [x],
+                                             dtype=tl.float32, is_pure=True, pack=2)
+        return x.to(tl.float32)
+
     @triton.jit
     def _tanh(x):
         # 1 - 2 / (exp(2x) + 1): exact limits +-1 for large |x| (exp overflows to inf -> 1).
@@ -470,15 +483,19 @@ _GEN_CACHE = {}
 
 def _gen_kernel(key):
     """Builds (once) and returns the @triton.jit streaming kernel for ``key`` (see ``_stream_source``)."""
-    cache_key = key if FIR_CLOSED_FORM_TAPS else (key, "levels")  # (the default's key as is: this runs every launch)
+    # (the default's key as is: this runs every launch)
+    flags = (FIR_CLOSED_FORM_TAPS, FIR_WIDEN_ASM, LAST_TILE_SECOND)  # module switches of the source, for comparisons
+    cache_key = key if flags == _SOURCE_DEFAULTS else (key, flags)
     fn = _GEN_CACHE.get(cache_key)
     if fn is None:
         name = "_cta_stream_" + "_".join(str(int(k)) if isinstance(k, bool) else str(k) for k in key)
-        name += "" if FIR_CLOSED_FORM_TAPS else "_levels"
+        name += "".join(f"_{label}" for label, on in zip(("levels", "convert"), flags) if not on)
+        name += "" if LAST_TILE_SECOND == _SOURCE_DEFAULTS[2] else "_order" + "".join(
+            f"_{kind}{int(causal)}" for kind, causal in sorted(LAST_TILE_SECOND))
         src = _stream_source(name, *key)
         filename = f"<cta-triton-generated:{name}>"
         linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        namespace = {"triton": triton, "tl": tl, "_tanh": _tanh, "_KEEP": _KEEP}
+        namespace = {"triton": triton, "tl": tl, "_tanh": _tanh, "_KEEP": _KEEP, "_widen": _widen}
         exec(compile(src, filename, "exec"), namespace)
         fn = namespace[name]
         _GEN_CACHE[cache_key] = fn
@@ -744,6 +761,14 @@ def _fir_loop(w, unroll, walls=False):
 FIR_POINTER_STEPS = {("fwd", False, True), ("fwd", True, True), ("bwd", False, True)}
 
 
+# The filters widen their 16-bit rows to fp32 with ``_widen`` (bf16 by a shift and a mask) instead of ``.to``.
+FIR_WIDEN_ASM = os.environ.get("CTA_WIDEN_ASM", "1") not in ("", "0")
+
+
+def _widened(value: str) -> str:
+    return f"_widen({value})" if FIR_WIDEN_ASM else f"{value}.to(tl.float32)"
+
+
 class _Rows:
     """Emits the loads of one stream's consecutive rows, from row ``first`` on: ``load(dest, r)`` sets ``dest`` to
     row ``r`` (which must be the row after the previous load's) through a stepping pointer ``name`` (``pointers``,
@@ -756,12 +781,10 @@ class _Rows:
             w(f"{name} = {row} + ({first}) * {stride}")
 
     def load(self, dest, r, to_float=False):
-        cast = ".to(tl.float32)" if to_float else ""
+        value = f"tl.load({self.name})" if self.stepping else _wall_load(self.row, r, self.stride, self.wall)
+        self.w(f"{dest} = {_widened(value) if to_float else value}")
         if self.stepping:
-            self.w(f"{dest} = tl.load({self.name}){cast}")
             self.w(f"{self.name} += {self.stride}")
-        else:
-            self.w(f"{dest} = {_wall_load(self.row, r, self.stride, self.wall)}{cast}")
 
 
 def _fir_store(w, base, value, wall, pointers, past_end=""):
@@ -783,7 +806,7 @@ def _fir_store_start(w, base, wall, pointers):
 def _fir_next_row(w, pre, rows, lead, D, dest):
     """``dest`` = the prefetched row ``t + lead`` of a stream; the prefetch (``rows``) advances to row
     ``t + lead + D``."""
-    w(f"{dest} = {pre}f0.to(tl.float32)")
+    w(f"{dest} = {_widened(f'{pre}f0')}")
     for k in range(D - 1):
         w(f"{pre}f{k} = {pre}f{k + 1}")
     rows.load(f"{pre}f{D - 1}", f"t + {lead + D}")
@@ -1017,8 +1040,22 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0, walls=False):
     return f"(start - {half} >= 0) & (start + T + {half} <= L)"
 
 
+def _stream_int_args(kind: str, static_rows: bool) -> Tuple[list, list]:
+    """The streaming kernels' integer parameters, in order: (runtime ints, constexprs before T and BLOCK_C). The
+    channels ``C`` and the row strides are constexprs with ``static_rows``."""
+    ints = ["L", "C", "sxb", "sxl"] + (["sgb", "sgl", "n_tiles", "n_groups"] if kind == "bwd" else [])
+    statics = [n for n in ints if n in ("C", "sxl", "sgl")] if static_rows else []
+    return [n for n in ints if n not in statics], statics
+
+
+def _stream_args(kind: str, static_rows: bool, t: int, block_c: int, **values) -> Tuple[tuple, tuple]:
+    """(ints, constexprs) of a streaming launch from the named integer ``values`` (see ``_stream_int_args``)."""
+    ints, statics = _stream_int_args(kind, static_rows)
+    return tuple(values[n] for n in ints), tuple(values[n] for n in statics) + (t, block_c)
+
+
 def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
-                   fir_unroll=0, mma=0, walls=False, coef_atomic=False, pointers=False):
+                   fir_unroll=0, mma=0, walls=False, coef_atomic=False, pointers=False, static_rows=False):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
     ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``mma`` > 0: interior programs run the
@@ -1030,14 +1067,15 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     no walk; 3, as 2 with one copy of the filter, which every program runs (no interior branch: ``WALLS_ONE_COPY``).
     ``coef_atomic`` (backward, per-channel coefficient): each program adds its partial sums into a row of
     ``DA[n_groups, channels]`` with atomics instead of storing a row of ``DA[tiles, channels]`` (see
-    ``COEF_GRAD_ATOMIC``). ``pointers``: the interior filter steps its row pointers (``FIR_POINTER_STEPS``)."""
+    ``COEF_GRAD_ATOMIC``). ``pointers``: the interior filter steps its row pointers (``FIR_POINTER_STEPS``).
+    ``static_rows``: the channels and the row strides are constexprs (``STATIC_ROWS``), so that the unrolled
+    filter addresses its rows as one pointer plus constant offsets."""
     w = _Src()
     walk_d = min(D, WALK_MAX_PREFETCH)  # (a rolled loop: its prefetch registers move every row)
-    if kind == "fwd":
-        head = f"def {name}(X, Y, M, A, Bc, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):"
-    else:
-        head = (f"def {name}(GY, X, DX, M, A, Bc, DA, L, C, sxb, sxl, sgb, sgl, n_tiles, n_groups, T: tl.constexpr, "
-                f"BLOCK_C: tl.constexpr):")
+    ints, statics = _stream_int_args(kind, static_rows)
+    tensors = "X, Y, M, A, Bc, INIT, FIN" if kind == "fwd" else "GY, X, DX, M, A, Bc, DA"
+    params = ints + [f"{n}: tl.constexpr" for n in statics + ["T", "BLOCK_C"]]
+    head = f"def {name}({tensors}, {', '.join(params)}):"
     w.depth = 0
     w("@triton.jit")
     w(head)
@@ -1048,9 +1086,9 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     w("cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)")
     w("cmask = cols < C")
     w("cz = cols.to(tl.int64) * 0")
-    if mma:
-        # Where the end programs walk (walls off, or a causal state), that takes longer than a tile on tensor cores:
-        # the last one is scheduled second (program 1) rather than last, so that it does not run alone at the end.
+    if mma or ((kind, bool(causal)) in LAST_TILE_SECOND and fir_unroll > 0 and walls in (0, 1)):
+        # Where the end programs walk (walls off, or a causal state), that takes longer than a filtered tile: the
+        # last one is scheduled second (program 1) rather than last, so that it does not run alone at the end.
         w("n_t = (L + T - 1) // T")
         w("tile = tl.where(pid_l == 0, 0, tl.where(pid_l == 1, n_t - 1, pid_l - 1))")
         w("start = tile.to(tl.int64) * T")
@@ -1501,10 +1539,21 @@ _STREAM_DEFAULTS = {
 # 1.585 (1.812 / 2.017 / 1.783), the 8-step causal backward 1.753 / 1.984 / 1.694 (1.866 / 2.070 / 1.808), and the
 # 4-step bidirectional forward 1.136 / 1.141 (1.186 / 1.198) on the first two shapes (the third one's file did not
 # come back from the GPU). The scalar coefficient keeps _STREAM_DEFAULTS (not re-tuned: it meets its targets).
+# With STATIC_ROWS and the widened rows, the 8-step bidirectional kernels again (`tune_stream.py --kernels fwd --modes
+# bidi --steps 8 --t-values 17,20,24,34 --blocks 256:2,128:1,512:4 --d-values 2,4,8 --unroll-values T --shape S`,
+# then `--t-values 17,24,34,48 --blocks 128:2,256:4,64:1`; backward `--t-values 24,32,48[,64] --blocks
+# 128:2,256:2,128:1[,64:1,256:4,64:2] --d-values 4,8[,12]`, stream_tuning_static[2]_{fwd,bwd}_bidi8_<S>_*.json on
+# 1x16384x4096 and 1x65536x512), then the candidates paired on the three large shapes (`bench_scalar_coefficients.py
+# --compare configs`, results/stream_configs_per_channel_NVIDIA_H200.json): forward (17, 256, 2, 4, 17) 1.250 / 1.256
+# / 1.475x copy (1x16384x4096 / 8x4096x4096 / 1x65536x512, the last one with the tiles out of order, see
+# LAST_TILE_SECOND) against 1.279 / 1.330 / 1.309x for (34, 128, 2, 4, 34); backward (24, 128, 2, 8, 24) 1.756 /
+# 1.764 / 1.941x against 1.736 / 1.790 / 1.995x for (48, 128, 2, 8, 48) and 1.822 / 1.822 / 2.069x for the entry
+# before. Programs of 34 rows with 4 channels per thread were slower (1.50x): the code of a fully unrolled program
+# grows with rows x channels per thread.
 _STREAM_DEFAULTS_PER_CHANNEL = {
-    ('fwd', False): {4: (24, 64, 1, 8, 24)},
+    ('fwd', False): {4: (24, 64, 1, 8, 24), 8: (17, 256, 2, 4, 17)},
     ('fwd', True): {1: (8, 256, 2, 8, 8), 4: (8, 256, 2, 8, 8), 8: (24, 256, 2, 12, 24)},
-    ('bwd', False): {1: (24, 256, 4, 8, 24), 2: (24, 128, 2, 8, 24), 4: (24, 128, 2, 8, 24), 8: (24, 128, 2, 4, 24)},
+    ('bwd', False): {1: (24, 256, 4, 8, 24), 2: (24, 128, 2, 8, 24), 4: (24, 128, 2, 8, 24), 8: (24, 128, 2, 8, 24)},
     ('bwd', True): {1: (24, 256, 4, 12, 1), 2: (24, 128, 1, 12, 24), 8: (24, 128, 2, 6, 24)},
 }
 # The walk's rows (padding masks, some sequence ends) keep at most this prefetch depth: its loop is not unrolled, so
@@ -1673,6 +1722,33 @@ def _walls_mode(kind: str, seq: int, steps: int, causal: bool, has_init: bool, w
     return 3 if one_copy else 2
 
 
+# Register-filter launches, keyed (kernel, causal), whose end programs walk (a per-channel coefficient above
+# WALLS_MAX_STEPS_PER_CHANNEL, a causal state) run the last row tile second, as the tensor-core filter's launches do;
+# the others run the tiles in order. Paired on an H200 (``bench_scalar_coefficients.py --compare last-tile
+# --per-channel``, results/last_tile_per_channel_NVIDIA_H200.json, 1x16384x4096 / 8x4096x4096 / 1x65536x512): the
+# 8-step causal backward 1.614 / 1.594 / 1.796x copy against 1.712 / 1.643 / 2.012x in order; the 8-step
+# bidirectional forward 1.250 / 1.290 / 1.465x against 1.271 / 1.296 / 1.369x, and 1.448 against 1.339x in five
+# rounds on 1x65536x512 alone, so it keeps the order (the other launches measured there do not walk their ends).
+LAST_TILE_SECOND = frozenset({("bwd", True)})
+_SOURCE_DEFAULTS = (True, True, LAST_TILE_SECOND)  # FIR_CLOSED_FORM_TAPS, FIR_WIDEN_ASM, LAST_TILE_SECOND
+
+# Launches, keyed (kernel, causal, per-channel coefficient), whose register filter takes the channels and row strides
+# as constexprs (``_stream_source``'s ``static_rows``): its unrolled rows then load and store at constant offsets
+# from one pointer, with no address arithmetic per row (one kernel per channel count and row stride). Paired on an
+# H200 with the rows widened by ``_widen`` (``bench_scalar_coefficients.py --compare rows --per-channel --steps 4,8``,
+# results/fir_rows_per_channel_NVIDIA_H200.json, x copy on 1x16384x4096 / 8x4096x4096 / 1x65536x512): the 8-step
+# bidirectional forward 1.275 / 1.243 / 1.333 against 1.341 / 1.322 / 1.407 (both off: 1.362 / 1.342 / 1.420), its
+# backward 1.831 / 1.795 / 2.035 against 1.889 / 1.855 / 2.094, the 8-step causal backward 1.706 / 1.629 / 1.931
+# against 1.730 / 1.663 / 1.954; at 4 steps within 1% but for the causal forward (1.056 / 1.048 / 1.014 against
+# 1.025 / 1.018 / 1.029), which keeps its strides as arguments.
+STATIC_ROWS = {("fwd", False, True), ("bwd", False, True), ("bwd", True, True)}
+STATIC_ROWS_ON = os.environ.get("CTA_STATIC_ROWS", "1") not in ("", "0")
+
+
+def _static_rows(kind: str, causal: bool, per_channel: bool, unroll: int, mma: int) -> bool:
+    return STATIC_ROWS_ON and unroll > 0 and not mma and (kind, bool(causal), bool(per_channel)) in STATIC_ROWS
+
+
 def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final):
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
@@ -1684,13 +1760,15 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if has_init else x
     write_final = bool(causal and want_final)
     one_copy = (bool(causal), mma > 0) in WALLS_ONE_COPY
+    static = _static_rows("fwd", causal, a_vec or b_vec, unroll, mma)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma,
                           _walls_mode("fwd", seq, steps, causal, has_init and bool(causal), write_final, a_vec or b_vec,
-                                      one_copy), False, ("fwd", bool(causal), a_vec or b_vec) in FIR_POINTER_STEPS))
+                                      one_copy), False, ("fwd", bool(causal), a_vec or b_vec) in FIR_POINTER_STEPS,
+                          static))
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
-    _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x),
-            (seq, channels, x.stride(0), x.stride(1)), (t, block_c), warps)
+    ints, consts = _stream_args("fwd", static, t, block_c, L=seq, C=channels, sxb=x.stride(0), sxl=x.stride(1))
+    _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x), ints, consts, warps)
 
 
 def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device) -> bool:
@@ -1734,6 +1812,7 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     t, block_c, warps, d, unroll, mma = _stream_plan(x, "bwd", steps, causal, a_vec, b_vec, m is not None, True)
     n_tiles = _cdiv(seq, t)
     per_channel = a_vec or b_vec
+    static = _static_rows("bwd", causal, per_channel, unroll, mma)
     atomic = per_channel and COEF_GRAD_ATOMIC and not torch.are_deterministic_algorithms_enabled()
     groups = _coef_grad_groups(channels, batch * n_tiles) if atomic else 1
     if atomic:
@@ -1744,10 +1823,11 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
                           False, False, channels % block_c == 0, unroll, mma,
                           _walls_mode("bwd", seq, steps, causal, False, False, a_vec or b_vec), atomic,
-                          ("bwd", bool(causal), per_channel) in FIR_POINTER_STEPS))
+                          ("bwd", bool(causal), per_channel) in FIR_POINTER_STEPS, static))
     grid = (_cdiv(channels, block_c), n_tiles, batch)
-    _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da),
-            (seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles, groups), (t, block_c), warps)
+    ints, consts = _stream_args("bwd", static, t, block_c, L=seq, C=channels, sxb=x.stride(0), sxl=x.stride(1),
+                                sgb=gy.stride(0), sgl=gy.stride(1), n_tiles=n_tiles, n_groups=groups)
+    _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da), ints, consts, warps)
     if atomic:
         return da[0] if groups == 1 else da.sum(0)
     return da.sum(0) if per_channel else da.sum().reshape(1)
