@@ -32,6 +32,9 @@ off; ``--per-channel`` as above.
 ``--compare last-tile``: register-filter launches whose end programs walk, with the last row tile run second
 (``LAST_TILE_SECOND`` for every kernel; by default only some take it) against in order; ``--per-channel`` as above.
 
+``--compare taps-table``: per-channel filters loading their taps from a table one small kernel writes first
+(``TAPS_TABLE`` for every kernel) against computing them in every program (always per channel).
+
 ``--compare configs``: launch configurations, one variant per ``'|'``-separated group of ``--configs`` (each as
 ``profile_kernels.py --configs`` takes them: ``';'``-separated ``kernel:mode:steps=T,BLOCK_C,num_warps,D,U``; an
 empty group is the defaults); ``--per-channel`` as above.
@@ -63,7 +66,8 @@ Writes ``benchmarks/results/scalar_coefficients_<gpu>.json`` (``mma_filter_<gpu>
 ``walls_filter_per_channel_<gpu>.json``, ``walls_one_copy[_per_channel]_<gpu>.json``,
 ``fir_taps[_per_channel]_<gpu>.json``, ``fir_pointers[_per_channel]_<gpu>.json``,
 ``coef_grad_atomic[_spreads]_<gpu>.json``, ``fir_rows[_per_channel]_<gpu>.json``,
-``last_tile[_per_channel]_<gpu>.json``, ``stream_configs[_per_channel]_<gpu>.json``) and prints the table.
+``last_tile[_per_channel]_<gpu>.json``, ``stream_configs[_per_channel]_<gpu>.json``,
+``taps_table_<gpu>.json``) and prints the table.
 """
 
 import argparse
@@ -89,7 +93,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", default="coefficients",
                         choices=("coefficients", "mma", "walls", "one-copy", "taps", "pointers", "coef-atomic", "rows",
-                                 "last-tile", "configs"),
+                                 "last-tile", "configs", "taps-table"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
@@ -155,6 +159,10 @@ def main():
             name = "+".join(f"{k}{'c' if c else 'b'}{s}_" + "_".join(map(str, v)) for (k, c, s), v in entries.items())
             variants[name or "defaults"] = ("_STREAM_TUNE", entries)
         stem = "stream_configs" + ("_per_channel" if args.per_channel else "")
+    elif args.compare == "taps-table":
+        every = {(kind, causal) for kind in ("fwd", "bwd") for causal in (False, True)}
+        variants = {"table": ("TAPS_TABLE", every), "computed": ("TAPS_TABLE", set())}
+        stem = "taps_table"
     elif args.compare == "last-tile":
         every = frozenset((kind, causal) for kind in ("fwd", "bwd") for causal in (False, True))
         variants = {"last_second": ("LAST_TILE_SECOND", every), "in_order": ("LAST_TILE_SECOND", frozenset())}
@@ -176,7 +184,7 @@ def main():
         grad = torch.randn_like(x)
         per_channel = (args.per_channel
                        and args.compare in ("walls", "one-copy", "taps", "pointers", "rows", "last-tile", "configs")
-                       or args.compare == "coef-atomic")
+                       or args.compare in ("coef-atomic", "taps-table"))
         alpha = torch.full((shape[-1],) if per_channel else (), 0.2, device="cuda")
         y = torch.empty_like(x)
         timings, copies = {}, []

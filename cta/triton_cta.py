@@ -492,14 +492,42 @@ def _gen_kernel(key):
         name += "".join(f"_{label}" for label, on in zip(("levels", "convert"), flags) if not on)
         name += "" if LAST_TILE_SECOND == _SOURCE_DEFAULTS[2] else "_order" + "".join(
             f"_{kind}{int(causal)}" for kind, causal in sorted(LAST_TILE_SECOND))
-        src = _stream_source(name, *key)
-        filename = f"<cta-triton-generated:{name}>"
-        linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-        namespace = {"triton": triton, "tl": tl, "_tanh": _tanh, "_KEEP": _KEEP, "_widen": _widen}
-        exec(compile(src, filename, "exec"), namespace)
-        fn = namespace[name]
+        fn = _exec_kernel(name, _stream_source(name, *key))
         _GEN_CACHE[cache_key] = fn
     return fn
+
+
+def _taps_kernel(causal: bool, S: int):
+    """Builds (once) and returns the kernel that writes ``TAPS[S + 1, C]``: the taps of ``S`` levels of the stencil
+    with a coefficient per channel ``A[C]`` (``_fir_taps``: the same operations as the filters' own)."""
+    key = ("taps", bool(causal), S)
+    fn = _GEN_CACHE.get(key)
+    if fn is None:
+        name = f"_cta_taps_{int(causal)}_{S}"
+        w = _Src()
+        w.depth = 0
+        w("@triton.jit")
+        w(f"def {name}(A, TAPS, C, BLOCK: tl.constexpr):")
+        w.depth = 1
+        w("cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)")
+        w("cmask = cols < C")
+        w("a = tl.load(A + cols, mask=cmask, other=0.0).to(tl.float32)")
+        _fir_taps(w, "tap", causal, S, "a")
+        for k in range(S + 1):
+            w(f"tl.store(TAPS + {k} * C + cols, tap{k}, mask=cmask)")
+        fn = _exec_kernel(name, "\n".join(w.lines) + "\n")
+        _GEN_CACHE[key] = fn
+    return fn
+
+
+def _exec_kernel(name: str, src: str):
+    """The @triton.jit function ``name`` defined by the generated source ``src`` (kept in linecache, so that Triton
+    and tracebacks can read it)."""
+    filename = f"<cta-triton-generated:{name}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    namespace = {"triton": triton, "tl": tl, "_tanh": _tanh, "_KEEP": _KEEP, "_widen": _widen}
+    exec(compile(src, filename, "exec"), namespace)
+    return namespace[name]
 
 
 class _Src:
@@ -818,7 +846,17 @@ def _fir_prefetch(w, pre, rows, lead, D):
         rows.load(f"{pre}f{k}", f"start + {lead + k}")
 
 
-def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False, pointers=False):
+def _fir_taps_or_table(w, name, causal, S, c, table):
+    """``_fir_taps``, or (``table``) the same taps loaded from the launch's table ``TAPS[S + 1, C]`` (see
+    ``TAPS_TABLE``)."""
+    if table:
+        for k in range(S + 1):
+            w(f"{name}{k} = tl.load(TAPS + {k} * C + cols)")
+    else:
+        _fir_taps(w, name, causal, S, c)
+
+
+def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False, pointers=False, table=False):
     """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
     condition under which a program may take it (every row it reads lies inside the sequence). ``walls``: the same
     filter for programs at the sequence ends (rows beyond them read as the walls' extension, see ``_wall_load``);
@@ -826,12 +864,12 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False, pointers=Fals
     masked (the one copy of a kernel whose every program filters: see ``WALLS_ONE_COPY``)."""
     if kind == "bwd":
         assert walls != "static"
-        return _fir_backward(w, causal, S, D, unroll, walls, pointers)
+        return _fir_backward(w, causal, S, D, unroll, walls, pointers, table)
     c = "ab" if (causal and pde == "advection_diffusion") else "a"
     wide = S + 1 if causal else 2 * S + 1
     lead = 0 if causal else S  # newest window row - output row
     wall = _wall_kind(causal, walls)
-    _fir_taps(w, "tap", causal, S, c)
+    _fir_taps_or_table(w, "tap", causal, S, c, table)
     x_rows = _Rows(w, "x_at", "xrow", "sxl", f"start + {lead - wide + 1}", wall, pointers)
     for i in range(wide - 1):
         x_rows.load(f"xw{i}", f"start + {lead - wide + 1 + i}", to_float=True)
@@ -848,7 +886,7 @@ def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False, pointers=Fals
     return f"(start + {lead - wide + 1} >= 0) & (start + T + {lead + D} <= L)"
 
 
-def _fir_backward(w, causal, S, D, unroll, walls=False, pointers=False):
+def _fir_backward(w, causal, S, D, unroll, walls=False, pointers=False, table=False):
     """The backward's interior as filters on g only, with the walk's split of the coefficient gradient
     (``_stream_body``): with ``u = (M^T)^(S-1) g`` (one filter of S-1 levels: taps at offsets -k..k, or 0..k for the
     causal adjoint), the input gradient is ``M^T u = u + a L^T u`` and the coefficient's factor ``L^T u``, paired
@@ -861,7 +899,7 @@ def _fir_backward(w, causal, S, D, unroll, walls=False, pointers=False):
     first = 0 if causal else -S  # the first g row a program reads (that of u at row start-1, bidirectional)
     n_u = 2 if causal else 3
     if k:
-        _fir_taps(w, "gtap", causal, k, "a")
+        _fir_taps_or_table(w, "gtap", causal, k, "a", table)
 
     def u_row(dest):  # u at the row whose g window ``gw`` holds
         if not k:
@@ -1055,7 +1093,8 @@ def _stream_args(kind: str, static_rows: bool, t: int, block_c: int, **values) -
 
 
 def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
-                   fir_unroll=0, mma=0, walls=False, coef_atomic=False, pointers=False, static_rows=False):
+                   fir_unroll=0, mma=0, walls=False, coef_atomic=False, pointers=False, static_rows=False,
+                   taps_table=False):
     """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
     'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
     ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``mma`` > 0: interior programs run the
@@ -1069,11 +1108,12 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     ``DA[n_groups, channels]`` with atomics instead of storing a row of ``DA[tiles, channels]`` (see
     ``COEF_GRAD_ATOMIC``). ``pointers``: the interior filter steps its row pointers (``FIR_POINTER_STEPS``).
     ``static_rows``: the channels and the row strides are constexprs (``STATIC_ROWS``), so that the unrolled
-    filter addresses its rows as one pointer plus constant offsets."""
+    filter addresses its rows as one pointer plus constant offsets. ``taps_table``: the register filters load their
+    per-channel taps from ``TAPS`` (``TAPS_TABLE``) instead of computing them."""
     w = _Src()
     walk_d = min(D, WALK_MAX_PREFETCH)  # (a rolled loop: its prefetch registers move every row)
     ints, statics = _stream_int_args(kind, static_rows)
-    tensors = "X, Y, M, A, Bc, INIT, FIN" if kind == "fwd" else "GY, X, DX, M, A, Bc, DA"
+    tensors = "X, Y, M, A, Bc, INIT, FIN, TAPS" if kind == "fwd" else "GY, X, DX, M, A, Bc, DA, TAPS"
     params = ints + [f"{n}: tl.constexpr" for n in statics + ["T", "BLOCK_C"]]
     head = f"def {name}({tensors}, {', '.join(params)}):"
     w.depth = 0
@@ -1152,15 +1192,16 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
             if tensor_cores:
                 _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1, walls=True)
             else:
-                _fir_interior(fir, kind, pde, causal, S, D, fir_unroll, walls="static")
+                _fir_interior(fir, kind, pde, causal, S, D, fir_unroll, walls="static", table=taps_table)
         elif tensor_cores:
             fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1)
             if walls:
                 _mma_interior(edge, kind, pde, causal, S, ahead=mma - 1, walls=True)
         else:
-            fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll, pointers=pointers)
+            fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll, pointers=pointers,
+                                          table=taps_table)
             if walls:  # a rolled loop: few programs run it, and a second unrolled copy cost the interior registers
-                _fir_interior(edge, kind, pde, causal, S, D, 1, walls=True)
+                _fir_interior(edge, kind, pde, causal, S, D, 1, walls=True, table=taps_table)
         # which end programs may filter: one reflection covers S rows; the causal final state and the rows an
         # initial state reaches are the walk's
         edge_condition = " & ".join(([] if causal else [f"(L >= {S})"])
@@ -1749,6 +1790,37 @@ def _static_rows(kind: str, causal: bool, per_channel: bool, unroll: int, mma: i
     return STATIC_ROWS_ON and unroll > 0 and not mma and (kind, bool(causal), bool(per_channel)) in STATIC_ROWS
 
 
+# Launches, keyed (kernel, causal), whose register filters load their per-channel taps from a table that one small
+# kernel writes first (``_taps_kernel``: [levels + 1, channels] fp32) instead of each program computing them for its
+# channels (about 45 operations per channel at 8 bidirectional levels, over 17-24 rows; diffusion only: causal
+# advection-diffusion filters with a + b). None by default: paired on an H200 (``bench_scalar_coefficients.py
+# --compare taps-table --steps 2,4,8``, results/taps_table_NVIDIA_H200.json, 1x16384x4096 / 8x4096x4096 /
+# 1x65536x512), every kernel was slower with the table, the 8-step bidirectional forward 1.340 / 1.275 / 1.447x copy
+# against 1.264 / 1.257 / 1.331x computed, its backward 1.792 / 1.769 / 2.040x against 1.763 / 1.747 / 1.917x: the
+# taps' loads wait at the start of every program, where their arithmetic overlapped the rows' loads, and the table
+# is one more launch. Kept for that comparison.
+TAPS_TABLE = set()
+TAPS_TABLE_BLOCK = 1024  # channels per program of the taps kernel
+
+
+def _taps_table(kind, pde, causal, steps, per_channel, has_mask, even_c, unroll, mma) -> int:
+    """The levels of the taps table a launch reads (0: none; see ``TAPS_TABLE``): the forward's filter has ``steps``
+    levels, the backward's ``steps - 1``."""
+    levels = steps if kind == "fwd" else steps - 1
+    if (kind, bool(causal)) not in TAPS_TABLE or pde != "diffusion" or not per_channel or has_mask or not even_c:
+        return 0
+    return levels if unroll > 0 and not mma and levels > 0 else 0
+
+
+def _fir_taps_table(a: torch.Tensor, levels: int, causal: bool) -> torch.Tensor:
+    """``TAPS[levels + 1, channels]``: the taps of ``levels`` levels for the per-channel coefficient ``a``."""
+    channels = a.shape[0]
+    taps = torch.empty((levels + 1, channels), device=a.device, dtype=torch.float32)
+    _launch(_taps_kernel(causal, levels), (_cdiv(channels, TAPS_TABLE_BLOCK), 1, 1), (a, taps), (channels,),
+            (TAPS_TABLE_BLOCK,), 4)
+    return taps
+
+
 def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final):
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
@@ -1761,14 +1833,18 @@ def _stream_fwd(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_fin
     write_final = bool(causal and want_final)
     one_copy = (bool(causal), mma > 0) in WALLS_ONE_COPY
     static = _static_rows("fwd", causal, a_vec or b_vec, unroll, mma)
+    even_c = channels % block_c == 0
+    levels = _taps_table("fwd", pde, causal, steps, a_vec, m is not None, even_c, unroll, mma)
     kernel = _gen_kernel(("fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
-                          has_init and bool(causal), write_final, channels % block_c == 0, unroll, mma,
+                          has_init and bool(causal), write_final, even_c, unroll, mma,
                           _walls_mode("fwd", seq, steps, causal, has_init and bool(causal), write_final, a_vec or b_vec,
                                       one_copy), False, ("fwd", bool(causal), a_vec or b_vec) in FIR_POINTER_STEPS,
-                          static))
+                          static, levels > 0))
+    taps = _fir_taps_table(a, levels, causal) if levels else x
     grid = (_cdiv(channels, block_c), _cdiv(seq, t), batch)
     ints, consts = _stream_args("fwd", static, t, block_c, L=seq, C=channels, sxb=x.stride(0), sxl=x.stride(1))
-    _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x), ints, consts, warps)
+    _launch(kernel, grid, (x, y, m if m is not None else x, a, b, ini, fin if write_final else x, taps), ints, consts,
+            warps)
 
 
 def _stream_bwd_ok(pde: str, causal: bool, has_init: bool, device: torch.device) -> bool:
@@ -1820,14 +1896,17 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     else:
         partial = channels if per_channel else _cdiv(channels, block_c)
         da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
+    even_c = channels % block_c == 0
+    levels = _taps_table("bwd", pde, causal, steps, a_vec, m is not None, even_c, unroll, mma)
     kernel = _gen_kernel(("bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec,
-                          False, False, channels % block_c == 0, unroll, mma,
+                          False, False, even_c, unroll, mma,
                           _walls_mode("bwd", seq, steps, causal, False, False, a_vec or b_vec), atomic,
-                          ("bwd", bool(causal), per_channel) in FIR_POINTER_STEPS, static))
+                          ("bwd", bool(causal), per_channel) in FIR_POINTER_STEPS, static, levels > 0))
+    taps = _fir_taps_table(a, levels, causal) if levels else x
     grid = (_cdiv(channels, block_c), n_tiles, batch)
     ints, consts = _stream_args("bwd", static, t, block_c, L=seq, C=channels, sxb=x.stride(0), sxl=x.stride(1),
                                 sgb=gy.stride(0), sgl=gy.stride(1), n_tiles=n_tiles, n_groups=groups)
-    _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da), ints, consts, warps)
+    _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da, taps), ints, consts, warps)
     if atomic:
         return da[0] if groups == 1 else da.sum(0)
     return da.sum(0) if per_channel else da.sum().reshape(1)

@@ -959,6 +959,51 @@ def test_static_rows_widening_and_tile_order_match(monkeypatch, launched_kernels
 
 
 @needs_kernels
+@pytest.mark.parametrize("causal", [False, True])
+def test_taps_table_matches_computed_taps(monkeypatch, launched_kernels, causal):
+    """Per-channel filters that load their taps from the table ``_taps_kernel`` writes (``TAPS_TABLE``) give the same
+    outputs and gradients, bit for bit, as those that compute the taps themselves (the same operations), at several
+    step counts; with a padding mask no table is written (the walk has no taps)."""
+    from cta import triton_cta
+
+    tune = {(kind, causal, steps): (8, 16, 1, 2, 8) for kind in ("fwd", "bwd") for steps in (1, 2, 5)}
+    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", tune)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 45, 32, generator=gen).to(DEVICE)
+    grad = torch.randn(2, 45, 32, generator=gen).to(DEVICE)
+    alpha = (0.05 + 0.2 * torch.rand(32, generator=gen)).to(DEVICE)
+    every = {(kind, c) for kind in ("fwd", "bwd") for c in (False, True)}
+    with deterministic_algorithms(True):
+        for steps in (1, 2, 5):
+            runs = []
+            for table in (every, set()):
+                monkeypatch.setattr(triton_cta, "TAPS_TABLE", table)
+                launched_kernels.clear()
+                runs.append(_run(pde_refine_triton, x, alpha, None, grad, pde_type="diffusion", steps=steps,
+                                 causal=causal))
+                # the backward's filter has steps - 1 levels: none at 1 step
+                assert [key[17] for key in launched_kernels] == [bool(table), bool(table) and steps > 1]
+            for got, want in zip(runs[0][:3], runs[1][:3]):
+                assert torch.equal(got, want)
+        monkeypatch.setattr(triton_cta, "TAPS_TABLE", every)
+        launched_kernels.clear()
+        mask = torch.ones(2, 45, dtype=torch.long, device=DEVICE)
+        pde_refine_triton(x, alpha=alpha, pde_type="diffusion", steps=2, causal=causal, attention_mask=mask)
+        assert [key[17] for key in launched_kernels] == [False]
+    taps = triton_cta._fir_taps_table(alpha, 3, causal)
+    stencil = ([1.0 - alpha.double(), alpha.double()] if causal
+               else [alpha.double(), 1.0 - 2.0 * alpha.double(), alpha.double()])
+    poly = torch.ones(1, 32, dtype=torch.float64, device=DEVICE)
+    for _ in range(3):  # the stencil convolved with itself three times, per channel
+        nxt = torch.zeros(poly.shape[0] + len(stencil) - 1, 32, dtype=torch.float64, device=DEVICE)
+        for i, weight in enumerate(stencil):
+            nxt[i:i + poly.shape[0]] += weight * poly
+        poly = nxt
+    want = poly if causal else poly[3:]  # causal: taps at offsets 0..-3; bidirectional: offsets 0..3 of a symmetric one
+    torch.testing.assert_close(taps.double(), want, rtol=1e-6, atol=1e-7)
+
+
+@needs_kernels
 def test_dispatch_and_fallbacks():
     assert is_available()
     x = torch.randn(1, 12, 4, device=DEVICE)
