@@ -534,6 +534,7 @@ class _Src:
     def __init__(self):
         self.lines = []
         self.depth = 1
+        self.widen = False  # the register filters' 16-bit rows widen through ``_widen`` (see ``_widened``)
 
     def __call__(self, line):
         self.lines.append("    " * self.depth + line)
@@ -789,12 +790,16 @@ def _fir_loop(w, unroll, walls=False):
 FIR_POINTER_STEPS = {("fwd", False, True), ("fwd", True, True), ("bwd", False, True)}
 
 
-# The filters widen their 16-bit rows to fp32 with ``_widen`` (bf16 by a shift and a mask) instead of ``.to``.
+# The per-channel filters widen their 16-bit rows to fp32 with ``_widen`` (bf16 by a shift and a mask) instead of
+# ``.to`` (measured with STATIC_ROWS, see there). The scalar coefficient's register filters convert: in a scalar sweep
+# with ``_widen`` (results/kernels_NVIDIA_H200_scalar_widen.json) its 2-step causal forward read 1.19-1.21x copy on
+# the three large shapes, against 1.03-1.07x converting (kernels_NVIDIA_H200_scalar.json).
 FIR_WIDEN_ASM = os.environ.get("CTA_WIDEN_ASM", "1") not in ("", "0")
 
 
-def _widened(value: str) -> str:
-    return f"_widen({value})" if FIR_WIDEN_ASM else f"{value}.to(tl.float32)"
+def _widened(w, value: str) -> str:
+    """``value`` (a 16-bit row) as fp32, in the filter source ``w`` (``w.widen``: through ``_widen``)."""
+    return f"_widen({value})" if w.widen else f"{value}.to(tl.float32)"
 
 
 class _Rows:
@@ -810,7 +815,7 @@ class _Rows:
 
     def load(self, dest, r, to_float=False):
         value = f"tl.load({self.name})" if self.stepping else _wall_load(self.row, r, self.stride, self.wall)
-        self.w(f"{dest} = {_widened(value) if to_float else value}")
+        self.w(f"{dest} = {_widened(self.w, value) if to_float else value}")
         if self.stepping:
             self.w(f"{self.name} += {self.stride}")
 
@@ -834,7 +839,7 @@ def _fir_store_start(w, base, wall, pointers):
 def _fir_next_row(w, pre, rows, lead, D, dest):
     """``dest`` = the prefetched row ``t + lead`` of a stream; the prefetch (``rows``) advances to row
     ``t + lead + D``."""
-    w(f"{dest} = {_widened(f'{pre}f0')}")
+    w(f"{dest} = {_widened(w, f'{pre}f0')}")
     for k in range(D - 1):
         w(f"{pre}f{k} = {pre}f{k + 1}")
     rows.load(f"{pre}f{D - 1}", f"t + {lead + D}")
@@ -1186,6 +1191,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     tensor_cores = bool(mma) and not a_vec and not b_vec
     if interior_path and (tensor_cores or fir_unroll > 0) and linear:
         fir, edge = _Src(), _Src()
+        fir.widen = edge.widen = FIR_WIDEN_ASM and (a_vec or b_vec)
         fir.depth = edge.depth = 2
         if walls == 3:  # one copy of the filter, on the walls' extension, that every program runs
             fir.depth = 1
