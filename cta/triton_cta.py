@@ -1775,7 +1775,8 @@ def _walls_mode(kind: str, seq: int, steps: int, causal: bool, has_init: bool, w
 # --per-channel``, results/last_tile_per_channel_NVIDIA_H200.json, 1x16384x4096 / 8x4096x4096 / 1x65536x512): the
 # 8-step causal backward 1.614 / 1.594 / 1.796x copy against 1.712 / 1.643 / 2.012x in order; the 8-step
 # bidirectional forward 1.250 / 1.290 / 1.465x against 1.271 / 1.296 / 1.369x, and 1.448 against 1.339x in five
-# rounds on 1x65536x512 alone, so it keeps the order (the other launches measured there do not walk their ends).
+# rounds on 1x65536x512 alone (last_tile_per_channel_narrow_*.json), so it keeps the order (the other launches
+# measured there do not walk their ends).
 LAST_TILE_SECOND = frozenset({("bwd", True)})
 _SOURCE_DEFAULTS = (True, True, LAST_TILE_SECOND)  # FIR_CLOSED_FORM_TAPS, FIR_WIDEN_ASM, LAST_TILE_SECOND
 
