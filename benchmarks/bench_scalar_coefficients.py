@@ -82,6 +82,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from results_io import diffusion_launch, on_gpu, parse_configs, write_results  # noqa: E402  (beside this script)
 
 
+# Every (kernel, causal, per-channel) launch key, and every (kernel, causal) one: a switch's set that takes them all.
+EVERY_FILTER = {(kind, causal, vec) for kind in ("fwd", "bwd") for causal in (False, True) for vec in (False, True)}
+EVERY_KERNEL = frozenset((kind, causal) for kind in ("fwd", "bwd") for causal in (False, True))
+# --compare choices that --per-channel applies to, and those that always time a per-channel coefficient
+PER_CHANNEL_OPTION = ("walls", "one-copy", "taps", "pointers", "rows", "last-tile", "configs")
+PER_CHANNEL_ALWAYS = ("coef-atomic", "taps-table")
+
+
 def expanded(c, like):
     """The alternative to ``triton_cta._coef_arg`` for a scalar: one value per channel."""
     if c is not None and c.dim() == 0:
@@ -140,13 +148,11 @@ def main():
         variants = {"closed_form": ("FIR_CLOSED_FORM_TAPS", True), "levels": ("FIR_CLOSED_FORM_TAPS", False)}
         stem = "fir_taps" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "pointers":
-        every = {(kind, causal, vec) for kind in ("fwd", "bwd") for causal in (False, True) for vec in (False, True)}
-        variants = {"stepping": ("FIR_POINTER_STEPS", every), "indexed": ("FIR_POINTER_STEPS", set())}
+        variants = {"stepping": ("FIR_POINTER_STEPS", EVERY_FILTER), "indexed": ("FIR_POINTER_STEPS", set())}
         stem = "fir_pointers" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "rows":
-        every = {(kind, causal, vec) for kind in ("fwd", "bwd") for causal in (False, True) for vec in (False, True)}
         variants = {("static" if static else "strided") + ("_widen" if widen else "_convert"):
-                    [("STATIC_ROWS", every if static else set()), ("FIR_WIDEN_ASM", widen)]
+                    [("STATIC_ROWS", EVERY_FILTER if static else set()), ("FIR_WIDEN_ASM", widen)]
                     for static in (True, False) for widen in (True, False)}
         stem = "fir_rows" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "configs":
@@ -160,12 +166,10 @@ def main():
             variants[name or "defaults"] = ("_STREAM_TUNE", entries)
         stem = "stream_configs" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "taps-table":
-        every = {(kind, causal) for kind in ("fwd", "bwd") for causal in (False, True)}
-        variants = {"table": ("TAPS_TABLE", every), "computed": ("TAPS_TABLE", set())}
+        variants = {"table": ("TAPS_TABLE", set(EVERY_KERNEL)), "computed": ("TAPS_TABLE", set())}
         stem = "taps_table"
     elif args.compare == "last-tile":
-        every = frozenset((kind, causal) for kind in ("fwd", "bwd") for causal in (False, True))
-        variants = {"last_second": ("LAST_TILE_SECOND", every), "in_order": ("LAST_TILE_SECOND", frozenset())}
+        variants = {"last_second": ("LAST_TILE_SECOND", EVERY_KERNEL), "in_order": ("LAST_TILE_SECOND", frozenset())}
         stem = "last_tile" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "coef-atomic":
         if args.spreads:
@@ -182,9 +186,7 @@ def main():
     for shape in shapes:
         x = torch.randn(shape, device="cuda", dtype=getattr(torch, args.dtype))
         grad = torch.randn_like(x)
-        per_channel = (args.per_channel
-                       and args.compare in ("walls", "one-copy", "taps", "pointers", "rows", "last-tile", "configs")
-                       or args.compare in ("coef-atomic", "taps-table"))
+        per_channel = args.per_channel and args.compare in PER_CHANNEL_OPTION or args.compare in PER_CHANNEL_ALWAYS
         alpha = torch.full((shape[-1],) if per_channel else (), 0.2, device="cuda")
         y = torch.empty_like(x)
         timings, copies = {}, []

@@ -48,9 +48,7 @@ def _grid_from_defaults(steps_list, t_values, d_values, kernels, modes):
     from cta import triton_cta
 
     for kind, causal, steps in itertools.product(kernels, modes, steps_list):
-        base = (triton_cta._STREAM_DEFAULTS_PER_CHANNEL.get((kind, causal), {}).get(steps)
-                or triton_cta._STREAM_DEFAULTS[(kind, causal)][steps])
-        t0, block_c, warps, d0, u0 = base
+        t0, block_c, warps, d0, u0 = triton_cta._default_entry(kind, causal, steps, per_channel=True)
         ts = dict.fromkeys(t0 if t == BASE else t for t in t_values)
         ds = dict.fromkeys(d0 if d == BASE else d for d in d_values)
         for t, d in itertools.product(ts, ds):

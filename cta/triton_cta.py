@@ -75,6 +75,7 @@ Design
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import re
@@ -1083,12 +1084,13 @@ def _mma_interior(w, kind, pde, causal, S, ahead=0, walls=False):
     return f"(start - {half} >= 0) & (start + T + {half} <= L)"
 
 
-def _stream_int_args(kind: str, static_rows: bool) -> Tuple[list, list]:
+@functools.lru_cache(maxsize=None)  # (asked at every launch)
+def _stream_int_args(kind: str, static_rows: bool) -> Tuple[tuple, tuple]:
     """The streaming kernels' integer parameters, in order: (runtime ints, constexprs before T and BLOCK_C). The
     channels ``C`` and the row strides are constexprs with ``static_rows``."""
-    ints = ["L", "C", "sxb", "sxl"] + (["sgb", "sgl", "n_tiles", "n_groups"] if kind == "bwd" else [])
-    statics = [n for n in ints if n in ("C", "sxl", "sgl")] if static_rows else []
-    return [n for n in ints if n not in statics], statics
+    ints = ("L", "C", "sxb", "sxl") + (("sgb", "sgl", "n_tiles", "n_groups") if kind == "bwd" else ())
+    statics = tuple(n for n in ints if n in ("C", "sxl", "sgl")) if static_rows else ()
+    return tuple(n for n in ints if n not in statics), statics
 
 
 def _stream_args(kind: str, static_rows: bool, t: int, block_c: int, **values) -> Tuple[tuple, tuple]:
@@ -1119,7 +1121,7 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     walk_d = min(D, WALK_MAX_PREFETCH)  # (a rolled loop: its prefetch registers move every row)
     ints, statics = _stream_int_args(kind, static_rows)
     tensors = "X, Y, M, A, Bc, INIT, FIN, TAPS" if kind == "fwd" else "GY, X, DX, M, A, Bc, DA, TAPS"
-    params = ints + [f"{n}: tl.constexpr" for n in statics + ["T", "BLOCK_C"]]
+    params = list(ints) + [f"{n}: tl.constexpr" for n in statics + ("T", "BLOCK_C")]
     head = f"def {name}({tensors}, {', '.join(params)}):"
     w.depth = 0
     w("@triton.jit")
@@ -1666,13 +1668,20 @@ def _stream_config(seq: int, channels: int, steps: int, causal: bool, kind: str,
     elif device.type != "cuda":  # interpreter: one program per sequence and channel block (fewest interpreted steps)
         cfg = (max(seq, 1), min(_next_pow2(channels), 256), 1, 2, 1)
     else:
-        table = _STREAM_DEFAULTS[(kind, bool(causal))]
-        tuned = min(table, key=lambda tuned: (abs(tuned - steps), tuned))
-        overrides = _STREAM_DEFAULTS_PER_CHANNEL.get((kind, bool(causal)), {}) if per_channel else {}
-        cfg = overrides.get(tuned, table[tuned])
+        cfg = _default_entry(kind, causal, steps, per_channel)
     t, block_c = _fit_program(seq, channels, *cfg[:2])
     unroll = (cfg[4] if len(cfg) > 4 else 1) if USE_FIR else 0
     return t, block_c, cfg[2], cfg[3], unroll
+
+
+def _default_entry(kind: str, causal: bool, steps: int, per_channel: bool) -> tuple:
+    """The default (T, BLOCK_C, num_warps, D, U) of a register-filter launch: the entry of the nearest tuned step
+    count (ties: the smaller), ``_STREAM_DEFAULTS_PER_CHANNEL``'s over ``_STREAM_DEFAULTS``' for a ``per_channel``
+    coefficient."""
+    table = _STREAM_DEFAULTS[(kind, bool(causal))]
+    tuned = min(table, key=lambda tuned: (abs(tuned - steps), tuned))
+    overrides = _STREAM_DEFAULTS_PER_CHANNEL.get((kind, bool(causal)), {}) if per_channel else {}
+    return overrides.get(tuned, table[tuned])
 
 
 def _fit_program(seq: int, channels: int, t: int, block_c: int) -> Tuple[int, int]:
