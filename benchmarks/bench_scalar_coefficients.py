@@ -29,8 +29,9 @@ row's index; ``--per-channel`` as above.
 (``STATIC_ROWS``, constant row offsets) and bf16 rows widened by a shift and a mask (``FIR_WIDEN_ASM``), each on or
 off; ``--per-channel`` as above.
 
-``--compare last-tile``: register-filter launches whose end programs walk, with the last row tile run second
-(``LAST_TILE_SECOND`` for every kernel; by default only some take it) against in order; ``--per-channel`` as above.
+``--compare last-tile``: register-filter launches whose end programs walk or run the walls' rolled filter, with the
+last row tile run second (``LAST_TILE_SECOND`` for every launch; by default only some take it) against in order;
+``--per-channel`` as above.
 
 ``--compare taps-table``: per-channel filters loading their taps from a table one small kernel writes first
 (``TAPS_TABLE`` for every kernel) against computing them in every program (always per channel).
@@ -85,6 +86,7 @@ from results_io import diffusion_launch, on_gpu, parse_configs, write_results  #
 # Every (kernel, causal, per-channel) launch key, and every (kernel, causal) one: a switch's set that takes them all.
 EVERY_FILTER = {(kind, causal, vec) for kind in ("fwd", "bwd") for causal in (False, True) for vec in (False, True)}
 EVERY_KERNEL = frozenset((kind, causal) for kind in ("fwd", "bwd") for causal in (False, True))
+EVERY_LAUNCH = frozenset((kind, causal, per_channel) for kind, causal in EVERY_KERNEL for per_channel in (False, True))
 # --compare choices that --per-channel applies to, and those that always time a per-channel coefficient
 PER_CHANNEL_OPTION = ("walls", "one-copy", "taps", "pointers", "rows", "last-tile", "configs")
 PER_CHANNEL_ALWAYS = ("coef-atomic", "taps-table")
@@ -169,7 +171,7 @@ def main():
         variants = {"table": ("TAPS_TABLE", set(EVERY_KERNEL)), "computed": ("TAPS_TABLE", set())}
         stem = "taps_table"
     elif args.compare == "last-tile":
-        variants = {"last_second": ("LAST_TILE_SECOND", EVERY_KERNEL), "in_order": ("LAST_TILE_SECOND", frozenset())}
+        variants = {"last_second": ("LAST_TILE_SECOND", EVERY_LAUNCH), "in_order": ("LAST_TILE_SECOND", frozenset())}
         stem = "last_tile" + ("_per_channel" if args.per_channel else "")
     elif args.compare == "coef-atomic":
         if args.spreads:

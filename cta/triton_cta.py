@@ -492,7 +492,7 @@ def _gen_kernel(key):
         name = "_cta_stream_" + "_".join(str(int(k)) if isinstance(k, bool) else str(k) for k in key)
         name += "".join(f"_{label}" for label, on in zip(("levels", "convert"), flags) if not on)
         name += "" if LAST_TILE_SECOND == _SOURCE_DEFAULTS[2] else "_order" + "".join(
-            f"_{kind}{int(causal)}" for kind, causal in sorted(LAST_TILE_SECOND))
+            f"_{kind}{int(causal)}{int(per_channel)}" for kind, causal, per_channel in sorted(LAST_TILE_SECOND))
         fn = _exec_kernel(name, _stream_source(name, *key))
         _GEN_CACHE[cache_key] = fn
     return fn
@@ -1133,9 +1133,9 @@ def _stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_in
     w("cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)")
     w("cmask = cols < C")
     w("cz = cols.to(tl.int64) * 0")
-    if mma or ((kind, bool(causal)) in LAST_TILE_SECOND and fir_unroll > 0 and walls in (0, 1)):
-        # Where the end programs walk (walls off, or a causal state), that takes longer than a filtered tile: the
-        # last one is scheduled second (program 1) rather than last, so that it does not run alone at the end.
+    if mma or ((kind, bool(causal), bool(a_vec or b_vec)) in LAST_TILE_SECOND and fir_unroll > 0 and walls < 3):
+        # The end programs walk, or run the walls' filter as a rolled loop: either takes longer than an interior
+        # tile, so the last one is scheduled second (program 1) rather than last, not to run alone at the end.
         w("n_t = (L + T - 1) // T")
         w("tile = tl.where(pid_l == 0, 0, tl.where(pid_l == 1, n_t - 1, pid_l - 1))")
         w("start = tile.to(tl.int64) * T")
@@ -1598,7 +1598,17 @@ _STREAM_DEFAULTS = {
 # LAST_TILE_SECOND) against 1.279 / 1.330 / 1.309x for (34, 128, 2, 4, 34); backward (24, 128, 2, 8, 24) 1.756 /
 # 1.764 / 1.941x against 1.736 / 1.790 / 1.995x for (48, 128, 2, 8, 48) and 1.822 / 1.822 / 2.069x for the entry
 # before. Programs of 34 rows with 4 channels per thread were slower (1.50x): the code of a fully unrolled program
-# grows with rows x channels per thread.
+# grows with rows x channels per thread. With the forward's ends filtering (see ``_walls_mode``), its grid again
+# (`tune_stream.py --kernels fwd --modes bidi --steps 8 --t-values 17,24,34 --blocks 256:2,128:2,128:1,512:4
+# --d-values 2,4,8 --unroll-values T --shape S`, stream_tuning_walls_fwd_bidi8_<S>_*.json): the entry stays best on
+# 1x16384x4096 and 8x4096x4096 and is within 0.3% of it on 1x65536x512. Tried and slower, paired (--compare
+# configs): 18 and 16 rows (stream_configs_waves_per_channel_*.json and, ends filtering,
+# stream_configs_walls_per_channel_*.json: 18 rows 1.193 / 1.174 / 1.234x against 1.190 / 1.176 / 1.229x), chosen
+# for whole waves of resident programs; and programs that loop over 34-68 rows, 17 unrolled per iteration, whose
+# taps and halo cost less per row (about 22 instructions per element instead of 24, counted in the SASS) --
+# 1.34-1.94x copy with 4 rows prefetched or a whole next iteration's 17 (stream_configs_loops[_prefetch]_*.json),
+# likewise for backwards of 32-96 rows (1.84-2.70x against 1.73-1.97x): the short, fully unrolled programs issue
+# all their loads at once.
 _STREAM_DEFAULTS_PER_CHANNEL = {
     ('fwd', False): {4: (24, 64, 1, 8, 24), 8: (17, 256, 2, 4, 17)},
     ('fwd', True): {1: (8, 256, 2, 8, 8), 4: (8, 256, 2, 8, 8), 8: (24, 256, 2, 12, 24)},
@@ -1737,7 +1747,7 @@ def _stream_plan(x, kind, steps, causal, a_vec, b_vec, has_mask, linear):
 
 # The most steps at which per-channel launches filter their ends, per (kernel, causal); above, they walk them (see
 # ``_walls_mode``). The benchmark's --compare walls lifts them all to MAX_FUSED_STEPS.
-WALLS_MAX_STEPS_PER_CHANNEL = {("fwd", False): 4, ("fwd", True): 8, ("bwd", False): 8, ("bwd", True): 4}
+WALLS_MAX_STEPS_PER_CHANNEL = {("fwd", False): 8, ("fwd", True): 8, ("bwd", False): 8, ("bwd", True): 4}
 # Forward launches where every program, interior or not, runs one copy of the filter on the walls' extension
 # (``_walls_mode`` 3: no interior branch; the register filter loops over all T rows and masks the stores past the
 # end), keyed (causal, tensor cores). An H200 probe that dropped the end programs' branch altogether (wrong at the
@@ -1747,7 +1757,9 @@ WALLS_MAX_STEPS_PER_CHANNEL = {("fwd", False): 4, ("fwd", True): 8, ("bwd", Fals
 # it wins for the bidirectional tensor-core forward at 8 steps (1.110 / 1.101 / 1.135x copy against 1.145 / 1.153
 # / 1.157x on 1x16384x4096 / 8x4096x4096 / 1x65536x512) and ties at 4 (1.118 / 1.107 / 1.145 against 1.120 /
 # 1.110 / 1.131); the causal one ties (1.03-1.05x both); the register filter loses bidirectionally (per channel,
-# 8 steps: 1.97-2.18 against 1.55-1.60x; 2 steps scalar: 1.04-1.09 against 1.02-1.03x) and ties causally.
+# 8 steps: 1.97-2.18 against 1.55-1.60x; 2 steps scalar: 1.04-1.09 against 1.02-1.03x) and ties causally. Again
+# with STATIC_ROWS (walls_one_copy_per_channel_static_rows_*.json, --per-channel --steps 8), the bidirectional
+# per-channel forward: 1.646 / 1.660 / 1.642x against 1.265 / 1.265 / 1.376x with its ends walking.
 WALLS_ONE_COPY = {(False, True)}
 
 
@@ -1766,8 +1778,12 @@ def _walls_mode(kind: str, seq: int, steps: int, causal: bool, has_init: bool, w
     wins at 8 steps for the causal forward (1.171 / 1.171 / 1.274x copy against 1.221 / 1.229 / 1.374x) and the
     bidirectional backward (2.469 / 2.178 / 2.381x against 2.582 / 2.300 / 2.556x), and loses for the bidirectional
     forward (1.512 / 1.522 / 1.525x against 1.389 / 1.395 / 1.459x) and the causal backward (2.104 / 2.052 /
-    2.310x against 2.054 / 1.966 / 2.279x). So per-channel launches above ``WALLS_MAX_STEPS_PER_CHANNEL[(kind,
-    causal)]`` steps walk (5-7 and 9-16 steps were not measured)."""
+    2.310x against 2.054 / 1.966 / 2.279x). Since the constant row offsets (``STATIC_ROWS``) and widened rows, the
+    bidirectional forward's ends filter at 8 steps too (walls_filter_per_channel_static_rows_*.json, --steps 8:
+    1.185 / 1.177 / 1.266x against 1.262 / 1.288 / 1.369x walking; the ends' copy of the filter is a rolled loop,
+    so the code grows little); the causal backward, within 1% there (1.608 / 1.570 / 1.813x against 1.606 / 1.592
+    / 1.832x), keeps its limit. So per-channel launches above ``WALLS_MAX_STEPS_PER_CHANNEL[(kind, causal)]``
+    steps walk (5-7 and 9-16 steps were not measured)."""
     limit = WALLS_MAX_STEPS_PER_CHANNEL[(kind, bool(causal))]
     if not USE_WALLS or (per_channel and steps > limit and not one_copy):
         return 0
@@ -1778,15 +1794,20 @@ def _walls_mode(kind: str, seq: int, steps: int, causal: bool, has_init: bool, w
     return 3 if one_copy else 2
 
 
-# Register-filter launches, keyed (kernel, causal), whose end programs walk (a per-channel coefficient above
-# WALLS_MAX_STEPS_PER_CHANNEL, a causal state) run the last row tile second, as the tensor-core filter's launches do;
-# the others run the tiles in order. Paired on an H200 (``bench_scalar_coefficients.py --compare last-tile
-# --per-channel``, results/last_tile_per_channel_NVIDIA_H200.json, 1x16384x4096 / 8x4096x4096 / 1x65536x512): the
-# 8-step causal backward 1.614 / 1.594 / 1.796x copy against 1.712 / 1.643 / 2.012x in order; the 8-step
-# bidirectional forward 1.250 / 1.290 / 1.465x against 1.271 / 1.296 / 1.369x, and 1.448 against 1.339x in five
-# rounds on 1x65536x512 alone (last_tile_per_channel_narrow_*.json), so it keeps the order (the other launches
-# measured there do not walk their ends).
-LAST_TILE_SECOND = frozenset({("bwd", True)})
+# Register-filter launches, keyed (kernel, causal, per-channel coefficient), whose end programs take longer than an
+# interior tile (they walk: a per-channel coefficient above WALLS_MAX_STEPS_PER_CHANNEL, a causal state; or they run
+# the walls' filter as a rolled loop) run the last row tile second, as the tensor-core filter's launches do; the
+# others run the tiles in order. Paired on an H200 (``bench_scalar_coefficients.py --compare last-tile
+# --per-channel``, 1x16384x4096 / 8x4096x4096 / 1x65536x512): first with walking ends only
+# (results/last_tile_per_channel_NVIDIA_H200.json), the 8-step causal backward 1.614 / 1.594 / 1.796x copy against
+# 1.712 / 1.643 / 2.012x in order; then with the filtering ends too (last_tile_walls_per_channel_*.json, --steps
+# 4,8): the bidirectional backward 1.546 / 1.548 / 1.695x against 1.589 / 1.547 / 1.793x at 4 steps and 1.719 /
+# 1.723 / 1.920x against 1.759 / 1.742 / 1.966x at 8, the causal forward 1.027 / 1.019 / 1.011x against 1.029 /
+# 1.017 / 1.055x at 4 and 1.087 / 1.098 / 1.116x against 1.113 / 1.092 / 1.126x at 8. The bidirectional forward
+# keeps the order: 1.184 / 1.165 / 1.290x against 1.191 / 1.176 / 1.244x (on 1x65536x512 it has lost each time,
+# also in five rounds with walking ends, last_tile_per_channel_narrow_*.json: 1.448 against 1.339x; I did not find
+# why). The scalar coefficient's launches were not measured and keep the order.
+LAST_TILE_SECOND = frozenset({("bwd", True, True), ("bwd", False, True), ("fwd", True, True)})
 _SOURCE_DEFAULTS = (True, True, LAST_TILE_SECOND)  # FIR_CLOSED_FORM_TAPS, FIR_WIDEN_ASM, LAST_TILE_SECOND
 
 # Launches, keyed (kernel, causal, per-channel coefficient), whose register filter takes the channels and row strides

@@ -919,24 +919,27 @@ def test_fir_pointer_steps_match_indexed(monkeypatch, launched_kernels, causal):
 
 @needs_kernels
 @pytest.mark.parametrize("causal", [False, True])
-def test_static_rows_widening_and_tile_order_match(monkeypatch, launched_kernels, causal):
+@pytest.mark.parametrize("ends", ["walk", "filter"])
+def test_static_rows_widening_and_tile_order_match(monkeypatch, launched_kernels, causal, ends):
     """Three ways of running the same register filters give the same outputs and input gradients, bit for bit: the
     channels and row strides as constexprs (``STATIC_ROWS``) or as arguments, the bf16 rows widened by
     ``_widen``'s shift and mask or by a conversion (``FIR_WIDEN_ASM``; the interpreter always converts), and the last
-    row tile run second or in order (``LAST_TILE_SECOND``; the end programs walk here). The coefficient's gradient
-    sums the programs in another order when the tiles move, so it is compared to rounding."""
+    row tile run second or in order (``LAST_TILE_SECOND``), with end programs that walk or that filter (the walls'
+    rolled loop). The coefficient's gradient sums the programs in another order when the tiles move, so it is
+    compared to rounding."""
     from cta import triton_cta
 
     tune = {(kind, causal, 3): (8, 16, 1, 2, 8) for kind in ("fwd", "bwd")}
     monkeypatch.setattr(triton_cta, "_STREAM_TUNE", tune)
+    limit = 0 if ends == "walk" else triton_cta.MAX_FUSED_STEPS
     monkeypatch.setattr(triton_cta, "WALLS_MAX_STEPS_PER_CHANNEL",
-                        dict.fromkeys(triton_cta.WALLS_MAX_STEPS_PER_CHANNEL, 0))  # the ends walk
+                        dict.fromkeys(triton_cta.WALLS_MAX_STEPS_PER_CHANNEL, limit))
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 61, 32, generator=gen).to(DEVICE, torch.bfloat16)
     grad = torch.randn(2, 61, 32, generator=gen).to(DEVICE)
     alpha = (0.05 + 0.2 * torch.rand(32, generator=gen)).to(DEVICE)
     every = {(kind, causal, True) for kind in ("fwd", "bwd")}
-    both = frozenset((kind, causal) for kind in ("fwd", "bwd"))
+    both = frozenset((kind, causal, True) for kind in ("fwd", "bwd"))
     runs = []
     with deterministic_algorithms(True):
         for static, widen, order in itertools.product((every, set()), (True, False), (both, frozenset())):
@@ -946,6 +949,7 @@ def test_static_rows_widening_and_tile_order_match(monkeypatch, launched_kernels
             launched_kernels.clear()
             runs.append(_run(pde_refine_triton, x, alpha, None, grad, pde_type="diffusion", steps=3, causal=causal))
             assert [key[16] for key in launched_kernels] == [bool(static)] * 2
+            assert [key[13] for key in launched_kernels] == [0 if ends == "walk" else 2] * 2
             src = triton_cta._stream_source("k", *launched_kernels[0])  # (the module's switches as launched)
             assert ("tile = tl.where" in src) == bool(order)
             assert (", C: tl.constexpr" in src) == bool(static)
@@ -955,7 +959,7 @@ def test_static_rows_widening_and_tile_order_match(monkeypatch, launched_kernels
         torch.testing.assert_close(got[2], runs[0][2], rtol=1e-5, atol=1e-6)
     monkeypatch.undo()
     assert ("fwd", False, True) in triton_cta.STATIC_ROWS and ("fwd", True, True) not in triton_cta.STATIC_ROWS
-    assert triton_cta.LAST_TILE_SECOND == {("bwd", True)}
+    assert triton_cta.LAST_TILE_SECOND == {("bwd", True, True), ("bwd", False, True), ("fwd", True, True)}
 
 
 @needs_kernels
