@@ -45,6 +45,9 @@ programs add into a few rows with atomics (``COEF_GRAD_ATOMIC``, the default; ``
 of ``COEF_GRAD_ATOMIC_SPREAD``, the addresses that share them) against per-program partial sums that a second
 kernel reduces. The forwards are the same kernel in every variant (a control of the pairing).
 
+``--compare coef-sum``: that gradient's atomic rows summed by ``_sum_rows_kernel`` (``COEF_GRAD_SUM_KERNEL``, the
+default) against torch's ``sum(0)`` (one row, as with 4096 channels or more, needs neither); always per channel.
+
 The variants alternate within each round and every timing is a median of ``triton.testing.do_bench``; the table
 gives the median over rounds as a multiple of ``y.copy_(x)`` (timed in every round too), so host or clock drift
 between variants cancels.
@@ -89,7 +92,7 @@ EVERY_KERNEL = frozenset((kind, causal) for kind in ("fwd", "bwd") for causal in
 EVERY_LAUNCH = frozenset((kind, causal, per_channel) for kind, causal in EVERY_KERNEL for per_channel in (False, True))
 # --compare choices that --per-channel applies to, and those that always time a per-channel coefficient
 PER_CHANNEL_OPTION = ("walls", "one-copy", "taps", "pointers", "rows", "last-tile", "configs")
-PER_CHANNEL_ALWAYS = ("coef-atomic", "taps-table")
+PER_CHANNEL_ALWAYS = ("coef-atomic", "coef-sum", "taps-table")
 
 
 def expanded(c, like):
@@ -103,7 +106,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compare", default="coefficients",
                         choices=("coefficients", "mma", "walls", "one-copy", "taps", "pointers", "coef-atomic", "rows",
-                                 "last-tile", "configs", "taps-table"),
+                                 "last-tile", "configs", "taps-table", "coef-sum"),
                         help="which pair of variants to time (see above)")
     parser.add_argument("--steps", default="1,2,4,8", help="comma list of step counts")
     parser.add_argument("--shape", default="1x16384x4096", help="BxLxC, or a comma list of them")
@@ -180,6 +183,9 @@ def main():
             variants = {"atomic": ("COEF_GRAD_ATOMIC", True)}
         variants["partial_sums"] = ("COEF_GRAD_ATOMIC", False)
         stem = "coef_grad_atomic" + ("_spreads" if args.spreads else "")
+    elif args.compare == "coef-sum":
+        variants = {"sum_kernel": ("COEF_GRAD_SUM_KERNEL", True), "torch_sum": ("COEF_GRAD_SUM_KERNEL", False)}
+        stem = "coef_grad_sum"
     else:
         every = {(causal, mma) for causal in (False, True) for mma in (False, True)}
         variants = {"one_copy": ("WALLS_ONE_COPY", every), "branches": ("WALLS_ONE_COPY", set())}

@@ -425,6 +425,17 @@ if _HAS_TRITON:
                 tl.store(DB + poff + ccols, db, mask=ccmask)
 
     @triton.jit
+    def _sum_rows_kernel(SRC, DST, rows, C, BLOCK: tl.constexpr):
+        """``DST[C] = SRC[rows, C].sum(0)``, fp32 (the coefficient gradient's atomic rows; see
+        ``COEF_GRAD_SUM_KERNEL``)."""
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cmask = cols < C
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in range(0, rows):
+            total += tl.load(SRC + r * C + cols, mask=cmask, other=0.0)
+        tl.store(DST + cols, total, mask=cmask)
+
+    @triton.jit
     def _pde_decode_kernel(
         X, Y, S, TM, A, Bc, C, sxb, ssb, ssl,
         PDE: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -1908,6 +1919,27 @@ COEF_GRAD_ATOMIC = os.environ.get("CTA_COEF_ATOMIC", "1") not in ("", "0")
 COEF_GRAD_ATOMIC_SPREAD = 4096
 
 
+# Where there are several rows (fewer than 4096 channels), they are summed by one small Triton kernel rather than
+# torch's ``sum(0)``, whose reduction kernel took 4.6 us for [8, 512] rows on an H200 (a profile of one CUDA-graph
+# forward+backward of 1x65536x512, 107 us in all); see ``bench_scalar_coefficients.py --compare coef-sum``
+# (results/coef_grad_sum_NVIDIA_H200.json). CTA_COEF_SUM_KERNEL=0: torch's sum. One row for 512 channels
+# (COEF_GRAD_ATOMIC_SPREAD = 512) needs no sum at all, but its atomics queue up: in a CUDA-graph probe (not kept)
+# it was slower in GPU time, though faster in eager launches (coef_grad_atomic_spreads_narrow_NVIDIA_H200.json,
+# one launch fewer).
+COEF_GRAD_SUM_KERNEL = os.environ.get("CTA_COEF_SUM_KERNEL", "1") not in ("", "0")
+SUM_ROWS_BLOCK = 512
+
+
+def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows.sum(0)`` of a contiguous fp32 ``[n, channels]`` (``_sum_rows_kernel``, or torch's reduction)."""
+    if not COEF_GRAD_SUM_KERNEL:
+        return rows.sum(0)
+    n, channels = rows.shape
+    out = torch.empty(channels, device=rows.device, dtype=torch.float32)
+    _launch(_sum_rows_kernel, (_cdiv(channels, SUM_ROWS_BLOCK), 1, 1), (rows, out), (n, channels), (SUM_ROWS_BLOCK,), 4)
+    return out
+
+
 def _coef_grad_groups(channels: int, programs: int) -> int:
     """Rows of the atomics' [rows, channels] sum: a power of two giving about ``COEF_GRAD_ATOMIC_SPREAD``
     addresses, or one row per program (``programs``) where there are fewer programs."""
@@ -1945,7 +1977,7 @@ def _stream_bwd(gy, x, dx, alpha, beta, mask, pde, steps, causal):
                                 sgb=gy.stride(0), sgl=gy.stride(1), n_tiles=n_tiles, n_groups=groups)
     _launch(kernel, grid, (gy, x, dx, m if m is not None else x, a, b, da, taps), ints, consts, warps)
     if atomic:
-        return da[0] if groups == 1 else da.sum(0)
+        return da[0] if groups == 1 else _sum_rows(da)
     return da.sum(0) if per_channel else da.sum().reshape(1)
 
 

@@ -564,7 +564,10 @@ def test_direct_launch_gpu(monkeypatch, causal):
             kernels._COMPILED.clear()
             run()  # compiles (or finds) the kernels through Triton and caches them
             cached = [key[0] for key in kernels._COMPILED]
-            assert len(cached) == 2 and all(k is not kernels._pde_decode_kernel for k in cached)  # fwd and bwd
+            # fwd and bwd, and with the atomics the sum of their rows (96 channels: several rows)
+            streaming = [k for k in cached if k is not kernels._sum_rows_kernel]
+            assert len(streaming) == 2 and all(k is not kernels._pde_decode_kernel for k in streaming)
+            assert (kernels._sum_rows_kernel in cached) == (not deterministic)
             direct = run()
         assert torch.equal(direct[0], generic[0]) and torch.equal(direct[1], generic[1])
         if deterministic:
@@ -1117,6 +1120,21 @@ def test_per_channel_coefficient_gradient_paths(monkeypatch, launched_kernels, p
     launched_kernels.clear()
     check_parity(pde, causal, 37, 16, 3, "left", True, batch=2, seed=12)  # (the walk's programs, with a mask)
     assert [key[14] for key in launched_kernels if key[0] == "bwd"] == [False]
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,channels", [(1, 1), (3, 129), (8, 700)])
+def test_sum_rows_kernel_matches_torch(rows, channels):
+    """``_sum_rows`` (the coefficient gradient's atomic rows summed by ``_sum_rows_kernel``, over one or more blocks of
+    channels) equals the float64 sum of the rows to fp32 rounding, and torch's ``sum(0)`` likewise."""
+    from cta import triton_cta
+
+    gen = torch.Generator().manual_seed(rows * 1000 + channels)
+    values = torch.randn(rows, channels, generator=gen).to(DEVICE)
+    got = triton_cta._sum_rows(values)
+    assert got.shape == (channels,) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), values.double().sum(0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, values.sum(0), rtol=1e-6, atol=1e-6)
 
 
 hypothesis = pytest.importorskip("hypothesis")
