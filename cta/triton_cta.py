@@ -1920,9 +1920,10 @@ COEF_GRAD_ATOMIC_SPREAD = 4096
 
 
 # Where there are several rows (fewer than 4096 channels), they are summed by one small Triton kernel rather than
-# torch's ``sum(0)``, whose reduction kernel took 4.6 us for [8, 512] rows on an H200 (a profile of one CUDA-graph
-# forward+backward of 1x65536x512, 107 us in all); see ``bench_scalar_coefficients.py --compare coef-sum``
-# (results/coef_grad_sum_NVIDIA_H200.json). CTA_COEF_SUM_KERNEL=0: torch's sum. One row for 512 channels
+# torch's ``sum(0)``, whose reduction kernel was slower than that little work needs in a profile of one CUDA-graph
+# forward+backward of 1x65536x512 (not kept). Paired (``bench_scalar_coefficients.py --compare coef-sum --steps
+# 1,4,8 --shape 1x65536x512 --rounds 5``, results/coef_grad_sum_NVIDIA_H200.json, eager launches), the backwards
+# read 1.673-1.900x copy against 1.690-1.940x. CTA_COEF_SUM_KERNEL=0: torch's sum. One row for 512 channels
 # (COEF_GRAD_ATOMIC_SPREAD = 512) needs no sum at all, but its atomics queue up: in a CUDA-graph probe (not kept)
 # it was slower in GPU time, though faster in eager launches (coef_grad_atomic_spreads_narrow_NVIDIA_H200.json,
 # one launch fewer).
