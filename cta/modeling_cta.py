@@ -26,6 +26,7 @@ from transformers.modeling_outputs import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_cta import CTAConfig
+from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, pop_cache
 from .pde_cta import PDERefinement
 
 
@@ -169,21 +170,21 @@ class CTAAttention(nn.Module):
         )
         self.matrix_pde = make_pde(config, self.num_heads, layer_idx) if "attention_matrix" in placements else None
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None,
-                past_key_values=None, output_attentions=False, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None, cache=None,
+                output_attentions=False, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         values = self.v_proj(hidden_states)
         if self.value_pde is not None:
-            values = self.value_pde(values, token_mask, past_key_values)
+            values = self.value_pde(values, token_mask, cache)
         value_states = values.view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             cos, sin = position_embeddings
             query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-        if past_key_values is not None:
-            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
         dropout = self.attention_dropout if self.training else 0.0
         if self.matrix_pde is not None:
@@ -264,7 +265,9 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             setattr(self, f"{name}_pde", module)
 
     def forward(self, hidden_states, attention_mask=None, token_mask=None, position_embeddings=None,
-                past_key_values=None, output_attentions=False, **kwargs):
+                output_attentions=False, **kwargs):
+        # The cache arrives under the installed transformers' name (its gradient checkpointing clears that one).
+        cache = pop_cache(kwargs)
         residual = hidden_states
         if self.pre_norm:
             hidden_states = self.attention_norm(hidden_states)
@@ -273,12 +276,12 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
             token_mask=token_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             output_attentions=output_attentions,
             **kwargs,
         )
         if self.attention_output_pde is not None:
-            attn_output = self.attention_output_pde(attn_output, token_mask, past_key_values)
+            attn_output = self.attention_output_pde(attn_output, token_mask, cache)
         hidden_states = residual + self.dropout(attn_output)
         if not self.pre_norm:
             hidden_states = self.attention_norm(hidden_states)
@@ -288,13 +291,13 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.mlp_norm(hidden_states)
         mlp_output = self.mlp(hidden_states)
         if self.mlp_output_pde is not None:
-            mlp_output = self.mlp_output_pde(mlp_output, token_mask, past_key_values)
+            mlp_output = self.mlp_output_pde(mlp_output, token_mask, cache)
         hidden_states = residual + self.dropout(mlp_output)
         if not self.pre_norm:
             hidden_states = self.mlp_norm(hidden_states)
 
         if self.block_output_pde is not None:
-            hidden_states = self.block_output_pde(hidden_states, token_mask, past_key_values)
+            hidden_states = self.block_output_pde(hidden_states, token_mask, cache)
         return hidden_states, attn_weights
 
 
@@ -313,7 +316,7 @@ class CTAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["CTADecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = list(CACHE_ARGUMENTS)
     _supports_sdpa = True
     _supports_flash_attn = True
     _supports_flex_attn = False
@@ -375,6 +378,12 @@ class CTAModel(CTAPreTrainedModel):
             else None
         )
         self.layers = nn.ModuleList([CTADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        # (site, cache layer, conv state) of every causal PDE site: checked before a continuation step.
+        self.pde_sites = [
+            (f"{placement} of layer {i}", i, state)
+            for i in range(config.num_hidden_layers) if config.is_causal
+            for placement, state in config.pde_state_indices(i).items()
+        ]
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -389,7 +398,7 @@ class CTAModel(CTAPreTrainedModel):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         use_cache: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
@@ -397,6 +406,8 @@ class CTAModel(CTAPreTrainedModel):
         return_dict: Optional[bool] = None,
         **kwargs,
     ):
+        """``cache`` may also be given as ``past_key_values`` (its name before transformers 5.24)."""
+        cache = pop_cache(kwargs, cache)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -413,11 +424,13 @@ class CTAModel(CTAPreTrainedModel):
             raise ValueError(
                 f"`attention_mask` has batch size {attention_mask.shape[0]} but the inputs have {batch}."
             )
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if not use_cache:
-            past_key_values = None
-        past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            cache = None
+        past_seen = cache.get_seq_length() if cache is not None else 0
+        # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
+        check_pde_states(cache, self.pde_sites, type(self).__name__)
 
         # The PDE walls come from the 2D padding mask of the current tokens.
         token_mask = None
@@ -449,12 +462,11 @@ class CTAModel(CTAPreTrainedModel):
             hidden_states = self.embedding_norm(hidden_states)
         hidden_states = self.embedding_dropout(hidden_states)
         if self.embedding_pde is not None:
-            hidden_states = self.embedding_pde(hidden_states, token_mask, past_key_values)
+            hidden_states = self.embedding_pde(hidden_states, token_mask, cache)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
 
         mask_kwargs = dict(
-            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache}
         )
         if not causal and self.config.sliding_window is not None:
             mask = create_bidirectional_sliding_window_mask(**mask_kwargs)
@@ -475,8 +487,8 @@ class CTAModel(CTAPreTrainedModel):
                 attention_mask=mask,
                 token_mask=token_mask,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
                 output_attentions=output_attentions,
+                **{CACHE_ARGUMENT: cache},
                 **kwargs,
             )
             if output_attentions:
@@ -487,8 +499,8 @@ class CTAModel(CTAPreTrainedModel):
             all_hidden_states += (hidden_states,)
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
             hidden_states=all_hidden_states,
+            **{CACHE_ARGUMENT: cache},
             attentions=all_attentions,
         )
         return output if return_dict else output.to_tuple()
@@ -519,7 +531,7 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
         input_ids=None,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
+        cache=None,
         inputs_embeds=None,
         labels=None,
         use_cache=None,
@@ -529,12 +541,14 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
         logits_to_keep=0,
         **kwargs,
     ):
+        """``cache`` may also be given as ``past_key_values`` (its name before transformers 5.24)."""
+        cache = pop_cache(kwargs, cache)
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -551,8 +565,8 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
+            **{CACHE_ARGUMENT: getattr(outputs, CACHE_ARGUMENT)},
             attentions=outputs.attentions,
         )
         return output if return_dict else output.to_tuple()

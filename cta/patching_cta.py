@@ -46,6 +46,7 @@ import transformers
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .pde_cache import CACHE_ARGUMENTS, check_pde_states, find_cache, missing_cache_error
 from .pde_cta import (
     MAX_PDE_STEPS,
     PAPER_COEFFICIENTS,
@@ -113,8 +114,11 @@ class _PatchContext:
     The base model's forward captures it on entry and releases it on exit (:func:`_capturing_forward`).
     """
 
-    def __init__(self, mask_position: Optional[int]):
+    def __init__(self, mask_position: Optional[int], cache_position: Optional[int], sites, model_name: str):
         self.mask_position = mask_position
+        self.cache_position = cache_position
+        self.sites = sites  # (site, cache layer, conv state) of every causal PDE site
+        self.model_name = model_name
         self.mask = None
         self.cache = None
         self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
@@ -127,7 +131,13 @@ class _PatchContext:
         # A 4D custom mask: no walls can be derived from it.
         self.mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
         self._padded = self._step_mask = None
-        self.cache = kwargs.get("past_key_values")
+        cache = find_cache(kwargs)
+        if cache is None and self.cache_position is not None and len(args) > self.cache_position:
+            cache = args[self.cache_position]
+        self.cache = cache
+        if cache is not None and self.sites:
+            # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
+            check_pde_states(cache, self.sites, self.model_name)
 
     def release(self):
         self.mask = self.cache = self._padded = self._step_mask = None
@@ -271,6 +281,8 @@ class CTAPatchWrapper(nn.Module):
         self.value_slice = value_slice
         self.cache_position = cache_position
         self._cta_context = None  # set by _apply_patch (a plain object, not a submodule)
+        self.site_name = None  # a block's name in errors, and whether its sites need the cache (set by _apply_patch)
+        self.placements_causal = False
 
     def extra_repr(self) -> str:
         return f"role={self.role}, placements={list(self.placements)}"
@@ -308,10 +320,12 @@ class CTAPatchWrapper(nn.Module):
         context = self._cta_context
         placements = self.placements
         if self.role == "block":
-            cache = kwargs.get("past_key_values")
+            cache = find_cache(kwargs)
             if cache is None and self.cache_position is not None and len(args) > self.cache_position:
                 cache = args[self.cache_position]
             if context is not None:
+                if cache is None and context.cache is not None and self.placements_causal:
+                    raise missing_cache_error(f"{self.site_name} ({', '.join(self.placements) or 'nested sites'})")
                 context.cache = cache
             if "embedding" in placements:
                 if args:
@@ -452,6 +466,15 @@ def _layer_sites(layer, kind, config):
         "attention_output": (_unwrap(layer.attention).output, "dropout"),
         "mlp": (layer.output, "dropout"),
     }
+
+
+def _cache_index(function):
+    """Position of the cache among ``function``'s positional parameters, under either of its names."""
+    for name in CACHE_ARGUMENTS:
+        index = _signature_index(function, name)
+        if index is not None:
+            return index
+    return None
 
 
 def _signature_index(function, name):
@@ -634,7 +657,12 @@ def _apply_patch(model, spec):
     base, layers = _find_structure(model, kind)
     num_layers = len(layers)
     mask_position = _signature_index(base.forward, "attention_mask")
-    context = _PatchContext(mask_position)
+    sites = [
+        (f"{placement} of layer {i}", i, state)
+        for i in range(num_layers) if spec["causal"]
+        for placement, state in pde_state_indices(spec, i, num_layers).items()
+    ]
+    context = _PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__)
     base._cta_context = context
     base._cta_inner_forward = base.forward  # the bound class method, or an instance forward set before (accelerate)
     base.forward = functools.update_wrapper(functools.partial(_capturing_forward, base), base._cta_inner_forward)
@@ -674,9 +702,11 @@ def _apply_patch(model, spec):
         if "block_output" in per_layer:
             block_pdes["block_output"] = _make_pde(spec, hidden, idx, states["block_output"], layer)
         # Every layer with a PDE site gets a block wrapper: it publishes the cache to the nested wrappers.
-        cache_position = _signature_index(type(layer).forward, "past_key_values")
-        _wrap(layers, str(idx), "block", block_pdes, context,
-              cache_position=None if cache_position is None else cache_position - 1)
+        cache_position = _cache_index(type(layer).forward)
+        wrapper = _wrap(layers, str(idx), "block", block_pdes, context,
+                        cache_position=None if cache_position is None else cache_position - 1)
+        wrapper.site_name = f"layer {idx}"
+        wrapper.placements_causal = spec["causal"]
     return model
 
 

@@ -59,6 +59,8 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from .pde_cache import cached_pde_state
+
 
 PDE_TYPES = ("diffusion", "wave", "reaction_diffusion", "advection_diffusion")
 PDE_TYPE_ALIASES = {
@@ -556,20 +558,20 @@ class PDERefinement(nn.Module):
                 self.__dict__["_decode_plan"] = plan
         return out
 
-    def forward(self, hidden_states, attention_mask=None, past_key_values=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None):
         # Decoding: the launch an earlier token prepared, while it still applies (see _DecodePlan).
         plan = self.__dict__.get("_decode_plan")
-        if plan is not None and past_key_values is not None:
-            out = plan(hidden_states, past_key_values, attention_mask)
+        if plan is not None and cache is not None:
+            out = plan(hidden_states, cache, attention_mask)
             if out is not None:
                 return out
         if self.steps == 0:
             return hidden_states
         state = None
-        if past_key_values is not None and self.causal:
+        if cache is not None and self.causal:
             if self.layer_idx is None:
                 raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
-            state = cached_pde_state(past_key_values, self.layer_idx, self.state_idx)
+            state = cached_pde_state(cache, self.layer_idx, self.state_idx)
             if state is not None and hidden_states.shape[1] == 1:
                 # One new token: the decode kernel updates the cache's own state buffer in place.
                 fast = self._fast_decode(hidden_states, state, attention_mask)
@@ -577,7 +579,7 @@ class PDERefinement(nn.Module):
                     return fast
         alpha, beta = self.coefficients()
         kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
-        if past_key_values is None or not self.causal:
+        if cache is None or not self.causal:
             return pde_refine(
                 hidden_states, attention_mask=attention_mask, causal=self.causal, backend=self.backend, **kwargs
             )
@@ -602,7 +604,7 @@ class PDERefinement(nn.Module):
         )
         # Stored as the layer's conv state with the channels as its last ("kernel") axis, so the buffer is the
         # contiguous [batch, steps, channels] tensor the decode kernel updates in place.
-        past_key_values.update_conv_state(final_state.detach().float(), self.layer_idx, state_idx=self.state_idx)
+        cache.update_conv_state(final_state.detach().float(), self.layer_idx, state_idx=self.state_idx)
         return out
 
 
@@ -657,7 +659,7 @@ class _DecodePlan:
             parameters["beta"] is beta and beta._version == self.beta_version and beta.data_ptr() == self.beta_ptr
         )
 
-    def __call__(self, hidden_states, past_key_values, attention_mask=None, in_place=False):
+    def __call__(self, hidden_states, cache, attention_mask=None, in_place=False):
         """The refined token (a new tensor; with ``in_place``, written over ``hidden_states``, which the caller then
         must own: nothing else may read it afterwards), or None where the general path must run."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
@@ -675,7 +677,7 @@ class _DecodePlan:
             ):
                 return None
         try:  # the state buffer of a hybrid cache layer that holds one; any other cache takes the general path
-            layer = past_key_values.layers[self.layer_idx]
+            layer = cache.layers[self.layer_idx]
             state = layer.conv_states[self.state_idx] if layer.has_previous_state[self.state_idx] else None
         except (AttributeError, IndexError, KeyError, TypeError):
             return None
@@ -685,21 +687,3 @@ class _DecodePlan:
         out = hidden_states if in_place else torch.empty_like(hidden_states)
         launch(hidden_states, out, state, attention_mask)
         return out
-
-
-def cached_pde_state(past_key_values, layer_idx: int, state_idx: int) -> Optional[torch.Tensor]:
-    """The causal PDE state ``[batch, steps, channels]`` stored in a transformers Cache, or None before prefill.
-
-    Reads the layer's ``conv_states`` directly: ``Cache.get_conv_state`` only exists in recent transformers 5.x.
-    """
-    layers = getattr(past_key_values, "layers", None)
-    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-    if layer is None or not hasattr(layer, "conv_states"):
-        raise ValueError(
-            "A causal PDE refinement needs a cache whose layers hold conv states (transformers' hybrid layers); "
-            "build it with `transformers.DynamicCache(config=model.config)` or let `generate()` create it. "
-            f"Got {type(past_key_values).__name__} with layer {layer_idx} of type {type(layer).__name__}."
-        )
-    if not layer.has_previous_state.get(state_idx, False):
-        return None
-    return layer.conv_states[state_idx]

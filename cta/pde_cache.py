@@ -1,0 +1,94 @@
+# coding=utf-8
+"""The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
+
+A causal PDE site keeps, per cache layer, a conv state of transformers' hybrid cache layers (``conv_states`` /
+``has_previous_state`` / ``update_conv_state``): a contiguous fp32 ``[batch, steps, channels]`` buffer. A decode step
+that cannot find that state would refine the new token as if it started a sequence: wrong outputs without an error.
+Everything here raises instead.
+
+transformers renamed the cache argument of its models from ``past_key_values`` to ``cache`` (5.24; the old name is
+accepted, deprecated, until 5.40). Models read the cache under either name; what they pass on to transformers'
+functions (mask builders, gradient-checkpointing layers) and what they return uses :data:`CACHE_ARGUMENT`, the name
+of the installed release.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import transformers
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")
+# The name the installed transformers uses for the cache: the field of its model outputs (`out.cache` from 5.24 on).
+CACHE_ARGUMENT = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+
+
+def pop_cache(kwargs: dict, cache=None):
+    """The cache given to a forward, under either name (``cache`` or the older ``past_key_values``); pops both from
+    ``kwargs``. ``cache`` is the value of an explicit ``cache`` parameter, if the forward has one."""
+    old = kwargs.pop("past_key_values", None)
+    new = kwargs.pop("cache", None)
+    given = [c for c in (cache, new, old) if c is not None]
+    if len(given) > 1 and any(c is not given[0] for c in given[1:]):
+        raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
+    return given[0] if given else None
+
+
+def find_cache(kwargs: dict):
+    """The cache in a forward's keyword arguments, under either name, without removing it."""
+    for name in CACHE_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def cached_pde_state(cache, layer_idx: int, state_idx: int) -> Optional[torch.Tensor]:
+    """The causal PDE state ``[batch, steps, channels]`` stored in a transformers Cache, or None before prefill."""
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    if layer is None or not hasattr(layer, "conv_states"):
+        raise ValueError(
+            "A causal PDE refinement needs a cache whose layers hold conv states (transformers' hybrid layers); "
+            "build it with `transformers.DynamicCache(config=model.config)` or let `generate()` create it. "
+            f"Got {type(cache).__name__} with layer {layer_idx} of type {type(layer).__name__}."
+        )
+    if not layer.has_previous_state.get(state_idx, False):
+        return None
+    return layer.conv_states[state_idx]
+
+
+def check_pde_states(cache, sites, model_name: str):
+    """Raises unless every causal PDE site of ``sites`` (``[(site name, layer_idx, state_idx)]``) finds its state in
+    ``cache`` whenever the cache already holds past tokens (a continuation step). Call it before the step runs."""
+    if cache is None or not sites or torch.compiler.is_compiling():
+        return  # traced: the eager calls before (prefill) checked the same cache
+    missing = [site for site in sites if cached_pde_state(cache, site[1], site[2]) is None]
+    if not missing:
+        return  # host-side lookups only: no device synchronisation on a decode step
+    past_length = int(cache.get_seq_length())  # a first chunk has no state yet; asked only then (a static cache syncs)
+    if past_length > 0:
+        site, layer_idx, state_idx = missing[0]
+        raise ValueError(
+            f"{model_name}: the cache holds {past_length} past tokens but no PDE state for the site {site!r} "
+            f"(cache layer {layer_idx}, conv state {state_idx}); continuing without it would refine the new "
+            "tokens as if they started the sequence. Prefill this cache with this model (`use_cache=True`), or "
+            f"let `generate()` build it. (transformers {transformers.__version__})"
+        )
+
+
+def missing_cache_error(site: str) -> ValueError:
+    """The error of a PDE site that received no cache although its model was called with one."""
+    return ValueError(
+        f"CTA patch: the PDE site {site!r} received no cache although the model was called with one: transformers "
+        f"{transformers.__version__} passes the cache to its decoder layers under a name this version of cta does not "
+        f"read (it reads {CACHE_ARGUMENTS}). Refining without the cache would decode wrong tokens; please report this "
+        "with your transformers version."
+    )
+
+
+__all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "pop_cache", "find_cache", "cached_pde_state", "check_pde_states",
+           "missing_cache_error"]
