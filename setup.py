@@ -13,7 +13,9 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "transformers>=5.0,<6",
+        # Tested in CI: the newest release of this range and the lowest (.ci/run). 5.14 added the multi-state
+        # conv-cache layers that hold the PDE state; the upper bound is the newest release CI has run.
+        "transformers>=5.14,<5.25",
         "accelerate>=1.0",
         "safetensors>=0.4",
         "huggingface_hub>=1.0",

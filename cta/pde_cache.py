@@ -39,8 +39,9 @@ def pop_cache(kwargs: dict, cache=None):
 
 
 def find_cache(kwargs: dict):
-    """The cache in a forward's keyword arguments, under either name, without removing it."""
-    for name in CACHE_ARGUMENTS:
+    """The cache in a forward's keyword arguments, without removing it: under the installed release's name first
+    (older releases pass an unknown ``cache=`` on untouched in ``**kwargs`` beside the ``past_key_values`` in use)."""
+    for name in (CACHE_ARGUMENT, *CACHE_ARGUMENTS):
         if kwargs.get(name) is not None:
             return kwargs[name]
     return None
