@@ -4,10 +4,12 @@ import itertools
 
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
 
 import cta
 from cta import PDE_TYPES, CTAConfig, CTAForCausalLM, CTAForSequenceClassification, CTAModel
+from cta.pde_cache import CACHE_ARGUMENT
 
 DECODER_PLACEMENTS = ["embedding", "value", "attention_output", "mlp_output", "block_output", "attention_matrix"]
 
@@ -214,6 +216,34 @@ def test_plain_dynamic_cache_gets_a_clear_error():
     cache = DynamicCache()
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
         model(torch.randint(0, 61, (1, 4)), past_key_values=cache, use_cache=True)
+
+
+def test_cache_under_either_name_and_in_the_outputs():
+    """The cache is read as `cache=` or `past_key_values=` (its name before transformers 5.24), returned under the
+    installed release's name, and giving two different caches is an error."""
+    model = make_lm("diffusion", ["value", "block_output"])
+    ids = torch.randint(1, 61, (2, 6))
+    results = []
+    for name in ("cache", "past_key_values"):
+        cache = DynamicCache(config=model.config)
+        first = model(ids[:, :5], use_cache=True, **{name: cache})
+        assert getattr(first, CACHE_ARGUMENT) is cache
+        results.append(model(ids[:, 5:], use_cache=True, **{name: cache}).logits)
+    torch.testing.assert_close(results[0], results[1], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not both"):
+        model(ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+
+
+def test_a_cache_without_a_sites_state_raises():
+    """A continuation step whose cache lacks one PDE site's state raises, naming the site and the transformers
+    version, instead of refining the new token as if it started the sequence."""
+    model = make_lm("wave", ["attention_output", "mlp_output"])
+    ids = torch.randint(1, 61, (2, 6))
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :5], use_cache=True, cache=cache)
+    cache.layers[1].has_previous_state[0] = False  # layer 1's attention_output state
+    with pytest.raises(ValueError, match=rf"'attention_output of layer 1'.*transformers {transformers.__version__}"):
+        model(ids[:, 5:], use_cache=True, cache=cache)
 
 
 def test_sliding_window_hybrid_generates_exactly():
