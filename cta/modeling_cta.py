@@ -27,7 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_cta import CTAConfig
 from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, pop_cache
-from .pde_cta import PDERefinement
+from .pde_cta import PDERefinement, check_pde_weights_loaded
 
 
 class CTARMSNorm(nn.Module):
@@ -324,21 +324,11 @@ class CTAPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """Like transformers', but missing or unexpected weights are an error, not a warning (a CTA checkpoint
-        without its PDE coefficients would silently be a different model). Only a task head that the checkpoint
-        does not have (``score.*`` / ``lm_head.*``, e.g. a classifier initialised from a base model) may be new, and
-        a head the model does not use may be dropped."""
+        """transformers' loading, plus an error where the checkpoint's PDE weights do not match the config (a CTA
+        model without its coefficients would silently be a different model)."""
         output_loading_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        heads = ("score.", "lm_head.")
-        missing = [k for k in info.get("missing_keys", ()) if not k.startswith(heads)]
-        unexpected = [k for k in info.get("unexpected_keys", ()) if not k.startswith(heads)]
-        if missing or unexpected:
-            raise ValueError(
-                f"Loading {cls.__name__} from {args[0] if args else kwargs.get('pretrained_model_name_or_path')!r}: "
-                f"missing weights {sorted(missing)}, unexpected weights {sorted(unexpected)}. The checkpoint does not "
-                "match the config (PDE placements / steps / coefficients shape)."
-            )
+        check_pde_weights_loaded(info, cls.__name__, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
         return (model, info) if output_loading_info else model
 
     def save_pretrained(self, save_directory, *args, **kwargs):

@@ -52,6 +52,7 @@ from .pde_cta import (
     PAPER_COEFFICIENTS,
     PDE_BACKENDS,
     PDERefinement,
+    check_pde_weights_loaded,
     coefficient_bounds,
     normalize_pde_type,
     uses_beta,
@@ -88,8 +89,6 @@ _HEADS = {
 _ENCODER_ONLY_HEADS = ("ForMaskedLM",)
 _DECODER_ONLY_HEADS = ("ForCausalLM", "LMHeadModel")
 PATCHED_MODEL_TYPE_PREFIX = "cta_patched_"
-# Weights that may differ between a checkpoint and the loading class (a head added or dropped); never PDE weights.
-_HEAD_PREFIXES = ("lm_head.", "score.", "classifier.", "qa_outputs.", "cls.", "pooler.")
 
 
 def _supported_message() -> str:
@@ -871,19 +870,11 @@ class CTAPatchedModelMixin:
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """Like transformers', but missing or unexpected weights are an error (a patched checkpoint without its PDE
-        coefficients would silently be another model); only task-head weights may be added or dropped."""
+        """transformers' loading, plus an error where the checkpoint's PDE weights do not match ``config.cta_patch``
+        (a patched model without its coefficients would silently be another model)."""
         output_loading_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        missing = [k for k in info.get("missing_keys", ()) if "_pde." in k or not k.startswith(_HEAD_PREFIXES)]
-        unexpected = [k for k in info.get("unexpected_keys", ()) if "_pde." in k or not k.startswith(_HEAD_PREFIXES)]
-        mismatched = list(info.get("mismatched_keys", ()))
-        if missing or unexpected or mismatched:
-            source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-            raise ValueError(
-                f"Loading {cls.__name__} from {source!r}: missing weights {sorted(missing)}, unexpected weights "
-                f"{sorted(unexpected)}, mismatched {mismatched}. The checkpoint does not match `config.cta_patch`."
-            )
+        check_pde_weights_loaded(info, cls.__name__, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
         return (model, info) if output_loading_info else model
 
 

@@ -333,6 +333,19 @@ def test_auto_classes_and_save_reload(tmp_path):
     assert type(AutoModelForSequenceClassification.from_config(tiny_encoder_config())) is CTAForSequenceClassification
 
 
+def test_other_missing_weights_follow_transformers_reporting(tmp_path):
+    """Only PDE weights are strict: another missing weight loads as transformers loads it, reported in
+    `output_loading_info` (the strict override used to raise, unlike every transformers model)."""
+    from safetensors.torch import load_file, save_file
+
+    CTAForCausalLM(tiny_decoder_config()).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != "model.norm.weight"}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    _, info = CTAForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"model.norm.weight"} or list(info["missing_keys"]) == ["model.norm.weight"]
+
+
 def test_missing_pde_weights_are_an_error(tmp_path):
     from safetensors.torch import load_file, save_file
 
