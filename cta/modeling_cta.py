@@ -24,6 +24,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cta import CTAConfig
 from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, pop_cache
@@ -321,6 +322,8 @@ class CTAPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = False
     _supports_attention_backend = True
+    # What `output_hidden_states` / `output_attentions` record (transformers' capture_outputs on CTAModel.forward).
+    _can_record_outputs = {"hidden_states": CTADecoderLayer, "attentions": OutputRecorder(CTAAttention, index=1)}
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
@@ -383,6 +386,7 @@ class CTAModel(CTAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    @capture_outputs
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -392,17 +396,13 @@ class CTAModel(CTAPreTrainedModel):
         inputs_embeds: Optional[torch.FloatTensor] = None,
         use_cache: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
         **kwargs,
     ):
-        """``cache`` may also be given as ``past_key_values`` (its name before transformers 5.24)."""
+        """``cache`` may also be given as ``past_key_values`` (its name before transformers 5.24).
+        ``output_hidden_states`` / ``output_attentions`` / ``return_dict`` are handled by ``capture_outputs``."""
         cache = pop_cache(kwargs, cache)
+        kwargs.pop("output_hidden_states", None)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = (
-            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         causal = self.config.is_causal
         use_cache = (use_cache if use_cache is not None else self.config.use_cache) and causal
         if (input_ids is None) == (inputs_embeds is None):
@@ -467,12 +467,8 @@ class CTAModel(CTAPreTrainedModel):
         else:
             mask = create_causal_mask(position_ids=position_ids, **mask_kwargs)
 
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
         for layer in self.layers:
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            hidden_states, attn_weights = layer(
+            hidden_states, _ = layer(
                 hidden_states,
                 attention_mask=mask,
                 token_mask=token_mask,
@@ -481,19 +477,9 @@ class CTAModel(CTAPreTrainedModel):
                 **{CACHE_ARGUMENT: cache},
                 **kwargs,
             )
-            if output_attentions:
-                all_attentions += (attn_weights,)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
-        output = BaseModelOutputWithPast(
-            last_hidden_state=hidden_states,
-            hidden_states=all_hidden_states,
-            **{CACHE_ARGUMENT: cache},
-            attentions=all_attentions,
-        )
-        return output if return_dict else output.to_tuple()
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARGUMENT: cache})
 
 
 class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
