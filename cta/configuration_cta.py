@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from .pde_cache import STATE_PLACEMENTS, pde_state_indices
 from .pde_cta import MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, coefficient_bounds, normalize_pde_type
 
 
 PDE_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output", "attention_matrix")
 # Placements applied inside every selected decoder layer, in the order their cache states are numbered.
-LAYER_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
+LAYER_PLACEMENTS = STATE_PLACEMENTS
 POSITION_EMBEDDING_TYPES = ("absolute", "rope", "none")
 NORM_TYPES = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("post", "pre")
@@ -257,15 +258,8 @@ class CTAConfig(PretrainedConfig):
         The embedding site stores its state in layer 0 after that layer's own sites. ``attention_matrix`` needs no
         state: each query row is evolved on its own.
         """
-        placements = self.pde_placements
-        indices = {}
-        if self.pde_steps > 0 and layer_idx in self.pde_layer_indices():
-            for name in LAYER_PLACEMENTS:
-                if name in placements:
-                    indices[name] = len(indices)
-        if self.pde_steps > 0 and layer_idx == 0 and "embedding" in placements:
-            indices["embedding"] = len(indices)
-        return indices
+        layer_has_pde = layer_idx in self.pde_layer_indices()
+        return pde_state_indices(self.pde_placements, self.pde_steps, layer_has_pde, layer_idx)
 
     def update_cache_layout(self):
         """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state."""

@@ -27,7 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cta import CTAConfig
-from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, pop_cache
+from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, pde_sites, pop_cache
 from .pde_cta import PDERefinement, check_pde_weights_loaded
 
 
@@ -372,11 +372,7 @@ class CTAModel(CTAPreTrainedModel):
         )
         self.layers = nn.ModuleList([CTADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         # (site, cache layer, conv state) of every causal PDE site: checked before a continuation step.
-        self.pde_sites = [
-            (f"{placement} of layer {i}", i, state)
-            for i in range(config.num_hidden_layers) if config.is_causal
-            for placement, state in config.pde_state_indices(i).items()
-        ]
+        self.pde_sites = pde_sites(config.num_hidden_layers, config.pde_state_indices) if config.is_causal else []
         self.gradient_checkpointing = False
         self.post_init()
 

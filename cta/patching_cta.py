@@ -46,7 +46,8 @@ import transformers
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .pde_cache import CACHE_ARGUMENTS, check_pde_states, find_cache, missing_cache_error
+from .pde_cache import CACHE_ARGUMENTS, check_pde_states, find_cache, missing_cache_error, pde_sites
+from .pde_cache import pde_state_indices as state_indices_of_layer
 from .pde_cta import (
     MAX_PDE_STEPS,
     PAPER_COEFFICIENTS,
@@ -60,8 +61,6 @@ from .pde_cta import (
 
 
 PATCH_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output")
-# Per-layer placements in the order of their cache conv-state indices (as in the native CTA models).
-_LAYER_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
 PATCH_INITS = ("identity", "paper")
 PATCH_FORMAT_VERSION = 1
 
@@ -580,9 +579,8 @@ def _layer_indices(spec, num_layers):
 
 def pde_state_indices(spec, layer_idx, num_layers) -> dict:
     """Cache conv-state index of every causal PDE site of layer ``layer_idx`` (placement -> index)."""
-    indices = {}
-    if spec["pde_steps"] == 0:
-        return indices
+    layer_has_pde = layer_idx in _layer_indices(spec, num_layers)
+    return state_indices_of_layer(spec["placement"], spec["pde_steps"], layer_has_pde, layer_idx)
     if layer_idx in _layer_indices(spec, num_layers):
         for name in _LAYER_PLACEMENTS:
             if name in spec["placement"]:
@@ -656,11 +654,7 @@ def _apply_patch(model, spec):
     base, layers = _find_structure(model, kind)
     num_layers = len(layers)
     mask_position = _signature_index(base.forward, "attention_mask")
-    sites = [
-        (f"{placement} of layer {i}", i, state)
-        for i in range(num_layers) if spec["causal"]
-        for placement, state in pde_state_indices(spec, i, num_layers).items()
-    ]
+    sites = pde_sites(num_layers, lambda i: pde_state_indices(spec, i, num_layers)) if spec["causal"] else []
     context = _PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__)
     base._cta_context = context
     base._cta_inner_forward = base.forward  # the bound class method, or an instance forward set before (accelerate)

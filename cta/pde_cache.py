@@ -24,7 +24,32 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
 # The name the installed transformers uses for the cache: the field of its model outputs (`out.cache` from 5.24 on).
-CACHE_ARGUMENT = "cache" if "cache" in {f.name for f in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
+_OUTPUT_FIELDS = {field.name for field in dataclasses.fields(BaseModelOutputWithPast)}
+CACHE_ARGUMENT = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
+
+
+# Per-layer placements that keep a causal state, in the order of their conv-state indices.
+STATE_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
+
+
+def pde_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
+    """Cache conv-state index of every causal PDE site of one layer (placement -> index): its per-layer sites in
+    :data:`STATE_PLACEMENTS` order, then, in layer 0, the ``embedding`` site."""
+    indices = {}
+    if pde_steps > 0 and layer_has_pde:
+        for name in STATE_PLACEMENTS:
+            if name in placements:
+                indices[name] = len(indices)
+    if pde_steps > 0 and layer_idx == 0 and "embedding" in placements:
+        indices["embedding"] = len(indices)
+    return indices
+
+
+def pde_sites(num_layers: int, state_indices) -> list:
+    """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites; ``state_indices(i)`` is layer ``i``'s
+    :func:`pde_state_indices`. What :func:`check_pde_states` checks."""
+    return [(f"{placement} of layer {i}", i, state) for i in range(num_layers)
+            for placement, state in state_indices(i).items()]
 
 
 def pop_cache(kwargs: dict, cache=None):
@@ -91,5 +116,7 @@ def missing_cache_error(site: str) -> ValueError:
     )
 
 
-__all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "pop_cache", "find_cache", "cached_pde_state", "check_pde_states",
-           "missing_cache_error"]
+__all__ = [
+    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "pde_state_indices", "pde_sites", "pop_cache",
+    "find_cache", "cached_pde_state", "check_pde_states", "missing_cache_error",
+]

@@ -106,7 +106,8 @@ def test_cached_decoding_is_exact(pretrained, placement):
             full_mask = torch.cat([mask, torch.ones(2, cached.shape[1] - ids.shape[1], dtype=mask.dtype)], dim=1)
             pos = positions(full_mask)
             full = model(input_ids=cached, attention_mask=full_mask, position_ids=pos).logits
-            assert (full - model_logits_unpatched(model, cached, full_mask, pos)).abs().max() > 1e-3, "PDE had no effect"
+            unpatched = model_logits_unpatched(model, cached, full_mask, pos)
+            assert (full - unpatched).abs().max() > 1e-3, "the PDE had no effect"
             cache, steps = None, []
             cuts = [0, ids.shape[1] - 2, ids.shape[1]] + list(range(ids.shape[1] + 1, cached.shape[1] + 1))
             for start, end in zip(cuts[:-1], cuts[1:]):
