@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -90,7 +90,7 @@ def file_builder(paths, allowed=("csv", "json")) -> str:
     return builders.pop()
 
 
-def load_raw_datasets(data_args, cache_dir=None, allowed=("csv", "json")):
+def load_raw_datasets(data_args, cache_dir=None):
     """``datasets.load_dataset``: the Hub dataset ``--dataset_name`` (+ ``--dataset_config_name``), or the local
     ``--train_file`` / ``--validation_file`` / ``--test_file`` as splits ``train`` / ``validation`` / ``test``."""
     import datasets
@@ -99,7 +99,8 @@ def load_raw_datasets(data_args, cache_dir=None, allowed=("csv", "json")):
         return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name, cache_dir=cache_dir)
     files = {split: path for split, path in (("train", data_args.train_file), ("validation", data_args.validation_file),
                                               ("test", data_args.test_file)) if path}
-    return datasets.load_dataset(file_builder(files.values(), allowed), data_files=files, cache_dir=cache_dir)
+    return datasets.load_dataset(file_builder(files.values(), data_args.file_builders), data_files=files,
+                                 cache_dir=cache_dir)
 
 
 def take(dataset, n: Optional[int], seed: Optional[int] = None):
@@ -107,6 +108,41 @@ def take(dataset, n: Optional[int], seed: Optional[int] = None):
     if n is None or n >= len(dataset):
         return dataset
     return (dataset if seed is None else dataset.shuffle(seed=seed)).select(range(n))
+
+
+def lm_blocks(raw, tokenizer, text_column: str, block_size: int, data_args, training_args,
+              add_special_tokens: bool = False, with_labels: bool = False):
+    """transformers' run_clm.py preprocessing, cached by `datasets`: every non-empty row of ``text_column`` is
+    tokenized and followed by the tokenizer's eos (else sep) token, the ids are concatenated and cut into
+    ``block_size`` blocks (``group_texts``; each map batch of 1,000 rows drops its remainder). Two
+    ``.map(batched=True)`` under ``main_process_first``. ``with_labels`` adds ``labels`` (a copy of ``input_ids``)
+    for ``default_data_collator``; ``DataCollatorForLanguageModeling`` makes them itself."""
+    from itertools import chain
+
+    eos = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id]
+    eos = [] if eos[0] is None else eos
+
+    def tokenize_function(examples):
+        texts = [t or "" for t in examples[text_column]]
+        ids = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+        return {"input_ids": [x + eos if t.strip() else [] for x, t in zip(ids, texts)]}
+
+    def group_texts(examples):
+        concatenated = list(chain(*examples["input_ids"]))
+        total = len(concatenated) // block_size * block_size
+        result = {"input_ids": [concatenated[i:i + block_size] for i in range(0, total, block_size)]}
+        if with_labels:
+            result["labels"] = [list(block) for block in result["input_ids"]]
+        return result
+
+    columns = next(iter(raw.values())).column_names
+    with training_args.main_process_first(desc="dataset map pre-processing"):
+        tokenized = raw.map(tokenize_function, batched=True, num_proc=data_args.preprocessing_num_workers,
+                            remove_columns=columns, load_from_cache_file=not data_args.overwrite_cache,
+                            desc="Running tokenizer on dataset")
+        return tokenized.map(group_texts, batched=True, num_proc=data_args.preprocessing_num_workers,
+                             load_from_cache_file=not data_args.overwrite_cache,
+                             desc=f"Grouping texts in chunks of {block_size}")
 
 
 def load_tokenizer(name: str):
@@ -149,7 +185,9 @@ def last_checkpoint(training_args) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------------------------
 # model arguments shared by the scripts
 @dataclass
-class ModelArguments:
+class PretrainedArguments:
+    """Which model and tokenizer to start from, as in transformers' example scripts."""
+
     model_name_or_path: Optional[str] = field(
         default=None, metadata={"help": "Start from this CTA checkpoint (folder or Hub id) instead of a fresh model."}
     )
@@ -162,6 +200,12 @@ class ModelArguments:
     cache_dir: Optional[str] = field(
         default=None, metadata={"help": "Where datasets (and Hub downloads) are cached (default: datasets' cache)."}
     )
+
+
+@dataclass
+class ModelArguments(PretrainedArguments):
+    """A fresh CTA model's size and PDE refinement (ignored for a checkpoint's architecture)."""
+
     hidden_size: int = field(default=128, metadata={"help": "Embedding / hidden size (paper: 128)."})
     num_hidden_layers: int = field(default=2, metadata={"help": "Transformer blocks (paper Table 1: 2 and 4)."})
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads (paper: 4)."})
@@ -197,6 +241,69 @@ class ModelArguments:
         if self.pde_beta is not None:
             kwargs["pde_beta"] = self.pde_beta
         return kwargs
+
+
+@dataclass
+class DataArguments:
+    """The data options both scripts share, named as in transformers' example scripts. A script subclasses it with
+    its own options and sets ``file_builders``: the kinds of local files it reads."""
+
+    file_builders: ClassVar[tuple] = ("csv", "json")
+
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."}
+    )
+    dataset_config_name: Optional[str] = field(
+        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
+    )
+    train_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "A file containing the training data: csv, json or jsonl (run_clm.py: also text, one row "
+                          "per line); .gz / .bz2 / .xz / .zst are read through."},
+    )
+    validation_file: Optional[str] = field(
+        default=None, metadata={"help": "A file of the same kind containing the validation (evaluation) data."}
+    )
+    test_file: Optional[str] = field(
+        default=None, metadata={"help": "A file of the same kind containing the test data."}
+    )
+    text_column_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "The name of the text column in the dataset or files (default: `text`, else `sentence`).",
+                  "aliases": ["--text_column"]},
+    )
+    max_train_samples: Optional[int] = field(
+        default=None,
+        metadata={"help": "For debugging purposes or quicker training, truncate the number of training examples "
+                          "(run_clm.py: blocks) to this value if set."},
+    )
+    max_eval_samples: Optional[int] = field(
+        default=None,
+        metadata={"help": "For debugging purposes or quicker training, truncate the number of evaluation examples "
+                          "(run_clm.py: validation and test blocks) to this value if set."},
+    )
+    preprocessing_num_workers: Optional[int] = field(
+        default=None, metadata={"help": "The number of processes to use for the preprocessing."}
+    )
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Overwrite the cached preprocessed datasets or not."}
+    )
+    data_dir: Optional[str] = field(
+        default=None, metadata={"help": "Root of the offline copies of the paper's data (default $CTA_DATA_DIR or "
+                                        "../shared/data)."}
+    )
+
+    def __post_init__(self):
+        files = [f for f in (self.train_file, self.validation_file, self.test_file) if f]
+        if files and not self.train_file:
+            raise ValueError("`--validation_file` / `--test_file` need `--train_file`.")
+        if files and not self.dataset_name:
+            file_builder(files, self.file_builders)
+
+    def source(self) -> str:
+        if self.dataset_name:
+            return f"Hub {self.dataset_name}/{self.dataset_config_name}"
+        return "local files " + ", ".join(f for f in (self.train_file, self.validation_file, self.test_file) if f)
 
 
 def count_parameters(model) -> int:

@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (also puts the repo root on sys.path and imports cta)
-from common import ModelArguments  # noqa: E402
+from common import DataArguments, ModelArguments  # noqa: E402
 
 import cta  # noqa: E402
 from transformers import DataCollatorWithPadding, HfArgumentParser, Trainer, TrainingArguments, set_seed  # noqa: E402
@@ -64,35 +64,14 @@ TASKS = {
 
 
 @dataclass
-class DataTrainingArguments:
-    """What data to train and evaluate on: ``--task``, a Hub dataset, or your own csv / json / jsonl files."""
+class DataTrainingArguments(DataArguments):
+    """What data to train and evaluate on: ``--task``, a Hub dataset, or your own csv / json / jsonl files (a
+    ``--test_file`` needs no label column: predictions go to output_dir/predict_results.txt)."""
 
     task: Optional[str] = field(
         default=None,
         metadata={"help": f"One of the paper's tasks {sorted(TASKS)} (offline data under --data_dir; with "
                           "--dataset_name, from the Hub). Not needed with --train_file."},
-    )
-    dataset_name: Optional[str] = field(
-        default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."}
-    )
-    dataset_config_name: Optional[str] = field(
-        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
-    )
-    train_file: Optional[str] = field(
-        default=None, metadata={"help": "A csv, json or jsonl file (optionally .gz) containing the training data."}
-    )
-    validation_file: Optional[str] = field(
-        default=None, metadata={"help": "A csv, json or jsonl file containing the validation data."}
-    )
-    test_file: Optional[str] = field(
-        default=None,
-        metadata={"help": "A csv, json or jsonl file containing the test data: predictions are written to "
-                          "output_dir/predict_results.txt (its label column, if any, is ignored)."},
-    )
-    text_column_name: Optional[str] = field(
-        default=None,
-        metadata={"help": "The name of the text column in the dataset or files (default: `text`, else `sentence`).",
-                  "aliases": ["--text_column"]},
     )
     label_column_name: str = field(
         default="label",
@@ -104,31 +83,13 @@ class DataTrainingArguments:
         metadata={"help": "The maximum total input sequence length after tokenization; longer sequences are "
                           "truncated, shorter ones padded per batch (default: the task's, else 128)."},
     )
-    preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "The number of processes to use for the preprocessing."}
-    )
-    overwrite_cache: bool = field(
-        default=False, metadata={"help": "Overwrite the cached preprocessed datasets or not."}
-    )
-    max_train_samples: Optional[int] = field(
-        default=None,
-        metadata={"help": "For debugging purposes or quicker training, truncate the number of training examples "
-                          "to this value if set (a seeded random subset, see --data_seed_subsample)."},
-    )
-    max_eval_samples: Optional[int] = field(
-        default=None,
-        metadata={"help": "For debugging purposes or quicker training, truncate the number of evaluation "
-                          "examples to this value if set (a seeded random subset)."},
-    )
     max_predict_samples: Optional[int] = field(
         default=None,
         metadata={"help": "For debugging purposes, truncate the number of prediction examples (the first ones)."},
     )
     data_seed_subsample: int = field(
-        default=0, metadata={"help": "Seed of the --max_*_samples subsets and of splits (fixed across runs)."}
-    )
-    data_dir: Optional[str] = field(
-        default=None, metadata={"help": "Offline data root of --task (default $CTA_DATA_DIR or ../shared/data)."}
+        default=0, metadata={"help": "Seed of the --max_train_samples / --max_eval_samples subsets (seeded random "
+                                     "subsets) and of splits (fixed across runs)."}
     )
     ag_news_heldout: int = field(
         default=1000,
@@ -146,8 +107,7 @@ class DataTrainingArguments:
             raise ValueError(f"`--task` must be one of {sorted(TASKS)}, got {self.task!r}.")
         if self.task is None and self.dataset_name is None and self.train_file is None:
             raise ValueError("Need `--train_file` (csv, json or jsonl), `--dataset_name` or `--task`.")
-        if self.dataset_name is None and self.task is None:
-            common.file_builder([f for f in (self.train_file, self.validation_file, self.test_file) if f])
+        super().__post_init__()
 
 
 def load_raw_datasets(data_args, cache_dir):
@@ -168,14 +128,11 @@ def load_raw_datasets(data_args, cache_dir):
                 f"{data_args.listops_min_length}-{data_args.listops_max_length} tokens")
         return raw, names, desc
     if data_args.dataset_name or data_args.train_file:
-        raw = common.load_raw_datasets(data_args, cache_dir, allowed=("csv", "json"))
+        raw = common.load_raw_datasets(data_args, cache_dir)
         if "validation" not in raw and "test" in raw:
             logger.warning("Validation split not found: evaluating on the test split.")
             raw["validation"] = raw["test"]
-        source = (f"Hub {data_args.dataset_name}/{data_args.dataset_config_name}" if data_args.dataset_name else
-                  "local files " + ", ".join(f for f in (data_args.train_file, data_args.validation_file,
-                                                         data_args.test_file) if f))
-        return raw, names, source
+        return raw, names, data_args.source()
     base = os.path.join(data_args.data_dir or common.default_data_dir(), task["folder"])
     files = {split: os.path.join(base, task[split]) for split in ("train", "validation")}
     if not os.path.exists(files["validation"]):

@@ -29,15 +29,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import ModelArguments  # noqa: E402
+from common import DataArguments, ModelArguments  # noqa: E402
 
 import cta  # noqa: E402
 from transformers import (  # noqa: E402
@@ -51,55 +50,19 @@ from transformers import (  # noqa: E402
 logger = logging.getLogger("cta.examples.clm")
 
 
-LM_FILE_BUILDERS = ("text", "csv", "json")
-
-
 @dataclass
-class DataTrainingArguments:
-    """What data to train and evaluate on: the offline WikiText-2 copy, a Hub dataset, or your own files."""
+class DataTrainingArguments(DataArguments):
+    """What data to train and evaluate on: the offline WikiText-2 copy (default), a Hub dataset, or your own files."""
 
-    dataset_name: Optional[str] = field(
-        default=None, metadata={"help": "The name of the dataset to use (via the datasets library), e.g. wikitext."}
-    )
-    dataset_config_name: Optional[str] = field(
-        default=None, metadata={"help": "The configuration name of the dataset to use, e.g. wikitext-2-raw-v1."}
-    )
-    train_file: Optional[str] = field(
-        default=None, metadata={"help": "The input training data file (a text, csv, json or jsonl file; .gz ok)."}
-    )
-    validation_file: Optional[str] = field(
-        default=None, metadata={"help": "An optional input evaluation data file to evaluate the perplexity on."}
-    )
-    test_file: Optional[str] = field(
-        default=None, metadata={"help": "An optional input test data file (test perplexity)."}
-    )
-    text_column_name: str = field(
-        default="text", metadata={"help": "The text column of a Hub dataset or csv/json file.",
-                                  "aliases": ["--text_column"]}
-    )
-    data_dir: Optional[str] = field(
-        default=None, metadata={"help": "Offline data root (default $CTA_DATA_DIR or ../shared/data)."}
-    )
+    file_builders: ClassVar[tuple] = ("text", "csv", "json")
+
     dataset_folder: str = field(
         default="wikitext2", metadata={"help": "Folder under --data_dir with {train,validation,test}.txt.gz."}
     )
     block_size: int = field(default=256, metadata={"help": "Sequence length (paper: 256 / 512 / 1024)."})
     train_fraction: float = field(default=1.0, metadata={"help": "Fraction of the training blocks (a prefix)."})
-    max_train_samples: Optional[int] = field(
-        default=None, metadata={"help": "For debugging purposes or quicker training, the number of training blocks."}
-    )
-    max_eval_samples: Optional[int] = field(
-        default=None, metadata={"help": "For debugging purposes or quicker training, the number of validation/test "
-                                        "blocks."}
-    )
     max_text_chars: Optional[int] = field(
         default=None, metadata={"help": "Tokenize only the first rows of each split, up to N characters (smoke tests)."}
-    )
-    preprocessing_num_workers: Optional[int] = field(
-        default=None, metadata={"help": "The number of processes to use for the preprocessing."}
-    )
-    overwrite_cache: bool = field(
-        default=False, metadata={"help": "Overwrite the cached training and evaluation sets."}
     )
     architecture: str = field(
         default="paper",
@@ -113,11 +76,7 @@ class DataTrainingArguments:
             raise ValueError(f"`--train_fraction` must be in (0, 1], got {self.train_fraction}.")
         if self.architecture not in ("paper", "modern"):
             raise ValueError(f"`--architecture` must be 'paper' or 'modern', got {self.architecture!r}.")
-        files = [f for f in (self.train_file, self.validation_file, self.test_file) if f]
-        if files and not self.train_file:
-            raise ValueError("`--validation_file` / `--test_file` need `--train_file`.")
-        if files and not self.dataset_name:
-            common.file_builder(files, allowed=LM_FILE_BUILDERS)
+        super().__post_init__()
 
 
 def load_raw_datasets(data_args, cache_dir):
@@ -125,11 +84,7 @@ def load_raw_datasets(data_args, cache_dir):
     import datasets
 
     if data_args.dataset_name or data_args.train_file:
-        raw = common.load_raw_datasets(data_args, cache_dir, allowed=LM_FILE_BUILDERS)
-        source = (f"Hub {data_args.dataset_name}/{data_args.dataset_config_name}" if data_args.dataset_name else
-                  "local files " + ", ".join(f for f in (data_args.train_file, data_args.validation_file,
-                                                         data_args.test_file) if f))
-        return raw, source
+        return common.load_raw_datasets(data_args, cache_dir), data_args.source()
     base = os.path.join(data_args.data_dir or common.default_data_dir(), data_args.dataset_folder)
     files = {s: os.path.join(base, f"{s}.txt.gz") for s in ("train", "validation", "test")}
     if not os.path.exists(files["train"]):
@@ -221,32 +176,12 @@ def main(argv=None):
 
     with training_args.main_process_first(desc="load datasets"):
         raw, texts_desc = load_raw_datasets(data_args, model_args.cache_dir)
-    text_column = data_args.text_column_name
+    text_column = data_args.text_column_name or "text"
     if data_args.max_text_chars:
         raw = type(raw)({s: first_chars(d, text_column, data_args.max_text_chars) for s, d in raw.items()})
         texts_desc += f" (first {data_args.max_text_chars} characters of each split)"
     tokenizer = common.load_tokenizer(tokenizer_name)
-    eos = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id]
-    eos = [] if eos[0] is None else eos
-
-    def tokenize_function(examples):
-        texts = [t or "" for t in examples[text_column]]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-        return {"input_ids": [x + eos if t.strip() else [] for x, t in zip(ids, texts)]}
-
-    def group_texts(examples):
-        # Concatenate all texts of the batch and cut them into block_size chunks (the remainder is dropped).
-        concatenated = list(chain(*examples["input_ids"]))
-        total = len(concatenated) // block_size * block_size
-        return {"input_ids": [concatenated[i:i + block_size] for i in range(0, total, block_size)]}
-
-    with training_args.main_process_first(desc="dataset map pre-processing"):
-        tokenized = raw.map(tokenize_function, batched=True, num_proc=data_args.preprocessing_num_workers,
-                            remove_columns=raw["train"].column_names,
-                            load_from_cache_file=not data_args.overwrite_cache, desc="Running tokenizer on dataset")
-        lm_datasets = tokenized.map(group_texts, batched=True, num_proc=data_args.preprocessing_num_workers,
-                                    load_from_cache_file=not data_args.overwrite_cache,
-                                    desc=f"Grouping texts in chunks of {block_size}")
+    lm_datasets = common.lm_blocks(raw, tokenizer, text_column, block_size, data_args, training_args)
     train_dataset = lm_datasets["train"]
     n_train = int(len(train_dataset) * data_args.train_fraction)
     if n_train < 1:

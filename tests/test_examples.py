@@ -162,7 +162,7 @@ def test_common_holds_no_data_classes():
     import inspect
 
     own = [name for name, obj in vars(common).items() if inspect.isclass(obj) and obj.__module__ == common.__name__]
-    assert own == ["ModelArguments"]
+    assert sorted(own) == ["DataArguments", "ModelArguments", "PretrainedArguments"]  # argument dataclasses only
 
 
 # ------------------------------------------------------------------------------------------------ leak check
@@ -328,8 +328,36 @@ def test_run_clm_on_user_files(tmp_path, ext):
     assert json.loads((out / "test_results.json").read_text())["test_perplexity"] == results["test_perplexity"]
 
 
-@pytest.mark.parametrize("module", [run_classification, run_clm])
-def test_help_reads_like_transformers_scripts(module, capsys):
+STORIES260K = os.path.join(REPO, "..", "shared", "models", "stories260K")
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES260K), reason="../shared/models/stories260K not found")
+def test_finetune_patched_llama_on_user_files(tmp_path):
+    pytest.importorskip("peft")
+    import finetune_patched_llama
+    from transformers import AutoTokenizer
+
+    stories = [f"Once upon a time there was a cat called Tom {i}. Tom was happy." for i in range(40)]
+    for split, part in (("train", stories), ("validation", stories[:12])):
+        (tmp_path / f"{split}.txt").write_text("".join(f"{story}\n<|endoftext|>\n" for story in part))
+    result = finetune_patched_llama.main(
+        ["--model_name_or_path", STORIES260K, "--train_file", str(tmp_path / "train.txt"), "--validation_file",
+         str(tmp_path / "validation.txt"), "--block_size", "32", "--max_steps", "1", "--seeds", "0", "--modes",
+         "lora_pde,pde", "--per_device_train_batch_size", "4", "--disable_tqdm", "true",
+         "--results_dir", str(tmp_path / "results"), "--output_dir", str(tmp_path / "out")])
+    tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
+    tokens = sum(len(ids) + 1 for ids in tokenizer(stories)["input_ids"])  # each story: <s> ... </s>
+    assert result["train_blocks"] == tokens // 32
+    assert set(result["summary"]) == {"lora_pde", "pde"}
+    assert result["summary"]["pde"]["trainable_parameters"] < result["summary"]["lora_pde"]["trainable_parameters"]
+    assert (tmp_path / "results" / "finetune_patched_llama.md").exists()
+
+
+@pytest.mark.parametrize("name", ["run_classification", "run_clm", "finetune_patched_llama"])
+def test_help_reads_like_transformers_scripts(name, capsys):
+    import importlib
+
+    module = importlib.import_module(name)
     with pytest.raises(SystemExit) as exc:
         module.main(["--help"])
     assert exc.value.code == 0
@@ -339,8 +367,10 @@ def test_help_reads_like_transformers_scripts(module, capsys):
                  "--max_eval_samples", "--preprocessing_num_workers", "--overwrite_cache", "--output_dir",
                  "--pde_steps"):
         assert flag in text, flag
-    for flag in (("--label_column_name", "--max_seq_length", "--task") if module is run_classification
-                 else ("--block_size", "--leak_check_tolerance")):
+    own = {"run_classification": ("--label_column_name", "--max_seq_length", "--task"),
+           "run_clm": ("--block_size", "--leak_check_tolerance"),
+           "finetune_patched_llama": ("--block_size", "--modes", "--lora_r", "--document_separator")}
+    for flag in own[name]:
         assert flag in text, flag
 
 
