@@ -1,24 +1,21 @@
-"""Shared helpers of the example scripts: data location and loading, tokenizers, collators, metrics, model
-construction from script arguments, result files and the Hub hook.
+"""Shared helpers of the example scripts: where data and tokenizers live, the model arguments, thin wrappers over
+`datasets.load_dataset` / tokenizer / `evaluate.load` calls, result files and the Hub hook.
 
-Nothing here needs `datasets` or `evaluate` for local files: the GPU image may lack them. `datasets` is used for
-``--dataset_name`` (Hub) and `evaluate` for metrics when importable (with an evaluate-compatible fallback).
+The scripts hold no dataset, collator, tokenizer or metric class of their own: data are `datasets.Dataset`s
+(cached by `datasets`), batches come from transformers' collators, tokenizers are transformers tokenizers
+(``ByT5Tokenizer`` for bytes, a `tokenizers` word-level model for ListOps) and metrics are `evaluate` modules
+loaded by path (``examples/metrics``). Requirements: ``pip install -r examples/requirements.txt``.
 """
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
 import logging
-import math
 import os
-import pickle
-import random
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
 
 import torch
 
@@ -51,10 +48,6 @@ def default_tokenizer_dir() -> str:
     )
 
 
-def default_cache_dir() -> str:
-    return os.environ.get("CTA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cta_examples")
-
-
 def resolve_tokenizer_path(name: str) -> str:
     """A local copy of a tokenizer when one exists (offline machines), else the name for the Hub."""
     if os.path.isdir(name):
@@ -72,241 +65,147 @@ def git_commit() -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# files and caching
-def read_jsonl(path: str) -> List[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+# data, tokenizers, metrics: thin wrappers over `datasets`, `transformers` / `tokenizers` and `evaluate`
+LOCAL_FILE_BUILDERS = {"csv": "csv", "json": "json", "jsonl": "json", "txt": "text", "text": "text"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 
-def read_text(path: str) -> str:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return f.read()
+def file_builder(paths, allowed=("csv", "json")) -> str:
+    """The `datasets` builder (``csv``, ``json`` or ``text``) for local files, from their extension (``.csv``,
+    ``.json``, ``.jsonl``, ``.txt``; a ``.gz``/``.bz2``/``.xz``/``.zst`` suffix is read through). All files must
+    share one builder."""
+    builders = set()
+    for path in paths:
+        name = path.lower()
+        for suffix in COMPRESSIONS:
+            if name.endswith(suffix):
+                name = name[: -len(suffix)]
+        builder = LOCAL_FILE_BUILDERS.get(name.rsplit(".", 1)[-1])
+        if builder not in allowed:
+            kinds = sorted(ext for ext, b in LOCAL_FILE_BUILDERS.items() if b in allowed)
+            raise ValueError(f"{path}: a data file must end in one of {kinds} (optionally compressed).")
+        builders.add(builder)
+    if len(builders) > 1:
+        raise ValueError(f"--train_file / --validation_file / --test_file must be of one kind, got {sorted(builders)}.")
+    return builders.pop()
 
 
-def cached(cache_dir: Optional[str], key: dict, fn):
-    """``fn()`` memoised on disk under a hash of ``key``. A file lock makes concurrent processes (reproduce.py
-    ``--jobs N``, DDP ranks) compute it once; writes are atomic, so a killed run never leaves a bad cache file."""
-    if not cache_dir:
-        return fn()
-    os.makedirs(cache_dir, exist_ok=True)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = os.path.join(cache_dir, f"{key.get('kind', 'data')}-{digest}.pkl")
-    lock = None
-    try:
-        import fcntl
+def load_raw_datasets(data_args, cache_dir=None):
+    """``datasets.load_dataset``: the Hub dataset ``--dataset_name`` (+ ``--dataset_config_name``), or the local
+    ``--train_file`` / ``--validation_file`` / ``--test_file`` as splits ``train`` / ``validation`` / ``test``."""
+    import datasets
 
-        lock = open(path + ".lock", "w")
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    except (ImportError, OSError):
-        lock = None
-    try:
-        if os.path.exists(path):
-            try:
-                with open(path, "rb") as f:
-                    return pickle.load(f)
-            except Exception:  # noqa: BLE001  (unreadable cache: rebuild)
-                pass
-        value = fn()
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            pickle.dump(value, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-        return value
-    finally:
-        if lock is not None:
-            lock.close()
+    if data_args.dataset_name:
+        return datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name, cache_dir=cache_dir)
+    files = {split: path for split, path in (("train", data_args.train_file), ("validation", data_args.validation_file),
+                                              ("test", data_args.test_file)) if path}
+    return datasets.load_dataset(file_builder(files.values(), data_args.file_builders), data_files=files,
+                                 cache_dir=cache_dir)
 
 
-def file_signature(path: str) -> str:
-    st = os.stat(path)
-    return f"{os.path.abspath(path)}:{st.st_size}:{int(st.st_mtime)}"
+def take(dataset, n: Optional[int], seed: Optional[int] = None):
+    """The first ``n`` rows (all when ``n`` is None or larger); with ``seed``, ``n`` rows of a seeded shuffle."""
+    if n is None or n >= len(dataset):
+        return dataset
+    return (dataset if seed is None else dataset.shuffle(seed=seed)).select(range(n))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# tokenizers
-class ByteTokenizer:
-    """UTF-8 byte tokenizer for the LRA byte-level tasks, with the ids of ``transformers.ByT5Tokenizer``:
-    0 = pad, 1 = eos, 2 = unk, byte ``b`` -> ``b + 3`` (vocabulary 259). No eos is appended by ``encode``.
+def lm_blocks(raw, tokenizer, text_column: str, block_size: int, data_args, training_args,
+              add_special_tokens: bool = False, with_labels: bool = False):
+    """transformers' run_clm.py preprocessing, cached by `datasets`: every non-empty row of ``text_column`` is
+    tokenized and followed by the tokenizer's eos (else sep) token, the ids are concatenated and cut into
+    ``block_size`` blocks (``group_texts``; each map batch of 1,000 rows drops its remainder). Two
+    ``.map(batched=True)`` under ``main_process_first``. ``with_labels`` adds ``labels`` (a copy of ``input_ids``)
+    for ``default_data_collator``; ``DataCollatorForLanguageModeling`` makes them itself."""
+    from itertools import chain
 
-    ``to_hf()`` returns the equivalent ``ByT5Tokenizer`` (saved with checkpoints, so Hub users decode the same ids).
-    """
+    eos = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id]
+    eos = [] if eos[0] is None else eos
 
-    pad_token_id = 0
-    eos_token_id = 1
-    unk_token_id = 2
-    offset = 3
-    vocab_size = 259
-    model_input_names = ["input_ids", "attention_mask"]
+    def tokenize_function(examples):
+        texts = [t or "" for t in examples[text_column]]
+        ids = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+        return {"input_ids": [x + eos if t.strip() else [] for x, t in zip(ids, texts)]}
 
-    def encode(self, text: str, max_length: Optional[int] = None) -> List[int]:
-        data = text.encode("utf-8")
-        if max_length is not None:
-            data = data[:max_length]
-        return [b + self.offset for b in data]
+    def group_texts(examples):
+        concatenated = list(chain(*examples["input_ids"]))
+        total = len(concatenated) // block_size * block_size
+        result = {"input_ids": [concatenated[i:i + block_size] for i in range(0, total, block_size)]}
+        if with_labels:
+            result["labels"] = [list(block) for block in result["input_ids"]]
+        return result
 
-    def decode(self, ids) -> str:
-        return bytes(int(i) - self.offset for i in ids if int(i) >= self.offset).decode("utf-8", errors="replace")
-
-    def to_hf(self):
-        from transformers import ByT5Tokenizer
-
-        return ByT5Tokenizer(extra_ids=0)
-
-    def save_pretrained(self, directory):
-        try:
-            return self.to_hf().save_pretrained(directory)
-        except Exception as exc:  # noqa: BLE001  (saving the tokenizer is a convenience)
-            logger.warning("could not save the ByT5 tokenizer: %s", exc)
-
-
-class ListOpsTokenizer:
-    """Whitespace tokenizer over the fixed ListOps vocabulary (0 = pad)."""
-
-    pad_token_id = 0
-
-    def __init__(self):
-        import listops
-
-        self.vocab = listops.VOCAB
-        self.vocab_size = len(listops.VOCAB)
-        self._encode = listops.encode
-
-    def encode(self, text: str, max_length: Optional[int] = None) -> List[int]:
-        ids = self._encode(text)
-        return ids[:max_length] if max_length is not None else ids
-
-    def save_pretrained(self, directory):
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "listops_vocab.json"), "w") as f:
-            json.dump(list(self.vocab), f)
+    columns = next(iter(raw.values())).column_names
+    with training_args.main_process_first(desc="dataset map pre-processing"):
+        tokenized = raw.map(tokenize_function, batched=True, num_proc=data_args.preprocessing_num_workers,
+                            remove_columns=columns, load_from_cache_file=not data_args.overwrite_cache,
+                            desc="Running tokenizer on dataset")
+        return tokenized.map(group_texts, batched=True, num_proc=data_args.preprocessing_num_workers,
+                             load_from_cache_file=not data_args.overwrite_cache,
+                             desc=f"Grouping texts in chunks of {block_size}")
 
 
 def load_tokenizer(name: str):
-    """``byte`` -> ByteTokenizer, ``listops`` -> ListOpsTokenizer, else a transformers tokenizer (local copy first)."""
+    """A transformers tokenizer: ``byte`` -> ``ByT5Tokenizer(extra_ids=0)`` (UTF-8 bytes, ids byte + 3, 0 = pad,
+    1 = eos), ``listops`` -> the ListOps word-level tokenizer (``listops.tokenizer()``), else
+    ``AutoTokenizer.from_pretrained`` (a local copy in ``$CTA_TOKENIZER_DIR`` first)."""
     if name == "byte":
-        return ByteTokenizer()
+        from transformers import ByT5Tokenizer
+
+        return ByT5Tokenizer(extra_ids=0)
     if name == "listops":
-        return ListOpsTokenizer()
+        import listops
+
+        return listops.tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_tokenizer_path(name))
 
 
-def tokenize_texts(tokenizer, texts: List[str], max_length: int, batch_size: int = 2000) -> List[List[int]]:
-    """Token ids per text, truncated to ``max_length`` (special tokens included for HF tokenizers)."""
-    if isinstance(tokenizer, (ByteTokenizer, ListOpsTokenizer)):
-        return [tokenizer.encode(t, max_length) for t in texts]
-    out = []
-    for i in range(0, len(texts), batch_size):
-        enc = tokenizer(texts[i:i + batch_size], truncation=True, max_length=max_length)
-        out.extend(enc["input_ids"])
-    return out
-
-
-def tokenizer_pad_id(tokenizer) -> int:
-    pad = getattr(tokenizer, "pad_token_id", None)
-    return 0 if pad is None else int(pad)
-
-
-def tokenizer_vocab_size(tokenizer) -> int:
-    return len(tokenizer) if hasattr(tokenizer, "__len__") else int(tokenizer.vocab_size)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# datasets and collators
-class ListDataset(torch.utils.data.Dataset):
-    """A list of feature dicts (``input_ids``, ``labels``); Trainer accepts any map-style dataset."""
-
-    def __init__(self, rows: List[dict]):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-
-class PadCollator:
-    """Pads ``input_ids`` to the longest in the batch (rounded up to ``pad_to_multiple_of``), builds
-    ``attention_mask``; ``labels`` are stacked (classification) or padded with -100 (token labels)."""
-
-    def __init__(self, pad_token_id: int = 0, pad_to_multiple_of: Optional[int] = 8):
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple_of = pad_to_multiple_of
-
-    def __call__(self, features):
-        length = max(len(f["input_ids"]) for f in features)
-        if self.pad_to_multiple_of:
-            length = int(math.ceil(length / self.pad_to_multiple_of) * self.pad_to_multiple_of)
-        ids = torch.full((len(features), length), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(features), length), dtype=torch.long)
-        for i, f in enumerate(features):
-            n = len(f["input_ids"])
-            ids[i, :n] = torch.as_tensor(f["input_ids"], dtype=torch.long)
-            mask[i, :n] = 1
-        batch = {"input_ids": ids, "attention_mask": mask}
-        if "labels" in features[0]:
-            first = features[0]["labels"]
-            if isinstance(first, (list, tuple)):
-                labels = torch.full((len(features), length), -100, dtype=torch.long)
-                for i, f in enumerate(features):
-                    labels[i, :len(f["labels"])] = torch.as_tensor(f["labels"], dtype=torch.long)
-                batch["labels"] = labels
-            else:
-                batch["labels"] = torch.as_tensor([f["labels"] for f in features], dtype=torch.long)
-        return batch
-
-
-def subsample(rows: list, n: Optional[int], seed: int = 0) -> list:
-    """A seeded random subset of ``n`` rows (all when ``n`` is None or larger)."""
-    if n is None or n >= len(rows):
-        return rows
-    idx = list(range(len(rows)))
-    random.Random(seed).shuffle(idx)
-    return [rows[i] for i in sorted(idx[:n])]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# metrics
-class _FallbackAccuracy:
-    """Same call and result as ``evaluate.load(examples/metrics/accuracy/accuracy.py)`` (used without evaluate)."""
-
-    name = "accuracy (fallback: evaluate not importable)"
-
-    def compute(self, predictions, references, normalize=True, sample_weight=None):
-        predictions, references = list(predictions), list(references)
-        if len(predictions) != len(references):
-            raise ValueError(f"{len(predictions)} predictions but {len(references)} references.")
-        weights = [1.0] * len(predictions) if sample_weight is None else [float(w) for w in sample_weight]
-        correct = sum(w for p, r, w in zip(predictions, references, weights) if int(p) == int(r))
-        total = sum(weights)
-        return {"accuracy": (float(correct / total) if total else 0.0) if normalize else correct}
-
-
 def load_accuracy_metric():
-    """The repo's accuracy module through ``evaluate`` (no Hub access); an identical fallback without it."""
-    try:
-        import evaluate
+    """``evaluate.load`` of the repository's accuracy module (by path: no Hub access)."""
+    import evaluate
 
-        metric = evaluate.load(ACCURACY_METRIC_PATH)
-        metric.name_for_results = "evaluate:examples/metrics/accuracy"
-        return metric
-    except ImportError:
-        metric = _FallbackAccuracy()
-        metric.name_for_results = "fallback accuracy (evaluate not installed)"
-        return metric
+    metric = evaluate.load(ACCURACY_METRIC_PATH)
+    metric.name_for_results = "evaluate:examples/metrics/accuracy"
+    return metric
+
+
+def last_checkpoint(training_args) -> Optional[str]:
+    """``--resume_from_checkpoint``, else the newest checkpoint in ``--output_dir`` (an interrupted run resumes)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if training_args.resume_from_checkpoint:
+        return training_args.resume_from_checkpoint
+    if os.path.isdir(training_args.output_dir) and not getattr(training_args, "overwrite_output_dir", False):
+        return get_last_checkpoint(training_args.output_dir)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # model arguments shared by the scripts
 @dataclass
-class ModelArguments:
+class PretrainedArguments:
+    """Which model and tokenizer to start from, as in transformers' example scripts."""
+
     model_name_or_path: Optional[str] = field(
-        default=None, metadata={"help": "Start from this CTA checkpoint instead of a fresh model."}
+        default=None, metadata={"help": "Start from this CTA checkpoint (folder or Hub id) instead of a fresh model."}
     )
+    tokenizer_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Pretrained tokenizer name or path if not the same as model_name_or_path (default: the "
+                          "task's: bert-base-uncased, `byte` = ByT5 bytes, `listops`). Local copies in "
+                          "$CTA_TOKENIZER_DIR (default ../shared/tokenizers) come first."},
+    )
+    cache_dir: Optional[str] = field(
+        default=None, metadata={"help": "Where datasets (and Hub downloads) are cached (default: datasets' cache)."}
+    )
+
+
+@dataclass
+class ModelArguments(PretrainedArguments):
+    """A fresh CTA model's size and PDE refinement (ignored for a checkpoint's architecture)."""
+
     hidden_size: int = field(default=128, metadata={"help": "Embedding / hidden size (paper: 128)."})
     num_hidden_layers: int = field(default=2, metadata={"help": "Transformer blocks (paper Table 1: 2 and 4)."})
     num_attention_heads: int = field(default=4, metadata={"help": "Attention heads (paper: 4)."})
@@ -342,6 +241,69 @@ class ModelArguments:
         if self.pde_beta is not None:
             kwargs["pde_beta"] = self.pde_beta
         return kwargs
+
+
+@dataclass
+class DataArguments:
+    """The data options both scripts share, named as in transformers' example scripts. A script subclasses it with
+    its own options and sets ``file_builders``: the kinds of local files it reads."""
+
+    file_builders: ClassVar[tuple] = ("csv", "json")
+
+    dataset_name: Optional[str] = field(
+        default=None, metadata={"help": "The name of the dataset to use (via the datasets library)."}
+    )
+    dataset_config_name: Optional[str] = field(
+        default=None, metadata={"help": "The configuration name of the dataset to use (via the datasets library)."}
+    )
+    train_file: Optional[str] = field(
+        default=None,
+        metadata={"help": "A file containing the training data: csv, json or jsonl (run_clm.py: also text, one row "
+                          "per line); .gz / .bz2 / .xz / .zst are read through."},
+    )
+    validation_file: Optional[str] = field(
+        default=None, metadata={"help": "A file of the same kind containing the validation (evaluation) data."}
+    )
+    test_file: Optional[str] = field(
+        default=None, metadata={"help": "A file of the same kind containing the test data."}
+    )
+    text_column_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "The name of the text column in the dataset or files (default: `text`, else `sentence`).",
+                  "aliases": ["--text_column"]},
+    )
+    max_train_samples: Optional[int] = field(
+        default=None,
+        metadata={"help": "For debugging purposes or quicker training, truncate the number of training examples "
+                          "(run_clm.py: blocks) to this value if set."},
+    )
+    max_eval_samples: Optional[int] = field(
+        default=None,
+        metadata={"help": "For debugging purposes or quicker training, truncate the number of evaluation examples "
+                          "(run_clm.py: validation and test blocks) to this value if set."},
+    )
+    preprocessing_num_workers: Optional[int] = field(
+        default=None, metadata={"help": "The number of processes to use for the preprocessing."}
+    )
+    overwrite_cache: bool = field(
+        default=False, metadata={"help": "Overwrite the cached preprocessed datasets or not."}
+    )
+    data_dir: Optional[str] = field(
+        default=None, metadata={"help": "Root of the offline copies of the paper's data (default $CTA_DATA_DIR or "
+                                        "../shared/data)."}
+    )
+
+    def __post_init__(self):
+        files = [f for f in (self.train_file, self.validation_file, self.test_file) if f]
+        if files and not self.train_file:
+            raise ValueError("`--validation_file` / `--test_file` need `--train_file`.")
+        if files and not self.dataset_name:
+            file_builder(files, self.file_builders)
+
+    def source(self) -> str:
+        if self.dataset_name:
+            return f"Hub {self.dataset_name}/{self.dataset_config_name}"
+        return "local files " + ", ".join(f for f in (self.train_file, self.validation_file, self.test_file) if f)
 
 
 def count_parameters(model) -> int:
@@ -413,12 +375,14 @@ def finish_and_maybe_push(trainer, tokenizer, results: dict, card_kwargs: dict):
 
 
 def setup_logging(training_args):
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
-                        if is_main_process(training_args) else logging.WARNING)
+    """As transformers' example scripts: this script's INFO lines on the main process; transformers and datasets at
+    ``--log_level`` (default: warnings)."""
+    import datasets
     import transformers
 
-    transformers.utils.logging.set_verbosity_warning()
-
-
-def asdict_safe(obj) -> dict:
-    return {k: v for k, v in asdict(obj).items()}
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
+                        handlers=[logging.StreamHandler(sys.stdout)],
+                        level=logging.INFO if is_main_process(training_args) else logging.WARNING)
+    log_level = training_args.get_process_log_level()
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)

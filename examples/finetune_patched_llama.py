@@ -1,14 +1,21 @@
-"""Fine-tune a pretrained Llama patched with CTA PDE refinement: LoRA only vs LoRA + PDE vs PDE only.
+#!/usr/bin/env python
+"""Fine-tune a pretrained causal LM patched with CTA PDE refinement: LoRA only vs LoRA + PDE vs PDE only.
 
-For every mode and seed: load the pretrained model (default: the 260K-parameter stories260K Llama), patch it with
+For every mode and seed: load the pretrained model ``--model_name_or_path`` (any causal LM that
+``cta.patch_model`` supports; default: the 260K-parameter stories260K Llama in ``../shared/models``), patch it with
 ``cta.patch_model(init="identity")`` (so training starts from exactly the pretrained function; "LoRA only" stays
 unpatched), train with ``transformers.Trainer`` (+ PEFT LoRA for the LoRA modes, the PDE coefficients through PEFT's
-``modules_to_save``), and report validation perplexity before and after. Text: TinyStories sample from
-``../shared/data/tinystories`` (stories separated by ``<|endoftext|>`` lines), tokenised with the model's tokenizer,
-each story followed by EOS, concatenated and cut into ``--block_size`` blocks.
+``modules_to_save``), and report validation perplexity before and after.
+
+Data: the same options as ``run_clm.py`` (loaded with ``datasets.load_dataset``): ``--dataset_name`` (Hub), your own
+``--train_file`` / ``--validation_file`` (text, csv, json or jsonl; ``--text_column_name``), or by default the
+TinyStories sample in ``--data_dir``/``--dataset_folder`` (``../shared/data/tinystories``). Rows are split into
+documents at ``--document_separator`` (``<|endoftext|>``), tokenised with the model's tokenizer (with its special
+tokens), each followed by EOS, concatenated and cut into ``--block_size`` blocks (``.map(batched=True)``).
 
     python examples/finetune_patched_llama.py                       # the committed results (CPU, a few minutes)
     python examples/finetune_patched_llama.py --max_steps 20 --seeds 0 --modes lora_pde   # smoke test
+    python examples/finetune_patched_llama.py --model_name_or_path my-llama --train_file my.txt --validation_file dev.txt
     python examples/finetune_patched_llama.py --help
 
 Writes ``<results_dir>/finetune_patched_llama.json`` and ``.md``. Any ``TrainingArguments`` flag works as well
@@ -18,7 +25,6 @@ the last trained model is merged (LoRA) and pushed as a patched checkpoint (it r
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
@@ -26,14 +32,13 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import ClassVar
 
 import torch
 
-EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(EXAMPLES_DIR)
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (also puts the repo root on sys.path)
+from common import DataArguments, PretrainedArguments  # noqa: E402
 
 import transformers  # noqa: E402
 from transformers import (  # noqa: E402
@@ -51,18 +56,34 @@ MODES = ("lora", "lora_pde", "pde")
 
 
 @dataclass
-class ScriptArguments:
+class ModelArguments(PretrainedArguments):
     model_name_or_path: str = field(
-        default=os.path.join(REPO_ROOT, "..", "shared", "models", "stories260K"),
-        metadata={"help": "Pretrained Llama-family model (folder or Hub id). Default: ../shared/models/stories260K."},
+        default=os.path.join(common.REPO_ROOT, "..", "shared", "models", "stories260K"),
+        metadata={"help": "Pretrained causal LM (folder or Hub id) that cta.patch_model supports (Llama family). "
+                          "Default: ../shared/models/stories260K."},
     )
-    data_dir: str = field(
-        default=os.path.join(REPO_ROOT, "..", "shared", "data", "tinystories"),
-        metadata={"help": "Folder with train.txt.gz / validation.txt.gz (stories separated by <|endoftext|> lines)."},
+
+
+@dataclass
+class DataTrainingArguments(DataArguments):
+    """run_clm.py's data options; the default is the offline TinyStories sample."""
+
+    file_builders: ClassVar[tuple] = ("text", "csv", "json")
+
+    dataset_folder: str = field(
+        default="tinystories",
+        metadata={"help": "Folder under --data_dir with train.txt.gz / validation.txt.gz (the default data)."},
+    )
+    document_separator: str = field(
+        default="<|endoftext|>",
+        metadata={"help": "Rows are split into documents at this string (TinyStories: a line after each story); "
+                          "empty: no split."},
     )
     block_size: int = field(default=256, metadata={"help": "Tokens per training / evaluation block."})
-    max_train_blocks: Optional[int] = field(default=None, metadata={"help": "Use at most this many training blocks."})
-    max_eval_blocks: Optional[int] = field(default=None, metadata={"help": "Use at most this many validation blocks."})
+
+
+@dataclass
+class FinetuneArguments:
     modes: str = field(
         default="lora,lora_pde,pde",
         metadata={"help": "Comma list of: lora (LoRA on the unpatched model), lora_pde (patched model, LoRA + PDE "
@@ -84,32 +105,34 @@ class ScriptArguments:
         default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         metadata={"help": "Comma list of module names LoRA adapts."},
     )
-    results_dir: str = field(default=os.path.join(REPO_ROOT, "results"),
+    results_dir: str = field(default=os.path.join(common.REPO_ROOT, "results"),
                              metadata={"help": "Where finetune_patched_llama.json / .md are written."})
 
 
-def read_stories(path):
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        text = f.read()
-    return [s.strip() for s in text.split("<|endoftext|>") if s.strip()]
+def load_raw_datasets(data_args, cache_dir):
+    """``(DatasetDict with train / validation rows of documents, description)``."""
+    import datasets
+
+    if data_args.dataset_name or data_args.train_file:
+        raw, desc = common.load_raw_datasets(data_args, cache_dir), data_args.source()
+    else:
+        base = os.path.join(data_args.data_dir or common.default_data_dir(), data_args.dataset_folder)
+        files = {s: os.path.join(base, f"{s}.txt.gz") for s in ("train", "validation")}
+        raw = datasets.load_dataset("text", data_files=files, sample_by="document", cache_dir=cache_dir)
+        desc = f"offline {data_args.dataset_folder} ({base})"
+    sep, column = data_args.document_separator, data_args.text_column_name or "text"
+    if sep:
+        raw = raw.map(lambda batch: {column: [d.strip() for t in batch[column] for d in (t or "").split(sep)
+                                              if d.strip()]},
+                      batched=True, remove_columns=raw["train"].column_names, desc="Splitting documents")
+    return raw, desc
 
 
-def make_blocks(tokenizer, stories, block_size, limit=None):
-    ids = []
-    for encoded in tokenizer(stories, add_special_tokens=True)["input_ids"]:
-        ids.extend(encoded + [tokenizer.eos_token_id])
-    n = len(ids) // block_size
-    if limit is not None:
-        n = min(n, limit)
-    data = torch.tensor(ids[: n * block_size]).view(n, block_size)
-    return [{"input_ids": row, "labels": row.clone(), "attention_mask": torch.ones_like(row)} for row in data]
-
-
-def build(script, mode, seed):
+def build(model_args, script, mode, seed):
     from peft import LoraConfig, get_peft_model
 
     transformers.set_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
     if mode in ("lora_pde", "pde"):
         patch_model(model, pde_type=script.pde_type, pde_steps=script.pde_steps,
                     placement=script.pde_placement.split(","), init="identity", per_channel=script.pde_per_channel)
@@ -142,30 +165,33 @@ def coefficient_summary(model):
     return {"sites": len(values), "alpha_mean": float(flat.mean()), "alpha_max": float(flat.max())}
 
 
-def main():
-    parser = HfArgumentParser((ScriptArguments, TrainingArguments))
+def main(argv=None):
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, FinetuneArguments, TrainingArguments))
     defaults = dict(output_dir=os.path.join("/tmp", "finetune_patched_llama"), max_steps=300, learning_rate=2e-3,
                     per_device_train_batch_size=16, per_device_eval_batch_size=32, warmup_steps=20,
                     lr_scheduler_type="cosine", logging_steps=50, eval_strategy="no", save_strategy="no",
                     report_to="none", use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
     parser.set_defaults(**defaults)
-    script, training_args = parser.parse_args_into_dataclasses()
+    model_args, data_args, script, training_args = parser.parse_args_into_dataclasses(args=argv)
+    common.setup_logging(training_args)
     for mode in script.modes.split(","):
         if mode not in MODES:
             raise ValueError(f"`--modes` entries must be in {MODES}, got {mode!r}.")
-    tokenizer = AutoTokenizer.from_pretrained(script.model_name_or_path)
-    train = make_blocks(tokenizer, read_stories(os.path.join(script.data_dir, "train.txt.gz")), script.block_size,
-                        script.max_train_blocks)
-    valid = make_blocks(tokenizer, read_stories(os.path.join(script.data_dir, "validation.txt.gz")),
-                        script.block_size, script.max_eval_blocks)
-    print(f"train blocks {len(train)}, validation blocks {len(valid)} of {script.block_size} tokens", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
+    with training_args.main_process_first(desc="load datasets"):
+        raw, data_desc = load_raw_datasets(data_args, model_args.cache_dir)
+    blocks = common.lm_blocks(raw, tokenizer, data_args.text_column_name or "text", data_args.block_size, data_args,
+                              training_args, add_special_tokens=True, with_labels=True)
+    train = common.take(blocks["train"], data_args.max_train_samples)
+    valid = common.take(blocks["validation"], data_args.max_eval_samples)
+    print(f"train blocks {len(train)}, validation blocks {len(valid)} of {data_args.block_size} tokens", flush=True)
 
     runs = []
     last = None
     for seed in [int(s) for s in script.seeds.split(",")]:
         for mode in script.modes.split(","):
             training_args.seed = seed
-            model = build(script, mode, seed)
+            model = build(model_args, script, mode, seed)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=valid,
                               data_collator=default_data_collator,
@@ -191,10 +217,10 @@ def main():
                          "trainable_parameters": next(r["trainable_parameters"] for r in runs if r["mode"] == mode)}
     result = {
         "script": "examples/finetune_patched_llama.py",
-        "model": os.path.basename(os.path.normpath(script.model_name_or_path)),
-        "data": "TinyStories sample (../shared/data/tinystories)",
+        "model": os.path.basename(os.path.normpath(model_args.model_name_or_path)),
+        "data": data_desc,
         "train_blocks": len(train), "validation_blocks": len(valid),
-        "args": {k: v for k, v in asdict(script).items() if k not in ("model_name_or_path", "data_dir", "results_dir")},
+        "args": dict({k: v for k, v in asdict(script).items() if k != "results_dir"}, block_size=data_args.block_size),
         "training": {"max_steps": training_args.max_steps, "learning_rate": training_args.learning_rate,
                      "batch_size": training_args.per_device_train_batch_size,
                      "scheduler": str(training_args.lr_scheduler_type), "device": str(training_args.device)},
@@ -208,7 +234,8 @@ def main():
     lines = [
         f"# Fine-tuning {result['model']} patched with CTA (validation perplexity)",
         "",
-        f"TinyStories sample, {len(train)} train / {len(valid)} validation blocks of {script.block_size} tokens; "
+        f"Data: {data_desc.split(' (')[0]}, {len(train)} train / {len(valid)} validation blocks of {data_args.block_size} "
+        f"tokens; "
         f"{training_args.max_steps} steps, batch {training_args.per_device_train_batch_size}, lr "
         f"{training_args.learning_rate} (PDE coefficients {script.pde_learning_rate}); PDE: {script.pde_type}, "
         f"{script.pde_steps} steps at {script.pde_placement}, identity init; LoRA r={script.lora_r}. "
@@ -217,10 +244,11 @@ def main():
         "| mode | trainable params | ppl before | ppl after |",
         "|---|---|---|---|",
     ]
-    for mode, s in summary.items():
-        lines.append(f"| {mode} | {s['trainable_parameters']} | {s['ppl_before']:.3f} | "
-                     f"{s['ppl_after_mean']:.3f} ± {s['ppl_after_std']:.3f} |")
-    lines += ["", "Reproduce: `" + " ".join(["python examples/finetune_patched_llama.py", *sys.argv[1:]]) + "`"]
+    for mode, row in summary.items():
+        lines.append(f"| {mode} | {row['trainable_parameters']} | {row['ppl_before']:.3f} | "
+                     f"{row['ppl_after_mean']:.3f} ± {row['ppl_after_std']:.3f} |")
+    command = sys.argv[1:] if argv is None else list(argv)
+    lines += ["", "Reproduce: `" + " ".join(["python examples/finetune_patched_llama.py", *command]) + "`"]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -232,6 +260,7 @@ def main():
                            token=training_args.hub_token, private=training_args.hub_private_repo)
         tokenizer.push_to_hub(training_args.hub_model_id or os.path.basename(training_args.output_dir),
                               token=training_args.hub_token)
+    return result
 
 
 if __name__ == "__main__":

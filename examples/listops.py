@@ -132,6 +132,46 @@ def encode(text: str) -> List[int]:
     return [TOKEN_TO_ID[t] for t in text.split()]
 
 
+def tokenizer():
+    """The ListOps tokenizer: a `tokenizers` word-level model over ``VOCAB`` (whitespace-split, 0 = ``<pad>``) in
+    ``transformers.PreTrainedTokenizerFast``, so it pads, saves and reloads (``AutoTokenizer``) as any other.
+    A token outside the vocabulary raises."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab=dict(TOKEN_TO_ID), unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD_TOKEN,
+                                   model_input_names=["input_ids", "attention_mask"])
+
+
+def _split_rows(num_train, num_test, seed, min_length, max_length):
+    splits = generate_splits(num_train, 0, num_test, seed=seed, min_length=min_length, max_length=max_length)
+    for split in ("train", "test"):
+        for row in splits[split]:
+            yield dict(row, split=split)
+
+
+def load_dataset(num_train: int, num_test: int, seed: int = 0, min_length: int = 500, max_length: int = 2000,
+                 cache_dir=None):
+    """``datasets.DatasetDict`` with ``train`` and ``test`` (columns ``text``, ``label``), made by
+    ``generate_splits`` and cached by `datasets` under a fingerprint of this file and the arguments (so a changed
+    generator never reuses old data)."""
+    import hashlib
+
+    import datasets
+
+    kwargs = dict(num_train=num_train, num_test=num_test, seed=seed, min_length=min_length, max_length=max_length)
+    with open(os.path.abspath(__file__), "rb") as f:
+        fingerprint = hashlib.sha256(f.read() + json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:32]
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.Value("int64"),
+                                  "split": datasets.Value("string")})
+    rows = datasets.Dataset.from_generator(_split_rows, features=features, gen_kwargs=kwargs, cache_dir=cache_dir,
+                                           fingerprint=fingerprint)
+    return datasets.DatasetDict({split: rows.filter(lambda s, split=split: s == split, input_columns="split")
+                                 .remove_columns("split") for split in ("train", "test")})
+
+
 def save_jsonl_gz(rows, path):
     tmp = f"{path}.tmp{os.getpid()}"
     with gzip.open(tmp, "wt", encoding="utf-8") as f:

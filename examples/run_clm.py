@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Causal language modelling with CTA on WikiText-2 (paper Tables 2-5 and 13: sequence length, PDE steps, PDE
-types, training-data fraction; PDE + sliding-window attention = the paper's PDE-Longformer hybrid, Table 3).
+"""Causal language modelling with a CTA decoder, shaped like transformers' ``run_clm.py`` (paper Tables 2-5 and
+13: sequence length, PDE steps, PDE types, training-data fraction; PDE + sliding-window attention = the paper's
+PDE-Longformer hybrid, Table 3).
 
 Before any number is written, the trained model goes through a **leak check**: for several cut points ``t``, the
 tokens after ``t`` are replaced by random ones and the logits at positions ``<= t`` must not change. If they do,
@@ -9,11 +10,15 @@ the script writes ``leak_check: FAILED`` and no perplexity, and exits with statu
     python examples/run_clm.py --block_size 512 --pde_steps 4 --output_dir runs/clm \
         --num_train_epochs 3 --learning_rate 1e-3 --per_device_train_batch_size 32
 
-Data: ``--dataset_name wikitext --dataset_config_name wikitext-2-raw-v1`` (Hub; also wikitext-103-*), local
-``--train_file/--validation_file/--test_file`` (plain text, optionally .gz), or the offline WikiText-2 copy under
-``--data_dir`` (default ``$CTA_DATA_DIR`` or ``../shared/data``; the tokenized ``wiki.*.tokens`` version).
-Tokenizer: ``bert-base-uncased`` (as the paper's code) or any HF tokenizer; each non-empty line ends with the
-tokenizer's eos/sep token. Perplexity is per token of that tokenizer.
+Data (loaded with ``datasets.load_dataset``): ``--dataset_name wikitext --dataset_config_name wikitext-2-raw-v1``
+(Hub), your own ``--train_file`` / ``--validation_file`` / ``--test_file`` (text: one row per line; csv, json or
+jsonl with ``--text_column_name``; optionally ``.gz``), or by default the offline WikiText-2 copy under
+``--data_dir`` (``$CTA_DATA_DIR`` or ``../shared/data``; the tokenized ``wiki.*.tokens`` version). Every non-empty
+row is tokenized (``--tokenizer_name``, default bert-base-uncased as the paper's code) and followed by the
+tokenizer's eos (or sep) token; the token stream is cut into ``--block_size`` blocks (``group_texts``, as
+transformers' script) and batched by ``DataCollatorForLanguageModeling(mlm=False)``. Perplexity is per token of
+that tokenizer. Writes ``train_results.json``, ``eval_results.json`` (with ``perplexity``), ``test_results.json``,
+``all_results.json`` and ``run_results.json`` to ``--output_dir``.
 """
 
 from __future__ import annotations
@@ -24,96 +29,77 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from common import ModelArguments  # noqa: E402
+from common import DataArguments, ModelArguments  # noqa: E402
 
 import cta  # noqa: E402
-from transformers import HfArgumentParser, Trainer, TrainingArguments, set_seed  # noqa: E402
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+from transformers import (  # noqa: E402
+    DataCollatorForLanguageModeling,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    set_seed,
+)
 
 logger = logging.getLogger("cta.examples.clm")
 
 
 @dataclass
-class DataArguments:
-    dataset_name: Optional[str] = field(default=None, metadata={"help": "Hub dataset, e.g. wikitext."})
-    dataset_config_name: Optional[str] = field(default=None, metadata={"help": "e.g. wikitext-2-raw-v1."})
-    text_column: str = field(default="text", metadata={"help": "Text column of a Hub dataset."})
-    train_file: Optional[str] = field(default=None, metadata={"help": "Plain-text train file (.txt[.gz])."})
-    validation_file: Optional[str] = field(default=None, metadata={"help": "Plain-text validation file."})
-    test_file: Optional[str] = field(default=None, metadata={"help": "Plain-text test file."})
-    data_dir: Optional[str] = field(default=None, metadata={"help": "Offline data root (wikitext2/ inside)."})
-    dataset_folder: str = field(default="wikitext2", metadata={"help": "Folder under --data_dir."})
-    tokenizer_name: str = field(default=common.PAPER_TOKENIZER, metadata={"help": "Tokenizer (paper: bert-base-uncased)."})
+class DataTrainingArguments(DataArguments):
+    """What data to train and evaluate on: the offline WikiText-2 copy (default), a Hub dataset, or your own files."""
+
+    file_builders: ClassVar[tuple] = ("text", "csv", "json")
+
+    dataset_folder: str = field(
+        default="wikitext2", metadata={"help": "Folder under --data_dir with {train,validation,test}.txt.gz."}
+    )
     block_size: int = field(default=256, metadata={"help": "Sequence length (paper: 256 / 512 / 1024)."})
-    train_fraction: float = field(default=1.0, metadata={"help": "Fraction of the training tokens (a prefix)."})
-    max_train_samples: Optional[int] = field(default=None, metadata={"help": "Cap on training blocks."})
-    max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Cap on validation/test blocks."})
+    train_fraction: float = field(default=1.0, metadata={"help": "Fraction of the training blocks (a prefix)."})
+    max_text_chars: Optional[int] = field(
+        default=None, metadata={"help": "Tokenize only the first rows of each split, up to N characters (smoke tests)."}
+    )
     architecture: str = field(
         default="paper",
         metadata={"help": "paper (learned positions, post-LN, GELU, as the authors' code) | modern (RoPE/RMSNorm/SwiGLU)."},
     )
     leak_check_samples: int = field(default=4, metadata={"help": "Sequences used by the leak check."})
     leak_check_tolerance: float = field(default=1e-4, metadata={"help": "Max |logit change| allowed (fp32)."})
-    max_text_chars: Optional[int] = field(
-        default=None, metadata={"help": "Tokenize only the first N characters of each split (smoke tests)."}
-    )
-    cache_dir: Optional[str] = field(default=None, metadata={"help": "Token cache (default ~/.cache/cta_examples)."})
 
     def __post_init__(self):
         if not 0.0 < self.train_fraction <= 1.0:
             raise ValueError(f"`--train_fraction` must be in (0, 1], got {self.train_fraction}.")
         if self.architecture not in ("paper", "modern"):
             raise ValueError(f"`--architecture` must be 'paper' or 'modern', got {self.architecture!r}.")
+        super().__post_init__()
 
 
-def load_texts(data_args):
-    """{"train": str, "validation": str, "test": str} and a description."""
-    if data_args.dataset_name:
-        import datasets
+def load_raw_datasets(data_args, cache_dir):
+    """``(DatasetDict with train [/ validation / test], description)``."""
+    import datasets
 
-        ds = datasets.load_dataset(data_args.dataset_name, data_args.dataset_config_name)
-        texts = {s: "\n".join(ds[s][data_args.text_column]) for s in ("train", "validation", "test") if s in ds}
-        return texts, f"Hub {data_args.dataset_name}/{data_args.dataset_config_name}"
-    if data_args.train_file:
-        files = {"train": data_args.train_file, "validation": data_args.validation_file, "test": data_args.test_file}
-        return {s: common.read_text(p) for s, p in files.items() if p}, f"local files {files}"
+    if data_args.dataset_name or data_args.train_file:
+        return common.load_raw_datasets(data_args, cache_dir), data_args.source()
     base = os.path.join(data_args.data_dir or common.default_data_dir(), data_args.dataset_folder)
-    if not os.path.exists(os.path.join(base, "train.txt.gz")):
+    files = {s: os.path.join(base, f"{s}.txt.gz") for s in ("train", "validation", "test")}
+    if not os.path.exists(files["train"]):
         raise FileNotFoundError(
-            f"{base}/train.txt.gz not found: pass --data_dir (or CTA_DATA_DIR), --train_file, or --dataset_name."
+            f"{files['train']} not found: pass --data_dir (or CTA_DATA_DIR), --train_file, or --dataset_name."
         )
-    texts = {s: common.read_text(os.path.join(base, f"{s}.txt.gz")) for s in ("train", "validation", "test")
-             if os.path.exists(os.path.join(base, f"{s}.txt.gz"))}
-    return texts, f"offline {data_args.dataset_folder} (tokenized wiki.*.tokens version)"
+    raw = datasets.load_dataset("text", data_files={s: p for s, p in files.items() if os.path.exists(p)},
+                                cache_dir=cache_dir)
+    return raw, f"offline {data_args.dataset_folder} (tokenized wiki.*.tokens version)"
 
 
-def tokenize_stream(tokenizer, text: str, batch_lines: int = 4000) -> np.ndarray:
-    """One token stream: every non-empty line, then the eos (or sep) token."""
-    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
-    lines = [line for line in text.split("\n") if line.strip()]
-    out = []
-    for i in range(0, len(lines), batch_lines):
-        enc = tokenizer(lines[i:i + batch_lines], add_special_tokens=False)["input_ids"]
-        for ids in enc:
-            out.extend(ids)
-            if eos is not None:
-                out.append(eos)
-    return np.asarray(out, dtype=np.int32)
-
-
-def blocks(stream: np.ndarray, block_size: int, limit=None):
-    n = len(stream) // block_size
-    if limit is not None:
-        n = min(n, limit)
-    return [{"input_ids": stream[i * block_size:(i + 1) * block_size].tolist(),
-             "labels": stream[i * block_size:(i + 1) * block_size].tolist()} for i in range(n)]
+def first_chars(dataset, column, max_chars):
+    """The first rows of ``dataset`` whose text (one newline per row) fits in ``max_chars`` characters."""
+    lengths = np.cumsum([len(t or "") + 1 for t in dataset[column]])
+    return dataset.select(range(int(np.searchsorted(lengths, max_chars, side="right"))))
 
 
 @torch.no_grad()
@@ -176,73 +162,71 @@ def build_model(model_args, data_args, vocab_size, pad_id):
 
 
 def main(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        model_args, data_args, training_args = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
+    else:
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     common.setup_logging(training_args)
     # Never gather [tokens x vocab] logits during evaluation: only the loss is needed.
     training_args.prediction_loss_only = True
-    cache_dir = data_args.cache_dir or common.default_cache_dir()
+    tokenizer_name = model_args.tokenizer_name or model_args.model_name_or_path or common.PAPER_TOKENIZER
+    block_size = data_args.block_size
     set_seed(training_args.seed)
 
-    with training_args.main_process_first(desc="load + tokenize"):
-        tokenizer = common.load_tokenizer(data_args.tokenizer_name)
-        texts_desc = None
+    with training_args.main_process_first(desc="load datasets"):
+        raw, texts_desc = load_raw_datasets(data_args, model_args.cache_dir)
+    text_column = data_args.text_column_name or "text"
+    if data_args.max_text_chars:
+        raw = type(raw)({s: first_chars(d, text_column, data_args.max_text_chars) for s, d in raw.items()})
+        texts_desc += f" (first {data_args.max_text_chars} characters of each split)"
+    tokenizer = common.load_tokenizer(tokenizer_name)
+    lm_datasets = common.lm_blocks(raw, tokenizer, text_column, block_size, data_args, training_args)
+    train_dataset = lm_datasets["train"]
+    n_train = int(len(train_dataset) * data_args.train_fraction)
+    if n_train < 1:
+        raise ValueError(f"No training block of {block_size} tokens in {texts_desc} (train_fraction "
+                         f"{data_args.train_fraction}).")
+    train_dataset = common.take(train_dataset.select(range(n_train)), data_args.max_train_samples)
+    eval_split = "validation" if "validation" in lm_datasets else "test"
+    eval_dataset = common.take(lm_datasets[eval_split], data_args.max_eval_samples)
+    test_dataset = common.take(lm_datasets["test"], data_args.max_eval_samples) if "test" in lm_datasets else None
+    logger.info("data: %s; %d train blocks of %d tokens", texts_desc, len(train_dataset), block_size)
 
-        def make():
-            texts, desc = load_texts(data_args)
-            if data_args.max_text_chars:
-                texts = {k: v[: data_args.max_text_chars] for k, v in texts.items()}
-                desc += f" (first {data_args.max_text_chars} characters of each split)"
-            return {s: tokenize_stream(tokenizer, t) for s, t in texts.items()}, desc
-
-        source = data_args.dataset_name or data_args.train_file or os.path.join(
-            data_args.data_dir or common.default_data_dir(), data_args.dataset_folder)
-        streams, texts_desc = common.cached(
-            cache_dir, dict(kind="lm", source=source, config=data_args.dataset_config_name,
-                            tok=data_args.tokenizer_name, chars=data_args.max_text_chars), make)
-    train_stream = streams["train"][: int(len(streams["train"]) * data_args.train_fraction)]
-    train_blocks = blocks(train_stream, data_args.block_size, data_args.max_train_samples)
-    eval_split = "validation" if "validation" in streams else "test"
-    eval_blocks = blocks(streams[eval_split], data_args.block_size, data_args.max_eval_samples)
-    test_blocks = blocks(streams["test"], data_args.block_size, data_args.max_eval_samples) if "test" in streams else None
-    logger.info("data: %s; %d train tokens -> %d blocks of %d", texts_desc, len(train_stream), len(train_blocks),
-                data_args.block_size)
-
-    pad_id = common.tokenizer_pad_id(tokenizer)
-    vocab_size = common.tokenizer_vocab_size(tokenizer)
-    model = build_model(model_args, data_args, vocab_size, pad_id)
+    vocab_size = len(tokenizer)
+    model = build_model(model_args, data_args, vocab_size, tokenizer.pad_token_id)
     n_params = common.count_parameters(model)
 
     trainer = Trainer(
         model=model,
         args=training_args,
-        train_dataset=common.ListDataset(train_blocks),
-        eval_dataset=common.ListDataset(eval_blocks),
-        data_collator=common.PadCollator(pad_id, pad_to_multiple_of=None),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
     )
     # Every block has the same number of predicted tokens, so the per-device mean loss is already the token mean;
     # do not let Trainer rescale it by the number of processes (measured: 2x loss and perplexity**2 under torchrun
     # with 2 processes otherwise).
     trainer.model_accepts_loss_kwargs = False
-    last_checkpoint = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
-    resume = training_args.resume_from_checkpoint or last_checkpoint
+    resume = common.last_checkpoint(training_args)
     start = time.time()
     train_result = trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.time() - start
 
     # ---- leak check BEFORE any number is reported ----
-    probe = torch.tensor([b["input_ids"] for b in eval_blocks[: data_args.leak_check_samples]], dtype=torch.long)
+    probe = torch.tensor(eval_dataset[: data_args.leak_check_samples]["input_ids"], dtype=torch.long)
     leak = leak_check(trainer.model, probe, tolerance=data_args.leak_check_tolerance, vocab_size=vocab_size)
     results = dict(
         script="run_clm.py",
-        task="wikitext_lm",
+        task="causal_lm" if data_args.train_file else "wikitext_lm",
         data=texts_desc,
-        tokenizer=data_args.tokenizer_name,
+        tokenizer=tokenizer_name,
         architecture=data_args.architecture,
-        block_size=data_args.block_size,
+        block_size=block_size,
         train_fraction=data_args.train_fraction,
-        num_train_blocks=len(train_blocks),
-        num_train_tokens=len(train_blocks) * data_args.block_size,
+        num_train_blocks=len(train_dataset),
+        num_train_tokens=len(train_dataset) * block_size,
         leak_check=leak,
         **common.run_record(trainer, training_args, model, n_params, resume),
         argv=sys.argv[1:] if argv is None else list(argv),
@@ -255,16 +239,18 @@ def main(argv=None):
             common.write_run_results(training_args.output_dir, results)
         raise SystemExit(3)
 
-    metrics = dict(train_result.metrics)
-    eval_metrics = trainer.evaluate()
-    metrics.update(eval_metrics)
-    metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50))
-    if test_blocks:
-        test_metrics = trainer.evaluate(common.ListDataset(test_blocks), metric_key_prefix="test")
-        metrics.update(test_metrics)
-        metrics["test_perplexity"] = math.exp(min(test_metrics["test_loss"], 50))
-    trainer.log_metrics("all", metrics)
-    trainer.save_metrics("all", metrics)
+    metrics = dict(train_result.metrics, train_samples=len(train_dataset))
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    for prefix, dataset in (("eval", eval_dataset), ("test", test_dataset)):
+        if dataset is None:
+            continue
+        split_metrics = trainer.evaluate(dataset, metric_key_prefix=prefix)
+        split_metrics[f"{prefix}_samples"] = len(dataset)
+        split_metrics[f"{prefix}_perplexity"] = math.exp(min(split_metrics[f"{prefix}_loss"], 50))
+        trainer.log_metrics(prefix, split_metrics)
+        trainer.save_metrics(prefix, split_metrics)
+        metrics.update(split_metrics)
     results.update(
         eval_split=eval_split,
         eval_loss=metrics.get("eval_loss"),
@@ -275,11 +261,12 @@ def main(argv=None):
         train_runtime=metrics.get("train_runtime"),
         train_wall_seconds=train_seconds,
         train_samples_per_second=metrics.get("train_samples_per_second"),
-        train_tokens_per_second=(metrics.get("train_samples_per_second") or 0) * data_args.block_size,
+        train_tokens_per_second=(metrics.get("train_samples_per_second") or 0) * block_size,
         loss_history=[{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
         nan_in_training=any(not math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h),
     )
-    common.finish_and_maybe_push(trainer, tokenizer, results, dict(task="text-generation", dataset="wikitext"))
+    common.finish_and_maybe_push(trainer, tokenizer, results,
+                                 dict(task="text-generation", dataset=data_args.dataset_name or "wikitext"))
     if trainer.is_world_process_zero():
         common.write_run_results(training_args.output_dir, results)
     return results

@@ -1,10 +1,13 @@
-"""Smoke and unit tests of the example scripts (examples/): the ListOps generator, the byte tokenizer, the LM leak
-check, the metric module, and a ``--quick`` run of every reproduce.py table (tiny slices, 2 optimizer steps).
+"""Smoke and unit tests of the example scripts (examples/): the ListOps generator and tokenizer, the byte tokenizer,
+the LM leak check, the metric module, run_classification.py / run_clm.py end to end on small files the tests write,
+and a ``--quick`` run of every reproduce.py table (tiny slices, 2 optimizer steps).
 
 Tables that need the offline data (../shared/data or $CTA_DATA_DIR) are skipped with a reason when it is absent;
 ListOps needs no data.
 """
 
+import csv
+import gzip
 import json
 import os
 import statistics
@@ -20,6 +23,7 @@ sys.path.insert(0, EXAMPLES)
 import common  # noqa: E402
 import listops  # noqa: E402
 import reproduce  # noqa: E402
+import run_classification  # noqa: E402
 import run_clm  # noqa: E402
 
 import cta  # noqa: E402
@@ -42,17 +46,6 @@ NEEDS = {
     "placement": [("imdb", "test.jsonl.gz")],
     "listops": [],
 }
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _cache_dir(tmp_path_factory):
-    old = os.environ.get("CTA_CACHE_DIR")
-    os.environ["CTA_CACHE_DIR"] = str(tmp_path_factory.mktemp("cta_cache"))
-    yield
-    if old is None:
-        os.environ.pop("CTA_CACHE_DIR", None)
-    else:
-        os.environ["CTA_CACHE_DIR"] = old
 
 
 # ------------------------------------------------------------------------------------------------ ListOps
@@ -122,36 +115,54 @@ def test_listops_lra_lengths_and_disjoint_splits():
     assert splits == listops.generate_splits(30, 10, 10, seed=1, min_length=10, max_length=100)
 
 
+def test_listops_dataset_is_cached_and_deterministic(tmp_path):
+    a = listops.load_dataset(12, 4, seed=2, min_length=10, max_length=60, cache_dir=str(tmp_path))
+    b = listops.load_dataset(12, 4, seed=2, min_length=10, max_length=60, cache_dir=str(tmp_path))
+    splits = listops.generate_splits(12, 0, 4, seed=2, min_length=10, max_length=60)
+    assert a["train"].to_list() == b["train"].to_list() == splits["train"]
+    assert a["test"].to_list() == splits["test"]
+
+
 # ------------------------------------------------------------------------------------------------ tokenizers
-def test_byte_tokenizer_matches_byt5():
-    tok = common.ByteTokenizer()
+def test_byte_tokenizer_is_byt5_bytes():
     from transformers import ByT5Tokenizer
 
-    ref = ByT5Tokenizer(extra_ids=0)
+    tok = common.load_tokenizer("byte")
+    assert isinstance(tok, ByT5Tokenizer) and len(tok) == 259 and tok.pad_token_id == 0
     for text in ["hello world", "naïve café — 日本語", "<br />a\tb\n", ""]:
-        ids = tok.encode(text)
-        assert ids == ref(text, add_special_tokens=False)["input_ids"]
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == [b + 3 for b in text.encode("utf-8")]  # bytes, not characters
         assert tok.decode(ids) == text
-        assert all(3 <= i < 259 for i in ids)
-    assert tok.encode("abcdef", max_length=4) == [ord(c) + 3 for c in "abcd"]
-    assert len(tok.encode("é")) == 2  # bytes, not characters
+    assert tok("abcdef", truncation=True, max_length=4)["input_ids"] == [ord(c) + 3 for c in "abc"] + [1]  # + eos
 
 
-def test_pad_collator():
-    batch = common.PadCollator(0, pad_to_multiple_of=4)([{"input_ids": [5, 6, 7], "labels": 1},
-                                                         {"input_ids": [8], "labels": 0}])
-    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
-    assert batch["labels"].tolist() == [1, 0]
+def test_listops_tokenizer_pads_saves_and_reloads(tmp_path):
+    from transformers import AutoTokenizer, DataCollatorWithPadding
+
+    tok = common.load_tokenizer("listops")
+    texts = ["[MAX 2 9 [MIN 4 7 ] 0 ]", "[SM 5 6 ]"]
+    assert [tok(t)["input_ids"] for t in texts] == [listops.encode(t) for t in texts]
+    assert len(tok) == len(listops.VOCAB) and tok.pad_token_id == 0
+    batch = DataCollatorWithPadding(tok, pad_to_multiple_of=4)([dict(tok(t), labels=i) for i, t in enumerate(texts)])
+    assert batch["input_ids"].tolist()[1] == listops.encode(texts[1]) + [0] * 8  # 9 tokens, padded to 12
+    assert batch["attention_mask"].tolist()[1] == [1] * 4 + [0] * 8
+    assert batch["labels"].tolist() == [0, 1]
+    tok.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)(texts[0])["input_ids"] == listops.encode(texts[0])
+    with pytest.raises(Exception, match="UNK"):
+        tok("[FOO 1 ]")
 
 
-def test_accuracy_metric_module_and_fallback_agree():
-    preds, refs = [0, 1, 2, 2, 1], [0, 1, 1, 2, 0]
-    fallback = common._FallbackAccuracy().compute(predictions=preds, references=refs)
-    assert fallback == {"accuracy": 0.6}
-    pytest.importorskip("evaluate")
+def test_accuracy_metric_module():
     metric = common.load_accuracy_metric()
-    assert metric.compute(predictions=preds, references=refs) == fallback
+    assert metric.compute(predictions=[0, 1, 2, 2, 1], references=[0, 1, 1, 2, 0]) == {"accuracy": 0.6}
+
+
+def test_common_holds_no_data_classes():
+    import inspect
+
+    own = [name for name, obj in vars(common).items() if inspect.isclass(obj) and obj.__module__ == common.__name__]
+    assert sorted(own) == ["DataArguments", "ModelArguments", "PretrainedArguments"]  # argument dataclasses only
 
 
 # ------------------------------------------------------------------------------------------------ leak check
@@ -228,6 +239,139 @@ def test_run_clm_refuses_to_report_when_leaky(tmp_path, monkeypatch):
     assert results["leak_check"]["passed"] is False
     assert "LEAK CHECK FAILED" in results["error"]
     assert "test_perplexity" not in results and "eval_perplexity" not in results
+
+
+# ------------------------------------------------------------------------------------------------ user files
+TINY = ["--hidden_size", "16", "--intermediate_size", "32", "--num_attention_heads", "2", "--num_hidden_layers", "1",
+        "--max_steps", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "8",
+        "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true", "--dataloader_num_workers", "0",
+        "--tokenizer_name", "byte"]
+GOOD = ["great fun", "loved it", "wonderful acting", "a joy to watch", "brilliant film"]
+BAD = ["boring mess", "hated it", "awful plot", "a waste of time", "terrible film"]
+
+
+def _reviews(n, labels):
+    return [(GOOD[i % 5] if i % 2 == 0 else BAD[i % 5], labels[i % 2]) for i in range(n)]
+
+
+def _write(path, rows, columns, with_labels=True):
+    """rows of (text, label) as csv (header ``columns``) or JSON Lines (.jsonl / .jsonl.gz)."""
+    columns = columns if with_labels else columns[:1]
+    records = [dict(zip(columns, row)) for row in rows]
+    if str(path).endswith(".csv"):
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(records)
+    else:
+        with (gzip.open if str(path).endswith(".gz") else open)(path, "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+    return str(path)
+
+
+@pytest.mark.parametrize("ext,labels", [("csv", ("pos", "neg")), ("jsonl.gz", (7, 2))])
+def test_run_classification_on_user_files(tmp_path, ext, labels):
+    columns = ("review", "sentiment")
+    train = _write(tmp_path / f"my.{ext}", _reviews(24, labels), columns)
+    dev = _write(tmp_path / f"my_dev.{ext}", _reviews(10, labels), columns)
+    test = _write(tmp_path / f"my_test.{ext}", _reviews(6, labels), columns, with_labels=False)
+    out = tmp_path / "out"
+    results = run_classification.main(
+        ["--train_file", train, "--validation_file", dev, "--test_file", test, "--text_column_name", "review",
+         "--label_column_name", "sentiment", "--max_seq_length", "32", "--output_dir", str(out)] + TINY)
+    names = sorted(str(label) for label in labels)  # the label list comes from the data, sorted
+    assert results["labels"] == names
+    evaluation = json.loads((out / "eval_results.json").read_text())
+    assert 0.0 <= evaluation["eval_accuracy"] <= 1.0 and evaluation["eval_samples"] == 10
+    assert json.loads((out / "all_results.json").read_text())["eval_accuracy"] == evaluation["eval_accuracy"]
+    lines = (out / "predict_results.txt").read_text().splitlines()
+    assert lines[0] == "index\tprediction" and len(lines) == 1 + 6
+    assert [int(line.split("\t")[0]) for line in lines[1:]] == list(range(6))
+    assert {line.split("\t")[1] for line in lines[1:]} <= set(names)  # predictions map back to the data's labels
+    config = json.loads((out / "config.json").read_text())
+    assert config["id2label"] == {str(i): name for i, name in enumerate(names)}
+    assert config["label2id"] == {name: i for i, name in enumerate(names)}
+    for name in ("train_results.json", "run_results.json", "tokenizer_config.json"):
+        assert (out / name).exists(), name
+
+
+def test_run_classification_needs_data(tmp_path):
+    with pytest.raises(ValueError, match="--train_file"):
+        run_classification.main(["--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="must end in one of"):
+        run_classification.main(["--train_file", str(tmp_path / "x.parquet"), "--output_dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("ext", ["txt", "jsonl"])
+def test_run_clm_on_user_files(tmp_path, ext):
+    lines = [f"{GOOD[i % 5]} and {BAD[(i * 3) % 5]} number {i}" if i % 7 else "" for i in range(120)]
+    files = {}
+    for split, part in (("train", lines), ("validation", lines[:40]), ("test", lines[40:80])):
+        path = tmp_path / f"{split}.{ext}"
+        if ext == "txt":
+            path.write_text("\n".join(part) + "\n")
+        else:
+            path.write_text("".join(json.dumps({"content": line}) + "\n" for line in part))
+        files[split] = str(path)
+    out = tmp_path / "out"
+    argv = ["--train_file", files["train"], "--validation_file", files["validation"], "--test_file", files["test"],
+            "--block_size", "16", "--save_strategy", "no", "--output_dir", str(out)] + TINY
+    if ext == "jsonl":
+        argv += ["--text_column_name", "content"]
+    results = run_clm.main(argv)
+    # every non-empty line is its bytes (ids byte + 3) and eos; the stream is cut into blocks of 16
+    tokens = sum(len(line.encode()) + 1 for line in lines if line.strip())
+    assert results["num_train_blocks"] == tokens // 16
+    assert results["leak_check"]["passed"]
+    evaluation = json.loads((out / "eval_results.json").read_text())
+    assert evaluation["eval_perplexity"] == pytest.approx(2.718281828 ** evaluation["eval_loss"], rel=1e-6)
+    assert json.loads((out / "test_results.json").read_text())["test_perplexity"] == results["test_perplexity"]
+
+
+STORIES260K = os.path.join(REPO, "..", "shared", "models", "stories260K")
+
+
+@pytest.mark.skipif(not os.path.isdir(STORIES260K), reason="../shared/models/stories260K not found")
+def test_finetune_patched_llama_on_user_files(tmp_path):
+    pytest.importorskip("peft")
+    import finetune_patched_llama
+    from transformers import AutoTokenizer
+
+    stories = [f"Once upon a time there was a cat called Tom {i}. Tom was happy." for i in range(40)]
+    for split, part in (("train", stories), ("validation", stories[:12])):
+        (tmp_path / f"{split}.txt").write_text("".join(f"{story}\n<|endoftext|>\n" for story in part))
+    result = finetune_patched_llama.main(
+        ["--model_name_or_path", STORIES260K, "--train_file", str(tmp_path / "train.txt"), "--validation_file",
+         str(tmp_path / "validation.txt"), "--block_size", "32", "--max_steps", "1", "--seeds", "0", "--modes",
+         "lora_pde,pde", "--per_device_train_batch_size", "4", "--disable_tqdm", "true",
+         "--results_dir", str(tmp_path / "results"), "--output_dir", str(tmp_path / "out")])
+    tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
+    tokens = sum(len(ids) + 1 for ids in tokenizer(stories)["input_ids"])  # each story: <s> ... </s>
+    assert result["train_blocks"] == tokens // 32
+    assert set(result["summary"]) == {"lora_pde", "pde"}
+    assert result["summary"]["pde"]["trainable_parameters"] < result["summary"]["lora_pde"]["trainable_parameters"]
+    assert (tmp_path / "results" / "finetune_patched_llama.md").exists()
+
+
+@pytest.mark.parametrize("name", ["run_classification", "run_clm", "finetune_patched_llama"])
+def test_help_reads_like_transformers_scripts(name, capsys):
+    import importlib
+
+    module = importlib.import_module(name)
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--model_name_or_path", "--tokenizer_name", "--cache_dir", "--dataset_name", "--dataset_config_name",
+                 "--train_file", "--validation_file", "--test_file", "--text_column_name", "--max_train_samples",
+                 "--max_eval_samples", "--preprocessing_num_workers", "--overwrite_cache", "--output_dir",
+                 "--pde_steps"):
+        assert flag in text, flag
+    own = {"run_classification": ("--label_column_name", "--max_seq_length", "--task"),
+           "run_clm": ("--block_size", "--leak_check_tolerance"),
+           "finetune_patched_llama": ("--block_size", "--modes", "--lora_r", "--document_separator")}
+    for flag in own[name]:
+        assert flag in text, flag
 
 
 # ------------------------------------------------------------------------------------------------ tables

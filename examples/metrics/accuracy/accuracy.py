@@ -40,7 +40,7 @@ class Accuracy(evaluate.Metric):
 
 
 def accuracy(predictions, references, normalize=True, sample_weight=None):
-    """The computation itself, importable without `evaluate` (the scripts' fallback uses it)."""
+    """The computation itself."""
     if len(predictions) != len(references):
         raise ValueError(f"{len(predictions)} predictions but {len(references)} references.")
     weights = [1.0] * len(predictions) if sample_weight is None else [float(w) for w in sample_weight]
