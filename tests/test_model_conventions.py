@@ -171,10 +171,12 @@ def test_device_map_auto_on_cpu(kind, tmp_path):
     model = build(kind)
     model.save_pretrained(tmp_path)
     mapped = CONFIGS[kind][1].from_pretrained(tmp_path, device_map="auto").eval()
-    assert {p.device.type for p in mapped.parameters()} == {"cpu"}  # as for transformers' Llama on a CPU machine
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # accelerate fills the GPU first where there is one
+    assert {p.device.type for p in mapped.parameters()} == {device}
     ids, mask = inputs()
     with torch.no_grad():
-        torch.testing.assert_close(mapped(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits)
+        logits = mapped(ids.to(device), attention_mask=mask.to(device)).logits.cpu()
+        torch.testing.assert_close(logits, model(ids, attention_mask=mask).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_generation_greedy_sampling_beam_search():
@@ -199,7 +201,7 @@ def test_pipelines(tmp_path):
     tokenizer = word_tokenizer()
     text = "w1 w2 w3 w4"
     decoder = build("decoder")
-    generator = pipeline("text-generation", model=decoder, tokenizer=tokenizer)
+    generator = pipeline("text-generation", model=decoder, tokenizer=tokenizer, device="cpu")
     generated = generator(text, max_new_tokens=3, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
     prompt = tokenizer(text, return_tensors="pt")
     expected = decoder.generate(**prompt, max_new_tokens=3, do_sample=False)[0]
@@ -207,7 +209,7 @@ def test_pipelines(tmp_path):
 
     encoder = build("encoder")
     encoder.config.id2label = {0: "a", 1: "b", 2: "c"}
-    classifier = pipeline("text-classification", model=encoder, tokenizer=tokenizer)
+    classifier = pipeline("text-classification", model=encoder, tokenizer=tokenizer, device="cpu")
     result = classifier(text)[0]
     ids = torch.tensor([tokenizer(text)["input_ids"]])
     with torch.no_grad():
@@ -215,7 +217,7 @@ def test_pipelines(tmp_path):
     assert result["label"] == "abc"[int(probabilities.argmax())]
     assert result["score"] == pytest.approx(float(probabilities.max()), abs=1e-5)
 
-    features = pipeline("feature-extraction", model=encoder.model, tokenizer=tokenizer)(text)
+    features = pipeline("feature-extraction", model=encoder.model, tokenizer=tokenizer, device="cpu")(text)
     with torch.no_grad():
         expected = encoder.model(ids).last_hidden_state
     torch.testing.assert_close(torch.tensor(features), expected, atol=1e-5, rtol=0)
