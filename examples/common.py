@@ -374,6 +374,18 @@ def finish_and_maybe_push(trainer, tokenizer, results: dict, card_kwargs: dict):
                                   dataset=card_kwargs.get("dataset"), tokenizer=args.output_dir)
 
 
+def parse_arguments(dataclass_types, argv=None, **defaults):
+    """The arguments as transformers' example scripts read them: a single ``.json`` file of arguments, or the
+    command line (``argv``; None: ``sys.argv``). ``defaults`` override the dataclasses' own defaults."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(dataclass_types)
+    parser.set_defaults(**defaults)
+    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
+        return parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
 def setup_logging(training_args):
     """As transformers' example scripts: this script's INFO lines on the main process; transformers and datasets at
     ``--log_level`` (default: warnings)."""

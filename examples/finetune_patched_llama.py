@@ -44,7 +44,6 @@ import transformers  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
-    HfArgumentParser,
     Trainer,
     TrainingArguments,
     default_data_collator,
@@ -166,13 +165,12 @@ def coefficient_summary(model):
 
 
 def main(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, FinetuneArguments, TrainingArguments))
     defaults = dict(output_dir=os.path.join("/tmp", "finetune_patched_llama"), max_steps=300, learning_rate=2e-3,
                     per_device_train_batch_size=16, per_device_eval_batch_size=32, warmup_steps=20,
                     lr_scheduler_type="cosine", logging_steps=50, eval_strategy="no", save_strategy="no",
                     report_to="none", use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
-    parser.set_defaults(**defaults)
-    model_args, data_args, script, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, script, training_args = common.parse_arguments(
+        (ModelArguments, DataTrainingArguments, FinetuneArguments, TrainingArguments), argv, **defaults)
     common.setup_logging(training_args)
     for mode in script.modes.split(","):
         if mode not in MODES:

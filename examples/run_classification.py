@@ -43,7 +43,7 @@ import common  # noqa: E402  (also puts the repo root on sys.path and imports ct
 from common import DataArguments, ModelArguments  # noqa: E402
 
 import cta  # noqa: E402
-from transformers import DataCollatorWithPadding, HfArgumentParser, Trainer, TrainingArguments, set_seed  # noqa: E402
+from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed  # noqa: E402
 
 logger = logging.getLogger("cta.examples.classification")
 
@@ -193,11 +193,8 @@ def text_column_of(dataset, requested, label_column):
 
 
 def main(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args = common.parse_arguments(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), argv)
     common.setup_logging(training_args)
     task = TASKS.get(data_args.task, {})
     max_length = data_args.max_seq_length or task.get("max_seq_length", 128)

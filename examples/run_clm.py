@@ -41,7 +41,6 @@ from common import DataArguments, ModelArguments  # noqa: E402
 import cta  # noqa: E402
 from transformers import (  # noqa: E402
     DataCollatorForLanguageModeling,
-    HfArgumentParser,
     Trainer,
     TrainingArguments,
     set_seed,
@@ -162,11 +161,8 @@ def build_model(model_args, data_args, vocab_size, pad_id):
 
 
 def main(argv=None):
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments))
-    if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(json_file=os.path.abspath(sys.argv[1]))
-    else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args = common.parse_arguments(
+        (ModelArguments, DataTrainingArguments, TrainingArguments), argv)
     common.setup_logging(training_args)
     # Never gather [tokens x vocab] logits during evaluation: only the loss is needed.
     training_args.prediction_loss_only = True
