@@ -124,7 +124,8 @@ def _as_coefficient(value, name: str, channels: int, device) -> Optional[torch.T
     if not torch.is_tensor(value):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"`{name}` must be a float, a 0-d tensor or a tensor of shape [channels], got {value!r}.")
-        value = torch.tensor(float(value), dtype=torch.float64, device=device)  # cast to the compute dtype later
+        # A fill on the device, not a host-to-device copy: capturable in CUDA graphs, no synchronisation.
+        value = torch.full((), float(value), dtype=torch.float64, device=device)  # cast to the compute dtype later
     if value.dim() == 1 and value.shape[0] == 1:
         value = value.reshape(())
     if value.dim() not in (0, 1) or (value.dim() == 1 and value.shape[0] != channels):

@@ -122,3 +122,73 @@ def test_patched_decode_plan_is_exact_and_keeps_hooks(decode_plan_calls):
     hits = planned.count(True)
     assert torch.equal(model.generate(prompt, use_cache=True, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
     assert planned.count(True) > hits
+
+
+def _refine(x):
+    return cta.pde_refine(x, pde_type="diffusion", steps=4, alpha=0.1, backend="triton")
+
+
+@requires_cuda
+def test_functional_op_with_a_float_coefficient_in_cuda_graphs_and_fullgraph_compile():
+    """`pde_refine` with a Python float `alpha` is captured in a CUDA graph and compiles with fullgraph=True."""
+    static_x = torch.randn(2, 256, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (kernel compilation) outside the capture
+        _refine(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _refine(static_x)
+    static_x.copy_(torch.randn_like(static_x))
+    graph.replay()
+    expected = cta.pde_refine_reference(static_x, pde_type="diffusion", steps=4, alpha=0.1)
+    torch.testing.assert_close(static_out, expected, atol=1e-5, rtol=1e-5)
+    compiled = torch.compile(_refine, fullgraph=True)
+    torch.testing.assert_close(compiled(static_x), expected, atol=1e-5, rtol=1e-5)
+
+
+@requires_cuda
+def test_no_host_device_synchronisation_in_eager_calls():
+    """The functional op and the module (forward and backward) never synchronise the host with the GPU."""
+    x = torch.randn(2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    module = cta.PDERefinement(64, steps=4, causal=True, backend="triton").cuda()
+    alpha = torch.tensor(0.1, device="cuda")
+    for _ in range(2):  # the first calls compile the kernels
+        _refine(x.detach())
+        cta.pde_refine(x.detach(), pde_type="wave", steps=4, alpha=alpha, backend="triton")
+        module(x).float().sum().backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _refine(x.detach())
+        cta.pde_refine(x.detach(), pde_type="wave", steps=4, alpha=alpha, backend="triton")
+        module(x).float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@requires_cuda
+def test_no_host_device_synchronisation_in_a_patched_decode_step():
+    """A decode step of a patched Llama (dynamic cache) runs without synchronising the host with the GPU. (Without
+    an attention mask: with one, transformers' own mask builder synchronises, in the unpatched model too.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cta.pde_cache import CACHE_ARGUMENT
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = cta.patch_model(LlamaForCausalLM(config).cuda().eval(), pde_steps=4, init="paper",
+                            placement=["block_output", "mlp_output"], backend="triton")
+    ids = torch.randint(0, 64, (2, 8), device="cuda")
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        for checked in (False, True):  # the first step compiles the decode kernel; the second is checked
+            token = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if checked else 0)
+            try:
+                out = model(input_ids=token, use_cache=True, **{CACHE_ARGUMENT: getattr(out, CACHE_ARGUMENT)})
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
