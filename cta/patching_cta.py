@@ -36,8 +36,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import json
-import os
 from typing import Optional
 
 import torch
@@ -581,13 +579,6 @@ def pde_state_indices(spec, layer_idx, num_layers) -> dict:
     """Cache conv-state index of every causal PDE site of layer ``layer_idx`` (placement -> index)."""
     layer_has_pde = layer_idx in _layer_indices(spec, num_layers)
     return state_indices_of_layer(spec["placement"], spec["pde_steps"], layer_has_pde, layer_idx)
-    if layer_idx in _layer_indices(spec, num_layers):
-        for name in _LAYER_PLACEMENTS:
-            if name in spec["placement"]:
-                indices[name] = len(indices)
-    if layer_idx == 0 and "embedding" in spec["placement"]:
-        indices["embedding"] = len(indices)
-    return indices
 
 
 def _cache_view(config):

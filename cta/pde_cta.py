@@ -50,11 +50,10 @@ the alternating mode and is deliberately not provided.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import weakref
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import nn
