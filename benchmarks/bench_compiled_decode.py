@@ -3,12 +3,11 @@ graph (``StaticCache`` + ``torch.compile(mode="reduce-overhead")``), the setting
 
 ``bench_patched_model.py`` measures eager decoding, where a batch-1 step is bound by Python and launch time and
 every PDE site adds a call per token. Here both models run the same compiled, graph-replayed step; the PDE decode
-update is the registered custom op ``cta::pde_decode_step`` inside the graph.
+update is traced as plain tensor operations, which inductor fuses with their neighbours.
 
     python benchmarks/bench_compiled_decode.py [--layers 8] [--hidden 4096] [--tokens 128]
 
-Writes ``benchmarks/results/compiled_decode_<gpu>.json`` and ``.md`` (``compiled_decode_op_<gpu>.*`` with
-``CTA_COMPILED_DECODE=op``, which keeps the decode step as the Triton kernel's opaque custom op in the graph).
+Writes ``benchmarks/results/compiled_decode_<gpu>.json`` and ``.md``.
 """
 
 import argparse
@@ -23,7 +22,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import cta  # noqa: E402
-from cta import pde_cta  # noqa: E402
 from bench_patched_model import llama_model, sync  # noqa: E402  (same model, same synchronisation)
 
 
@@ -105,7 +103,7 @@ def main():
     model = llama_model(args.layers, args.hidden, args.intermediate, args.vocab, torch.device(args.device), dtype)
     prompt = torch.randint(0, args.vocab, (1, args.prefill), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(args.device)
-    decode_path = "custom op" if pde_cta.COMPILED_DECODE_AS_OP else "traced reference ops (fused by inductor)"
+    decode_path = "traced reference ops (fused by inductor)"
     result = dict(config=dict(vars(args)), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                   torch=torch.__version__, compiled_decode_path=decode_path)
     for label in ("unpatched", "patched"):
@@ -122,8 +120,7 @@ def main():
     result["decode_overhead_pct"] = 100.0 * (1.0 - new / base)
     tag = result["device"].replace(" ", "_")
     os.makedirs(args.out, exist_ok=True)
-    variant = "_op" if pde_cta.COMPILED_DECODE_AS_OP else ""
-    stem = os.path.join(args.out, f"compiled_decode{variant}_{tag}")
+    stem = os.path.join(args.out, f"compiled_decode_{tag}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     lines = [
@@ -140,7 +137,7 @@ def main():
         "",
         f"Decode overhead of the patch: {result['decode_overhead_pct']:+.2f}% (target <= 5%).",
         "",
-        f"Reproduce: `{'CTA_COMPILED_DECODE=op ' if variant else ''}python benchmarks/bench_compiled_decode.py`",
+        "Reproduce: `python benchmarks/bench_compiled_decode.py`",
         "",
     ]
     with open(stem + ".md", "w") as f:

@@ -8,7 +8,6 @@ instruction; the ones above 0.05).
 
     python benchmarks/profile_kernels.py                                   # per-channel coefficient, 1x16384x4096
     python benchmarks/profile_kernels.py --cases fwd:bidi:8,bwd:causal:8 --shape 8x4096x4096 --scalar
-    python benchmarks/profile_kernels.py --cases bwd:bidi:4 --configs "bwd:bidi:4=16,128,1,3,1" --name before
 
 A case is ``kernel:mode:steps`` (kernel ``fwd`` or ``bwd``, mode ``bidi`` or ``causal``).
 """
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from results_io import diffusion_launch, on_gpu, parse_case, parse_configs  # noqa: E402  (beside this script)
+from results_io import diffusion_launch, on_gpu, parse_case  # noqa: E402  (beside this script)
 
 METRICS = [
     "gpu__time_duration.sum",
@@ -47,9 +46,6 @@ def parse_args():
                    help="comma list of kernel:mode:steps (kernel fwd|bwd, mode bidi|causal)")
     p.add_argument("--shape", default="1x16384x4096", help="BxLxC")
     p.add_argument("--scalar", action="store_true", help="a scalar coefficient instead of one per channel")
-    p.add_argument("--configs", default="",
-                   help="launch configurations instead of the defaults, ';'-separated kernel:mode:steps=T,BLOCK_C,"
-                        "num_warps,D,U (as in cta.triton_cta._STREAM_DEFAULTS)")
     p.add_argument("--name", default="kernel_profile", help="output file stem (<name>_<gpu>.txt)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--launch-only", action="store_true", help=argparse.SUPPRESS)  # (the run that ncu profiles)
@@ -62,9 +58,6 @@ def _cases(text):
 
 def launch(args):
     """Each case's launch twice (compiles and warms up), then once more between cudaProfilerStart and Stop."""
-    from cta import triton_cta
-
-    triton_cta._STREAM_TUNE.update(parse_configs(args.configs))
     shape = tuple(int(v) for v in args.shape.split("x"))
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn_like(x)
@@ -103,7 +96,7 @@ def main():
     if ncu is None:
         print("profile_kernels.py needs Nsight Compute (ncu) on the PATH.")
         return 1
-    own = ["--cases", args.cases, "--shape", args.shape, "--configs", args.configs]
+    own = ["--cases", args.cases, "--shape", args.shape]
     own += ["--scalar"] if args.scalar else []
     command = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", "regex:_cta_stream",
                "--csv", "--print-units", "base", "--metrics", ",".join(METRICS + [STALLS]),

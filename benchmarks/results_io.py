@@ -1,7 +1,6 @@
-"""What the paired kernel benchmarks and the tuner share: the check that a GPU is there (kernels compiled, not
-interpreted), the kernel launch they time, and the result file ``<out>/<stem>_<gpu>.json`` with the rows and a
-``meta`` block that says where they came from (GPU, torch and triton versions, the command that reproduces them), and
-the launch configurations given on their command lines."""
+"""What the kernel benchmarks share: the check that a GPU is there (kernels compiled, not interpreted), the kernel
+launch they time, and the result file ``<out>/<stem>_<gpu>.json`` with the rows and a ``meta`` block that says where
+they came from (GPU, torch and triton versions, the command that reproduces them)."""
 
 import json
 import os
@@ -21,32 +20,22 @@ def on_gpu() -> bool:
 
 
 def parse_case(case: str):
-    """``kernel:mode:steps`` (kernel fwd|bwd, mode bidi|causal) as the key of ``cta.triton_cta._STREAM_TUNE``."""
+    """``kernel:mode:steps`` (kernel fwd|bwd, mode bidi|causal) as ``(kernel, causal, steps)``."""
     parts = case.split(":")
     if len(parts) != 3 or parts[0] not in ("fwd", "bwd") or parts[1] not in ("bidi", "causal"):
         raise SystemExit(f"{case!r} is not kernel:mode:steps with kernel fwd|bwd and mode bidi|causal")
     return parts[0], parts[1] == "causal", int(parts[2])
 
 
-def parse_configs(text: str):
-    """``';'``-separated ``kernel:mode:steps=T,BLOCK_C,num_warps,D,U`` entries (as in
-    ``cta.triton_cta._STREAM_DEFAULTS``) as a dict for ``_STREAM_TUNE``."""
-    entries = {}
-    for entry in filter(None, text.split(";")):
-        case, _, config = entry.partition("=")
-        entries[parse_case(case)] = tuple(int(v) for v in config.split(","))
-    return entries
-
-
 def diffusion_launch(kind: str, x, alpha, grad, steps: int, causal: bool):
     """One streaming kernel launch as the benchmarks time it, a call without arguments: diffusion, no padding mask,
     the forward (``kind`` 'fwd', no final state) or the backward ('bwd': the input and alpha gradients, no beta's, as
     eager autograd runs it without a beta)."""
-    from cta import triton_cta
+    from cta.kernels_launch import launch_backward, launch_forward
 
     if kind == "fwd":
-        return lambda: triton_cta._launch_fwd(x, alpha, None, None, None, "diffusion", steps, causal, False)
-    return lambda: triton_cta._launch_bwd(grad, x, alpha, None, None, None, "diffusion", steps, causal, need_db=False)
+        return lambda: launch_forward(x, alpha, None, None, None, "diffusion", steps, causal, False)
+    return lambda: launch_backward(grad, x, alpha, None, None, None, "diffusion", steps, causal, need_db=False)
 
 
 def write_results(out_dir: str, stem: str, rows, **meta) -> str:

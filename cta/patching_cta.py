@@ -39,10 +39,8 @@ import inspect
 from typing import Optional
 
 import torch
-import torch.nn.modules.module as _module_hooks  # the global hook registries nn.Module.__call__ consults
 import transformers
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .pde_cache import CACHE_ARGUMENTS, check_pde_states, find_cache, missing_cache_error, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
@@ -178,45 +176,6 @@ def _capturing_forward(module, *args, **kwargs):
         context.release()
 
 
-_MODULE_CALL = nn.Module.__call__  # torch.fx's symbolic tracing patches it while it traces
-# The ``__call__`` of layers that, outside training, only call nn.Module.__call__ (transformers' gradient
-# checkpointing layer overrides it in some 5.x releases; it checkpoints only while training).
-_PLAIN_CALLS = {_MODULE_CALL, GradientCheckpointingLayer.__call__}
-
-
-def _has_call_extras(module) -> bool:
-    """Whether ``nn.Module.__call__`` would run anything of the module's own around its forward: a hook of any kind,
-    or a compiled call (``module.compile()``)."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-        or module._compiled_call_impl is not None
-    )
-
-
-def _runs_bare(module) -> bool:
-    """Whether ``nn.Module.__call__`` would call ``module.forward`` and nothing else: nothing of the module's own
-    (``_has_call_extras``), no global hook, no JIT trace (the checks of ``_wrapped_call_impl`` and ``_call_impl``),
-    and ``nn.Module.__call__`` not patched (torch.fx)."""
-    return not (
-        _has_call_extras(module)
-        or _module_hooks._global_forward_hooks or _module_hooks._global_forward_pre_hooks
-        or _module_hooks._global_backward_hooks or _module_hooks._global_backward_pre_hooks
-        or torch._C._get_tracing_state() or nn.Module.__call__ is not _MODULE_CALL
-    )
-
-
-def _has_forward_hooks(module) -> bool:
-    """Whether calling ``module`` would run any forward hook (its own or global ones), as ``nn.Module`` checks."""
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or _module_hooks._global_forward_hooks
-        or _module_hooks._global_forward_pre_hooks
-    )
-
-
-# Decoding: the prepared step writes the refined token over the wrapped module's own output where no hook saw it
-# (False: into a new tensor; for benchmarks/profile_host.py --split).
-DECODE_IN_PLACE = True
-
 try:  # where transformers' `output_hidden_states` hooks put what they record (recent 5.x)
     from transformers.utils.output_capturing import _active_collector as _output_collector
 except ImportError:
@@ -288,29 +247,15 @@ class CTAPatchWrapper(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            wrapped = self._modules.get("wrapped")
-            if wrapped is None:
+            if name == "wrapped":
                 raise
-            return getattr(wrapped, name)
+            return getattr(self.wrapped, name)
 
     def _refine(self, pde_name, hidden_states, cache):
         mask = self._cta_context.token_mask(hidden_states.shape[1]) if self._cta_context is not None else None
-        return self._modules[pde_name](hidden_states, mask, cache)
-
-    def __call__(self, *args, **kwargs):
-        # nn.Module.__call__ takes two frames that re-pack the layer's keyword arguments to check for hooks, and the
-        # wrapped layer's call as many again: a decode step pays them once per layer and token. With nothing to run
-        # around forward (``_runs_bare``), this calls forward's body directly.
-        if _runs_bare(self):
-            return self._forward(args, kwargs, True)
-        return super().__call__(*args, **kwargs)
+        return getattr(self, pde_name)(hidden_states, mask, cache)
 
     def forward(self, *args, **kwargs):
-        return self._forward(args, kwargs, False)
-
-    def _forward(self, args, kwargs, bare):
-        """The forward; ``bare``: called with no hook, compiled call or trace around it (then, in eval mode, the
-        wrapped layer's forward is called directly too where nothing would run around it either)."""
         # Runs once per layer and token when decoding, where host time is the cost: plain attributes and dict
         # lookups only (a submodule read through nn.Module.__getattr__ costs a failed lookup first).
         context = self._cta_context
@@ -331,7 +276,7 @@ class CTAPatchWrapper(nn.Module):
         else:
             cache = context.cache if context is not None else None
 
-        wrapped = self._modules["wrapped"]
+        wrapped = self.wrapped
         if "value" in placements:
             handle = getattr(wrapped, self.value_attr).register_forward_hook(self._make_value_hook(cache))
             try:
@@ -340,16 +285,11 @@ class CTAPatchWrapper(nn.Module):
                 handle.remove()
         elif self.training and context is not None and wrapped.__dict__.get("gradient_checkpointing"):
             output = self._call_checkpointed(wrapped, context, args, kwargs)
-        elif bare and not wrapped.training and type(wrapped).__call__ in _PLAIN_CALLS and not _has_call_extras(wrapped):
-            # what calling it would do (global hooks and tracing: checked for this call already)
-            output = wrapped.forward(*args, **kwargs)
         else:
             output = wrapped(*args, **kwargs)
 
         # Every decoded token passes here once per site, and a batch-1 step is host-bound: the common case (a tensor
         # output, no mask, no hooks) costs no helper call.
-        modules = self._modules
-        recorded = bool(wrapped._forward_hooks)  # a hook may hold the wrapped module's output
         for pde_name in self._output_pde_names:
             plain = type(output) is torch.Tensor
             hidden_states = output if plain else _first_tensor(output)
@@ -359,22 +299,8 @@ class CTAPatchWrapper(nn.Module):
                 mask = context._step_mask
                 if mask is None:
                     mask = context.token_mask(hidden_states.shape[1])
-            refined = None
-            # Decoding: the step the PDE module prepared (``_DecodePlan``), called here directly when that is what
-            # calling the module would do (no hooks on it).
-            pde = modules[pde_name]
-            plan = pde.__dict__.get("_decode_plan")
-            # (bare: no global hook is set, so only the module's own hooks are left to ask about)
-            if plan is not None and not (
-                pde._forward_hooks or pde._forward_pre_hooks or not bare and _has_forward_hooks(pde)
-            ):
-                # In place over the wrapped module's own fresh output (a residual sum or a projection) when no
-                # hook saw it: no allocation per site and token.
-                refined = plan(hidden_states, cache, mask, DECODE_IN_PLACE and not recorded)
-            if refined is None:
-                refined = pde(hidden_states, mask, cache)
-            if recorded:
-                _record_refined(hidden_states, refined)
+            refined = getattr(self, pde_name)(hidden_states, mask, cache)
+            _record_refined(hidden_states, refined)
             output = refined if plain else _replace_first(output, refined)
         return output
 

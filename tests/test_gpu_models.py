@@ -61,12 +61,11 @@ def test_bf16_model_runs_on_triton():
 
 
 @requires_cuda
-def test_patched_decode_plan_is_exact_and_keeps_hooks(decode_plan_calls):
+def test_patched_decode_is_exact_and_keeps_hooks():
     """A patched Llama on Triton, unpadded prompts: every cached decode step's logits equal the full forward's at that
-    position, with the prepared decode launch (``_DecodePlan``, called by the wrapper) taken at every site once a
-    step of its kind ran (without a mask, and with the all-ones mask ``generate()`` passes: its last column is the
-    token mask, with no device synchronisation); a forward hook on a PDE module still runs at every step (the
-    wrapper then calls the module). Left-padded generation through the same path is exact as well."""
+    position (without a mask, and with the all-ones mask ``generate()`` passes: its last column is the token mask);
+    ``output_hidden_states`` records what each next layer receives; a forward hook on a PDE module runs at every
+    step. Left-padded generation through the same path is exact as well."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -80,7 +79,6 @@ def test_patched_decode_plan_is_exact_and_keeps_hooks(decode_plan_calls):
         unpatched = cta.unpatch_model(model)(ids).logits
         cta.patch_model(model, pde_steps=4, init="paper", backend="triton")
     assert (full - unpatched).abs().max() > 1e-3  # the patch is not the identity here
-    planned = decode_plan_calls
 
     def decode(first, last):
         cache = model(ids[:, :first], use_cache=True).past_key_values
@@ -91,20 +89,16 @@ def test_patched_decode_plan_is_exact_and_keeps_hooks(decode_plan_calls):
 
     with torch.no_grad():
         decode(6, 14)
-        assert planned.count(True) == 2 * 6  # 2 sites, every token after the first of each kind (mask or not)
-        assert planned.in_place == planned.count(True)  # over the layers' own outputs: no hook saw them
-        # output_hidden_states while decoding: its recording hooks see the layers' outputs, which then stay as they
-        # are (the step writes a new tensor) and are replaced by the refined ones, what each next layer receives.
+        # output_hidden_states while decoding: the recorded states are the refined ones, what each next layer
+        # receives.
         received = []
         hooks = [wrapper.wrapped.register_forward_pre_hook(lambda module, args: received.append(args[0]))
                  for wrapper in model.model.layers]
         cache = model(ids[:, :6], use_cache=True).past_key_values
         for t in range(6, 9):
             del received[:]
-            in_place, hits = planned.in_place, planned.count(True)
             out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True, output_hidden_states=True)
             torch.testing.assert_close(out.logits[:, -1], full[:, t], rtol=1e-4, atol=1e-4)
-            assert planned.in_place == in_place and (t == 6 or planned.count(True) == hits + 2)
             for k, layer_input in enumerate(received):
                 torch.testing.assert_close(out.hidden_states[k], layer_input, rtol=0, atol=0)
         for hook in hooks:
@@ -119,9 +113,7 @@ def test_patched_decode_plan_is_exact_and_keeps_hooks(decode_plan_calls):
     mask = torch.ones_like(prompt)
     mask[0, :2] = 0  # left padding: the step masks are not all ones
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    hits = planned.count(True)
     assert torch.equal(model.generate(prompt, use_cache=True, **kwargs), model.generate(prompt, use_cache=False, **kwargs))
-    assert planned.count(True) > hits
 
 
 def _refine(x):

@@ -248,35 +248,17 @@ def test_gradient_checkpointing_gives_the_same_gradients(arch, reentrant):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
-def test_module_calls_are_skipped_only_where_nothing_runs_around_forward(monkeypatch, arch):
-    """The wrappers call their forward directly, and so do they the layers they wrap in eval mode (nn.Module's call
-    re-packs a layer's arguments in two frames, per layer and decoded token). A global hook, a hook on a wrapped
-    layer, a hook on a wrapper, and training each put the module calls back; every path gives the same outputs."""
+def test_hooks_on_wrappers_and_wrapped_layers_run(arch):
+    """The wrappers are called as ordinary modules: a global forward hook sees every wrapper, a hook on a wrapped layer
+    sees that layer's own (unrefined) output and a hook on its wrapper the refined one; hooks change no output."""
     model = patch_model(tiny_model(arch), pde_steps=3, placement=list(PATCH_PLACEMENTS), init="paper")
     randomize_pde(model)
     ids, mask = batch(pad=4)
     if arch in ENCODERS:
         mask = mask.flip(-1)
-    called = []
-    call_impl = torch.nn.Module._call_impl
-
-    def counting_call_impl(self, *args, **kwargs):
-        called.append(self)
-        return call_impl(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.Module, "_call_impl", counting_call_impl)
     wrappers = [m for m in model.modules() if isinstance(m, CTAPatchWrapper)]
-    # A wrapper refining the value projection calls its layer with a hook on that projection.
-    direct = [w.wrapped for w in wrappers if "value" not in w.placements]
-    assert len(direct) >= 2 * 2
+    plain = logits(model, ids, mask)
 
-    def module_called(module):
-        return any(m is module for m in called)
-
-    bare = logits(model, ids, mask)
-    assert not any(module_called(m) for m in wrappers + direct)
-
-    called.clear()
     seen = []
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, output: seen.append(module) if isinstance(module, CTAPatchWrapper) else None)
@@ -284,8 +266,8 @@ def test_module_calls_are_skipped_only_where_nothing_runs_around_forward(monkeyp
         hooked = logits(model, ids, mask)
     finally:
         handle.remove()
-    assert len(seen) == len(wrappers) and all(module_called(m) for m in wrappers + direct)
-    torch.testing.assert_close(hooked, bare, atol=0, rtol=0)
+    assert len(seen) == len(wrappers)
+    torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
 
     block = next(w for w in wrappers if w.role == "block")
     outputs = {}
@@ -296,14 +278,9 @@ def test_module_calls_are_skipped_only_where_nothing_runs_around_forward(monkeyp
     finally:
         for handle in handles:
             handle.remove()
-    torch.testing.assert_close(hooked, bare, atol=0, rtol=0)
+    torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
     unrefined, refined = (out if torch.is_tensor(out) else out[0] for out in (outputs["layer"], outputs["wrapper"]))
     assert (refined - unrefined).abs().max() > 1e-4  # the layer's hook saw its own output, the wrapper's the refined
-
-    called.clear()
-    model.train()
-    model(input_ids=ids, attention_mask=mask)
-    assert all(module_called(m) for m in direct) and not any(module_called(m) for m in wrappers)
 
 
 @pytest.mark.parametrize("placement", list(PATCH_PLACEMENTS) + ["all"])
@@ -484,17 +461,13 @@ def test_pde_only_training_helper():
     assert count == 2 and sorted(trainable) == sorted(pde_parameter_names(model))
 
 
-@pytest.mark.parametrize("as_op", (False, True), ids=("fused", "custom-op"))
-def test_patched_decoder_static_cache_and_compiled_decode(monkeypatch, as_op):
+def test_patched_decoder_static_cache_and_compiled_decode():
     """A patched decoder decodes through transformers' StaticCache (hybrid static layers hold the PDE state), and a
     `torch.compile(fullgraph=True)` decode step -- the CUDA-graph serving setting -- equals eager decoding, with
-    the decode step traced as plain tensor operations (the default: inductor fuses them with their neighbours) or
-    as the Triton decode kernel's custom op; no graph break either way."""
+    the decode step traced as plain tensor operations (inductor fuses them with their neighbours); no graph
+    break."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
-    from cta import pde_cta
-
-    monkeypatch.setattr(pde_cta, "COMPILED_DECODE_AS_OP", as_op)
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

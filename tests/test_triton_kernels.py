@@ -1,12 +1,14 @@
-"""Parity of the Triton kernels (cta/triton_cta.py) with the PyTorch reference (cta/pde_cta.py).
+"""Parity of the Triton kernels (cta/triton_cta.py, cta/kernels_*.py) with the PyTorch reference (cta/pde_reference.py).
 
 On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set below, before triton is
 imported), on a small sample of the shape / option cross product so that this file stays around a minute on 2 cores
 (the streaming kernels walk the sequence row by row, which the interpreter executes op by op); ``CTA_RUN_SLOW=1``
 runs the larger sample (100 cases, sequences up to 1000, 16 steps) and more hypothesis examples. Tests marked ``gpu``
-run the full cross product (and bf16/fp16, larger shapes) on CUDA and skip without it. The cross product's channel
-counts (1, 60, 129) never fill whole channel blocks, which the banded filters need (interior programs and sequence
-ends, register and tensor-core), so those have their own tests below, a randomised one among them.
+run the full cross product (and bf16/fp16, larger shapes) on CUDA and skip without it. In the interpreter every launch
+runs short programs (16 rows, 16 channels; ``kernels_config.INTERPRETER_CONFIG``), so small shapes cross program
+boundaries as long GPU inputs do. The cross product's channel counts (1, 60, 129) never fill whole channel blocks,
+which the banded filters need (interior programs and sequence ends, register and tensor-core), so those have their
+own tests below (multiples of 16 channels, no padding), a randomised one among them.
 
 Tolerances (``torch.testing.assert_close``, relative to the reference computed from the same input):
 * fp32 outputs and input gradients: rtol=1e-4, atol=1e-5 (the kernel does the same fp32 operations; only the
@@ -32,7 +34,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from cta.pde_cta import PDE_TYPES, pde_decode_step_reference, pde_refine, pde_refine_reference  # noqa: E402
-from cta.triton_cta import _is_linear, is_available, pde_decode_step_triton, pde_refine_triton  # noqa: E402
+from cta.pde_spec import PDE_IDS  # noqa: E402
+from cta.triton_cta import is_available, pde_decode_step_triton, pde_refine_triton  # noqa: E402
 
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -172,17 +175,6 @@ def test_parity_sampled(case):
     check_parity(*case)
 
 
-@pytest.fixture
-def launched_kernels(monkeypatch):
-    """The keys of the streaming kernels built or looked up, in launch order (``triton_cta._gen_kernel``)."""
-    from cta import triton_cta
-
-    launched = []
-    build = triton_cta._gen_kernel
-    monkeypatch.setattr(triton_cta, "_gen_kernel", lambda key: launched.append(key) or build(key))
-    return launched
-
-
 @contextlib.contextmanager
 def deterministic_algorithms(enabled):
     """``torch.use_deterministic_algorithms(enabled)`` within the block, restored after it."""
@@ -194,88 +186,38 @@ def deterministic_algorithms(enabled):
         torch.use_deterministic_algorithms(was)
 
 
-@pytest.fixture
-def small_stream_tiles():
-    """Forces short tiles (T=8 rows, 8 channels, prefetch 3) on the streaming kernels, so that short sequences cross
-    several tile boundaries (warm-up rows, the coefficient-gradient partial sums of each tile, the last partial tile,
-    partial channel blocks) -- the situations of the GPU's long sequences."""
-    from cta import triton_cta
-
-    saved = dict(triton_cta._STREAM_TUNE)
-    for kind in ("fwd", "bwd"):
-        for causal in (False, True):
-            for steps in range(1, 17):
-                triton_cta._STREAM_TUNE[(kind, causal, steps)] = (8, 8, 1, 3)
-    yield
-    triton_cta._STREAM_TUNE.clear()
-    triton_cta._STREAM_TUNE.update(saved)
-
-
-@needs_kernels
-@pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
-@pytest.mark.parametrize(
-    "pde,steps,padding,per_channel",
-    [
-        ("diffusion", 1, "none", True),
-        ("diffusion", 3, "left", True),  # padding walls inside and across tiles
-        ("diffusion", 4, "right", False),  # scalar coefficient
-        ("advection_diffusion", 2, "left", True),  # causal: the linear backward with a + b
-        ("wave", 3, "right", True),
-        ("reaction_diffusion", 2, "none", False),
-    ],
-)
-def test_stream_tiles(small_stream_tiles, pde, steps, padding, per_channel, causal):
-    """Streaming kernels over many tiles (rows 0..T, interior tiles, walls at both ends and at padding) vs the
-    reference: outputs, input gradients and the per-tile coefficient-gradient partial sums."""
-    check_parity(pde, causal, 29, 11, steps, padding, per_channel, batch=2, seed=steps)
-
-
-def _interior_cases():
-    """(pde, steps, causal, filter unroll): every scheme on the walk's interior copy (unroll 0), and the banded
-    filter (unroll 1 and 3) for the linear schemes, the only ones that have it."""
+def _program_cases():
+    """(pde, causal, seq, channels, steps, padding): every scheme over several programs per sequence, with whole
+    channel blocks and no padding (interior programs filter, linear schemes, or run the walk's mask-free copy; the
+    end programs filter on the walls' extension), with partial channel blocks or padding (the walk), and sequences
+    shorter than the steps (bidirectional ends then walk)."""
     cases = []
-    for pde, steps in [("diffusion", 1), ("diffusion", 2), ("diffusion", 3), ("diffusion", 8),
-                       ("advection_diffusion", 2), ("wave", 2), ("reaction_diffusion", 3)]:
+    for pde in PDE_TYPES:
         for causal in (False, True):
-            for unroll in (0, 1, 3) if _is_linear(pde, causal, False) else (0,):
-                path = {0: "walk", 1: "filter", 3: "filter-unrolled"}[unroll]
-                cases.append(pytest.param(pde, steps, causal, unroll,
-                                          id=f"{pde}-{steps}-{'causal' if causal else 'bidi'}-{path}"))
+            for seq, channels, steps, padding in [(64, 16, 3, "none"), (45, 32, 8, "none"), (29, 11, 2, "left"),
+                                                  (37, 16, 4, "right"), (5, 16, 8, "none")]:
+                cases.append(pytest.param(pde, causal, seq, channels, steps, padding,
+                                          id=f"{pde}-{'causal' if causal else 'bidi'}-L{seq}-C{channels}-S{steps}-{padding}"))
     return cases
 
 
 @needs_kernels
-@pytest.mark.parametrize("pde,steps,causal,fir_unroll", _interior_cases())
-def test_stream_tiles_interior_path(small_stream_tiles, monkeypatch, pde, steps, causal, fir_unroll):
-    """Whole channel blocks and no padding: the tiles away from both ends run the mask-free interior copy of the
-    loop, or for the linear schemes the banded filter (the paths large inputs mostly take on a GPU); outputs and all
-    gradients vs the reference. The coefficient gradient also checks that the filter's per-tile partial sums use the
-    walk's split (the end programs filter too, on the walls' extension, or walk with ``USE_FIR`` off)."""
-    from cta import triton_cta
-
-    linear = _is_linear(pde, causal, False)
-    monkeypatch.setattr(triton_cta, "USE_FIR", bool(fir_unroll))
-    for key in list(triton_cta._STREAM_TUNE):
-        triton_cta._STREAM_TUNE[key] = triton_cta._STREAM_TUNE[key][:4] + (max(fir_unroll, 1),)
-    for kind in ("fwd", "bwd") if linear else ("fwd",):
-        key = (kind, pde, causal, steps, 3, False, True, False, False, False, True, fir_unroll)
-        src = triton_cta._stream_source("k", *key)
-        assert "if interior:" in src  # the path under test exists for this case
-        assert ("t = start + j" in src) == bool(fir_unroll)  # the filter's row loop
-        assert ("loop_unroll_factor" in src) == (fir_unroll > 1)
-    check_parity(pde, causal, 64, 16, steps, "none", True, batch=2, seed=steps)
-    if linear:  # scalar coefficient too (the taps broadcast)
-        check_parity(pde, causal, 64, 16, steps, "none", False, batch=2, seed=steps + 1)
+@pytest.mark.parametrize("pde,causal,seq,channels,steps,padding", _program_cases())
+def test_programs_interior_ends_and_walk(pde, causal, seq, channels, steps, padding):
+    """Outputs, input gradients and coefficient gradients (the per-program partial sums, atomics per channel) vs the
+    reference, per-channel and scalar coefficients."""
+    check_parity(pde, causal, seq, channels, steps, padding, True, batch=2, seed=steps)
+    check_parity(pde, causal, seq, channels, steps, padding, False, batch=2, seed=steps + 1)
 
 
-def _emitted_taps(emit, causal, steps, c):
-    """Runs the tap lines ``emit`` writes (``_fir_taps`` or ``_fir_taps_by_levels``) on the tensor ``c``."""
+def _emitted_taps(causal, steps, c):
+    """Runs the tap lines the filters' source generator writes (``kernels_source._fir_taps``) on the tensor ``c``."""
     from types import SimpleNamespace
 
-    from cta import triton_cta
+    from cta import kernels_source
 
-    w = triton_cta._Src()
-    emit(w, "tap", causal, steps, "c")
+    w = kernels_source._Src()
+    kernels_source._fir_taps(w, "tap", causal, steps, "c")
     scope = {"c": c, "tl": SimpleNamespace(fma=lambda a, b, acc: a * b + acc)}
     exec("\n".join(line.strip() for line in w.lines), scope)
     return torch.stack([torch.as_tensor(scope[f"tap{k}"], dtype=c.dtype).expand_as(c) for k in range(steps + 1)])
@@ -285,10 +227,7 @@ def _emitted_taps(emit, causal, steps, c):
 def test_fir_taps_closed_form(causal):
     """The banded filter's taps in closed form equal the stencil convolved with itself ``steps`` times (the
     stencil's polynomial to that power, numpy in float64), for 0..16 steps and coefficients over the whole stable
-    range, in float64 (to rounding) and float32 (every term is non-negative: a few ulps); the level-by-level
-    emitter, kept for the paired benchmark, agrees too."""
-    from cta import triton_cta
-
+    range, in float64 (to rounding) and float32 (every term is non-negative: a few ulps)."""
     c = torch.tensor([0.0, 0.02, 0.1, 0.25, 0.4, 0.5] + ([0.75, 1.0] if causal else []), dtype=torch.float64)
     for steps in range(17):
         # the stencil's polynomial to the power steps (numpy): coefficient i of (c + m z + c z^2)^steps is the tap
@@ -298,202 +237,75 @@ def test_fir_taps_closed_form(causal):
         powers = [np.polynomial.polynomial.polypow(stencil, steps) for stencil in stencils]
         powers = [np.pad(p, (0, size - len(p))) for p in powers]  # (polypow drops trailing zeros: c = 0)
         expected = torch.tensor(np.stack([p[::-1] if causal else p[steps:] for p in powers], axis=1))
-        for emit in (triton_cta._fir_taps, triton_cta._fir_taps_by_levels):
-            torch.testing.assert_close(_emitted_taps(emit, causal, steps, c), expected, rtol=1e-12, atol=1e-15)
-        closed32 = _emitted_taps(triton_cta._fir_taps, causal, steps, c.float())
+        torch.testing.assert_close(_emitted_taps(causal, steps, c), expected, rtol=1e-12, atol=1e-15)
+        closed32 = _emitted_taps(causal, steps, c.float())
         torch.testing.assert_close(closed32.double(), expected, rtol=4e-6, atol=1e-7)
 
 
-def _walls_cases():
-    """(pde, causal, steps, seq): sequences shorter than the steps (the bidirectional end programs then walk),
-    around one program, and over several with a partial last one."""
-    cases = []
-    for pde, causal in [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)]:
-        for steps, seq in [(1, 3), (3, 2), (3, 21), (8, 5), (8, 45)]:
-            cases.append(pytest.param(pde, causal, steps, seq,
-                                      id=f"{pde}-{'causal' if causal else 'bidi'}-{steps}-seq{seq}"))
-    return cases
-
-
-@needs_kernels
-@pytest.mark.parametrize("pde,causal,steps,seq", _walls_cases())
-def test_stream_walls_filter(monkeypatch, launched_kernels, pde, causal, steps, seq):
-    """Programs at the sequence ends run the banded filter with the walls as an extension of the input (even
-    reflection for the zero-flux bidirectional walls, zeros for the causal ones): outputs and all gradients vs the
-    reference, per-channel and scalar, with 16-row programs (the first and last of each sequence are end programs,
-    the last one partial). Per channel, each kernel filters its ends up to its ``WALLS_MAX_STEPS_PER_CHANNEL`` and
-    walks them above (at 8 steps: the causal forward and the bidirectional backward filter)."""
-    from cta import triton_cta
-
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
-    for kind in ("fwd", "bwd"):
-        triton_cta._STREAM_TUNE[(kind, causal, steps)] = (16, 16, 1, 3, 2)
-        for walls in (1, 2):  # with a walk for short sequences, and without
-            src = triton_cta._stream_source("k", kind, pde, causal, steps, 3, False, False, False, False, False, True,
-                                            2, 0, walls)
-            assert ("elif " in src) == (walls == 1)  # the end programs' branch, under a condition
-            assert ("for j in range(0, n_it)" in src) == (walls == 1)  # the walk
-            assert ("other=0.0)" if causal else "2 * L - 1 -") in src  # the walls' extension
-    launched_kernels.clear()
-    check_parity(pde, causal, seq, 16, steps, "none", True, batch=2, seed=steps)
-    walls = {key[0]: key[13] for key in launched_kernels}
-    for kind in ("fwd", "bwd"):
-        filters = steps <= triton_cta.WALLS_MAX_STEPS_PER_CHANNEL[(kind, causal)] and (causal or seq >= steps)
-        assert (walls[kind] > 0) == filters, (kind, walls)
-    check_parity(pde, causal, seq, 16, steps, "none", False, batch=2, seed=steps + 1)
-
-
-@needs_kernels
-@pytest.mark.parametrize("pde,causal,steps,seq", _walls_cases())
-def test_stream_walls_one_copy(monkeypatch, launched_kernels, pde, causal, steps, seq):
-    """Forwards whose every program runs one copy of the filter on the walls' extension (``WALLS_ONE_COPY``, here
-    every entry: the register filter's loop over all rows with masked stores, and the tensor-core filter): outputs
-    and gradients vs the reference, per-channel and scalar, fp32 and fp16 (tensor cores where the program fits),
-    with 16- and 32-row programs; the forward kernel has that one copy and no walk, except for bidirectional
-    sequences shorter than the steps, which walk."""
-    from cta import triton_cta
-
-    monkeypatch.setattr(triton_cta, "WALLS_ONE_COPY", {(c, m) for c in (False, True) for m in (False, True)})
-    monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
-    for kind in ("fwd", "bwd"):
-        triton_cta._STREAM_TUNE[(kind, causal, steps)] = (16, 16, 1, 3, 2)
-        triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = (32, 16, 1, 2, 1)
-    for mma in (0, 2):
-        src = triton_cta._stream_source("k", "fwd", pde, causal, steps, 3, False, False, False, False, False, True,
-                                        2, mma, 3)
-        assert "if interior:" not in src and "for j in range(0, n_it)" not in src  # one copy, no walk
-        assert ("other=0.0)" if causal else "2 * L - 1 -") in src  # the walls' extension
-    want = 0 if (not causal and seq < steps) else 3
-    for dtype, per_channel in ((torch.float32, True), (torch.float32, False), (torch.float16, False)):
-        launched_kernels.clear()
-        check_parity(pde, causal, seq, 32, steps, "none", per_channel, batch=2, dtype=dtype, seed=steps)
-        forward = launched_kernels[0]
-        assert forward[0] == "fwd" and forward[13] == want
-        if dtype == torch.float16 and seq > 32:  # two channel blocks, programs of two MMA tiles
-            assert forward[12] > 0
-
-
-@needs_kernels
-@pytest.mark.parametrize("causal", (False, True), ids=("bidi", "causal"))
-def test_stream_walls_filter_runs(monkeypatch, causal):
-    """The end programs take the filter, not the walk: with the walls' extension replaced by repeating the end rows
-    (wrong for both schemes), the rows near the ends no longer match the reference, while ``USE_WALLS=False`` (the
-    walk) still does."""
-    from cta import triton_cta
-
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {(kind, causal, 3): (16, 16, 1, 3, 2) for kind in ("fwd", "bwd")})
-    monkeypatch.setattr(triton_cta, "_GEN_CACHE", {})
-    monkeypatch.setattr(triton_cta, "_wall_load", lambda ptr, r, stride, wall, vector=False: (
-        f"tl.load({ptr} + tl.minimum(tl.maximum({r}, 0), L - 1) * {stride})"))
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 40, 16, generator=gen).to(DEVICE)
-    grad = torch.randn(2, 40, 16, generator=gen).to(DEVICE)
-    alpha = torch.tensor(0.1, device=DEVICE)
-    want = _run(pde_refine_reference, x, alpha, None, grad, pde_type="diffusion", steps=3, causal=causal)
-    for use_walls in (True, False):
-        monkeypatch.setattr(triton_cta, "USE_WALLS", use_walls)
-        got = _run(pde_refine_triton, x, alpha, None, grad, pde_type="diffusion", steps=3, causal=causal)
-        for name, a, b in zip(("output", "input gradient"), got[:2], want[:2]):
-            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5) != use_walls, name
-
-
-def check_mma_parity(monkeypatch, launched, dtype, pde, causal, steps, shape, seed=0):
-    """The tensor-core filter (interior tiles of a 16-bit input with a scalar coefficient) against the fp64
-    reference and against the register filter on the same input: outputs and input gradients within one rounding
-    of the 16-bit result, the coefficient gradients to fp32 accuracy (the upstream gradient is 16-bit exact, so
-    the reference sees the kernels' inputs). Checks that the forward and backward launches took the path asked for
-    (``launched``: the ``launched_kernels`` fixture)."""
-    from cta import triton_cta
-
-    monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
+def check_mma_parity(dtype, pde, causal, steps, shape, seed=0):
+    """A 16-bit input with a scalar coefficient (interior tiles on tensor cores where ``kernels_config`` sends them:
+    forwards from 3 steps, the bidirectional backward from 7) against the fp64 reference: outputs and input
+    gradients within one rounding of the 16-bit result, the coefficient gradients to fp32 accuracy (the upstream
+    gradient is 16-bit exact, so the reference sees the kernels' inputs)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
     alpha = (0.02 + 0.2 * torch.rand((), generator=gen)).to(DEVICE)
     beta = (0.3 * torch.rand((), generator=gen)).to(DEVICE) if pde == "advection_diffusion" else None
     grad_out = torch.randn(shape, generator=gen).to(DEVICE, dtype).float()
     kwargs = dict(pde_type=pde, steps=steps, causal=causal)
-    runs = {}
-    for use_mma in (True, False):
-        monkeypatch.setattr(triton_cta, "USE_MMA", use_mma)
-        launched.clear()
-        runs[use_mma] = _run(pde_refine_triton, x, alpha, beta, grad_out, **kwargs)
-        assert [bool(key[12]) for key in launched] == [use_mma, use_mma]  # forward and backward kernels (mma)
+    got = _run(pde_refine_triton, x, alpha, beta, grad_out, **kwargs)
     ref = _run(pde_refine_reference, x.double(), alpha.double(), beta.double() if beta is not None else None,
                grad_out.double(), **kwargs)
     one_rounding = dict(rtol=2 ** -7, atol=2 ** -7) if dtype == torch.bfloat16 else dict(rtol=2 ** -10, atol=2 ** -10)
-    tensor_cores, registers = runs[True], runs[False]
     if dtype == torch.float16 or ON_GPU:  # (the interpreter truncates fp32 -> bf16 instead of rounding)
         # An fp32-accurate filter rounds to the same 16-bit value as the exact result except within ~1e-6 of a
         # rounding boundary; a filter whose taps kept only 16 bits would miss the exact rounding far more often.
-        for got, want in ((tensor_cores[0], ref[0]), (tensor_cores[1], ref[1])):
-            assert (got != want.to(dtype)).double().mean() < 0.01
-    for want in (ref, registers):
-        torch.testing.assert_close(tensor_cores[0].double(), want[0].double(), **one_rounding)
-        torch.testing.assert_close(tensor_cores[1].double(), want[1].double(), **one_rounding)
-        for got, expect in zip(tensor_cores[2:4], want[2:4]):
-            if expect is not None:
-                torch.testing.assert_close(got.double(), expect.double(), rtol=1e-3, atol=1e-3)
+        for a, b in ((got[0], ref[0]), (got[1], ref[1])):
+            assert (a != b.to(dtype)).double().mean() < 0.01
+    torch.testing.assert_close(got[0].double(), ref[0].double(), **one_rounding)
+    torch.testing.assert_close(got[1].double(), ref[1].double(), **one_rounding)
+    for a, b in zip(got[2:4], ref[2:4]):
+        if b is not None:
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-3, atol=1e-3)
 
 
 def _mma_cases():
     cases = []
-    for i, (pde, causal) in enumerate([("diffusion", False), ("diffusion", True), ("advection_diffusion", True)]):
-        for j, steps in enumerate((1, 3, 8)):
-            ahead = (i + j) % 3
-            cases.append(pytest.param(torch.float16, pde, causal, steps, ahead,
-                                      id=f"fp16-{pde}-{'causal' if causal else 'bidi'}-{steps}-ahead{ahead}"))
-        cases.append(pytest.param(torch.bfloat16, pde, causal, 8, 1,
-                                  id=f"bf16-{pde}-{'causal' if causal else 'bidi'}-8-ahead1"))
+    for pde, causal in [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)]:
+        for dtype, steps in ((torch.float16, 3), (torch.float16, 8), (torch.bfloat16, 7)):
+            cases.append(pytest.param(dtype, pde, causal, steps, id=f"{str(dtype)[6:]}-{pde}-"
+                                      f"{'causal' if causal else 'bidi'}-{steps}"))
     return cases
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype,pde,causal,steps,ahead", _mma_cases())
-def test_mma_interior_path(monkeypatch, launched_kernels, dtype, pde, causal, steps, ahead):
+@pytest.mark.parametrize("dtype,pde,causal,steps", _mma_cases())
+def test_mma_interior_path(dtype, pde, causal, steps):
     """Interior tiles on tensor cores (16-row MMA tiles, two input blocks each, filter matrices split into two 16-bit
-    parts) vs the fp64 reference and the register filter, with short programs so that a 137-row sequence has
-    end programs (on the walls' extension, the last one partial) and MMA programs between them: three programs of
-    two tiles, or with two
-    blocks loaded ahead one of four tiles (0-2 blocks ahead: the unrolled forward loop and the backward's loop),
-    and two channel blocks. The interpreter's bf16 ``tl.dot`` is broken, so there the same 16-bit operands are
-    multiplied in fp32 (exact); the GPU test below runs the MMA instructions."""
-    from cta import triton_cta
-
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {})
-    for kind in ("fwd", "bwd"):
-        rows = 64 if ahead == 2 else 32
-        triton_cta._STREAM_TUNE[(kind + "_mma", causal, steps)] = (rows, 16, 1, 2, ahead)
-        triton_cta._STREAM_TUNE[(kind, causal, steps)] = (rows, 16, 1, 2, 1)
-        src = triton_cta._stream_source("k", kind, pde, causal, steps, 2, False, False, False, False, False, True, 1,
-                                        1 + ahead)
-        assert "tl.dot(" in src and "interior" in src
-    check_mma_parity(monkeypatch, launched_kernels, dtype, pde, causal, steps, (2, 137, 32), seed=steps)
+    parts): a 137-row sequence has end programs (on the walls' extension, the last one partial) and MMA programs
+    between them, and two channel blocks. The interpreter's bf16 ``tl.dot`` is broken, so there the same 16-bit
+    operands are multiplied in fp32 (exact); the GPU test below runs the MMA instructions."""
+    check_mma_parity(dtype, pde, causal, steps, (2, 137, 32), seed=steps)
 
 
 @needs_kernels
-def test_mma_walls_final_state(monkeypatch, launched_kernels):
+def test_mma_walls_final_state():
     """A causal prefill that returns its final state (what a patched decoder caches) on the tensor-core filter: the
     first program filters its end (zeros before the first row), the last one walks and writes the state; output and
     state vs the fp64 reference, to one fp16 rounding."""
-    from cta import triton_cta
-
-    monkeypatch.setattr(triton_cta, "MMA_MIN_STEPS", {key: 1 for key in triton_cta.MMA_MIN_STEPS})
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {("fwd_mma", True, 3): (32, 16, 1, 2, 1)})
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 137, 32, generator=gen).to(DEVICE, torch.float16)
     kwargs = dict(pde_type="diffusion", steps=3, alpha=0.15, causal=True, return_final_state=True)
     out, state = pde_refine_triton(x, **kwargs)
     ref, ref_state = pde_refine_reference(x.double(), **kwargs)
-    assert [(key[12], key[13]) for key in launched_kernels] == [(2, 1)]  # the tensor-core filter, ends filtered and walked
     torch.testing.assert_close(out.double(), ref, rtol=2 ** -10, atol=2 ** -10)
     torch.testing.assert_close(state.double(), ref_state, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
-def test_stream_tiles_streaming_state(small_stream_tiles):
-    """Initial / final causal state through tiled streaming kernels (the state lives in the first / last tile; with
-    whole channel blocks (16) the other end programs filter, the ones the state reaches walk)."""
+def test_streaming_state_across_programs():
+    """Initial / final causal state across several programs (the state lives in the first / last one; with whole
+    channel blocks (16) the other end programs filter, the ones the state reaches walk)."""
     gen = torch.Generator().manual_seed(9)
     for pde, channels, with_init, final in (("diffusion", 9, True, True), ("wave", 9, True, True),
                                              ("diffusion", 16, True, True), ("diffusion", 16, True, False),
@@ -531,56 +343,10 @@ def test_parity_half_precision_gpu(dtype, pde, causal):
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("pde,causal", [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)])
 @pytest.mark.parametrize("steps", range(1, 9))
-def test_mma_interior_gpu(monkeypatch, launched_kernels, dtype, pde, causal, steps):
-    """The tensor-core filter at every step count it takes, with its default programs, on a GPU (MMA instructions)."""
-    check_mma_parity(monkeypatch, launched_kernels, dtype, pde, causal, steps, (2, 1037, 256), seed=steps)
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", (False, True))
-def test_direct_launch_gpu(monkeypatch, causal):
-    """Repeated calls of one configuration go through the compiled kernels' launchers (``_launch``'s fast path);
-    their outputs and gradients equal Triton's generic launch, bit for bit, and a misaligned view (not cached)
-    still matches the reference."""
-    import cta.triton_cta as kernels
-
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(2, 333, 96, generator=gen).to(DEVICE, torch.bfloat16)
-    alpha = torch.full((96,), 0.15, device=DEVICE, requires_grad=True)
-    grad = torch.randn(x.shape, generator=gen).to(DEVICE, torch.bfloat16)
-
-    def run():
-        xx = x.detach().requires_grad_(True)
-        alpha.grad = None
-        y = pde_refine_triton(xx, pde_type="diffusion", steps=3, alpha=alpha, causal=causal)
-        y.backward(grad)
-        return y.detach(), xx.grad, alpha.grad
-
-    for deterministic in (True, False):  # the coefficient gradient's partial sums, then its atomics
-        with deterministic_algorithms(deterministic):
-            monkeypatch.setattr(kernels, "DIRECT_LAUNCH", False)
-            generic = run()
-            monkeypatch.setattr(kernels, "DIRECT_LAUNCH", True)
-            kernels._COMPILED.clear()
-            run()  # compiles (or finds) the kernels through Triton and caches them
-            cached = [key[0] for key in kernels._COMPILED]
-            # fwd and bwd, and with the atomics the sum of their rows (96 channels: several rows)
-            streaming = [k for k in cached if k is not kernels._sum_rows_kernel]
-            assert len(streaming) == 2 and all(k is not kernels._pde_decode_kernel for k in streaming)
-            assert (kernels._sum_rows_kernel in cached) == (not deterministic)
-            direct = run()
-        assert torch.equal(direct[0], generic[0]) and torch.equal(direct[1], generic[1])
-        if deterministic:
-            assert torch.equal(direct[2], generic[2])
-        else:  # atomics add in no fixed order: equal up to fp32 rounding
-            torch.testing.assert_close(direct[2], generic[2], rtol=1e-5, atol=1e-4)
-    base = torch.randn(1, 2 * 65 * 96 + 1, generator=gen).to(DEVICE, torch.bfloat16)
-    odd = base[:, 1:].view(2, 65, 96)  # 2-byte offset: not 16-byte aligned, never cached
-    before = len(kernels._COMPILED)
-    out = pde_refine_triton(odd, pde_type="diffusion", steps=3, alpha=alpha.detach(), causal=causal)
-    assert len(kernels._COMPILED) == before
-    ref = pde_refine_reference(odd.float(), pde_type="diffusion", steps=3, alpha=alpha.detach(), causal=causal)
-    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+def test_mma_interior_gpu(dtype, pde, causal, steps):
+    """16-bit inputs with a scalar coefficient at every step count the tensor-core filter may take, with the default
+    programs, on a GPU (MMA instructions where ``kernels_config`` sends them, the register filter elsewhere)."""
+    check_mma_parity(dtype, pde, causal, steps, (2, 1037, 256), seed=steps)
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
@@ -725,10 +491,9 @@ def _decode_module_pair(channels, pde, steps):
 
 @needs_kernels
 @pytest.mark.parametrize("pde", PDE_TYPES)
-def test_module_fast_decode_matches_reference_module(pde):
-    """PDERefinement's lean decode path (Triton update kernel, cached coefficients) against the reference module
-    through a real hybrid cache: outputs and states per token, padding tokens, and a coefficient update between
-    tokens (the cached coefficients must follow it)."""
+def test_module_decode_matches_reference_module(pde):
+    """PDERefinement's decode step (the Triton update kernel) against the reference module through a real hybrid
+    cache: outputs and states per token, padding tokens, and a coefficient update between tokens."""
     from transformers import DynamicCache
 
     channels, steps = 37, 3
@@ -750,11 +515,6 @@ def test_module_fast_decode_matches_reference_module(pde):
             torch.testing.assert_close(outs["triton"][-1], outs["torch"][-1], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(caches["triton"].layers[0].conv_states[0],
                                        caches["torch"].layers[0].conv_states[0], rtol=1e-5, atol=1e-6)
-    assert "_cached_coefficients" in modules["triton"].__dict__  # the lean path ran
-    if ON_GPU:  # and, after the first launch, through the compiled kernel's launcher directly
-        import cta.triton_cta as kernels
-
-        assert not kernels.DIRECT_LAUNCH or any(key[0] is kernels._pde_decode_kernel for key in kernels._COMPILED)
     # up to the update, prefill + decode equals the full-sequence pass
     torch.testing.assert_close(torch.cat(outs["triton"], 1)[:, :23], full[:, :23], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(torch.cat(outs["triton"], 1)[:, 23:], full[:, 23:], atol=1e-3)  # the update mattered
@@ -762,21 +522,15 @@ def test_module_fast_decode_matches_reference_module(pde):
 
 @needs_kernels
 @pytest.mark.parametrize("pde", ["diffusion", "reaction_diffusion"])
-def test_decode_plan_follows_every_change(pde, decode_plan_calls):
-    """The prepared decode launch (``_DecodePlan``, GPU only) against the reference module, token by token, across
-    everything that must make it stand aside: a coefficient updated in place and one replaced, a second cache, a
-    beam reorder of the state, another batch size, strided tokens, and a step under autograd. On GPU it must also
-    have run."""
-    import gc
-
+def test_module_decode_follows_every_change(pde):
+    """The Triton decode step of PDERefinement against the reference module, token by token, across a coefficient
+    updated in place and one replaced, a second cache, a beam reorder of the state, another batch size, strided
+    tokens, and a step under autograd."""
     from torch import nn
     from transformers import DynamicCache
 
-    import cta.triton_cta as kernels
-
     channels, steps = 40, 4
     config, modules = _decode_module_pair(channels, pde, steps)
-    planned = decode_plan_calls
     gen = torch.Generator().manual_seed(5)
 
     def generation(batch, tokens, edit=None, reorder_at=None, strided=False):
@@ -792,7 +546,7 @@ def test_decode_plan_follows_every_change(pde, decode_plan_calls):
                 beams = torch.arange(batch - 1, -1, -1, device=DEVICE)
                 for cache in caches.values():
                     cache.reorder_cache(beams)
-            token = x[:, t:t + 1] if strided else x[:, t:t + 1].contiguous()  # a strided view never plans
+            token = x[:, t:t + 1] if strided else x[:, t:t + 1].contiguous()
             outs = {b: m(token, None, caches[b]) for b, m in modules.items()}
             torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(caches["triton"].layers[0].conv_states[0],
@@ -813,201 +567,6 @@ def test_decode_plan_follows_every_change(pde, decode_plan_calls):
         m(token, None, caches[b]).square().sum().backward()
         grads[b] = token.grad
     torch.testing.assert_close(grads["triton"], grads["torch"], rtol=1e-5, atol=1e-6)
-    plan = modules["triton"].__dict__.get("_decode_plan")
-    if ON_GPU and kernels.DIRECT_LAUNCH:
-        assert sum(planned) >= 8, planned  # most decode steps took the prepared launch
-        launchers = [launcher for key, (_, launcher) in kernels._COMPILED.items()
-                     if key[0] is kernels._pde_decode_kernel]
-        # Triton 3.6: through the launcher's C function (RAW_C_LAUNCH); the parity above is then that path's.
-        assert launchers and all(hasattr(launcher, "c_launch") == kernels.RAW_C_LAUNCH for launcher in launchers)
-        assert not all(planned)  # and it stood aside where it had to
-        gc.collect()
-        assert plan is not None and plan.state() is None  # the finished caches' states were not kept alive
-        modules["triton"].steps = steps  # setting any attribute of the module drops its plan
-        assert "_decode_plan" not in modules["triton"].__dict__
-        # A Triton launch hook (what profilers install) added while plans are bound sees every prepared launch,
-        # and once removed, the prepared launches skip the hooks again.
-        runtime, names = kernels.triton.knobs.runtime, []
-
-        def hook(metadata):
-            names.append(getattr(metadata, "data", {}).get("name"))
-
-        chain = runtime.launch_enter_hook
-        with torch.no_grad():
-            generation(2, 4)
-            if hasattr(chain, "add"):
-                chain.add(hook)
-            else:
-                runtime.launch_enter_hook = hook
-            try:
-                generation(2, 4)
-            finally:
-                if hasattr(chain, "add"):
-                    chain.remove(hook)
-                else:
-                    runtime.launch_enter_hook = chain
-            decode_launches = names.count(kernels._pde_decode_kernel.__name__)
-            generation(2, 4)
-        assert decode_launches >= 3, names
-        assert names.count(kernels._pde_decode_kernel.__name__) == decode_launches
-    else:
-        assert plan is None and not any(planned)  # no direct launch on the interpreter: no plan
-
-
-def test_stream_config_per_channel_entries():
-    """On CUDA the launch configuration comes from the tuned table at the nearest tuned step count, with the
-    per-channel table's entry instead where it has one (and only for a per-channel coefficient); the interpreter
-    ignores both. (Only the table lookup: no kernel runs.)"""
-    from cta import triton_cta
-
-    cuda = torch.device("cuda")
-    shared = triton_cta._STREAM_DEFAULTS[("bwd", False)]
-    for steps, tuned in ((3, 2), (4, 4), (5, 4), (6, 4), (7, 8)):  # (ties: the smaller)
-        own = triton_cta._STREAM_DEFAULTS_PER_CHANNEL.get(("bwd", False), {}).get(tuned, shared[tuned])
-        assert triton_cta._stream_config(16384, 4096, steps, False, "bwd", cuda)[:4] == shared[tuned][:4]
-        assert triton_cta._stream_config(16384, 4096, steps, False, "bwd", cuda, per_channel=True)[:4] == own[:4]
-    assert triton_cta._STREAM_DEFAULTS_PER_CHANNEL[("bwd", False)][4] != shared[4]  # the entry that differs
-    cpu = triton_cta._stream_config(100, 60, 4, False, "bwd", torch.device("cpu"), per_channel=True)
-    assert cpu[:2] == (100, 64)
-
-
-def test_walk_prefetch_depth_is_capped():
-    """A configuration's prefetch depth above ``WALK_MAX_PREFETCH`` (measured on the filters' unrolled loops) reaches
-    the filters only: the walk (a padding mask, every program) is generated as with the cap, while the filter's
-    loop (no mask) prefetches the configured rows."""
-    from cta import triton_cta
-
-    cap = triton_cta.WALK_MAX_PREFETCH
-    for kind in ("fwd", "bwd"):
-        walk = [triton_cta._stream_source("k", kind, "diffusion", False, 4, d, True, True, False, False, False, True, 8)
-                for d in (cap, cap + 5)]
-        assert walk[0] == walk[1]
-        fir = triton_cta._stream_source("k", kind, "diffusion", False, 4, cap + 5, False, True, False, False, False,
-                                        True, 8, 0, 2)
-        assert f"xf{cap + 4} = " in fir and f"xf{cap + 5} = " not in fir
-
-
-@needs_kernels
-@pytest.mark.parametrize("causal", [False, True], ids=["bidi", "causal"])
-def test_fir_pointer_steps_match_indexed(monkeypatch, launched_kernels, causal):
-    """The interior filters that step their row pointers (``FIR_POINTER_STEPS``) give the same outputs and gradients,
-    bit for bit, as those that address rows by index (only the addressing differs), over several interior programs
-    per sequence; the default steps per channel in the forwards and the bidirectional backward only."""
-    from cta import triton_cta
-
-    tune = {(kind, causal, 3): (8, 16, 1, 2, 8) for kind in ("fwd", "bwd")}
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", tune)
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 61, 32, generator=gen).to(DEVICE)
-    grad = torch.randn(2, 61, 32, generator=gen).to(DEVICE)
-    every = {(kind, c, vec) for kind in ("fwd", "bwd") for c in (False, True) for vec in (False, True)}
-    for per_channel in (True, False):
-        alpha = (0.05 + 0.2 * torch.rand((32,) if per_channel else (), generator=gen)).to(DEVICE)
-        runs = []
-        for steps_set in (every, set()):
-            monkeypatch.setattr(triton_cta, "FIR_POINTER_STEPS", steps_set)
-            launched_kernels.clear()
-            runs.append(_run(pde_refine_triton, x, alpha, None, grad, pde_type="diffusion", steps=3, causal=causal))
-            assert [key[15] for key in launched_kernels] == [bool(steps_set)] * 2
-        for got, want in zip(runs[0][:3], runs[1][:3]):
-            assert torch.equal(got, want)
-    monkeypatch.undo()
-    src = triton_cta._stream_source("k", "fwd", "diffusion", causal, 3, 2, False, True, False, False, False, True, 8,
-                                    0, 2, False, True)
-    assert "x_at += sxl" in src and "y_at += C" in src
-    defaults = triton_cta.FIR_POINTER_STEPS
-    assert ("fwd", causal, True) in defaults and (("bwd", causal, True) in defaults) == (not causal)
-    assert ("fwd", causal, False) not in defaults and ("bwd", causal, False) not in defaults
-
-
-@needs_kernels
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("ends", ["walk", "filter"])
-def test_static_rows_widening_and_tile_order_match(monkeypatch, launched_kernels, causal, ends):
-    """Three ways of running the same register filters give the same outputs and input gradients, bit for bit: the
-    channels and row strides as constexprs (``STATIC_ROWS``) or as arguments, the bf16 rows widened by
-    ``_widen``'s shift and mask or by a conversion (``FIR_WIDEN_ASM``; the interpreter always converts), and the last
-    row tile run second or in order (``LAST_TILE_SECOND``), with end programs that walk or that filter (the walls'
-    rolled loop). The coefficient's gradient sums the programs in another order when the tiles move, so it is
-    compared to rounding."""
-    from cta import triton_cta
-
-    tune = {(kind, causal, 3): (8, 16, 1, 2, 8) for kind in ("fwd", "bwd")}
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", tune)
-    limit = 0 if ends == "walk" else triton_cta.MAX_FUSED_STEPS
-    monkeypatch.setattr(triton_cta, "WALLS_MAX_STEPS_PER_CHANNEL",
-                        dict.fromkeys(triton_cta.WALLS_MAX_STEPS_PER_CHANNEL, limit))
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 61, 32, generator=gen).to(DEVICE, torch.bfloat16)
-    grad = torch.randn(2, 61, 32, generator=gen).to(DEVICE)
-    alpha = (0.05 + 0.2 * torch.rand(32, generator=gen)).to(DEVICE)
-    every = {(kind, causal, True) for kind in ("fwd", "bwd")}
-    both = frozenset((kind, causal, True) for kind in ("fwd", "bwd"))
-    runs = []
-    with deterministic_algorithms(True):
-        for static, widen, order in itertools.product((every, set()), (True, False), (both, frozenset())):
-            monkeypatch.setattr(triton_cta, "STATIC_ROWS", static)
-            monkeypatch.setattr(triton_cta, "FIR_WIDEN_ASM", widen)
-            monkeypatch.setattr(triton_cta, "LAST_TILE_SECOND", order)
-            launched_kernels.clear()
-            runs.append(_run(pde_refine_triton, x, alpha, None, grad, pde_type="diffusion", steps=3, causal=causal))
-            assert [key[16] for key in launched_kernels] == [bool(static)] * 2
-            assert [key[13] for key in launched_kernels] == [0 if ends == "walk" else 2] * 2
-            src = triton_cta._stream_source("k", *launched_kernels[0])  # (the module's switches as launched)
-            assert ("tile = tl.where" in src) == bool(order)
-            assert (", C: tl.constexpr" in src) == bool(static)
-            assert ("_widen(" in src) == widen
-    for got in runs[1:]:
-        assert torch.equal(got[0], runs[0][0]) and torch.equal(got[1], runs[0][1])
-        torch.testing.assert_close(got[2], runs[0][2], rtol=1e-5, atol=1e-6)
-    monkeypatch.undo()
-    assert ("fwd", False, True) in triton_cta.STATIC_ROWS and ("fwd", True, True) not in triton_cta.STATIC_ROWS
-    assert triton_cta.LAST_TILE_SECOND == {("bwd", True, True), ("bwd", False, True), ("fwd", True, True)}
-
-
-@needs_kernels
-@pytest.mark.parametrize("causal", [False, True])
-def test_taps_table_matches_computed_taps(monkeypatch, launched_kernels, causal):
-    """Per-channel filters that load their taps from the table ``_taps_kernel`` writes (``TAPS_TABLE``) give the same
-    outputs and gradients, bit for bit, as those that compute the taps themselves (the same operations), at several
-    step counts; with a padding mask no table is written (the walk has no taps)."""
-    from cta import triton_cta
-
-    tune = {(kind, causal, steps): (8, 16, 1, 2, 8) for kind in ("fwd", "bwd") for steps in (1, 2, 5)}
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", tune)
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(2, 45, 32, generator=gen).to(DEVICE)
-    grad = torch.randn(2, 45, 32, generator=gen).to(DEVICE)
-    alpha = (0.05 + 0.2 * torch.rand(32, generator=gen)).to(DEVICE)
-    every = {(kind, c) for kind in ("fwd", "bwd") for c in (False, True)}
-    with deterministic_algorithms(True):
-        for steps in (1, 2, 5):
-            runs = []
-            for table in (every, set()):
-                monkeypatch.setattr(triton_cta, "TAPS_TABLE", table)
-                launched_kernels.clear()
-                runs.append(_run(pde_refine_triton, x, alpha, None, grad, pde_type="diffusion", steps=steps,
-                                 causal=causal))
-                # the backward's filter has steps - 1 levels: none at 1 step
-                assert [key[17] for key in launched_kernels] == [bool(table), bool(table) and steps > 1]
-            for got, want in zip(runs[0][:3], runs[1][:3]):
-                assert torch.equal(got, want)
-        monkeypatch.setattr(triton_cta, "TAPS_TABLE", every)
-        launched_kernels.clear()
-        mask = torch.ones(2, 45, dtype=torch.long, device=DEVICE)
-        pde_refine_triton(x, alpha=alpha, pde_type="diffusion", steps=2, causal=causal, attention_mask=mask)
-        assert [key[17] for key in launched_kernels] == [False]
-    taps = triton_cta._fir_taps_table(alpha, 3, causal)
-    stencil = ([1.0 - alpha.double(), alpha.double()] if causal
-               else [alpha.double(), 1.0 - 2.0 * alpha.double(), alpha.double()])
-    poly = torch.ones(1, 32, dtype=torch.float64, device=DEVICE)
-    for _ in range(3):  # the stencil convolved with itself three times, per channel
-        nxt = torch.zeros(poly.shape[0] + len(stencil) - 1, 32, dtype=torch.float64, device=DEVICE)
-        for i, weight in enumerate(stencil):
-            nxt[i:i + poly.shape[0]] += weight * poly
-        poly = nxt
-    want = poly if causal else poly[3:]  # causal: taps at offsets 0..-3; bidirectional: offsets 0..3 of a symmetric one
-    torch.testing.assert_close(taps.double(), want, rtol=1e-6, atol=1e-7)
 
 
 @needs_kernels
@@ -1082,7 +641,7 @@ def test_backward_op_coefficient_gradient_shapes(pde, causal, alpha_vec, beta):
     alpha = (torch.full((channels,), 0.15) if alpha_vec else torch.tensor(0.15)).to(DEVICE)
     b = {None: None, "vec": torch.full((channels,), 0.05), "scalar": torch.tensor(0.05)}[beta]
     b = b.to(DEVICE) if b is not None else None
-    args = (gy, x, alpha, b, None, None, triton_cta._PDE_IDS[pde], 3, causal)
+    args = (gy, x, alpha, b, None, None, PDE_IDS[pde], 3, causal)
     opcheck(triton_cta._pde_refine_bwd, args, test_utils=("test_schema", "test_faketensor"))
     _, da, db = triton_cta._pde_refine_bwd(*args)
     a_ref = alpha.clone().requires_grad_(True)
@@ -1097,29 +656,14 @@ def test_backward_op_coefficient_gradient_shapes(pde, causal, alpha_vec, beta):
 @needs_kernels
 @pytest.mark.parametrize("pde,causal", [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
-def test_per_channel_coefficient_gradient_paths(monkeypatch, launched_kernels, pde, causal, deterministic):
-    """A per-channel coefficient's gradient is summed with atomics into a few rows, or, under
-    ``torch.use_deterministic_algorithms(True)`` (or ``COEF_GRAD_ATOMIC`` off), as partial sums per program reduced
-    afterwards: both equal the reference's gradient, over several programs per sequence (8-row tiles: 10 programs
-    with a batch of two) sharing one row, 4 rows in turn, or one row each; a scalar coefficient never takes the
-    atomics."""
-    from cta import triton_cta
-
-    monkeypatch.setattr(triton_cta, "_STREAM_TUNE", {("bwd", causal, 3): (8, 16, 1, 2, 1)})
-    monkeypatch.setattr(triton_cta, "COEF_GRAD_ATOMIC", True)
+def test_per_channel_coefficient_gradient_paths(pde, causal, deterministic):
+    """A per-channel coefficient's gradient is summed with atomics into a few rows (then summed by a small kernel),
+    or, under ``torch.use_deterministic_algorithms(True)``, as partial sums per program reduced afterwards: both
+    equal the reference's gradient over several programs per sequence; a scalar coefficient likewise."""
     with deterministic_algorithms(deterministic):
-        for spread, rows in ((16, 1), (48, 4), (8192, 10)):
-            monkeypatch.setattr(triton_cta, "COEF_GRAD_ATOMIC_SPREAD", spread)
-            assert triton_cta._coef_grad_groups(16, 10) == rows
-            for per_channel in (True, False):
-                launched_kernels.clear()
-                check_parity(pde, causal, 37, 16, 3, "none", per_channel, batch=2, seed=11)
-                atomic = [key[14] for key in launched_kernels if key[0] == "bwd"]
-                assert atomic == [per_channel and not deterministic], atomic
-    monkeypatch.setattr(triton_cta, "COEF_GRAD_ATOMIC", False)
-    launched_kernels.clear()
-    check_parity(pde, causal, 37, 16, 3, "left", True, batch=2, seed=12)  # (the walk's programs, with a mask)
-    assert [key[14] for key in launched_kernels if key[0] == "bwd"] == [False]
+        for per_channel in (True, False):
+            check_parity(pde, causal, 37, 16, 3, "none", per_channel, batch=2, seed=11)
+        check_parity(pde, causal, 37, 16, 3, "left", True, batch=2, seed=12)  # (the walk's programs, with a mask)
 
 
 @needs_kernels
@@ -1127,11 +671,11 @@ def test_per_channel_coefficient_gradient_paths(monkeypatch, launched_kernels, p
 def test_sum_rows_kernel_matches_torch(rows, channels):
     """``_sum_rows`` (the coefficient gradient's atomic rows summed by ``_sum_rows_kernel``, over one or more blocks of
     channels) equals the float64 sum of the rows to fp32 rounding, and torch's ``sum(0)`` likewise."""
-    from cta import triton_cta
+    from cta import kernels_launch
 
     gen = torch.Generator().manual_seed(rows * 1000 + channels)
     values = torch.randn(rows, channels, generator=gen).to(DEVICE)
-    got = triton_cta._sum_rows(values)
+    got = kernels_launch._sum_rows(values)
     assert got.shape == (channels,) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), values.double().sum(0), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got, values.sum(0), rtol=1e-6, atol=1e-6)
@@ -1167,19 +711,11 @@ def test_parity_hypothesis(pde, causal, batch, seq, channels, steps, padding, pe
     seq=st.integers(1, 80 if RUN_SLOW else 40),
     channels=st.sampled_from([16, 32]),
     steps=st.integers(1, 16 if RUN_SLOW else 8),
-    rows=st.sampled_from([8, 16, 32]),
-    unroll=st.sampled_from([1, 2]),
     per_channel=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_parity_hypothesis_filters(pde_causal, batch, seq, channels, steps, rows, unroll, per_channel, seed):
+def test_parity_hypothesis_filters(pde_causal, batch, seq, channels, steps, per_channel, seed):
     """The banded filters, interior and at the sequence ends (whole channel blocks, no padding: the inputs the
-    randomised test above seldom draws), with random program lengths, so that the ends fall anywhere in a program."""
-    from cta import triton_cta
-
-    tune = {(kind, causal, s): (rows, 16, 1, 2, unroll)
-            for kind in ("fwd", "bwd") for causal in (False, True) for s in range(1, 17)}
+    randomised test above seldom draws), with the sequence ends anywhere in a program."""
     pde, causal = pde_causal
-    with pytest.MonkeyPatch.context() as patch:  # (hypothesis runs the body several times per fixture)
-        patch.setattr(triton_cta, "_STREAM_TUNE", tune)
-        check_parity(pde, causal, seq, channels, steps, "none", per_channel, batch=batch, seed=seed)
+    check_parity(pde, causal, seq, channels, steps, "none", per_channel, batch=batch, seed=seed)

@@ -1,0 +1,202 @@
+# coding=utf-8
+"""Launch configurations of the Triton PDE kernels: which variant of the streaming kernel a launch runs, and with
+how many rows, channels, warps and prefetched rows per program.
+
+Every table entry was chosen on an H200 (triton 3.6, bf16) on the three large shapes 1x16384x4096, 8x4096x4096 and
+1x65536x512; one line of provenance sits beside each. The runs, their result files and the variants that lost are in
+``docs/kernels.md`` and in git history (before the kernel files were split, ``benchmarks/results/stream_tuning_*``).
+In the interpreter (``TRITON_INTERPRET=1``) every launch takes ``INTERPRETER_CONFIG`` instead: short programs and
+narrow channel blocks, so that small test shapes cross program boundaries and run every branch a long GPU input runs
+(interior programs, sequence ends, partial channel blocks).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from .kernels_jit import INTERPRET
+
+MAX_FUSED_STEPS = 16  # steps 1..16 run fused; more fall back to the PyTorch reference
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv: that is a JITFunction, ~5 us of host time per call outside a kernel
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+def is_linear(pde: str, causal: bool, has_init: bool) -> bool:
+    """Whether the scheme is a constant-coefficient linear stencil (banded filters, streaming backward)."""
+    if has_init:
+        return False
+    return pde == "diffusion" or (pde == "advection_diffusion" and causal)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tile backward (``kernels_jit._pde_bwd_kernel``): wave, reaction, bidirectional advection, causal states
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def tile_config(seq: int, channels: int, causal: bool, steps: int, linear: bool, device: torch.device):
+    """(HL, T, BLOCK_L, BLOCK_C, num_warps) of the tile backward: left halo, output rows, tile rows, channels, warps.
+    GPU sizes from a sweep on an H200 ((1,16384,4096), 4 diffusion steps); larger tiles in the interpreter."""
+    hl, hr = (steps, steps) if causal or linear else (2 * steps, 2 * steps)
+    halo = hl + hr
+    if device.type != "cuda":  # interpreter: fewer, larger numpy programs are faster
+        block_l = next_pow2(max(halo + min(seq, 64), 2 * halo + 1, 2))
+        block_c, warps = min(next_pow2(channels), 128), 4
+    else:
+        block_l = 64
+        while block_l < 4 * halo and block_l < 256:
+            block_l *= 2
+        block_l = max(block_l, next_pow2(halo + 1))
+        block_c = (128 if causal else 64) if block_l <= 64 else max(16, 4096 // block_l)
+        block_c, warps = max(16, min(next_pow2(channels), block_c)), 4
+    t = block_l - halo
+    if t < 1:
+        block_l = next_pow2(halo + 1)
+        t = block_l - halo
+    return hl, t, block_l, block_c, warps
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The streaming kernels (``kernels_source``)
+# ---------------------------------------------------------------------------------------------------------------
+
+# (T, BLOCK_C, num_warps, D, U) per (kernel, causal) and tuned step count: rows and channels per program, warps,
+# prefetch depth, the banded filter's loop unroll factor. Other step counts use the nearest tuned one (ties: the
+# smaller). Scalar coefficient (the models' default):
+STREAM_CONFIGS = {
+    # grid of 480 configurations per key, then unroll factors; 4 and 8 steps re-tuned with the closed-form taps
+    ("fwd", False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (24, 64, 1, 3, 24), 8: (17, 256, 2, 2, 17)},
+    ("fwd", True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 16), 4: (8, 256, 2, 3, 8), 8: (18, 256, 2, 2, 18)},
+    # re-tuned once the backward filtered g only (rows 16-24, warps 1-4, prefetch 2-3, unroll 1 or whole)
+    ("bwd", False): {1: (16, 256, 4, 3, 16), 2: (16, 128, 2, 3, 16), 4: (16, 128, 2, 2, 16), 8: (24, 128, 2, 3, 24)},
+    ("bwd", True): {1: (16, 256, 4, 3, 1), 2: (16, 128, 1, 3, 16), 4: (16, 128, 2, 3, 1), 8: (16, 256, 2, 3, 16)},
+}
+# Entries that differ for a coefficient per channel (per-channel taps hold more registers; Nsight Compute showed the
+# 4-step kernels waiting on loads, hence deeper prefetch):
+STREAM_CONFIGS_PER_CHANNEL = {
+    # 8 steps: tuned again with constant row offsets and the ends filtering (17 rows beat 16, 18, 24 and 34)
+    ("fwd", False): {4: (24, 64, 1, 8, 24), 8: (17, 256, 2, 4, 17)},
+    ("fwd", True): {1: (8, 256, 2, 8, 8), 4: (8, 256, 2, 8, 8), 8: (24, 256, 2, 12, 24)},
+    ("bwd", False): {1: (24, 256, 4, 8, 24), 2: (24, 128, 2, 8, 24), 4: (24, 128, 2, 8, 24), 8: (24, 128, 2, 8, 24)},
+    ("bwd", True): {1: (24, 256, 4, 12, 1), 2: (24, 128, 1, 12, 24), 8: (24, 128, 2, 6, 24)},
+}
+# The walk (padding masks, some sequence ends) keeps at most this prefetch depth: its loop is not unrolled, so every
+# prefetch register moves once per row (the depths above were measured on the filters' unrolled loops).
+WALK_MAX_PREFETCH = 3
+
+# Interior programs with a scalar coefficient and 16-bit inputs run the banded filter on tensor cores (16-row MMA
+# tiles) from MMA_MIN_STEPS[(kind, causal)] to MMA_MAX_STEPS steps (None: never). Paired against the register
+# filter: the forward wins from 3 steps (1.11 vs 1.40x copy at 8 bidirectional steps), the bidirectional backward
+# from 7 (1.97 vs 2.38x at 8), the causal backward never.
+MMA_BLOCK = 16  # rows of one MMA tile; the input blocks sit half a tile either side, which bounds the steps
+MMA_MAX_STEPS = MMA_BLOCK // 2
+MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd", True): None}
+# (T, BLOCK_C, num_warps, D, A) of its programs; A: input blocks loaded ahead. Bidirectional: the best of one grid
+# at 8 steps on all three shapes (forward 1.05 / 1.04 / 1.08x copy, backward 1.75 / 1.73 / 1.88x); causal forward:
+# the best at 4 and 8 steps on 1x16384x4096.
+MMA_CONFIGS = {
+    ("fwd", False): (32, 256, 4, 2, 2), ("fwd", True): (32, 128, 4, 2, 1),
+    ("bwd", False): (256, 128, 2, 2, 1), ("bwd", True): (128, 128, 4, 2, 1),
+}
+
+# The interpreter's configuration of every launch (register filter, tensor-core filter): see the module docstring.
+INTERPRETER_CONFIG = (16, 16, 1, 2, 2)
+INTERPRETER_MMA_CONFIG = (32, 16, 1, 2, 1)
+
+# The most steps at which per-channel launches filter their sequence ends, per (kernel, causal); above, the ends walk
+# (the ends' copy of the per-channel filter made the interior programs slower there).
+WALLS_MAX_STEPS_PER_CHANNEL = {("fwd", False): 8, ("fwd", True): 8, ("bwd", False): 8, ("bwd", True): 4}
+
+# Register-filter launches, keyed (kernel, causal, per-channel), whose end programs take longer than an interior tile
+# run the last row tile second, not last (8-step causal backward 1.61 vs 1.71x copy); the tensor-core filter's
+# launches always do.
+LAST_TILE_SECOND = frozenset({("bwd", True, True), ("bwd", False, True), ("fwd", True, True)})
+
+# Register-filter launches, keyed (kernel, causal, per-channel), whose interior filters step their row pointers one
+# row per load instead of computing each row's address (8-step per-channel bidirectional forward 1.36 vs 1.39x copy).
+FIR_POINTER_STEPS = frozenset({("fwd", False, True), ("fwd", True, True), ("bwd", False, True)})
+
+# Register-filter launches, keyed likewise, that take the channels and row strides as constexprs, so that unrolled
+# rows load at constant offsets from one pointer (8-step per-channel bidirectional forward 1.28 vs 1.34x copy). One
+# compiled kernel per channel count and row stride.
+STATIC_ROWS = frozenset({("fwd", False, True), ("bwd", False, True), ("bwd", True, True)})
+
+# A per-channel coefficient's gradient: each backward program adds its partial sums with atomics into one of a few
+# [channels] rows, so that about this many addresses share the atomics (1.53-2.06x copy against 1.68-2.52x for
+# per-program partial sums); a fixed order under torch.use_deterministic_algorithms(True).
+COEF_GRAD_ATOMIC_SPREAD = 4096
+
+
+def coef_grad_groups(channels: int, programs: int) -> int:
+    """Rows of the atomics' [rows, channels] sum: a power of two giving about ``COEF_GRAD_ATOMIC_SPREAD``
+    addresses, or one row per program where there are fewer programs."""
+    return max(1, min(next_pow2(cdiv(COEF_GRAD_ATOMIC_SPREAD, channels)), programs))
+
+
+def fit_program(seq: int, channels: int, t: int, block_c: int) -> Tuple[int, int]:
+    """(T, BLOCK_C) fitted to the input: rows doubled until the grid's second axis fits (65535), channels within
+    [16, the next power of two of ``channels``]."""
+    while cdiv(seq, t) > 65535:
+        t *= 2
+    return t, max(16, min(block_c, next_pow2(channels)))
+
+
+def stream_entry(kind: str, causal: bool, steps: int, per_channel: bool) -> tuple:
+    """The GPU (T, BLOCK_C, num_warps, D, U) of a register-filter launch: the entry of the nearest tuned step count,
+    ``STREAM_CONFIGS_PER_CHANNEL``'s over ``STREAM_CONFIGS``' for a ``per_channel`` coefficient."""
+    table = STREAM_CONFIGS[(kind, bool(causal))]
+    tuned = min(table, key=lambda tuned: (abs(tuned - steps), tuned))
+    overrides = STREAM_CONFIGS_PER_CHANNEL.get((kind, bool(causal)), {}) if per_channel else {}
+    return overrides.get(tuned, table[tuned])
+
+
+def uses_mma(x: torch.Tensor, kind: str, causal: bool, per_channel: bool, has_mask: bool, steps: int,
+             linear: bool) -> bool:
+    """Whether a streaming launch runs its interior programs' filter on tensor cores."""
+    if not linear or per_channel or has_mask or steps > MMA_MAX_STEPS:
+        return False
+    first = MMA_MIN_STEPS.get((kind, bool(causal)))
+    return (first is not None and steps >= first and x.dtype in (torch.bfloat16, torch.float16)
+            and (x.is_cuda or INTERPRET))
+
+
+def stream_plan(x: torch.Tensor, kind: str, steps: int, causal: bool, per_channel: bool, has_mask: bool,
+                linear: bool) -> Tuple[int, int, int, int, int, int]:
+    """(T, BLOCK_C, num_warps, D, U, mma) of one streaming launch: the tensor-core filter's programs where it applies
+    and the channels fill whole blocks of them (``mma`` = 1 + blocks loaded ahead), the register filter's otherwise
+    (``mma`` = 0)."""
+    _, seq, channels = x.shape
+    on_gpu = x.device.type == "cuda"
+    if uses_mma(x, kind, causal, per_channel, has_mask, steps, linear):
+        cfg = MMA_CONFIGS[(kind, bool(causal))] if on_gpu else INTERPRETER_MMA_CONFIG
+        t, block_c = fit_program(seq, channels, *cfg[:2])
+        if channels % block_c == 0 and t % MMA_BLOCK == 0:
+            return t, block_c, cfg[2], cfg[3], 0, 1 + cfg[4]
+    cfg = stream_entry(kind, causal, steps, per_channel) if on_gpu else INTERPRETER_CONFIG
+    t, block_c = fit_program(seq, channels, *cfg[:2])
+    return t, block_c, cfg[2], cfg[3], cfg[4], 0
+
+
+def walls_mode(kind: str, seq: int, steps: int, causal: bool, has_init: bool, write_final: bool,
+               per_channel: bool, mma: bool) -> int:
+    """How the programs at the sequence ends run (the generated kernel's ``walls``): 0 walk, 1 filter where the walls'
+    extension applies and walk elsewhere, 2 filter (it applies to every program), 3 as 2 with one copy of the filter
+    that every program runs (the bidirectional tensor-core forward: 1.11 vs 1.15x copy at 8 steps)."""
+    if per_channel and steps > WALLS_MAX_STEPS_PER_CHANNEL[(kind, bool(causal))]:
+        return 0
+    if not causal and seq < steps:  # one reflection covers S rows: no program of this launch can filter its ends
+        return 0
+    if has_init or (causal and write_final):  # the programs the state reaches walk, the others filter
+        return 1
+    return 3 if (kind == "fwd" and not causal and mma) else 2
+
+
+def static_rows(kind: str, causal: bool, per_channel: bool, unroll: int, mma: int) -> bool:
+    return unroll > 0 and not mma and (kind, bool(causal), bool(per_channel)) in STATIC_ROWS

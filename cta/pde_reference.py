@@ -1,0 +1,174 @@
+# coding=utf-8
+"""The readable PyTorch reference of the Continuous-Time Attention PDE operator: the ground truth for every other
+backend (the Triton kernels are tested against it), vectorised, fp32, on any device.
+
+Layout: ``u`` is ``[batch, seq, channels]``; an optional ``attention_mask`` ``[batch, seq]`` marks real tokens with 1.
+Everything is accumulated in fp32 and returned in the input dtype. ``steps == 0`` is the identity.
+
+Schemes (explicit pseudo-time steps, written in flux form so that walls are exact)
+-------------------------------------------------------------------------------
+Let ``e(i, i+1)`` be 1 when the edge between positions ``i`` and ``i+1`` is open (both are real tokens inside the
+sequence) and 0 otherwise: sequence ends and padding are *walls*. A padded position never changes and is never read.
+
+Bidirectional (encoders), zero-flux walls. With the edge flux into ``i`` from its right neighbour
+``G(i+1/2) = e(i,i+1) * (a * (u[i+1] - u[i]) - b+ * u[i] - b- * u[i+1])`` (``b+ = max(b, 0)``, ``b- = min(b, 0)``):
+
+* ``diffusion``:            ``u[i] += G(i+1/2) - G(i-1/2)`` with ``b = 0`` (the 3-point Laplacian).
+* ``advection_diffusion``:  the same with ``b != 0``: upwind transport with velocity ``b`` (``b > 0`` moves
+  information towards later positions), mass-conservative at walls.
+* ``reaction_diffusion``:   diffusion plus ``b * R(u)`` with the bounded reaction ``R(u) = -tanh(u)`` (a saturating
+  decay towards 0: linear for small ``u``, at most ``b`` per step for large ``u``), ``b >= 0``.
+* ``wave``:                 ``v = (1 - WAVE_DAMPING) * v + a * lap(u); u += v`` with ``v = 0`` at the start and
+  ``a = c**2``. The damping is not optional: with any causal (one-sided) stencil the undamped scheme has a root of
+  modulus > 1 (the product of the two roots is 1 and they are not on the unit circle), so it grows exponentially.
+
+Causal (decoders), zero-inflow walls: position ``i`` reads only its left neighbour ``l = u[i-1]`` (0 at the start of
+the sequence and after padding: the sequence behaves as if preceded by zeros, like causal-conv1d's zero initial
+state), so after any number of steps it depends only on positions ``<= i``:
+
+* ``diffusion``:            ``u[i] += a * (l - u[i])``                  (left flux of the 3-point Laplacian)
+* ``advection_diffusion``:  ``u[i] += (a + b) * (l - u[i])``, ``b >= 0`` (the upwind stencil for causal transport is
+  the same left difference, so causal advection-diffusion is diffusion with coefficient ``a + b``)
+* ``reaction_diffusion``:   ``u[i] += a * (l - u[i]) - b * tanh(u[i])``
+* ``wave``:                 ``v[i] = (1 - WAVE_DAMPING) * v[i] + a * (l - u[i]); u[i] += v[i]``
+
+Stability (the bounds in ``COEFFICIENT_BOUNDS``): every linear scheme above, at every coefficient inside its
+bounds, maps ``u`` by a matrix with non-negative entries whose rows and columns sum to at most 1 (diffusion,
+advection, reaction -- for the reaction write ``tanh(u) = d * u`` with ``0 < d <= 1``), hence its L1, L2 and
+L-infinity operator norms are ``<= 1``: no input grows, whatever the sequence length, padding or step count. The
+amplification factor of a Fourier mode ``exp(i k x)`` is ``1 - 4 a sin^2(k/2)`` (bidirectional diffusion, ``a <= 1/2``)
+and ``1 - a + a exp(-i k)`` (causal diffusion, ``|.| <= 1`` for ``0 <= a <= 1``). For the damped wave the bound was
+found by computing ``max_n ||u_n|| / ||u_0||`` over 64 steps for the worst input (the spectral norm of the step
+matrix power), which stays ``<= 1`` up to ``a = 1/2`` (bidirectional) and ``a = 0.15`` (causal).
+
+The authors' public causal stencil ``u[i] += a * (u[i] - 2 u[i-1] + u[i-2])`` has amplification ``|1 + 4a| > 1`` at
+the alternating mode and is deliberately not provided.
+"""
+
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .pde_spec import WAVE_DAMPING, check_pde_arguments
+
+
+
+def _bidirectional_step(u, v, pde_type, alpha, beta, open_edge, valid):
+    """One explicit step of the bidirectional scheme in flux form (fp32, [B, L, C])."""
+    diff = u[:, 1:] - u[:, :-1]  # u[i+1] - u[i] on the L-1 edges
+    if pde_type == "wave":
+        lap = torch.nn.functional.pad(diff * open_edge, (0, 0, 0, 1)) - torch.nn.functional.pad(
+            diff * open_edge, (0, 0, 1, 0)
+        )
+        v = (1.0 - WAVE_DAMPING) * v + alpha * lap
+        return u + v, v
+    flux = alpha * diff  # flux into the left cell of each edge
+    if pde_type == "advection_diffusion":
+        flux = flux - beta.clamp(min=0) * u[:, :-1] - beta.clamp(max=0) * u[:, 1:]
+    flux = flux * open_edge
+    update = torch.nn.functional.pad(flux, (0, 0, 0, 1)) - torch.nn.functional.pad(flux, (0, 0, 1, 0))
+    if pde_type == "reaction_diffusion":
+        update = update - beta * torch.tanh(u) * valid
+    return u + update, v
+
+
+def _causal_step(u, v, left, pde_type, alpha, beta, valid):
+    """One explicit causal step; ``left`` holds u[i-1] (already zero at walls)."""
+    pull = left - u
+    if pde_type == "wave":
+        v = (1.0 - WAVE_DAMPING) * v + alpha * pull * valid
+        return u + v, v
+    if pde_type == "advection_diffusion":
+        update = (alpha + beta) * pull
+    else:
+        update = alpha * pull
+    if pde_type == "reaction_diffusion":
+        update = update - beta * torch.tanh(u)
+    return u + update * valid, v
+
+
+def pde_refine_reference(
+    hidden_states: torch.Tensor,
+    *,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta=None,
+    causal: bool = False,
+    attention_mask: Optional[torch.Tensor] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    return_final_state: bool = False,
+):
+    """Readable, vectorised fp32 reference of :func:`pde_refine` (the ground truth of every backend).
+
+    ``initial_state`` / the returned final state (causal only) are ``[batch, steps, channels]``: entry ``s`` is the
+    value of the step-``s`` iterate at the position just before the first one (zeros = start of sequence / wall).
+    """
+    pde_type, alpha, beta = check_pde_arguments(
+        hidden_states, pde_type, steps, alpha, beta, attention_mask, initial_state, causal
+    )
+    batch, seq, channels = hidden_states.shape
+    compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+    u = hidden_states.to(compute_dtype)
+    alpha = alpha.to(compute_dtype)
+    beta = beta.to(compute_dtype) if beta is not None else None
+    if attention_mask is None:
+        valid = torch.ones(batch, seq, 1, device=u.device, dtype=compute_dtype)
+    else:
+        valid = attention_mask.to(device=u.device, dtype=compute_dtype).unsqueeze(-1)
+    v = torch.zeros_like(u) if pde_type == "wave" else None
+    final_state = []
+    if causal:
+        if initial_state is None:
+            initial_state = torch.zeros(batch, steps, channels, device=u.device, dtype=compute_dtype)
+        left_valid = torch.nn.functional.pad(valid[:, :-1], (0, 0, 1, 0), value=1.0)
+        for step in range(steps):
+            final_state.append(u[:, -1] * valid[:, -1])
+            left = torch.cat([initial_state[:, step : step + 1].to(compute_dtype), u[:, :-1]], dim=1) * left_valid
+            u, v = _causal_step(u, v, left, pde_type, alpha, beta, valid)
+    else:
+        open_edge = valid[:, 1:] * valid[:, :-1]
+        for step in range(steps):
+            u, v = _bidirectional_step(u, v, pde_type, alpha, beta, open_edge, valid)
+    out = u.to(hidden_states.dtype)
+    if return_final_state:
+        state = (
+            torch.stack(final_state, dim=1)
+            if final_state
+            else torch.zeros(batch, 0, channels, device=u.device, dtype=compute_dtype)
+        )
+        return out, state
+    return out
+
+
+def pde_decode_step_reference(
+    hidden_states: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta=None,
+    token_mask: Optional[torch.Tensor] = None,
+):
+    """One causal decode step (the ``update`` to :func:`pde_refine`'s ``fn``, as in causal-conv1d).
+
+    ``hidden_states`` is ``[batch, channels]`` (the new token), ``state`` ``[batch, steps, channels]`` fp32 as returned
+    by ``pde_refine(..., causal=True, return_final_state=True)``; it is updated in place. Returns the refined token.
+    """
+    out, new_state = pde_refine_reference(
+        hidden_states.unsqueeze(1),
+        pde_type=pde_type,
+        steps=steps,
+        alpha=alpha,
+        beta=beta,
+        causal=True,
+        attention_mask=None if token_mask is None else token_mask.reshape(-1, 1),
+        initial_state=state,
+        return_final_state=True,
+    )
+    state.copy_(new_state)
+    return out.squeeze(1)

@@ -1,0 +1,126 @@
+# coding=utf-8
+"""The CTA PDE operator's specification: its types, coefficient bounds, paper defaults and argument validation.
+
+A leaf module: the reference (``pde_reference``), the kernels (``kernels_*``, ``triton_cta``) and the learnable module
+(``pde_cta``) import from here. The schemes and the derivation of the bounds are in ``pde_reference``'s docstring.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+PDE_TYPES = ("diffusion", "wave", "reaction_diffusion", "advection_diffusion")
+PDE_TYPE_ALIASES = {
+    "reaction-diffusion": "reaction_diffusion",
+    "advection-diffusion": "advection_diffusion",
+    "heat": "diffusion",
+}
+PDE_BACKENDS = ("auto", "torch", "triton")
+WAVE_DAMPING = 0.5
+MAX_PDE_STEPS = 64
+
+# (alpha_min, alpha_max), (beta_min, beta_max) or None, for (pde_type, causal).
+COEFFICIENT_BOUNDS = {
+    ("diffusion", False): ((0.0, 0.5), None),
+    ("diffusion", True): ((0.0, 0.5), None),
+    ("wave", False): ((0.0, 0.5), None),
+    ("wave", True): ((0.0, 0.15), None),
+    ("reaction_diffusion", False): ((0.0, 0.25), (0.0, 0.5)),
+    ("reaction_diffusion", True): ((0.0, 0.25), (0.0, 0.5)),
+    ("advection_diffusion", False): ((0.0, 0.25), (-0.5, 0.5)),
+    ("advection_diffusion", True): ((0.0, 0.25), (0.0, 0.5)),
+}
+
+# Coefficients of the paper (Zhang & Zhou 2025): alpha = 0.1 for diffusion; beta values are ours (the paper gives none).
+PAPER_COEFFICIENTS = {
+    "diffusion": (0.1, None),
+    "wave": (0.1, None),
+    "reaction_diffusion": (0.1, 0.05),
+    "advection_diffusion": (0.1, 0.05),
+}
+
+
+def normalize_pde_type(pde_type: str, argument: str = "pde_type") -> str:
+    """Returns the canonical spelling of ``pde_type`` or raises a ValueError naming ``argument``."""
+    if isinstance(pde_type, str):
+        name = PDE_TYPE_ALIASES.get(pde_type.lower(), pde_type.lower())
+        if name in PDE_TYPES:
+            return name
+    raise ValueError(
+        f"`{argument}` must be one of {PDE_TYPES} (aliases: {sorted(PDE_TYPE_ALIASES)}), got {pde_type!r}."
+    )
+
+
+def uses_beta(pde_type: str) -> bool:
+    return COEFFICIENT_BOUNDS[(normalize_pde_type(pde_type), False)][1] is not None
+
+
+def coefficient_bounds(pde_type: str, causal: bool):
+    """``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` inside which the scheme is non-expansive."""
+    return COEFFICIENT_BOUNDS[(normalize_pde_type(pde_type), bool(causal))]
+
+# Integer ids of the PDE types in the kernels' constexprs.
+PDE_IDS = {name: i for i, name in enumerate(PDE_TYPES)}
+
+
+def _as_coefficient(value, name: str, channels: int, device) -> Optional[torch.Tensor]:
+    if value is None:
+        return None
+    if not torch.is_tensor(value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"`{name}` must be a float, a 0-d tensor or a tensor of shape [channels], got {value!r}.")
+        # A fill on the device, not a host-to-device copy: capturable in CUDA graphs, no synchronisation.
+        value = torch.full((), float(value), dtype=torch.float64, device=device)  # cast to the compute dtype later
+    if value.dim() == 1 and value.shape[0] == 1:
+        value = value.reshape(())
+    if value.dim() not in (0, 1) or (value.dim() == 1 and value.shape[0] != channels):
+        raise ValueError(
+            f"`{name}` must be a scalar or have shape [channels] = [{channels}], got shape {tuple(value.shape)}."
+        )
+    return value
+
+
+def check_pde_arguments(
+    hidden_states: torch.Tensor,
+    pde_type: str,
+    steps: int,
+    alpha,
+    beta,
+    attention_mask: Optional[torch.Tensor],
+    initial_state: Optional[torch.Tensor] = None,
+    causal: bool = False,
+):
+    """Validates the arguments of :func:`pde_refine`; returns ``(pde_type, alpha, beta)`` normalised."""
+    pde_type = normalize_pde_type(pde_type)
+    if not torch.is_tensor(hidden_states) or hidden_states.dim() != 3:
+        shape = tuple(hidden_states.shape) if torch.is_tensor(hidden_states) else type(hidden_states)
+        raise ValueError(f"`hidden_states` must have shape [batch, seq, channels], got {shape}.")
+    if not hidden_states.is_floating_point():
+        raise ValueError(f"`hidden_states` must be a floating point tensor, got dtype {hidden_states.dtype}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps > MAX_PDE_STEPS:
+        raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
+    batch, seq, channels = hidden_states.shape
+    alpha = _as_coefficient(alpha, "alpha", channels, hidden_states.device)
+    if alpha is None:
+        raise ValueError("`alpha` is required.")
+    beta = _as_coefficient(beta, "beta", channels, hidden_states.device)
+    if uses_beta(pde_type) and beta is None:
+        raise ValueError(f"`beta` is required for pde_type={pde_type!r}.")
+    if not uses_beta(pde_type):
+        beta = None
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
+        raise ValueError(
+            f"`attention_mask` must have shape [batch, seq] = [{batch}, {seq}] like `hidden_states`, "
+            f"got {tuple(attention_mask.shape)}."
+        )
+    if initial_state is not None:
+        if not causal:
+            raise ValueError("`initial_state` is only defined for causal=True.")
+        if tuple(initial_state.shape) != (batch, steps, channels):
+            raise ValueError(
+                f"`initial_state` must have shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
+                f"got {tuple(initial_state.shape)}."
+            )
+    return pde_type, alpha, beta
