@@ -84,6 +84,18 @@ if HAS_TRITON:
         return c
 
     @triton.jit
+    def _load_coefs(A, Bc, cols, cmask, A_VEC: tl.constexpr, B_VEC: tl.constexpr, PDE: tl.constexpr):
+        """(alpha, beta) of a kernel; beta is zero for the schemes without one."""
+        a = _load_coef(A, cols, cmask, A_VEC)
+        if PDE == _DIFF:
+            b = a * 0.0
+        elif PDE == _WAVE:
+            b = a * 0.0
+        else:
+            b = _load_coef(Bc, cols, cmask, B_VEC)
+        return a, b
+
+    @triton.jit
     def _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, PDE: tl.constexpr):
         ur = tl.gather(u, ir, 0)
         if PDE == _WAVE:
@@ -243,13 +255,7 @@ if HAS_TRITON:
         lmask = inseq & cmask
         x = tl.load(X + b64 * sxb + pos * sxl + cols, mask=lmask, other=0.0).to(tl.float32)
         g = tl.load(GY + b64 * sgb + pos * sgl + cols, mask=lmask, other=0.0).to(tl.float32)
-        a = _load_coef(A, cols, cmask, A_VEC)
-        if PDE == _DIFF:
-            b = a * 0.0
-        elif PDE == _WAVE:
-            b = a * 0.0
-        else:
-            b = _load_coef(Bc, cols, cmask, B_VEC)
+        a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, PDE)
         bp = tl.maximum(b, 0.0)
         bm = tl.minimum(b, 0.0)
         ol = vl * vprev
@@ -331,13 +337,7 @@ if HAS_TRITON:
             vl = tl.load(TM + b64 + cols * 0)
         else:
             vl = 1.0
-        a = _load_coef(A, cols, cmask, A_VEC)
-        if PDE == _DIFF:
-            b = a * 0.0
-        elif PDE == _WAVE:
-            b = a * 0.0
-        else:
-            b = _load_coef(Bc, cols, cmask, B_VEC)
+        a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, PDE)
         for s in range(STEPS):
             sp = S + b64 * ssb + s * ssl + cols
             left = tl.load(sp, mask=cmask, other=0.0)
