@@ -10,7 +10,7 @@
   config's class likewise (``model_type = "cta_patched_llama"``), the way ``torch.nn.utils.parametrize`` swaps a
   module's class. ``isinstance(model, LlamaForCausalLM)`` still holds, and ``save_pretrained`` writes a checkpoint
   that only loads *patched*: plain transformers does not know ``cta_patched_llama`` and refuses it without
-  ``trust_remote_code=True``; with it, the saved ``auto_map`` and the flat code files (this file + ``pde_cta.py``)
+  ``trust_remote_code=True``; with it, the saved ``auto_map`` and the flat code files (this file and its siblings)
   rebuild the patched model; missing or unexpected weights are an error.
 * Placements: ``embedding`` (input of the first block), ``value`` (output of ``v_proj`` / the value third of GPT-2's
   ``c_attn`` / BERT's ``value``, through a forward hook that the attention wrapper registers on whatever module is
@@ -36,14 +36,13 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from typing import Optional
 
-import torch
 import transformers
 from torch import nn
 
-from .pde_cache import CACHE_ARGUMENTS, check_pde_states, find_cache, missing_cache_error, pde_sites
+from .pde_cache import CACHE_ARGUMENTS, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
+from .patching_wrapper import CTAPatchWrapper, PatchContext, capturing_forward
 from .pde_cta import (
     MAX_PDE_STEPS,
     PAPER_COEFFICIENTS,
@@ -95,251 +94,6 @@ def _base_model_type(config) -> str:
     if model_type.startswith(PATCHED_MODEL_TYPE_PREFIX):
         model_type = model_type[len(PATCHED_MODEL_TYPE_PREFIX):]
     return model_type
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Per-forward context and the wrapper module
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class _PatchContext:
-    """Per-forward state shared by the wrappers of one model: the 2D padding mask and the cache in use.
-
-    The base model's forward captures it on entry and releases it on exit (:func:`_capturing_forward`).
-    """
-
-    def __init__(self, mask_position: Optional[int], cache_position: Optional[int], sites, model_name: str):
-        self.mask_position = mask_position
-        self.cache_position = cache_position
-        self.sites = sites  # (site, cache layer, conv state) of every causal PDE site
-        self.model_name = model_name
-        self.mask = None
-        self.cache = None
-        self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
-        self._step_mask = None  # the fp32 [batch, 1] mask of a one-token step, made once per forward
-
-    def capture(self, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if mask is None and self.mask_position is not None and len(args) > self.mask_position:
-            mask = args[self.mask_position]
-        # A 4D custom mask: no walls can be derived from it.
-        self.mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
-        self._padded = self._step_mask = None
-        cache = find_cache(kwargs)
-        if cache is None and self.cache_position is not None and len(args) > self.cache_position:
-            cache = args[self.cache_position]
-        self.cache = cache
-        if cache is not None and self.sites:
-            # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
-            check_pde_states(cache, self.sites, self.model_name)
-
-    def release(self):
-        self.mask = self.cache = self._padded = self._step_mask = None
-
-    def snapshot(self):
-        return self.mask, self.cache, self._padded, self._step_mask
-
-    def restore(self, state):
-        self.mask, self.cache, self._padded, self._step_mask = state
-
-    def token_mask(self, length: int):
-        mask = self.mask
-        if mask is None:
-            return None
-        if mask.shape[1] < length:
-            raise ValueError(
-                f"`attention_mask` has {mask.shape[1]} columns but the current input has {length} tokens; it must "
-                "cover the cached and the current tokens ([batch, past + seq])."
-            )
-        if length == 1 and not torch.compiler.is_compiling():
-            # One decoded token: its own column is the decode kernel's token mask, made once for all sites. Asking
-            # whether the whole mask is ones (to drop it) would cost a device synchronisation per token.
-            if self._step_mask is None:
-                self._step_mask = mask[:, -1:].to(torch.float32)
-            return self._step_mask
-        if self._padded is None:
-            # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
-            self._padded = torch.compiler.is_compiling() or not bool(mask.all())
-        return mask[:, -length:] if self._padded else None
-
-
-def _capturing_forward(module, *args, **kwargs):
-    """The base model's ``forward`` while patched (an instance attribute: ``functools.partial`` of this, as
-    accelerate's hooks do, so that a deep copy calls its own copy): captures the per-forward context around the
-    forward it replaced. Forward hooks would do the same, but any hook sends every call of the model through
-    ``nn.Module``'s general path, a per-token cost when decoding."""
-    context = module._cta_context
-    context.capture(args, kwargs)
-    try:
-        return module._cta_inner_forward(*args, **kwargs)
-    finally:
-        context.release()
-
-
-try:  # where transformers' `output_hidden_states` hooks put what they record (recent 5.x)
-    from transformers.utils.output_capturing import _active_collector as _output_collector
-except ImportError:
-    try:
-        from transformers.utils.generic import _active_collector as _output_collector
-    except ImportError:
-        _output_collector = None
-
-
-def _record_refined(unrefined, refined):
-    """transformers records ``output_hidden_states`` with a forward hook on each layer, which fires inside the
-    wrapper, before the refinement. The refined tensor is the layer's output as the next layer sees it: it replaces
-    the recorded one."""
-    collected = _output_collector.get() if _output_collector is not None else None
-    states = collected.get("hidden_states") if isinstance(collected, dict) else None
-    if states and states[-1] is unrefined:
-        states[-1] = refined
-
-
-def _first_tensor(output):
-    if torch.is_tensor(output):
-        return output
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    raise TypeError(f"CTA patch: cannot find the hidden states in an output of type {type(output).__name__}.")
-
-
-def _replace_first(output, value):
-    if torch.is_tensor(output):
-        return value
-    return type(output)((value, *output[1:])) if isinstance(output, tuple) else [value, *output[1:]]
-
-
-class CTAPatchWrapper(nn.Module):
-    """Wraps one module of a pretrained model and applies PDE refinement around it.
-
-    ``role="block"`` (a decoder/encoder layer): ``cta_embedding_pde`` refines the layer's input hidden states (first
-    layer only), ``cta_block_output_pde`` its output; it also publishes the layer's cache to the nested wrappers.
-    ``role="attention"``: ``cta_value_pde`` refines the value projection (``value_attr``; ``value_slice`` selects the
-    value part of a fused qkv projection), ``cta_attention_output_pde`` the attention output.
-    ``role="mlp"`` / ``role="output"``: ``cta_<placement>_pde`` refines the output.
-    """
-
-    def __init__(self, wrapped: nn.Module, role: str, pdes: dict, value_attr=None, value_slice=None,
-                 cache_position=None):
-        super().__init__()
-        self.wrapped = wrapped
-        self.role = role
-        self.placements = tuple(pdes)
-        for placement, module in pdes.items():
-            setattr(self, f"cta_{placement}_pde", module)
-        # Submodule names of the placements applied to the output, in order (looked up per call: PEFT may replace
-        # a PDE module by its own wrapper).
-        self._output_pde_names = tuple(
-            f"cta_{placement}_pde" for placement in ("attention_output", "mlp_output", "block_output") if placement in pdes
-        )
-        self.value_attr = value_attr
-        self.value_slice = value_slice
-        self.cache_position = cache_position
-        self._cta_context = None  # set by _apply_patch (a plain object, not a submodule)
-        self.site_name = None  # a block's name in errors, and whether its sites need the cache (set by _apply_patch)
-        self.placements_causal = False
-
-    def extra_repr(self) -> str:
-        return f"role={self.role}, placements={list(self.placements)}"
-
-    def __getattr__(self, name):
-        # Attributes the parent model reads on the wrapped module (e.g. Qwen2's `decoder_layer.attention_type`).
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "wrapped":
-                raise
-            return getattr(self.wrapped, name)
-
-    def _refine(self, pde_name, hidden_states, cache):
-        mask = self._cta_context.token_mask(hidden_states.shape[1]) if self._cta_context is not None else None
-        return getattr(self, pde_name)(hidden_states, mask, cache)
-
-    def forward(self, *args, **kwargs):
-        # Runs once per layer and token when decoding, where host time is the cost: plain attributes and dict
-        # lookups only (a submodule read through nn.Module.__getattr__ costs a failed lookup first).
-        context = self._cta_context
-        placements = self.placements
-        if self.role == "block":
-            cache = find_cache(kwargs)
-            if cache is None and self.cache_position is not None and len(args) > self.cache_position:
-                cache = args[self.cache_position]
-            if context is not None:
-                if cache is None and context.cache is not None and self.placements_causal:
-                    raise missing_cache_error(f"{self.site_name} ({', '.join(self.placements) or 'nested sites'})")
-                context.cache = cache
-            if "embedding" in placements:
-                if args:
-                    args = (self._refine("cta_embedding_pde", args[0], cache), *args[1:])
-                else:
-                    kwargs["hidden_states"] = self._refine("cta_embedding_pde", kwargs["hidden_states"], cache)
-        else:
-            cache = context.cache if context is not None else None
-
-        wrapped = self.wrapped
-        if "value" in placements:
-            handle = getattr(wrapped, self.value_attr).register_forward_hook(self._make_value_hook(cache))
-            try:
-                output = wrapped(*args, **kwargs)
-            finally:
-                handle.remove()
-        elif self.training and context is not None and wrapped.__dict__.get("gradient_checkpointing"):
-            output = self._call_checkpointed(wrapped, context, args, kwargs)
-        else:
-            output = wrapped(*args, **kwargs)
-
-        # Every decoded token passes here once per site, and a batch-1 step is host-bound: the common case (a tensor
-        # output, no mask, no hooks) costs no helper call.
-        for pde_name in self._output_pde_names:
-            plain = type(output) is torch.Tensor
-            hidden_states = output if plain else _first_tensor(output)
-            if context is None or context.mask is None:
-                mask = None
-            else:  # a one-token forward's mask, made once by its first site (every site has one token), or the lookup
-                mask = context._step_mask
-                if mask is None:
-                    mask = context.token_mask(hidden_states.shape[1])
-            refined = getattr(self, pde_name)(hidden_states, mask, cache)
-            _record_refined(hidden_states, refined)
-            output = refined if plain else _replace_first(output, refined)
-        return output
-
-    @staticmethod
-    def _call_checkpointed(wrapped, context, args, kwargs):
-        """Calls a layer that checkpoints its forward (transformers' gradient checkpointing). Its recomputation runs
-        in the backward pass, after this forward's context was released, and the wrappers nested in the layer read
-        the padding mask from that context: the checkpointed function runs with this call's context restored."""
-        checkpoint = wrapped.__dict__.get("_gradient_checkpointing_func")
-        if checkpoint is None:
-            return wrapped(*args, **kwargs)
-        state = context.snapshot()
-
-        def checkpoint_in_context(function, *checkpoint_args, **checkpoint_kwargs):
-            def run(*run_args, **run_kwargs):  # the forward and, later, its recomputation
-                saved = context.snapshot()
-                context.restore(state)
-                try:
-                    return function(*run_args, **run_kwargs)
-                finally:
-                    context.restore(saved)
-
-            return checkpoint(run, *checkpoint_args, **checkpoint_kwargs)
-
-        wrapped.__dict__["_gradient_checkpointing_func"] = checkpoint_in_context
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            wrapped.__dict__["_gradient_checkpointing_func"] = checkpoint
-
-    def _make_value_hook(self, cache):
-        def hook(module, args, output):
-            if self.value_slice is None:
-                return self._refine("cta_value_pde", output, cache)
-            low, high = self.value_slice
-            refined = self._refine("cta_value_pde", output[..., low:high], cache)
-            return torch.cat([output[..., :low], refined, output[..., high:]], dim=-1)
-
-        return hook
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -572,10 +326,10 @@ def _apply_patch(model, spec):
     num_layers = len(layers)
     mask_position = _signature_index(base.forward, "attention_mask")
     sites = pde_sites(num_layers, lambda i: pde_state_indices(spec, i, num_layers)) if spec["causal"] else []
-    context = _PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__)
+    context = PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__)
     base._cta_context = context
     base._cta_inner_forward = base.forward  # the bound class method, or an instance forward set before (accelerate)
-    base.forward = functools.update_wrapper(functools.partial(_capturing_forward, base), base._cta_inner_forward)
+    base.forward = functools.update_wrapper(functools.partial(capturing_forward, base), base._cta_inner_forward)
     if spec["pde_steps"] == 0:
         return model
     hidden = config.hidden_size
@@ -775,7 +529,7 @@ class CTAPatchedModelMixin:
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Saves weights (safetensors), the config (``model_type = cta_patched_*``, ``cta_patch``, ``auto_map``) and
-        the flat code files (``patching_cta.py``, ``pde_cta.py``) so that the folder reloads patched."""
+        the flat code files (``patching_cta.py`` and the siblings it imports) so that the folder reloads patched."""
         self.config.auto_map = auto_map_for(self.config)
         return super().save_pretrained(save_directory, *args, **kwargs)
 
