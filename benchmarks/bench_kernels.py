@@ -62,6 +62,9 @@ def parse_args():
     p.add_argument("--loop-calls", type=int, default=50, help="back-to-back eager calls of the *_loop timings")
     p.add_argument("--host-overhead", action="store_true",
                    help="only the small-shape host overhead against a one-op baseline (host_overhead_<gpu>.json)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --host-overhead: also a cProfile table of the cta calls' host time "
+                        "(host_profile_<gpu>.txt)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     return p.parse_args()
 
@@ -135,6 +138,23 @@ def host_overhead(args, gpu):
             torch.cuda.synchronize()
             rounds.append((time.perf_counter() - t0) / 400 * 1e6)
         result[name + "_us"] = statistics.median(rounds)
+    if args.profile:  # where the host time of the cta calls goes, by function
+        import cProfile
+        import io
+        import pstats
+
+        text = io.StringIO()
+        for name in ("cta_fwd", "cta_fwdbwd"):
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(400):
+                calls[name]()
+            torch.cuda.synchronize()
+            profiler.disable()
+            text.write(f"## {name}: 400 calls\n")
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        with open(os.path.join(args.out, f"host_profile_{gpu}.txt"), "w") as f:
+            f.write(text.getvalue())
     result["added_fwd_us"] = result["cta_fwd_us"] - result["baseline_fwd_us"]
     result["added_fwdbwd_us"] = result["cta_fwdbwd_us"] - result["baseline_fwdbwd_us"]
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
