@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from .pde_cache import check_pde_states, find_cache, missing_cache_error
@@ -195,7 +196,7 @@ class CTAPatchWrapper(nn.Module):
                 output = wrapped(*args, **kwargs)
             finally:
                 handle.remove()
-        elif self.training and context is not None and wrapped.__dict__.get("gradient_checkpointing"):
+        elif self.training and context is not None and getattr(wrapped, "gradient_checkpointing", False):
             output = self._call_checkpointed(wrapped, context, args, kwargs)
         else:
             output = wrapped(*args, **kwargs)
@@ -218,30 +219,23 @@ class CTAPatchWrapper(nn.Module):
 
     @staticmethod
     def _call_checkpointed(wrapped, context, args, kwargs):
-        """Calls a layer that checkpoints its forward (transformers' gradient checkpointing). Its recomputation runs
-        in the backward pass, after this forward's context was released, and the wrappers nested in the layer read
-        the padding mask from that context: the checkpointed function runs with this call's context restored."""
-        checkpoint = wrapped.__dict__.get("_gradient_checkpointing_func")
-        if checkpoint is None:
-            return wrapped(*args, **kwargs)
+        """Calls a layer that has transformers' gradient checkpointing on, checkpointing it here instead (torch's
+        non-reentrant checkpoint; the layer's own is off for the call). Its recomputation runs in the backward pass,
+        after this forward's context was released, and the wrappers nested in the layer read the padding mask from
+        that context: the checkpointed function runs with this call's context restored."""
         state = context.snapshot()
 
-        def checkpoint_in_context(function, *checkpoint_args, **checkpoint_kwargs):
-            def run(*run_args, **run_kwargs):  # the forward and, later, its recomputation
-                saved = context.snapshot()
-                context.restore(state)
-                try:
-                    return function(*run_args, **run_kwargs)
-                finally:
-                    context.restore(saved)
+        def run(*run_args):  # the forward and, later, its recomputation
+            saved = context.snapshot()
+            context.restore(state)
+            wrapped.gradient_checkpointing = False
+            try:
+                return wrapped(*run_args, **kwargs)
+            finally:
+                wrapped.gradient_checkpointing = True
+                context.restore(saved)
 
-            return checkpoint(run, *checkpoint_args, **checkpoint_kwargs)
-
-        wrapped.__dict__["_gradient_checkpointing_func"] = checkpoint_in_context
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            wrapped.__dict__["_gradient_checkpointing_func"] = checkpoint
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False)
 
     def _make_value_hook(self, cache):
         def hook(module, args, output):
