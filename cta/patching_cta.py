@@ -26,7 +26,8 @@
   ``number_of_conv_states`` counts the PDE sites per layer; the config's own ``layer_types`` are untouched (Qwen2/3
   index their masks with them).
 * ``output_hidden_states``: entry ``k`` is what layer ``k`` receives, i.e. the refined output of layer ``k - 1``
-  (transformers records it with hooks on the wrapped layers; the wrapper replaces the recorded tensor).
+  (transformers records it with hooks on the wrapped layers; the output placements refine in each wrapped
+  layer's first forward hook, so every later hook sees the refined output).
 * PEFT: ``LoraConfig(target_modules=[...], modules_to_save=pde_modules_to_save(model))`` trains LoRA and the PDE
   coefficients together and saves both in the adapter; :func:`mark_pde_trainable` trains the PDE alone.
 """
@@ -387,6 +388,8 @@ def _remove_patch_modules(model):
     # Unwrap deepest first so that nested wrappers (attention inside a block) are replaced inside their new parent.
     wrappers = [(name, m) for name, m in model.named_modules() if isinstance(m, CTAPatchWrapper)]
     for name, wrapper in sorted(wrappers, key=lambda item: -item[0].count(".")):
+        if wrapper.refine_hook is not None:
+            wrapper.refine_hook.remove()
         parent_name, _, attribute = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attribute, wrapper.wrapped)

@@ -89,25 +89,6 @@ def capturing_forward(module, *args, **kwargs):
         context.release()
 
 
-try:  # where transformers' `output_hidden_states` hooks put what they record (recent 5.x)
-    from transformers.utils.output_capturing import _active_collector as _output_collector
-except ImportError:
-    try:
-        from transformers.utils.generic import _active_collector as _output_collector
-    except ImportError:
-        _output_collector = None
-
-
-def _record_refined(unrefined, refined):
-    """transformers records ``output_hidden_states`` with a forward hook on each layer, which fires inside the
-    wrapper, before the refinement. The refined tensor is the layer's output as the next layer sees it: it replaces
-    the recorded one."""
-    collected = _output_collector.get() if _output_collector is not None else None
-    states = collected.get("hidden_states") if isinstance(collected, dict) else None
-    if states and states[-1] is unrefined:
-        states[-1] = refined
-
-
 def _first_tensor(output):
     if torch.is_tensor(output):
         return output
@@ -151,6 +132,10 @@ class CTAPatchWrapper(nn.Module):
         self._cta_context = None  # set by _apply_patch (a plain object, not a submodule)
         self.site_name = None  # a block's name in errors, and whether its sites need the cache (set by _apply_patch)
         self.placements_causal = False
+        # The output placements refine in the wrapped module's first forward hook, so that every later hook on it
+        # (transformers' `output_hidden_states` recording among them) sees the refined output the next layer gets.
+        self.refine_hook = (wrapped.register_forward_hook(self._refine_output, prepend=True)
+                            if self._output_pde_names else None)
 
     def extra_repr(self) -> str:
         return f"role={self.role}, placements={list(self.placements)}"
@@ -200,9 +185,12 @@ class CTAPatchWrapper(nn.Module):
             output = self._call_checkpointed(wrapped, context, args, kwargs)
         else:
             output = wrapped(*args, **kwargs)
+        return output
 
-        # Every decoded token passes here once per site, and a batch-1 step is host-bound: the common case (a tensor
-        # output, no mask, no hooks) costs no helper call.
+    def _refine_output(self, module, args, output):
+        """The wrapped module's first forward hook: refines its output with the output placements' PDE modules."""
+        context = self._cta_context
+        cache = context.cache if context is not None else None
         for pde_name in self._output_pde_names:
             plain = type(output) is torch.Tensor
             hidden_states = output if plain else _first_tensor(output)
@@ -213,7 +201,6 @@ class CTAPatchWrapper(nn.Module):
                 if mask is None:
                     mask = context.token_mask(hidden_states.shape[1])
             refined = getattr(self, pde_name)(hidden_states, mask, cache)
-            _record_refined(hidden_states, refined)
             output = refined if plain else _replace_first(output, refined)
         return output
 

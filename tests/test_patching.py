@@ -249,8 +249,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(arch, reentrant):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_hooks_on_wrappers_and_wrapped_layers_run(arch):
-    """The wrappers are called as ordinary modules: a global forward hook sees every wrapper, a hook on a wrapped layer
-    sees that layer's own (unrefined) output and a hook on its wrapper the refined one; hooks change no output."""
+    """The wrappers are called as ordinary modules: a global forward hook sees every wrapper; the refinement is a
+    wrapped layer's first forward hook, so a hook added to the layer sees the refined output (as its wrapper's hook
+    and the next layer do) and one prepended before it the layer's own; hooks change no output."""
     model = patch_model(tiny_model(arch), pde_steps=3, placement=list(PATCH_PLACEMENTS), init="paper")
     randomize_pde(model)
     ids, mask = batch(pad=4)
@@ -271,7 +272,9 @@ def test_hooks_on_wrappers_and_wrapped_layers_run(arch):
 
     block = next(w for w in wrappers if w.role == "block")
     outputs = {}
-    handles = [block.wrapped.register_forward_hook(lambda module, args, output: outputs.setdefault("layer", output)),
+    handles = [block.wrapped.register_forward_hook(lambda module, args, output: outputs.setdefault("layer", output),
+                                                   prepend=True),
+               block.wrapped.register_forward_hook(lambda module, args, output: outputs.setdefault("after", output)),
                block.register_forward_hook(lambda module, args, output: outputs.setdefault("wrapper", output))]
     try:
         hooked = logits(model, ids, mask)
@@ -279,8 +282,10 @@ def test_hooks_on_wrappers_and_wrapped_layers_run(arch):
         for handle in handles:
             handle.remove()
     torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
-    unrefined, refined = (out if torch.is_tensor(out) else out[0] for out in (outputs["layer"], outputs["wrapper"]))
-    assert (refined - unrefined).abs().max() > 1e-4  # the layer's hook saw its own output, the wrapper's the refined
+    unrefined, after, refined = (out if torch.is_tensor(out) else out[0]
+                                 for out in (outputs["layer"], outputs["after"], outputs["wrapper"]))
+    assert (refined - unrefined).abs().max() > 1e-4  # the prepended hook saw the layer's own output
+    assert torch.equal(after, refined)  # a hook added after the patch sees the refined one
 
 
 @pytest.mark.parametrize("placement", list(PATCH_PLACEMENTS) + ["all"])
