@@ -21,10 +21,10 @@ setup(
         "huggingface_hub>=1.0",
     ],
     extras_require={
-        "triton": ["triton>=3.0"],
+        "triton": ["triton>=3.4"],
         "examples": ["datasets>=3.0", "evaluate>=0.4", "matplotlib>=3.7", "scikit-learn>=1.3", "peft>=0.14"],
         "peft": ["peft>=0.14"],
-        "test": ["pytest>=8", "hypothesis>=6", "triton>=3.0", "peft>=0.14", "datasets>=3.0", "evaluate>=0.4",
+        "test": ["pytest>=8", "hypothesis>=6", "triton>=3.4", "peft>=0.14", "datasets>=3.0", "evaluate>=0.4",
                  "matplotlib>=3.7", "scikit-learn>=1.3"],
     },
     entry_points={"console_scripts": ["cta-hub=cta.hub:main"]},
