@@ -290,10 +290,10 @@ def pde_decode_step_triton(
         return pde_decode_step_reference(
             hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask
         )
-    tm = token_mask.to(hidden_states.device) if token_mask is not None else None
-    args = (hidden_states, state, alpha.to(hidden_states.device),
-            beta.to(hidden_states.device) if beta is not None else None, tm, PDE_IDS[pde], int(steps))
     if torch.compiler.is_compiling():
-        return _pde_decode_op(*args)
-    # Eager decode is latency-bound: the custom-op dispatcher costs ~150 us per call on an H200, the launch ~10 us.
-    return launch_decode(hidden_states, state, alpha, beta, tm, pde, int(steps))
+        device = hidden_states.device
+        return _pde_decode_op(hidden_states, state, alpha.to(device), beta.to(device) if beta is not None else None,
+                              token_mask.to(device) if token_mask is not None else None, PDE_IDS[pde], int(steps))
+    # Eager decode is latency-bound: the custom-op dispatcher costs ~150 us per call on an H200, the launch ~10 us;
+    # the launch moves the coefficients and the mask to the token's device itself.
+    return launch_decode(hidden_states, state, alpha, beta, token_mask, pde, int(steps))
