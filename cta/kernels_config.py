@@ -16,7 +16,6 @@ from typing import Tuple
 
 import torch
 
-from .kernels_jit import INTERPRET
 
 MAX_FUSED_STEPS = 16  # steps 1..16 run fused; more fall back to the PyTorch reference
 
@@ -157,24 +156,22 @@ def stream_entry(kind: str, causal: bool, steps: int, per_channel: bool) -> tupl
     return overrides.get(tuned, table[tuned])
 
 
-def uses_mma(x: torch.Tensor, kind: str, causal: bool, per_channel: bool, has_mask: bool, steps: int,
+def uses_mma(dtype: torch.dtype, kind: str, causal: bool, per_channel: bool, has_mask: bool, steps: int,
              linear: bool) -> bool:
-    """Whether a streaming launch runs its interior programs' filter on tensor cores."""
+    """Whether a streaming launch on 16-bit or fp32 inputs of ``dtype`` runs its interior programs' filter on tensor
+    cores."""
     if not linear or per_channel or has_mask or steps > MMA_MAX_STEPS:
         return False
     first = MMA_MIN_STEPS.get((kind, bool(causal)))
-    return (first is not None and steps >= first and x.dtype in (torch.bfloat16, torch.float16)
-            and (x.is_cuda or INTERPRET))
+    return first is not None and steps >= first and dtype in (torch.bfloat16, torch.float16)
 
 
-def stream_plan(x: torch.Tensor, kind: str, steps: int, causal: bool, per_channel: bool, has_mask: bool,
-                linear: bool) -> Tuple[int, int, int, int, int, int]:
-    """(T, BLOCK_C, num_warps, D, U, mma) of one streaming launch: the tensor-core filter's programs where it applies
-    and the channels fill whole blocks of them (``mma`` = 1 + blocks loaded ahead), the register filter's otherwise
-    (``mma`` = 0)."""
-    _, seq, channels = x.shape
-    on_gpu = x.device.type == "cuda"
-    if uses_mma(x, kind, causal, per_channel, has_mask, steps, linear):
+def stream_plan(seq: int, channels: int, dtype: torch.dtype, on_gpu: bool, kind: str, steps: int, causal: bool,
+                per_channel: bool, has_mask: bool, linear: bool) -> Tuple[int, int, int, int, int, int]:
+    """(T, BLOCK_C, num_warps, D, U, mma) of one streaming launch on ``[batch, seq, channels]`` inputs of ``dtype``
+    (on a GPU, else in the interpreter): the tensor-core filter's programs where it applies and the channels fill whole
+    blocks of them (``mma`` = 1 + blocks loaded ahead), the register filter's otherwise (``mma`` = 0)."""
+    if uses_mma(dtype, kind, causal, per_channel, has_mask, steps, linear):
         cfg = MMA_CONFIGS[(kind, bool(causal))] if on_gpu else INTERPRETER_MMA_CONFIG
         t, block_c = fit_program(seq, channels, *cfg[:2])
         if channels % block_c == 0 and t % MMA_BLOCK == 0:

@@ -80,7 +80,7 @@ if HAS_TRITON:
             c = tl.load(P + cols, mask=cmask, other=0.0)
         else:
             c = tl.load(P + cols * 0)
-        return c
+        return c.to(tl.float32)
 
     @triton.jit
     def _load_coefs(A, Bc, cols, cmask, A_VEC: tl.constexpr, B_VEC: tl.constexpr, PDE: tl.constexpr):
@@ -322,9 +322,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _pde_decode_kernel(
-        X, Y, S, TM, A, Bc, C, sxb, ssb, ssl,
+        X, Y, S, TM, A, Bc, C, sxb, ssb, ssl, stm,
         PDE: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr,
         A_VEC: tl.constexpr, B_VEC: tl.constexpr, BLOCK_C: tl.constexpr,
+        CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
     ):
         pid_c = tl.program_id(0)
         b64 = tl.program_id(1).to(tl.int64)
@@ -332,11 +333,14 @@ if HAS_TRITON:
         cmask = cols < C
         u = tl.load(X + b64 * sxb + cols, mask=cmask, other=0.0).to(tl.float32)
         v = u * 0.0
-        if HAS_MASK:
-            vl = tl.load(TM + b64 + cols * 0)
+        if HAS_MASK:  # the token's attention-mask entry, in the mask's own dtype
+            vl = tl.load(TM + b64 * stm + cols * 0).to(tl.float32)
         else:
             vl = 1.0
         a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, PDE)
+        if CLAMP:  # the learnable module's projection onto the stable bounds (no clamp launch per token)
+            a = tl.minimum(tl.maximum(a, A_LO), A_HI)
+            b = tl.minimum(tl.maximum(b, B_LO), B_HI)
         for s in range(STEPS):
             sp = S + b64 * ssb + s * ssl + cols
             left = tl.load(sp, mask=cmask, other=0.0)

@@ -9,6 +9,7 @@ any batch / sequence strides; offsets are 64-bit.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -30,6 +31,7 @@ from .pde_spec import PDE_IDS
 
 SUM_ROWS_BLOCK = 512  # channels per program of the coefficient gradient's row sum
 DECODE_WARPS = 4
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _channels_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -43,17 +45,17 @@ def is_per_channel(c: Optional[torch.Tensor], channels: int) -> bool:
 
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:
     """A coefficient as the streaming kernels read it (any float dtype, converted in the kernel): (tensor,
-    is_vector). A scalar stays a scalar: the filter taps are then computed once per program, not once per channel
-    (5-13% faster at 8 steps than a scalar expanded per channel)."""
+    is_vector). A scalar stays a scalar (0-d or one element): the filter taps are then computed once per program, not
+    once per channel (5-13% faster at 8 steps than a scalar expanded per channel)."""
     if c is None:
         return like, False
-    if is_per_channel(c, like.shape[-1]):
+    if c.dim() == 1 and c.shape[0] == like.shape[-1]:
         return (c if c.stride(0) == 1 else c.contiguous()), True
-    return c.reshape(1), False
+    return c, False
 
 
 def _fp32_coef(c: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """A coefficient as the tile and decode kernels read it: fp32 ``[1]`` or ``[channels]`` (zeros when absent)."""
+    """A coefficient as the tile kernel reads it: fp32 ``[1]`` or ``[channels]`` (zeros when absent)."""
     if c is None:
         return torch.zeros(1, device=like.device, dtype=torch.float32)
     return c.detach().to(device=like.device, dtype=torch.float32).reshape(-1).contiguous()
@@ -67,15 +69,15 @@ def _mask_arg(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return mask if mask.is_contiguous() else mask.contiguous()
 
 
-def coef_grad_shape(c: Optional[torch.Tensor], channels: int) -> Tuple[int]:
-    """Shape of a coefficient's gradient as the backward returns it: [channels] for a per-channel coefficient, [1]
+def coef_grad_shape(c: Optional[torch.Tensor], channels: int) -> Tuple[int, ...]:
+    """Shape of a coefficient's gradient as the backward returns it: [channels] for a per-channel coefficient, 0-d
     for a scalar or an absent one."""
-    return (channels,) if is_per_channel(c, channels) else (1,)
+    return (channels,) if is_per_channel(c, channels) else ()
 
 
 def _fit_coef_grad(g: torch.Tensor, c: Optional[torch.Tensor], channels: int) -> torch.Tensor:
     """``g`` (per channel or one value) summed as far as ``c``'s gradient shape."""
-    return g if g.shape == coef_grad_shape(c, channels) else g.sum().reshape(1)
+    return g if g.dim() == (1 if is_per_channel(c, channels) else 0) else g.sum()
 
 
 def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -86,85 +88,108 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final):
+# Eager calls are host-bound at small shapes: everything a streaming launch derives from its inputs' metadata (the
+# configuration, the generated kernel, the grid, the integer arguments) is computed once per distinct metadata and
+# cached, so that a repeated call costs a dict lookup and Triton's launch.
+
+
+@functools.lru_cache(maxsize=4096)
+def _forward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, dtype, on_gpu, a_vec, b_vec, has_mask,
+                    has_init, write_final):
+    """(launcher, integer arguments, num_warps) of the streaming forward for one input's metadata."""
+    per_channel = a_vec or b_vec
+    t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "fwd", steps, causal, per_channel,
+                                                    has_mask, is_linear(pde, causal, has_init))
+    static = static_rows("fwd", causal, per_channel, unroll, mma)
+    kernel = stream_kernel((
+        "fwd", pde, causal, steps, d, has_mask, a_vec, b_vec, has_init, write_final, channels % block_c == 0,
+        unroll, mma, walls_mode("fwd", seq, steps, causal, has_init, write_final, per_channel, mma > 0), False,
+        ("fwd", causal, per_channel) in FIR_POINTER_STEPS, static,
+    ))
+    ints, consts = stream_args("fwd", static, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl)
+    return kernel[(cdiv(channels, block_c), cdiv(seq, t), batch)], ints + consts, warps
+
+
+def _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal):
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
-    per_channel = a_vec or b_vec
-    has_init = init is not None and bool(causal)
-    t, block_c, warps, d, unroll, mma = stream_plan(x, "fwd", steps, causal, per_channel, m is not None,
-                                                    is_linear(pde, causal, init is not None))
+    has_init = init is not None and causal
+    launch, ints, warps = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1),
+                                          x.dtype, x.is_cuda, a_vec, b_vec, m is not None, has_init, fin is not None)
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else x
-    write_final = bool(causal and want_final)
-    static = static_rows("fwd", causal, per_channel, unroll, mma)
+    launch(x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints, num_warps=warps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sgl, dtype, on_gpu, a_vec, b_vec,
+                     has_mask, deterministic):
+    """(launcher, integer arguments, num_warps, shape of the coefficient-gradient buffer, atomic, groups) of the
+    streaming backward for one input's metadata."""
+    per_channel = a_vec or b_vec
+    t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "bwd", steps, causal, per_channel,
+                                                    has_mask, True)
+    n_tiles = cdiv(seq, t)
+    static = static_rows("bwd", causal, per_channel, unroll, mma)
+    # per channel: atomics into a few [channels] rows; deterministic: [tiles, channels] partial sums in fixed order
+    atomic = per_channel and not deterministic
+    groups = coef_grad_groups(channels, batch * n_tiles) if atomic else 1
+    if atomic:
+        da_shape = (groups, channels)
+    else:
+        da_shape = (batch * n_tiles, channels if per_channel else cdiv(channels, block_c))
     kernel = stream_kernel((
-        "fwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec, has_init, write_final,
-        channels % block_c == 0, unroll, mma,
-        walls_mode("fwd", seq, steps, causal, has_init, write_final, per_channel, mma > 0), False,
-        ("fwd", bool(causal), per_channel) in FIR_POINTER_STEPS, static,
+        "bwd", pde, causal, steps, d, has_mask, a_vec, b_vec, False, False, channels % block_c == 0,
+        unroll, mma, walls_mode("bwd", seq, steps, causal, False, False, per_channel, mma > 0), atomic,
+        ("bwd", causal, per_channel) in FIR_POINTER_STEPS, static,
     ))
-    ints, consts = stream_args("fwd", static, t, block_c, L=seq, C=channels, sxb=x.stride(0), sxl=x.stride(1))
-    grid = (cdiv(channels, block_c), cdiv(seq, t), batch)
-    kernel[grid](x, y, m if m is not None else x, a, b, ini, fin if write_final else x, *ints, *consts,
-                 num_warps=warps)
+    ints, consts = stream_args("bwd", static, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl, sgb=sgb, sgl=sgl,
+                               n_tiles=n_tiles, n_groups=groups)
+    launch = kernel[(cdiv(channels, block_c), n_tiles, batch)]
+    return launch, ints + consts, warps, da_shape, atomic, groups
 
 
 def _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     """Runs the streaming backward; returns the gradient of the kernel's coefficient summed to [channels] when it is
-    per channel, to [1] when it is a scalar (each program then writes one partial sum, not one per channel)."""
+    per channel, to one value (0-d) when it is a scalar (each program then writes one partial sum, not one per
+    channel)."""
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
-    per_channel = a_vec or b_vec
-    t, block_c, warps, d, unroll, mma = stream_plan(x, "bwd", steps, causal, per_channel, m is not None, True)
-    n_tiles = cdiv(seq, t)
-    static = static_rows("bwd", causal, per_channel, unroll, mma)
-    # per channel: atomics into a few [channels] rows; deterministic: [tiles, channels] partial sums in fixed order
-    atomic = per_channel and not torch.are_deterministic_algorithms_enabled()
-    groups = coef_grad_groups(channels, batch * n_tiles) if atomic else 1
+    launch, ints, warps, da_shape, atomic, groups = _backward_launch(
+        pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
+        x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(),
+    )
     if atomic:
-        da = torch.zeros((groups, channels), device=x.device, dtype=torch.float32)
+        da = torch.zeros(da_shape, device=x.device, dtype=torch.float32)
     else:
-        partial = channels if per_channel else cdiv(channels, block_c)
-        da = torch.empty((batch * n_tiles, partial), device=x.device, dtype=torch.float32)
-    kernel = stream_kernel((
-        "bwd", pde, bool(causal), steps, d, m is not None, a_vec, b_vec, False, False, channels % block_c == 0,
-        unroll, mma, walls_mode("bwd", seq, steps, causal, False, False, per_channel, mma > 0), atomic,
-        ("bwd", bool(causal), per_channel) in FIR_POINTER_STEPS, static,
-    ))
-    ints, consts = stream_args("bwd", static, t, block_c, L=seq, C=channels, sxb=x.stride(0), sxl=x.stride(1),
-                               sgb=gy.stride(0), sgl=gy.stride(1), n_tiles=n_tiles, n_groups=groups)
-    grid = (cdiv(channels, block_c), n_tiles, batch)
-    kernel[grid](gy, x, dx, m if m is not None else x, a, b, da, *ints, *consts, num_warps=warps)
+        da = torch.empty(da_shape, device=x.device, dtype=torch.float32)
+    launch(gy, x, dx, m if m is not None else x, a, b, da, *ints, num_warps=warps)
     if atomic:
         return da[0] if groups == 1 else _sum_rows(da)
-    return da.sum(0) if per_channel else da.sum().reshape(1)
+    return da.sum(0) if (a_vec or b_vec) else da.sum()
 
 
 def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, want_final: bool):
     """(y, final state): ``steps`` fused steps (1..MAX_FUSED_STEPS) of ``pde`` on ``x``; the final state is
-    ``[batch, steps, channels]`` fp32 for a causal ``want_final``, else empty."""
+    ``[batch, steps, channels]`` fp32 for a causal ``want_final``, else None."""
     x = _channels_contiguous(x)
-    batch, seq, channels = x.shape
-    y = torch.empty((batch, seq, channels), device=x.device, dtype=x.dtype)
-    if causal and want_final:
-        fin = x.new_zeros((batch, steps, channels), dtype=torch.float32)
-    else:  # nothing to fill: an empty tensor costs no fill launch
-        fin = x.new_empty((batch, 0, channels), dtype=torch.float32)
+    y = x.new_empty(x.shape)
+    fin = x.new_zeros((x.shape[0], steps, x.shape[2]), dtype=torch.float32) if causal and want_final else None
     if y.numel():
-        _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal, want_final)
+        _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal)
     return y, fin
 
 
 def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, need_db: bool = True):
-    """(dx, dalpha summed to ``coef_grad_shape(alpha)``, dbeta likewise). ``need_db=False`` (eager autograd without
-    a ``beta``) returns None for dbeta of the streaming backward instead of a tensor of zeros."""
+    """(dx, dalpha in ``coef_grad_shape(alpha)``, dbeta likewise), fp32 coefficient gradients. ``need_db=False``
+    (eager autograd without a ``beta``) returns None for dbeta of the streaming backward instead of a zero."""
     x = _channels_contiguous(x)
     gy = _channels_contiguous(gy)
     batch, seq, channels = x.shape
-    dx = torch.empty((batch, seq, channels), device=x.device, dtype=x.dtype)
+    dx = x.new_empty(x.shape)
     linear = is_linear(pde, causal, init is not None)
     if dx.numel() > 0 and steps > 0 and linear:
         dc = _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal)
@@ -199,23 +224,48 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
     return dx, _fit_coef_grad(da, alpha, channels), _fit_coef_grad(db, beta, channels)
 
 
-def launch_decode(x, state, alpha, beta, token_mask, pde: str, steps: int) -> torch.Tensor:
+def _token_mask_arg(token_mask: Optional[torch.Tensor], x: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """(tensor, stride between sequences) of a decode step's token mask (one entry per sequence, read in its own
+    dtype: an attention mask's ``[batch, 1]`` column is passed as it is)."""
+    if token_mask is None:
+        return x, 0
+    tm = token_mask if token_mask.device == x.device else token_mask.to(x.device)
+    if tm.dtype == torch.bool:
+        tm = tm.view(torch.uint8)
+    if tm.dim() == 0:
+        return tm, 0
+    if tm.shape[0] != x.shape[0]:  # e.g. [1, batch]
+        tm = tm.reshape(-1)
+    return tm, tm.stride(0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decode_launch(pde, steps, batch, channels, has_mask, a_vec, b_vec, bounds):
+    """(launcher, constexpr arguments) of the decode kernel."""
+    block_c = min(next_pow2(channels), 1024)
+    unbounded = (-FLOAT32_MAX, FLOAT32_MAX)
+    (a_lo, a_hi), (b_lo, b_hi) = (bounds[0], bounds[1] or unbounded) if bounds is not None else (unbounded,) * 2
+    consts = (PDE_IDS[pde], steps, has_mask, a_vec, b_vec, block_c, bounds is not None,
+              float(a_lo), float(a_hi), float(b_lo), float(b_hi))
+    return _pde_decode_kernel[(cdiv(channels, block_c), batch)], consts
+
+
+def launch_decode(x, state, alpha, beta, token_mask, pde: str, steps: int, bounds=None) -> torch.Tensor:
     """One new token ``x`` ``[batch, channels]``: returns the refined token and updates ``state`` (fp32
-    ``[batch, steps, channels]``, contiguous channels) in place."""
+    ``[batch, steps, channels]``, contiguous channels) in place. ``token_mask``: one entry per sequence, any dtype
+    and shape (e.g. the ``[batch, 1]`` column of an attention mask). ``bounds``: ``((alpha_min, alpha_max),
+    (beta_min, beta_max) | None)`` the kernel clamps the coefficients into first, or None."""
     x = _channels_contiguous(x)
-    y = torch.empty((x.shape[0], x.shape[-1]), device=x.device, dtype=x.dtype)
+    y = x.new_empty(x.shape)
     if y.numel() == 0:
         return y
     if state.stride(-1) != 1:
         raise ValueError("`state` must have contiguous channels (stride 1 along its last dimension).")
-    a = _fp32_coef(alpha, x)
-    b = _fp32_coef(beta, x) if beta is not None else a  # (never read for diffusion / wave)
-    tm = token_mask.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous() if token_mask is not None else x
-    channels = x.shape[-1]
-    block_c = min(next_pow2(channels), 1024)
-    _pde_decode_kernel[(cdiv(channels, block_c), x.shape[0])](
-        x, y, state, tm, a, b, channels, x.stride(0), state.stride(0), state.stride(1),
-        PDE_IDS[pde], steps, token_mask is not None, a.numel() > 1, beta is not None and b.numel() > 1, block_c,
-        num_warps=DECODE_WARPS,
-    )
+    device = x.device
+    a, a_vec = _coef_arg(alpha if alpha.device == device else alpha.to(device), x)
+    b, b_vec = _coef_arg(beta if beta is None or beta.device == device else beta.to(device), x)
+    tm, tm_stride = _token_mask_arg(token_mask, x)
+    launch, consts = _decode_launch(pde, steps, x.shape[0], x.shape[1], token_mask is not None, a_vec, b_vec, bounds)
+    launch(x, y, state, tm, a, b, x.shape[1], x.stride(0), state.stride(0), state.stride(1), tm_stride, *consts,
+           num_warps=DECODE_WARPS)
     return y

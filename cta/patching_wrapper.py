@@ -29,7 +29,7 @@ class PatchContext:
         self.mask = None
         self.cache = None
         self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
-        self._step_mask = None  # the fp32 [batch, 1] mask of a one-token step, made once per forward
+        self._step_mask = None  # the [batch, 1] mask column of a one-token step, taken once per forward
 
     def capture(self, args, kwargs):
         mask = kwargs.get("attention_mask")
@@ -68,7 +68,7 @@ class PatchContext:
             # One decoded token: its own column is the decode kernel's token mask, made once for all sites. Asking
             # whether the whole mask is ones (to drop it) would cost a device synchronisation per token.
             if self._step_mask is None:
-                self._step_mask = mask[:, -1:].to(torch.float32)
+                self._step_mask = mask[:, -1:]  # (a view: the kernel reads the mask's own dtype)
             return self._step_mask
         if self._padded is None:
             # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.

@@ -43,9 +43,9 @@ def _triton_module():
     """``cta.triton_cta`` when Triton can run here (CUDA, or the interpreter), else None; looked up once."""
     if not _TRITON_MODULE:
         try:  # a `from .x import` line: transformers' remote-code loader copies the files such lines name
-            from .triton_cta import is_available
+            from .triton_cta import pde_refine_triton
 
-            triton_cta = sys.modules[is_available.__module__]
+            triton_cta = sys.modules[pde_refine_triton.__module__]
         except ImportError:
             triton_cta = None
         _TRITON_MODULE.append(triton_cta if triton_cta is not None and triton_cta.is_available() else None)
@@ -98,9 +98,7 @@ def pde_refine(
     stability guarantee; :class:`PDERefinement` keeps its coefficients inside them.
     """
     if _use_triton(backend, hidden_states):
-        from .triton_cta import pde_refine_triton
-
-        return pde_refine_triton(
+        return _triton_module().pde_refine_triton(
             hidden_states,
             pde_type=pde_type,
             steps=steps,
@@ -128,17 +126,14 @@ def pde_refine(
 # decode kernel's custom op: inductor then fuses it (coefficient clamp, the S levels, the state write) with the
 # residual add before it and the norm after it, where the opaque op cost about three extra launches per site in a
 # CUDA-graph step (`benchmarks/bench_compiled_decode.py`).
-def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto"):
+def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto",
+                    coefficient_bounds=None):
     """Dispatching wrapper of :func:`pde_decode_step_reference` (updates ``state`` in place)."""
+    kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask,
+                  coefficient_bounds=coefficient_bounds)
     if _use_triton(backend, hidden_states) and not torch.compiler.is_compiling():
-        from .triton_cta import pde_decode_step_triton
-
-        return pde_decode_step_triton(
-            hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask
-        )
-    return pde_decode_step_reference(
-        hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask
-    )
+        return _triton_module().pde_decode_step_triton(hidden_states, state, **kwargs)
+    return pde_decode_step_reference(hidden_states, state, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -226,6 +221,7 @@ class PDERefinement(nn.Module):
         self.state_idx = state_idx
         alpha_bounds, beta_bounds = coefficient_bounds(self.pde_type, self.causal)
         self.alpha_bounds, self.beta_bounds = alpha_bounds, beta_bounds
+        self.bounds = (alpha_bounds, beta_bounds)
         shape = (channels,) if per_channel else ()
         self.alpha_init = float(alpha)
         self.alpha = nn.Parameter(torch.full(shape, self.alpha_init))
@@ -246,6 +242,15 @@ class PDERefinement(nn.Module):
         beta = project_coefficient(self.beta, self.beta_bounds) if self.beta is not None else None
         return alpha, beta
 
+    def _decode_step(self, hidden_states, state, attention_mask):
+        """One token ``[batch, 1, channels]``: the decode step on the raw parameters, projected onto their bounds in
+        the step itself (decode is host-bound: one launch per site and token, no clamp launches)."""
+        out = pde_decode_step(
+            hidden_states.select(1, 0), state, pde_type=self.pde_type, steps=self.steps, alpha=self.alpha,
+            beta=self.beta, token_mask=attention_mask, backend=self.backend, coefficient_bounds=self.bounds,
+        )
+        return out.unsqueeze(1)
+
     def forward(self, hidden_states, attention_mask=None, cache=None):
         if self.steps == 0:
             return hidden_states
@@ -254,6 +259,11 @@ class PDERefinement(nn.Module):
             if self.layer_idx is None:
                 raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
             state = cached_pde_state(cache, self.layer_idx, self.state_idx)
+            if state is not None and hidden_states.shape[1] == 1 and not (
+                torch.is_grad_enabled() and (hidden_states.requires_grad or self.alpha.requires_grad
+                                             or (self.beta is not None and self.beta.requires_grad))
+            ):  # one decoded token (the decode kernel has no backward: under autograd the chunked path below)
+                return self._decode_step(hidden_states, state, attention_mask)
         alpha, beta = self.coefficients()
         kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
         if cache is None or not self.causal:
@@ -263,11 +273,6 @@ class PDERefinement(nn.Module):
         differentiable = torch.is_grad_enabled() and (
             hidden_states.requires_grad or alpha.requires_grad or (beta is not None and beta.requires_grad)
         )
-        # The decode kernels have no backward: under autograd a one-token step takes the chunked path below.
-        if state is not None and hidden_states.shape[1] == 1 and not differentiable:
-            token_mask = None if attention_mask is None else attention_mask[:, 0]
-            out = pde_decode_step(hidden_states[:, 0], state, token_mask=token_mask, backend=self.backend, **kwargs)
-            return out[:, None]
         if differentiable and state is not None:
             state = state.clone()  # autograd may save it, and the cache's buffer is overwritten below
         out, final_state = pde_refine(

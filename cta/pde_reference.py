@@ -52,7 +52,7 @@ from typing import Optional
 
 import torch
 
-from .pde_spec import WAVE_DAMPING, check_pde_arguments
+from .pde_spec import WAVE_DAMPING, check_decode_arguments, check_pde_arguments, clamp_coefficients
 
 
 
@@ -153,12 +153,20 @@ def pde_decode_step_reference(
     alpha,
     beta=None,
     token_mask: Optional[torch.Tensor] = None,
+    coefficient_bounds=None,
 ):
     """One causal decode step (the ``update`` to :func:`pde_refine`'s ``fn``, as in causal-conv1d).
 
     ``hidden_states`` is ``[batch, channels]`` (the new token), ``state`` ``[batch, steps, channels]`` fp32 as returned
-    by ``pde_refine(..., causal=True, return_final_state=True)``; it is updated in place. Returns the refined token.
+    by ``pde_refine(..., causal=True, return_final_state=True)``; it is updated in place. ``token_mask``: one entry per
+    sequence (0: padding, returned unchanged). ``coefficient_bounds``: ``((alpha_min, alpha_max), (beta_min,
+    beta_max) | None)`` to clamp the coefficients into first (what :class:`PDERefinement`'s projection does), or
+    None. Returns the refined token.
     """
+    pde_type, alpha, beta, bounds = check_decode_arguments(
+        hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds
+    )
+    alpha, beta = clamp_coefficients(alpha, beta, bounds)
     out, new_state = pde_refine_reference(
         hidden_states.unsqueeze(1),
         pde_type=pde_type,

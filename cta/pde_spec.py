@@ -33,6 +33,8 @@ COEFFICIENT_BOUNDS = {
     ("advection_diffusion", True): ((0.0, 0.25), (0.0, 0.5)),
 }
 
+_KNOWN_BOUNDS = frozenset(COEFFICIENT_BOUNDS.values())
+
 # Coefficients of the paper (Zhang & Zhou 2025): alpha = 0.1 for diffusion; beta values are ours (the paper gives none).
 PAPER_COEFFICIENTS = {
     "diffusion": (0.1, None),
@@ -44,6 +46,8 @@ PAPER_COEFFICIENTS = {
 
 def normalize_pde_type(pde_type: str, argument: str = "pde_type") -> str:
     """Returns the canonical spelling of ``pde_type`` or raises a ValueError naming ``argument``."""
+    if pde_type in PDE_TYPES:  # (the canonical spelling: every call after the first in a model)
+        return pde_type
     if isinstance(pde_type, str):
         name = PDE_TYPE_ALIASES.get(pde_type.lower(), pde_type.lower())
         if name in PDE_TYPES:
@@ -82,6 +86,22 @@ def _as_coefficient(value, name: str, channels: int, device) -> Optional[torch.T
     return value
 
 
+def _check_operator(pde_type, steps, alpha, beta, channels: int, device):
+    """(pde_type, alpha, beta) normalised: the checks every entry point shares."""
+    pde_type = normalize_pde_type(pde_type)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps > MAX_PDE_STEPS:
+        raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
+    alpha = _as_coefficient(alpha, "alpha", channels, device)
+    if alpha is None:
+        raise ValueError("`alpha` is required.")
+    beta = _as_coefficient(beta, "beta", channels, device) if beta is not None else None
+    if COEFFICIENT_BOUNDS[(pde_type, False)][1] is None:
+        beta = None
+    elif beta is None:
+        raise ValueError(f"`beta` is required for pde_type={pde_type!r}.")
+    return pde_type, alpha, beta
+
+
 def check_pde_arguments(
     hidden_states: torch.Tensor,
     pde_type: str,
@@ -92,25 +112,17 @@ def check_pde_arguments(
     initial_state: Optional[torch.Tensor] = None,
     causal: bool = False,
 ):
-    """Validates the arguments of :func:`pde_refine`; returns ``(pde_type, alpha, beta)`` normalised."""
-    pde_type = normalize_pde_type(pde_type)
+    """Validates the arguments of :func:`pde_refine`; returns ``(pde_type, alpha, beta)`` normalised (a float
+    coefficient as a 0-d tensor on ``hidden_states``' device, a one-element one as 0-d; ``beta`` None for the schemes
+    without one)."""
     if not torch.is_tensor(hidden_states) or hidden_states.dim() != 3:
         shape = tuple(hidden_states.shape) if torch.is_tensor(hidden_states) else type(hidden_states)
         raise ValueError(f"`hidden_states` must have shape [batch, seq, channels], got {shape}.")
     if not hidden_states.is_floating_point():
         raise ValueError(f"`hidden_states` must be a floating point tensor, got dtype {hidden_states.dtype}.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps > MAX_PDE_STEPS:
-        raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
     batch, seq, channels = hidden_states.shape
-    alpha = _as_coefficient(alpha, "alpha", channels, hidden_states.device)
-    if alpha is None:
-        raise ValueError("`alpha` is required.")
-    beta = _as_coefficient(beta, "beta", channels, hidden_states.device)
-    if uses_beta(pde_type) and beta is None:
-        raise ValueError(f"`beta` is required for pde_type={pde_type!r}.")
-    if not uses_beta(pde_type):
-        beta = None
-    if attention_mask is not None and tuple(attention_mask.shape) != (batch, seq):
+    pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device)
+    if attention_mask is not None and attention_mask.shape != (batch, seq):
         raise ValueError(
             f"`attention_mask` must have shape [batch, seq] = [{batch}, {seq}] like `hidden_states`, "
             f"got {tuple(attention_mask.shape)}."
@@ -118,9 +130,56 @@ def check_pde_arguments(
     if initial_state is not None:
         if not causal:
             raise ValueError("`initial_state` is only defined for causal=True.")
-        if tuple(initial_state.shape) != (batch, steps, channels):
+        if initial_state.shape != (batch, steps, channels):
             raise ValueError(
                 f"`initial_state` must have shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
                 f"got {tuple(initial_state.shape)}."
             )
     return pde_type, alpha, beta
+
+
+def _check_bounds(bounds):
+    """``coefficient_bounds`` as a hashable ``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` of floats."""
+    if bounds is None or (type(bounds) is tuple and bounds in _KNOWN_BOUNDS):
+        return bounds
+    try:
+        alpha_bounds, beta_bounds = bounds
+        pairs = tuple(None if pair is None else (float(pair[0]), float(pair[1])) for pair in (alpha_bounds, beta_bounds))
+    except (TypeError, ValueError, IndexError):
+        pairs = (None, None)
+    if pairs[0] is None:
+        raise ValueError(
+            "`coefficient_bounds` must be ((alpha_min, alpha_max), (beta_min, beta_max) or None), as "
+            f"`coefficient_bounds(pde_type, causal)` returns, got {bounds!r}."
+        )
+    return pairs
+
+
+def check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds=None):
+    """Validates the arguments of :func:`pde_decode_step`; returns ``(pde_type, alpha, beta, coefficient_bounds)``
+    normalised as :func:`check_pde_arguments` does."""
+    if not torch.is_tensor(hidden_states) or hidden_states.dim() != 2 or not hidden_states.is_floating_point():
+        shape = tuple(hidden_states.shape) if torch.is_tensor(hidden_states) else type(hidden_states)
+        raise ValueError(f"`hidden_states` must be a floating point tensor of shape [batch, channels], got {shape}.")
+    batch, channels = hidden_states.shape
+    pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device)
+    if not torch.is_tensor(state) or state.shape != (batch, steps, channels) or state.dtype != torch.float32:
+        got = (tuple(state.shape), state.dtype) if torch.is_tensor(state) else type(state)
+        raise ValueError(
+            f"`state` must be a float32 tensor of shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
+            f"got {got}."
+        )
+    if token_mask is not None and token_mask.numel() != batch:
+        raise ValueError(f"`token_mask` must have {batch} elements (one per sequence), got {tuple(token_mask.shape)}.")
+    return pde_type, alpha, beta, _check_bounds(coefficient_bounds)
+
+
+def clamp_coefficients(alpha, beta, bounds):
+    """``(alpha, beta)`` clamped into ``bounds`` (``((alpha_min, alpha_max), (beta_min, beta_max) | None)``, or None:
+    unchanged)."""
+    if bounds is None:
+        return alpha, beta
+    alpha = alpha.clamp(*bounds[0])
+    if beta is not None and bounds[1] is not None:
+        beta = beta.clamp(*bounds[1])
+    return alpha, beta

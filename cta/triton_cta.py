@@ -29,7 +29,7 @@ from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
 from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, launch_forward
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
-from .pde_spec import PDE_IDS, check_pde_arguments
+from .pde_spec import PDE_IDS, check_decode_arguments, check_pde_arguments, clamp_coefficients
 
 __all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_refine_triton"]
 
@@ -59,7 +59,13 @@ def _pde_refine_fwd_impl(
     causal: bool,
     want_final: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return launch_forward(x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal, want_final)
+    y, fin = launch_forward(x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal, want_final)
+    return y, (fin if fin is not None else _no_state(x))
+
+
+def _no_state(x: torch.Tensor) -> torch.Tensor:
+    """The empty final state ``[batch, 0, channels]`` of a call that keeps none."""
+    return x.new_empty((x.shape[0], 0, x.shape[2]), dtype=torch.float32)
 
 
 def _pde_refine_fwd_fake(x, alpha, beta, mask, init, pde, steps, causal, want_final):
@@ -95,19 +101,17 @@ def _pde_refine_bwd_fake(gy, x, alpha, beta, mask, init, pde, steps, causal):
 def _fwd_setup_context(ctx, inputs, output):
     x, alpha, beta, mask, init, pde, steps, causal, want_final = inputs
     ctx.save_for_backward(x, alpha, beta, mask, init)
-    ctx.meta = (pde, steps, causal)
+    ctx.meta = (_PDE_NAMES[pde], steps, causal)
     ctx.set_materialize_grads(False)  # None for an unused output: the final state's gradient decides the path
-    if not (causal and want_final):
+    if output[1] is not None and not (causal and want_final):
         ctx.mark_non_differentiable(output[1])
 
 
-def _coef_grads(alpha, beta, da, db):
-    """The coefficients' gradients in their own shapes and dtypes (``da``/``db``: ``_coef_grad_shape``)."""
-    dalpha = da.to(alpha.dtype).reshape(alpha.shape)
-    dbeta = None
-    if beta is not None:
-        dbeta = db.to(beta.dtype).reshape(beta.shape)
-    return dalpha, dbeta
+def _coef_grad(c: Optional[torch.Tensor], g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A coefficient's fp32 gradient (in ``coef_grad_shape``: the coefficient's own shape) in its dtype."""
+    if c is None or g is None:
+        return None
+    return g if g.dtype == c.dtype else g.to(c.dtype)
 
 
 def _state_backward(ctx, gy, gfin):
@@ -120,7 +124,7 @@ def _state_backward(ctx, gy, gfin):
         leaves = [t.detach().requires_grad_(need) if t is not None else None
                   for t, need in zip((x, alpha, beta, init), needs)]
         y, fin = pde_refine_reference(
-            leaves[0], pde_type=_PDE_NAMES[pde], steps=steps, alpha=leaves[1], beta=leaves[2], causal=causal,
+            leaves[0], pde_type=pde, steps=steps, alpha=leaves[1], beta=leaves[2], causal=causal,
             attention_mask=mask, initial_state=leaves[3], return_final_state=True,
         )
         outputs, grads = [y], [gy if gy is not None else torch.zeros_like(y)]
@@ -144,26 +148,28 @@ def _kernel_backward(ctx, gy, gfin, eager=False):
     if gy is None:
         gy = torch.zeros_like(x)
     if eager:
-        dx, da, db = launch_backward(gy, x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal,
-                                 need_db=beta is not None)
+        dx, da, db = launch_backward(gy, x, alpha, beta, mask, init, pde, steps, causal, need_db=beta is not None)
     else:
-        dx, da, db = _pde_refine_bwd(gy, x, alpha, beta, mask, init, pde, steps, causal)
-    dalpha, dbeta = _coef_grads(alpha, beta, da, db)
-    return dx, dalpha, dbeta, None, None, None, None, None, None
+        dx, da, db = _pde_refine_bwd(gy, x, alpha, beta, mask, init, PDE_IDS[pde], steps, causal)
+    return dx, _coef_grad(alpha, da), _coef_grad(beta, db), None, None, None, None, None, None
 
 
 class _PDERefineFunction(torch.autograd.Function):
-    """Eager-mode twin of the ``cta::pde_refine_fwd`` custom op and its registered autograd (same kernels)."""
+    """Eager-mode twin of the ``cta::pde_refine_fwd`` custom op and its registered autograd (same kernels), with
+    fewer arguments: the options travel as one tuple, and no final state is made when none is asked for."""
 
     @staticmethod
-    def forward(ctx, x, alpha, beta, mask, init, pde, steps, causal, want_final):
-        y, fin = launch_forward(x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal, want_final)
-        _fwd_setup_context(ctx, (x, alpha, beta, mask, init, pde, steps, causal, want_final), (y, fin))
+    def forward(ctx, x, alpha, beta, mask, init, options):
+        pde, steps, causal, want_final = options
+        y, fin = launch_forward(x, alpha, beta, mask, init, pde, steps, causal, want_final)
+        ctx.save_for_backward(x, alpha, beta, mask, init)
+        ctx.meta = options[:3]
+        ctx.set_materialize_grads(False)  # None for an unused output: the final state's gradient decides the path
         return y, fin
 
     @staticmethod
     def backward(ctx, gy, gfin):
-        return _kernel_backward(ctx, gy, gfin, eager=True)
+        return _kernel_backward(ctx, gy, gfin, eager=True)[:6]
 
 
 def _pde_decode_impl(
@@ -229,14 +235,12 @@ def pde_refine_triton(
             hidden_states, pde_type=pde, steps=steps, alpha=alpha, beta=beta, causal=causal,
             attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state,
         )
-    batch, seq, channels = hidden_states.shape
+    causal = bool(causal)
     if steps == 0:
-        if return_final_state:
-            return hidden_states, hidden_states.new_zeros((batch, 0, channels), dtype=torch.float32)
-        return hidden_states
-    if not hidden_states.is_cuda and not INTERPRET:
-        raise ValueError("pde_refine_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors).")
+        return (hidden_states, _no_state(hidden_states)) if return_final_state else hidden_states
     device = hidden_states.device
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError("pde_refine_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors).")
     if alpha.device != device:
         alpha = alpha.to(device)
     if beta is not None and beta.device != device:
@@ -245,19 +249,18 @@ def pde_refine_triton(
     if mask is not None and mask.device != device:
         mask = mask.to(device)
     init = initial_state
-    args = (hidden_states, alpha, beta, mask, init, PDE_IDS[pde], int(steps), bool(causal), bool(return_final_state))
+    want_final = bool(return_final_state)
     if torch.compiler.is_compiling():  # the registered custom op: no graph break
-        y, fin = _pde_refine_fwd(*args)
-    elif torch.is_grad_enabled() and (  # plain tests, not a generator: this runs once per layer and call
+        y, fin = _pde_refine_fwd(hidden_states, alpha, beta, mask, init, PDE_IDS[pde], steps, causal, want_final)
+    elif torch.is_grad_enabled() and (
         hidden_states.requires_grad or alpha.requires_grad or (beta is not None and beta.requires_grad)
         or (init is not None and init.requires_grad)
     ):  # eager training: the same kernels through a plain autograd.Function (less dispatch overhead per call)
-        y, fin = _PDERefineFunction.apply(*args)
+        y, fin = _PDERefineFunction.apply(hidden_states, alpha, beta, mask, init, (pde, steps, causal, want_final))
     else:  # eager inference: launch directly
-        y, fin = launch_forward(hidden_states, alpha, beta, mask, init, pde, int(steps), bool(causal),
-                             bool(return_final_state))
-    if return_final_state:
-        return y, fin
+        y, fin = launch_forward(hidden_states, alpha, beta, mask, init, pde, steps, causal, want_final)
+    if want_final:
+        return y, (fin if fin is not None else _no_state(hidden_states))
     return y
 
 
@@ -270,30 +273,26 @@ def pde_decode_step_triton(
     alpha,
     beta=None,
     token_mask: Optional[torch.Tensor] = None,
+    coefficient_bounds=None,
 ):
-    """One-token causal decode step; updates ``state`` ``[batch, steps, channels]`` (fp32) in place."""
+    """One-token causal decode step; updates ``state`` ``[batch, steps, channels]`` (fp32) in place. Same signature
+    and semantics as :func:`pde_reference.pde_decode_step_reference`; ``coefficient_bounds`` are applied in the
+    kernel."""
     if not is_available():
         raise RuntimeError("pde_decode_step_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
-    if hidden_states.dim() != 2:
-        raise ValueError(f"`hidden_states` must have shape [batch, channels], got {tuple(hidden_states.shape)}.")
-    batch, channels = hidden_states.shape
-    pde, alpha, beta = check_pde_arguments(
-        hidden_states.unsqueeze(1), pde_type, steps, alpha, beta, None, state, True
+    pde, alpha, beta, bounds = check_decode_arguments(
+        hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds
     )
-    if token_mask is not None and token_mask.numel() != batch:
-        raise ValueError(f"`token_mask` must have {batch} elements (one per sequence), got {tuple(token_mask.shape)}.")
-    if state.dtype != torch.float32:
-        raise ValueError(f"`state` must be float32, got {state.dtype}.")
     if steps == 0:
         return hidden_states.clone()
     if steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
-        return pde_decode_step_reference(
-            hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask
-        )
+        return pde_decode_step_reference(hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
+                                         token_mask=token_mask, coefficient_bounds=bounds)
     if torch.compiler.is_compiling():
         device = hidden_states.device
+        alpha, beta = clamp_coefficients(alpha, beta, bounds)  # traced: fused with what surrounds it
         return _pde_decode_op(hidden_states, state, alpha.to(device), beta.to(device) if beta is not None else None,
-                              token_mask.to(device) if token_mask is not None else None, PDE_IDS[pde], int(steps))
+                              token_mask.to(device) if token_mask is not None else None, PDE_IDS[pde], steps)
     # Eager decode is latency-bound: the custom-op dispatcher costs ~150 us per call on an H200, the launch ~10 us;
-    # the launch moves the coefficients and the mask to the token's device itself.
-    return launch_decode(hidden_states, state, alpha, beta, token_mask, pde, int(steps))
+    # the launch moves the coefficients and the mask to the token's device itself, and clamps the coefficients.
+    return launch_decode(hidden_states, state, alpha, beta, token_mask, pde, steps, bounds)

@@ -472,6 +472,43 @@ def test_decode_step_matches_reference(pde, steps):
         torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-6)
 
 
+@needs_kernels
+@pytest.mark.parametrize("pde", PDE_TYPES)
+def test_decode_step_clamps_and_reads_any_token_mask(pde):
+    """The decode kernel clamps the coefficients into ``coefficient_bounds`` itself and reads the token mask in its
+    own dtype and layout (an attention mask's [batch, 1] column), as the reference does with a clamp and a cast."""
+    from cta.pde_spec import coefficient_bounds
+
+    gen = torch.Generator().manual_seed(11)
+    batch, channels, steps = 3, 37, 3
+    alpha, beta = _coefficients(pde, True, channels, True, gen, DEVICE)
+    alpha = alpha * 4 - 0.3  # both sides of the bounds
+    beta = beta * 4 - 0.5 if beta is not None else None
+    bounds = coefficient_bounds(pde, True)
+    column = torch.tensor([[1, 1, 0], [0, 1, 0], [1, 0, 1]], device=DEVICE)[:, 1:2]  # a strided [batch, 1] view
+    masks = (None, column, column.bool().reshape(-1), column.float().reshape(1, batch))
+    for token_mask in masks:
+        state = torch.randn(batch, steps, channels, generator=gen).to(DEVICE)
+        state_ref, state_before = state.clone(), state.clone()
+        x = torch.randn(batch, channels, generator=gen).to(DEVICE)
+        out = pde_decode_step_triton(x, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
+                                     token_mask=token_mask, coefficient_bounds=bounds)
+        clamped_alpha = alpha.clamp(*bounds[0])
+        clamped_beta = beta.clamp(*bounds[1]) if beta is not None else None
+        ref = pde_decode_step_reference(x, state_ref, pde_type=pde, steps=steps, alpha=clamped_alpha,
+                                        beta=clamped_beta, token_mask=None if token_mask is None
+                                        else token_mask.float().reshape(-1))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state, state_ref, rtol=1e-5, atol=1e-6)
+        state_ref.copy_(state_before)
+        ref_bounded = pde_decode_step_reference(x, state_ref, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
+                                                token_mask=token_mask, coefficient_bounds=bounds)
+        torch.testing.assert_close(ref_bounded, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="coefficient_bounds"):
+        pde_decode_step_triton(x, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
+                               coefficient_bounds=(0.1,))
+
+
 def _decode_module_pair(channels, pde, steps):
     """A one-layer hybrid cache config and two identical causal PDERefinement modules (per-channel alpha),
     ``{"triton": ..., "torch": ...}``, on DEVICE."""
