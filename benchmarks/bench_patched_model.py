@@ -69,6 +69,14 @@ def parse_args():
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
+    p.add_argument("--generate", action="store_true",
+                   help="only model.generate() (what users call), eager and compiled, patched vs an unpatched copy: "
+                        "generate_<gpu>.json / .md (see measure_generate)")
+    p.add_argument("--generate-batches", default="1,8", help="with --generate: batch sizes")
+    p.add_argument("--generate-tokens", type=int, default=256, help="with --generate: new tokens per call")
+    p.add_argument("--generate-modes", default="eager,compiled",
+                   help="with --generate: 'eager' (dynamic cache) and/or 'compiled' (cache_implementation='static': "
+                        "transformers compiles the decode step, CUDA graphs)")
     return p.parse_args()
 
 
@@ -259,6 +267,117 @@ def llama_model(layers, hidden, intermediate, vocab, device, dtype, max_position
         return transformers.LlamaForCausalLM(config).to(dtype).eval()
 
 
+class _TokenClock:
+    """A ``generate()`` streamer that records when each new token arrives (transformers' ``BaseStreamer`` interface;
+    generate hands it the tokens on the host, so each arrival follows a synchronisation)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def median_step(self):
+        """The median time between consecutive decoded tokens (the first two puts are the prompt and the
+        prefill's token)."""
+        steps = [b - a for a, b in zip(self.times[1:], self.times[2:])]
+        return statistics.median(steps)
+
+
+def measure_generate(patched, unpatched, args, device, on_row=None):
+    """``model.generate()`` timed patched and unpatched: for each mode and batch size, ``--rounds`` paired rounds
+    (each round calls generate once on each model, the order alternating; greedy, exactly ``--generate-tokens`` new
+    tokens after a ``--decode-prefill``-token prompt), after one untimed call each (compilation and CUDA-graph capture
+    in the compiled mode). The overhead is the median over rounds of patched / unpatched - 1 of the call's time.
+    ``compiled``: ``cache_implementation="static"``, with which transformers compiles the one-token step
+    (``torch.compile``, its default ``CompileConfig``) and replays it as a CUDA graph. Each call also records the
+    median time between its decoded tokens (a streamer): on a noisy host a few slow tokens move a whole call's time,
+    not that median (``step_overhead_percent``: the median over rounds of patched / unpatched of it)."""
+    results = []
+    for mode in args.generate_modes.split(","):
+        for batch in [int(b) for b in args.generate_batches.split(",")]:
+            prompt = torch.randint(0, args.vocab, (batch, args.decode_prefill),
+                                   generator=torch.Generator(device="cpu").manual_seed(3)).to(device)
+            kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.generate_tokens,
+                          min_new_tokens=args.generate_tokens, do_sample=False, pad_token_id=0)
+            if mode == "compiled":
+                kwargs["cache_implementation"] = "static"
+
+            @torch.no_grad()
+            def call(model):
+                """(seconds of the call, median seconds of its decode steps)."""
+                clock = _TokenClock()
+                sync(device)
+                start = time.perf_counter()
+                model.generate(prompt, streamer=clock, **kwargs)
+                sync(device)
+                return time.perf_counter() - start, clock.median_step()
+
+            for name, model in (("unpatched", unpatched), ("patched", patched)):
+                seconds, _ = call(model)
+                print(f"[generate {mode} batch {batch}] {name}: first call {seconds:.1f}s", flush=True)
+            pairs, steps = [], []
+            for r in range(args.rounds):
+                order = ("unpatched", "patched") if r % 2 == 0 else ("patched", "unpatched")
+                pair = {name: call(unpatched if name == "unpatched" else patched) for name in order}
+                pairs.append((pair["unpatched"][0], pair["patched"][0]))
+                steps.append((pair["unpatched"][1], pair["patched"][1]))
+            ratios = [p / u for u, p in pairs]
+            step_ratios = [p / u for u, p in steps]
+            row = dict(mode=mode, batch=batch, new_tokens=args.generate_tokens, rounds_s=pairs,
+                       rounds_median_step_s=steps,
+                       overhead_percent=100.0 * (statistics.median(ratios) - 1.0),
+                       overhead_range_percent=[100.0 * (min(ratios) - 1.0), 100.0 * (max(ratios) - 1.0)],
+                       step_overhead_percent=100.0 * (statistics.median(step_ratios) - 1.0),
+                       step_overhead_range_percent=[100.0 * (min(step_ratios) - 1.0),
+                                                    100.0 * (max(step_ratios) - 1.0)],
+                       unpatched_tokens_per_s=batch * args.generate_tokens / statistics.median(u for u, _ in pairs),
+                       patched_tokens_per_s=batch * args.generate_tokens / statistics.median(p for _, p in pairs),
+                       target_percent=8.0 if mode == "eager" else 3.0)
+            results.append(row)
+            if on_row is not None:  # (written after every row: a long compiled run may be cut short)
+                on_row(results)
+            print(f"[generate {mode} batch {batch}] overhead {row['overhead_percent']:+.2f}% "
+                  f"(rounds {row['overhead_range_percent'][0]:+.2f}..{row['overhead_range_percent'][1]:+.2f}%), "
+                  f"per decode step {row['step_overhead_percent']:+.2f}%", flush=True)
+    return results
+
+
+def write_generate(results, info, args, tag):
+    stem = os.path.join(args.out, f"generate_{tag}")
+    info = dict(info, generate=results, command="python benchmarks/bench_patched_model.py " + " ".join(sys.argv[1:]))
+    with open(stem + ".json", "w") as f:
+        json.dump(info, f, indent=1)
+    lines = [
+        f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})",
+        "",
+        f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block: diffusion, "
+        f"{args.steps} steps, backend `{info['patch']['backend_used']}`. Greedy, {args.generate_tokens} new tokens "
+        f"after a {args.decode_prefill}-token prompt. Call overhead: median over {args.rounds} paired rounds of "
+        "patched / unpatched time of the generate() call; decode-step overhead: the same of each call's median time "
+        "between decoded tokens (ranges over rounds in brackets). Eager: the default dynamic cache; compiled: "
+        "`cache_implementation=\"static\"` (transformers compiles the decode step and replays it as a CUDA graph). "
+        f"transformers {info['transformers']}, torch {info['torch']}.",
+        "",
+        "| mode | batch | unpatched tokens/s | patched tokens/s | call overhead | decode-step overhead | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results:
+        low, high = row["overhead_range_percent"]
+        step_low, step_high = row["step_overhead_range_percent"]
+        lines.append(f"| {row['mode']} | {row['batch']} | {row['unpatched_tokens_per_s']:.1f} | "
+                     f"{row['patched_tokens_per_s']:.1f} | {row['overhead_percent']:+.2f}% [{low:+.2f}, {high:+.2f}] "
+                     f"| {row['step_overhead_percent']:+.2f}% [{step_low:+.2f}, {step_high:+.2f}] "
+                     f"| <= {row['target_percent']:.0f}% |")
+    lines += ["", f"Reproduce: `{info['command']}`", ""]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
 def main():
     args = parse_args()
     device = torch.device(args.device)
@@ -283,6 +402,13 @@ def main():
     info["patch"]["triton_available"] = triton_available()
     info["patch"]["backend_used"] = "triton" if _use_triton(args.backend, probe) else "torch"
     print(json.dumps(info, indent=1), flush=True)
+    if args.generate:  # an unpatched copy (same seed, same weights) beside the patched model
+        unpatched = llama_model(args.layers, hidden, intermediate, args.vocab, device, dtype)
+        unpatched.config._attn_implementation = "sdpa"
+        patch(model, args, device)
+        os.makedirs(args.out, exist_ok=True)
+        measure_generate(model, unpatched, args, device, on_row=lambda rows: write_generate(rows, info, args, tag))
+        return
 
     # copy roof and one standalone PDE site on a [1, 16k, hidden] hidden state
     x = torch.randn(1, max(int(v) for v in args.lengths.split(",")), hidden, device=device, dtype=dtype)

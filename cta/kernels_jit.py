@@ -17,6 +17,8 @@ checks parity.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .pde_spec import WAVE_DAMPING
@@ -36,6 +38,7 @@ except Exception:  # pragma: no cover - depends on the environment
 INTERPRET = bool(HAS_TRITON and triton.knobs.runtime.interpret)
 
 
+@functools.lru_cache(maxsize=None)  # asked at every call; torch.cuda.is_available() reads the environment each time
 def is_available() -> bool:
     """True when triton imports and can run here: on CUDA, or on CPU through ``TRITON_INTERPRET=1``."""
     return HAS_TRITON and (INTERPRET or torch.cuda.is_available())

@@ -251,7 +251,8 @@ def _decode_launch(pde, steps, batch, channels, has_mask, a_vec, b_vec, bounds):
 
 
 def launch_decode(x, state, alpha, beta, token_mask, pde: str, steps: int, bounds=None) -> torch.Tensor:
-    """One new token ``x`` ``[batch, channels]``: returns the refined token and updates ``state`` (fp32
+    """One new token ``x`` ``[batch, channels]`` (or ``[batch, 1, channels]``): returns the refined token in ``x``'s
+    shape and updates ``state`` (fp32
     ``[batch, steps, channels]``, contiguous channels) in place. ``token_mask``: one entry per sequence, any dtype
     and shape (e.g. the ``[batch, 1]`` column of an attention mask). ``bounds``: ``((alpha_min, alpha_max),
     (beta_min, beta_max) | None)`` the kernel clamps the coefficients into first, or None."""
@@ -265,7 +266,8 @@ def launch_decode(x, state, alpha, beta, token_mask, pde: str, steps: int, bound
     a, a_vec = _coef_arg(alpha if alpha.device == device else alpha.to(device), x)
     b, b_vec = _coef_arg(beta if beta is None or beta.device == device else beta.to(device), x)
     tm, tm_stride = _token_mask_arg(token_mask, x)
-    launch, consts = _decode_launch(pde, steps, x.shape[0], x.shape[1], token_mask is not None, a_vec, b_vec, bounds)
-    launch(x, y, state, tm, a, b, x.shape[1], x.stride(0), state.stride(0), state.stride(1), tm_stride, *consts,
+    channels = x.shape[-1]
+    launch, consts = _decode_launch(pde, steps, x.shape[0], channels, token_mask is not None, a_vec, b_vec, bounds)
+    launch(x, y, state, tm, a, b, channels, x.stride(0), state.stride(0), state.stride(1), tm_stride, *consts,
            num_warps=DECODE_WARPS)
     return y

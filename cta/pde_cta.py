@@ -245,6 +245,10 @@ class PDERefinement(nn.Module):
     def _decode_step(self, hidden_states, state, attention_mask):
         """One token ``[batch, 1, channels]``: the decode step on the raw parameters, projected onto their bounds in
         the step itself (decode is host-bound: one launch per site and token, no clamp launches)."""
+        if self.steps > 0 and _use_triton(self.backend, hidden_states) and not torch.compiler.is_compiling():
+            return _triton_module().pde_decode_token_triton(
+                hidden_states, state, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
+            )
         out = pde_decode_step(
             hidden_states.select(1, 0), state, pde_type=self.pde_type, steps=self.steps, alpha=self.alpha,
             beta=self.beta, token_mask=attention_mask, backend=self.backend, coefficient_bounds=self.bounds,

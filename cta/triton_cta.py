@@ -31,7 +31,7 @@ from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, lau
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import PDE_IDS, check_decode_arguments, check_pde_arguments, clamp_coefficients
 
-__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_refine_triton"]
+__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton", "pde_refine_triton"]
 
 _PDE_NAMES = {v: k for k, v in PDE_IDS.items()}
 
@@ -296,3 +296,21 @@ def pde_decode_step_triton(
     # Eager decode is latency-bound: the custom-op dispatcher costs ~150 us per call on an H200, the launch ~10 us;
     # the launch moves the coefficients and the mask to the token's device itself, and clamps the coefficients.
     return launch_decode(hidden_states, state, alpha, beta, token_mask, pde, steps, bounds)
+
+
+def pde_decode_token_triton(hidden_states, state, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
+    """:class:`PDERefinement`'s eager decode step on ``hidden_states`` ``[batch, 1, channels]``: the launch of
+    :func:`pde_decode_step_triton` without its argument checks, which the module's own type, steps and coefficients
+    passed when it was built; only the state a cache hands over is checked (a wrong shape would be read out of
+    bounds)."""
+    batch, _, channels = hidden_states.shape
+    if state.shape != (batch, steps, channels) or state.dtype != torch.float32:
+        raise ValueError(
+            f"The cached PDE state has shape {tuple(state.shape)} ({state.dtype}); this site needs a float32 state "
+            f"of shape [batch, steps, channels] = [{batch}, {steps}, {channels}]."
+        )
+    if steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
+        out = pde_decode_step_reference(hidden_states.select(1, 0), state, pde_type=pde_type, steps=steps,
+                                        alpha=alpha, beta=beta, token_mask=token_mask, coefficient_bounds=bounds)
+        return out.unsqueeze(1)
+    return launch_decode(hidden_states, state, alpha, beta, token_mask, pde_type, steps, bounds)

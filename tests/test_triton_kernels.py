@@ -558,6 +558,20 @@ def test_module_decode_matches_reference_module(pde):
 
 
 @needs_kernels
+def test_module_decode_refuses_a_state_of_another_shape():
+    """The module's decode step launches without re-checking its own arguments, but checks the state the cache hands
+    over: a state of another batch would be read and written out of bounds."""
+    from transformers import DynamicCache
+
+    config, modules = _decode_module_pair(24, "diffusion", 2)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        modules["triton"](torch.randn(2, 5, 24, device=DEVICE), None, cache)  # prefill: a [2, 2, 24] state
+        with pytest.raises(ValueError, match=r"\[batch, steps, channels\] = \[3, 2, 24\]"):
+            modules["triton"](torch.randn(3, 1, 24, device=DEVICE), None, cache)
+
+
+@needs_kernels
 @pytest.mark.parametrize("pde", ["diffusion", "reaction_diffusion"])
 def test_module_decode_follows_every_change(pde):
     """The Triton decode step of PDERefinement against the reference module, token by token, across a coefficient
