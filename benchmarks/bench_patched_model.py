@@ -77,6 +77,9 @@ def parse_args():
     p.add_argument("--generate-modes", default="eager,compiled",
                    help="with --generate: 'eager' (dynamic cache) and/or 'compiled' (cache_implementation='static': "
                         "transformers compiles the decode step, CUDA graphs)")
+    p.add_argument("--compiled-step-kernels", action="store_true",
+                   help="only the CUDA kernels of one compiled decode step (StaticCache, torch.compile default mode, "
+                        "torch.profiler), unpatched then patched: compiled_step_kernels_<gpu>.txt")
     return p.parse_args()
 
 
@@ -267,6 +270,51 @@ def llama_model(layers, hidden, intermediate, vocab, device, dtype, max_position
         return transformers.LlamaForCausalLM(config).to(dtype).eval()
 
 
+def compiled_step_kernels(model, args, device, path):
+    """Counts the CUDA kernels of one batch-1 decode step compiled with ``torch.compile(model.forward,
+    fullgraph=True)`` (default mode: no CUDA graph, so the profiler sees every kernel) through a ``StaticCache``,
+    unpatched then patched, and their summed GPU time per step; writes the table to ``path``."""
+    import collections
+
+    from transformers import StaticCache
+
+    prompt = torch.randint(0, args.vocab, (1, args.decode_prefill), generator=torch.Generator().manual_seed(4))
+    prompt = prompt.to(device)
+    lines = [f"# Kernels of one compiled decode step ({args.layers}x{args.hidden} Llama, batch 1, StaticCache, "
+             f"torch.compile(model.forward, fullgraph=True); 4 steps profiled). Command: python "
+             f"benchmarks/bench_patched_model.py {' '.join(sys.argv[1:])}", ""]
+    for label in ("unpatched", "patched"):
+        if label == "patched":
+            patch(model, args, device)
+        torch._dynamo.reset()
+        step = torch.compile(model.forward, fullgraph=True)
+        with torch.no_grad():
+            cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + 16)
+            token = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
+            token = token.argmax(-1)
+
+            def run(i):
+                position = torch.tensor([prompt.shape[1] + i], device=device)
+                step(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position,
+                     position_ids=position[None])
+
+            for i in range(4):
+                run(i)
+            sync(device)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for i in range(4, 8):
+                    run(i)
+                sync(device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts = collections.Counter(e.name[:90] for e in kernels)
+        lines.append(f"## {label}: {len(kernels) / 4:.0f} kernels per step, "
+                     f"{sum(e.device_time for e in kernels) / 4:.0f} us GPU per step")
+        lines += [f"{n / 4:5.1f}  {name}" for name, n in counts.most_common(40)]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 class _TokenClock:
     """A ``generate()`` streamer that records when each new token arrives (transformers' ``BaseStreamer`` interface;
     generate hands it the tokens on the host, so each arrival follows a synchronisation)."""
@@ -402,6 +450,11 @@ def main():
     info["patch"]["triton_available"] = triton_available()
     info["patch"]["backend_used"] = "triton" if _use_triton(args.backend, probe) else "torch"
     print(json.dumps(info, indent=1), flush=True)
+    if args.compiled_step_kernels:
+        if device.type != "cuda":
+            raise SystemExit("--compiled-step-kernels profiles CUDA kernels: it needs --device cuda.")
+        os.makedirs(args.out, exist_ok=True)
+        return compiled_step_kernels(model, args, device, os.path.join(args.out, f"compiled_step_kernels_{tag}.txt"))
     if args.generate:  # an unpatched copy (same seed, same weights) beside the patched model
         unpatched = llama_model(args.layers, hidden, intermediate, args.vocab, device, dtype)
         unpatched.config._attn_implementation = "sdpa"

@@ -125,7 +125,7 @@ def pde_refine(
 # Under torch.compile a one-token decode step is traced as the reference's plain tensor operations, not as the Triton
 # decode kernel's custom op: inductor then fuses it (coefficient clamp, the S levels, the state write) with the
 # residual add before it and the norm after it, where the opaque op cost about three extra launches per site in a
-# CUDA-graph step (`benchmarks/bench_compiled_decode.py`).
+# CUDA-graph step (docs/decoding.md).
 def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto",
                     coefficient_bounds=None):
     """Dispatching wrapper of :func:`pde_decode_step_reference` (updates ``state`` in place)."""

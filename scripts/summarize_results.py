@@ -3,8 +3,8 @@
 * Paper tasks: ``results/<table>.json`` written by ``examples/reproduce.py`` (baseline and CTA mean ± sample std
   over seeds, the difference, and the paper's reported numbers that reproduce.py stores beside ours).
 * Kernels: ``benchmarks/results/kernels_<gpu>[_scalar].json`` written by ``benchmarks/bench_kernels.py``.
-* Patched model: ``benchmarks/results/patched_model_<gpu>.json`` and ``compiled_decode_<gpu>.json`` written by
-  ``benchmarks/bench_patched_model.py`` and ``benchmarks/bench_compiled_decode.py``.
+* Patched model: ``benchmarks/results/patched_model_<gpu>.json`` and ``generate_<gpu>.json`` written by
+  ``benchmarks/bench_patched_model.py`` (the second with ``--generate``).
 
 No number is typed here: every value is read from those files, and a value that no file holds is written "—".
 
@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "summary.md"
 GPU = "NVIDIA_H200"
-# The latest eager decode measurement, taken after the private decode fast path was removed (commit 3cc1b57): a
-# reduced run of bench_patched_model.py on an H100 (the H200 file's eager decode figure predates that removal).
+# The decode measurement through generate() (bench_patched_model.py --generate), on the current public decode path;
+# the H200 file's eager decode figure predates the removal of the private fast path (commit 3cc1b57).
 DECODE_GPU = "NVIDIA_H100_80GB_HBM3"
 MISSING = "—"
 
@@ -158,7 +158,6 @@ def kernel_lines():
 
 def overhead_line():
     model = _load(ROOT / "benchmarks" / "results" / f"patched_model_{GPU}.json")
-    compiled = _load(ROOT / "benchmarks" / "results" / f"compiled_decode_{GPU}.json")
     if not model:
         return [f"- **Patched-model overhead:** {MISSING}"]
     m, p, over = model["model"], model["patch"], model["overhead_percent"]
@@ -173,17 +172,17 @@ def overhead_line():
         return value + (f" (target <= {targets[key]:.0f}%)" if key in targets else "")
 
     items = [item("prefill_16384", "prefill of 16384 tokens"), item("train_step", "training step")]
-    decode = _load(ROOT / "benchmarks" / "results" / f"patched_model_{DECODE_GPU}.json")
-    if decode and "decode_tokens_per_s" in decode["overhead_percent"]:
-        low, high = decode["decode_overhead_interval_percent"]["decode_tokens_per_s"]
-        items.append(f"eager batch-1 decode (fewer tokens/s) {decode['overhead_percent']['decode_tokens_per_s']:+.2f}% "
-                     f"[95% interval {low:+.2f}, {high:+.2f}] on the {decode['gpu']} with the current public decode "
-                     f"path ({over['decode_tokens_per_s']:+.2f}% on the H200 with the removed private fast path; "
-                     f"target <= {targets.get('decode_tokens_per_s', 5):.0f}%)")
+    generate = _load(ROOT / "benchmarks" / "results" / f"generate_{DECODE_GPU}.json")
+    if generate:
+        rows = {(r["mode"], r["batch"]): r for r in generate["generate"]}
+        for mode in ("eager", "compiled"):
+            cells = [f"batch {batch} {row['step_overhead_percent']:+.2f}%"
+                     for (row_mode, batch), row in sorted(rows.items()) if row_mode == mode]
+            target = next(row["target_percent"] for (row_mode, _), row in rows.items() if row_mode == mode)
+            items.append(f"{mode} `generate()` per decode step on the {generate['gpu']} ({', '.join(cells)}; "
+                         f"target <= {target:.0f}%)")
     else:
-        items.append(item("decode_tokens_per_s", "eager batch-1 decode (fewer tokens/s)"))
-    items.append("compiled decode (StaticCache + CUDA graphs) "
-                 + (f"{compiled['decode_overhead_pct']:+.2f}%" if compiled else MISSING))
+        items.append(f"`generate()` decode {MISSING}")
     return [f"- **Patched-model overhead** ({m['layers']} layers x {m['hidden']} hidden Llama-shaped model, "
             f"{m['params'] / 1e9:.2f}B params, {m['dtype']}, {model['gpu']}; {p['pde_type']}, {p['pde_steps']} steps "
             f"after every block): " + ", ".join(items) + "."]
