@@ -221,7 +221,6 @@ class PDERefinement(nn.Module):
         self.state_idx = state_idx
         alpha_bounds, beta_bounds = coefficient_bounds(self.pde_type, self.causal)
         self.alpha_bounds, self.beta_bounds = alpha_bounds, beta_bounds
-        self.bounds = (alpha_bounds, beta_bounds)
         shape = (channels,) if per_channel else ()
         self.alpha_init = float(alpha)
         self.alpha = nn.Parameter(torch.full(shape, self.alpha_init))
@@ -231,6 +230,11 @@ class PDERefinement(nn.Module):
         else:
             self.beta_init = None
             self.register_parameter("beta", None)
+
+    @property
+    def bounds(self):
+        """``(alpha_bounds, beta_bounds)``, as ``coefficient_bounds`` arguments take them."""
+        return self.alpha_bounds, self.beta_bounds
 
     def extra_repr(self) -> str:
         kind = "causal" if self.causal else "bidirectional"
