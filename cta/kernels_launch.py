@@ -49,7 +49,7 @@ def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tens
     once per channel (5-13% faster at 8 steps than a scalar expanded per channel)."""
     if c is None:
         return like, False
-    if c.dim() == 1 and c.shape[0] == like.shape[-1]:
+    if is_per_channel(c, like.shape[-1]):
         return (c if c.stride(0) == 1 else c.contiguous()), True
     return c, False
 
@@ -252,10 +252,10 @@ def _decode_launch(pde, steps, batch, channels, has_mask, a_vec, b_vec, bounds):
 
 def launch_decode(x, state, alpha, beta, token_mask, pde: str, steps: int, bounds=None) -> torch.Tensor:
     """One new token ``x`` ``[batch, channels]`` (or ``[batch, 1, channels]``): returns the refined token in ``x``'s
-    shape and updates ``state`` (fp32
-    ``[batch, steps, channels]``, contiguous channels) in place. ``token_mask``: one entry per sequence, any dtype
-    and shape (e.g. the ``[batch, 1]`` column of an attention mask). ``bounds``: ``((alpha_min, alpha_max),
-    (beta_min, beta_max) | None)`` the kernel clamps the coefficients into first, or None."""
+    shape and updates ``state`` (fp32 ``[batch, steps, channels]``, contiguous channels) in place. ``token_mask``: one
+    entry per sequence, any dtype and shape (e.g. the ``[batch, 1]`` column of an attention mask). ``bounds``:
+    ``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` the kernel clamps the coefficients into first, or
+    None."""
     x = _channels_contiguous(x)
     y = x.new_empty(x.shape)
     if y.numel() == 0:

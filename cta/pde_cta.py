@@ -249,7 +249,7 @@ class PDERefinement(nn.Module):
     def _decode_step(self, hidden_states, state, attention_mask):
         """One token ``[batch, 1, channels]``: the decode step on the raw parameters, projected onto their bounds in
         the step itself (decode is host-bound: one launch per site and token, no clamp launches)."""
-        if self.steps > 0 and _use_triton(self.backend, hidden_states) and not torch.compiler.is_compiling():
+        if _use_triton(self.backend, hidden_states) and not torch.compiler.is_compiling():
             return _triton_module().pde_decode_token_triton(
                 hidden_states, state, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
@@ -262,15 +262,17 @@ class PDERefinement(nn.Module):
     def forward(self, hidden_states, attention_mask=None, cache=None):
         if self.steps == 0:
             return hidden_states
-        state = None
+        state, differentiable = None, False
         if cache is not None and self.causal:
             if self.layer_idx is None:
                 raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
             state = cached_pde_state(cache, self.layer_idx, self.state_idx)
-            if state is not None and hidden_states.shape[1] == 1 and not (
-                torch.is_grad_enabled() and (hidden_states.requires_grad or self.alpha.requires_grad
-                                             or (self.beta is not None and self.beta.requires_grad))
-            ):  # one decoded token (the decode kernel has no backward: under autograd the chunked path below)
+            differentiable = torch.is_grad_enabled() and (
+                hidden_states.requires_grad or self.alpha.requires_grad
+                or (self.beta is not None and self.beta.requires_grad)
+            )
+            if state is not None and hidden_states.shape[1] == 1 and not differentiable:
+                # one decoded token (the decode kernel has no backward: under autograd the chunked path below)
                 return self._decode_step(hidden_states, state, attention_mask)
         alpha, beta = self.coefficients()
         kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
@@ -278,9 +280,6 @@ class PDERefinement(nn.Module):
             return pde_refine(
                 hidden_states, attention_mask=attention_mask, causal=self.causal, backend=self.backend, **kwargs
             )
-        differentiable = torch.is_grad_enabled() and (
-            hidden_states.requires_grad or alpha.requires_grad or (beta is not None and beta.requires_grad)
-        )
         if differentiable and state is not None:
             state = state.clone()  # autograd may save it, and the cache's buffer is overwritten below
         out, final_state = pde_refine(

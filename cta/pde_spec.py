@@ -46,9 +46,9 @@ PAPER_COEFFICIENTS = {
 
 def normalize_pde_type(pde_type: str, argument: str = "pde_type") -> str:
     """Returns the canonical spelling of ``pde_type`` or raises a ValueError naming ``argument``."""
-    if pde_type in PDE_TYPES:  # (the canonical spelling: every call after the first in a model)
-        return pde_type
     if isinstance(pde_type, str):
+        if pde_type in PDE_TYPES:  # (the canonical spelling: every call after the first in a model)
+            return pde_type
         name = PDE_TYPE_ALIASES.get(pde_type.lower(), pde_type.lower())
         if name in PDE_TYPES:
             return name
@@ -94,8 +94,8 @@ def _check_operator(pde_type, steps, alpha, beta, channels: int, device):
     alpha = _as_coefficient(alpha, "alpha", channels, device)
     if alpha is None:
         raise ValueError("`alpha` is required.")
-    beta = _as_coefficient(beta, "beta", channels, device) if beta is not None else None
-    if COEFFICIENT_BOUNDS[(pde_type, False)][1] is None:
+    beta = _as_coefficient(beta, "beta", channels, device)
+    if not uses_beta(pde_type):
         beta = None
     elif beta is None:
         raise ValueError(f"`beta` is required for pde_type={pde_type!r}.")
@@ -155,6 +155,17 @@ def _check_bounds(bounds):
     return pairs
 
 
+def check_decode_state(state, batch: int, steps: int, channels: int) -> None:
+    """Raises unless ``state`` is the fp32 ``[batch, steps, channels]`` a decode step reads and writes (one of another
+    shape would be read out of bounds by the kernel)."""
+    if not torch.is_tensor(state) or state.shape != (batch, steps, channels) or state.dtype != torch.float32:
+        got = (tuple(state.shape), state.dtype) if torch.is_tensor(state) else type(state)
+        raise ValueError(
+            f"`state` must be a float32 tensor of shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
+            f"got {got}."
+        )
+
+
 def check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds=None):
     """Validates the arguments of :func:`pde_decode_step`; returns ``(pde_type, alpha, beta, coefficient_bounds)``
     normalised as :func:`check_pde_arguments` does."""
@@ -163,12 +174,7 @@ def check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, t
         raise ValueError(f"`hidden_states` must be a floating point tensor of shape [batch, channels], got {shape}.")
     batch, channels = hidden_states.shape
     pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device)
-    if not torch.is_tensor(state) or state.shape != (batch, steps, channels) or state.dtype != torch.float32:
-        got = (tuple(state.shape), state.dtype) if torch.is_tensor(state) else type(state)
-        raise ValueError(
-            f"`state` must be a float32 tensor of shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
-            f"got {got}."
-        )
+    check_decode_state(state, batch, steps, channels)
     if token_mask is not None and token_mask.numel() != batch:
         raise ValueError(f"`token_mask` must have {batch} elements (one per sequence), got {tuple(token_mask.shape)}.")
     return pde_type, alpha, beta, _check_bounds(coefficient_bounds)

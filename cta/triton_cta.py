@@ -29,7 +29,7 @@ from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
 from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, launch_forward
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
-from .pde_spec import PDE_IDS, check_decode_arguments, check_pde_arguments, clamp_coefficients
+from .pde_spec import PDE_IDS, check_decode_arguments, check_decode_state, check_pde_arguments, clamp_coefficients
 
 __all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton", "pde_refine_triton"]
 
@@ -285,17 +285,12 @@ def pde_decode_step_triton(
     )
     if steps == 0:
         return hidden_states.clone()
-    if steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
-        return pde_decode_step_reference(hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
-                                         token_mask=token_mask, coefficient_bounds=bounds)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and steps <= MAX_FUSED_STEPS and state.stride(-1) == 1:
         device = hidden_states.device
         alpha, beta = clamp_coefficients(alpha, beta, bounds)  # traced: fused with what surrounds it
         return _pde_decode_op(hidden_states, state, alpha.to(device), beta.to(device) if beta is not None else None,
                               token_mask.to(device) if token_mask is not None else None, PDE_IDS[pde], steps)
-    # Eager decode is latency-bound: the custom-op dispatcher costs ~150 us per call on an H200, the launch ~10 us;
-    # the launch moves the coefficients and the mask to the token's device itself, and clamps the coefficients.
-    return launch_decode(hidden_states, state, alpha, beta, token_mask, pde, steps, bounds)
+    return _decode_eager(hidden_states, state, alpha, beta, token_mask, pde, steps, bounds)
 
 
 def pde_decode_token_triton(hidden_states, state, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
@@ -304,13 +299,18 @@ def pde_decode_token_triton(hidden_states, state, alpha, beta, token_mask, pde_t
     passed when it was built; only the state a cache hands over is checked (a wrong shape would be read out of
     bounds)."""
     batch, _, channels = hidden_states.shape
-    if state.shape != (batch, steps, channels) or state.dtype != torch.float32:
-        raise ValueError(
-            f"The cached PDE state has shape {tuple(state.shape)} ({state.dtype}); this site needs a float32 state "
-            f"of shape [batch, steps, channels] = [{batch}, {steps}, {channels}]."
-        )
+    check_decode_state(state, batch, steps, channels)
+    return _decode_eager(hidden_states, state, alpha, beta, token_mask, pde_type, steps, bounds)
+
+
+def _decode_eager(hidden_states, state, alpha, beta, token_mask, pde: str, steps: int, bounds):
+    """A checked eager decode step on ``[batch, channels]`` or ``[batch, 1, channels]`` tokens: the kernel, or the
+    reference beyond ``MAX_FUSED_STEPS`` steps or for a state with strided channels. Eager decode is latency-bound:
+    the custom-op dispatcher costs ~150 us per call on an H200, the launch ~10 us; the launch moves the coefficients
+    and the mask to the token's device itself, and clamps the coefficients."""
     if steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
-        out = pde_decode_step_reference(hidden_states.select(1, 0), state, pde_type=pde_type, steps=steps,
-                                        alpha=alpha, beta=beta, token_mask=token_mask, coefficient_bounds=bounds)
-        return out.unsqueeze(1)
-    return launch_decode(hidden_states, state, alpha, beta, token_mask, pde_type, steps, bounds)
+        out = pde_decode_step_reference(hidden_states.reshape(state.shape[0], state.shape[2]), state, pde_type=pde,
+                                        steps=steps, alpha=alpha, beta=beta, token_mask=token_mask,
+                                        coefficient_bounds=bounds)
+        return out.reshape(hidden_states.shape)
+    return launch_decode(hidden_states, state, alpha, beta, token_mask, pde, steps, bounds)
