@@ -38,6 +38,7 @@ import copy
 import functools
 import inspect
 
+import torch
 import transformers
 from torch import nn
 
@@ -434,13 +435,20 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
     return model
 
 
+_RECORDING_CLASSES = set()
+
+
 def _register_recorded_outputs(model):
-    """transformers looks up which layer outputs ``output_hidden_states`` / ``output_attentions`` record by the
-    model's class, registered when a model is built; a model patched in place has a new class, registered here."""
-    registry = getattr(transformers.modeling_utils, "_CAN_RECORD_REGISTRY", None)
-    if isinstance(registry, dict) and getattr(model, "_can_record_outputs", None) is not None:
-        # Keyed on str(class) in every 5.x so far (a plain dict, or a dict subclass that takes the model as key).
-        dict.__setitem__(registry, str(type(model)), model._can_record_outputs)
+    """transformers learns which layer outputs ``output_hidden_states`` / ``output_attentions`` record from the model's
+    class, which it registers when a model of that class is built (``PreTrainedModel.__init__``; there is no public
+    call for it). A model patched in place has a class that was never built: it is built here once per process, on
+    the meta device (no memory, no weights), from a copy of the config."""
+    cls = type(model)
+    if cls in _RECORDING_CLASSES or getattr(model, "_can_record_outputs", None) is None:
+        return
+    with torch.device("meta"):
+        cls(copy.deepcopy(model.config))
+    _RECORDING_CLASSES.add(cls)
 
 
 def unpatch_model(model):
