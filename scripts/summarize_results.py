@@ -23,10 +23,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "results" / "summary.md"
-GPU = "NVIDIA_H200"
-# The decode measurement through generate() (bench_patched_model.py --generate), on the current public decode path;
-# the H200 file's eager decode figure predates the removal of the private fast path (commit 3cc1b57).
-DECODE_GPU = "NVIDIA_H100_80GB_HBM3"
+GPU = "NVIDIA_H200"  # the kernel sweep
+# The model-level files of the current code (public decode path): prefill, training step and generate(); the H200's
+# patched_model file predates the removal of the private decode fast path (commit 3cc1b57).
+MODEL_GPU = "NVIDIA_H100_80GB_HBM3"
 MISSING = "—"
 
 # One row per paper task: (label, results/<table>.json, row of that table, CTA variant, paper value note).
@@ -157,7 +157,7 @@ def kernel_lines():
 
 
 def overhead_line():
-    model = _load(ROOT / "benchmarks" / "results" / f"patched_model_{GPU}.json")
+    model = _load(ROOT / "benchmarks" / "results" / f"patched_model_{MODEL_GPU}.json")
     if not model:
         return [f"- **Patched-model overhead:** {MISSING}"]
     m, p, over = model["model"], model["patch"], model["overhead_percent"]
@@ -172,7 +172,7 @@ def overhead_line():
         return value + (f" (target <= {targets[key]:.0f}%)" if key in targets else "")
 
     items = [item("prefill_16384", "prefill of 16384 tokens"), item("train_step", "training step")]
-    generate = _load(ROOT / "benchmarks" / "results" / f"generate_{DECODE_GPU}.json")
+    generate = _load(ROOT / "benchmarks" / "results" / f"generate_{MODEL_GPU}.json")
     if generate:
         rows = {(r["mode"], r["batch"]): r for r in generate["generate"]}
         for mode in ("eager", "compiled"):
