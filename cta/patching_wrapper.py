@@ -193,14 +193,7 @@ class CTAPatchWrapper(nn.Module):
         cache = context.cache if context is not None else None
         for pde_name in self._output_pde_names:
             plain = type(output) is torch.Tensor
-            hidden_states = output if plain else _first_tensor(output)
-            if context is None or context.mask is None:
-                mask = None
-            else:  # a one-token forward's mask, made once by its first site (every site has one token), or the lookup
-                mask = context._step_mask
-                if mask is None:
-                    mask = context.token_mask(hidden_states.shape[1])
-            refined = getattr(self, pde_name)(hidden_states, mask, cache)
+            refined = self._refine(pde_name, output if plain else _first_tensor(output), cache)
             output = refined if plain else _replace_first(output, refined)
         return output
 
