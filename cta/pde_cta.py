@@ -183,6 +183,16 @@ def project_coefficient(raw: torch.Tensor, bounds) -> torch.Tensor:
     return _StraightThroughClamp.apply(raw, bounds[0], bounds[1])
 
 
+def _scalar_coefficients_as_one_element(module, state_dict, prefix, *args):
+    """``load_state_dict`` pre-hook: a 0-d coefficient (how 0.1.0 saved a scalar) becomes the 1-element tensor the
+    module holds now, so PEFT adapters and state dicts of that release load (transformers' own loader: see
+    ``checkpoint_conversion``)."""
+    for name in ("alpha", "beta"):
+        value = state_dict.get(prefix + name)
+        if torch.is_tensor(value) and value.dim() == 0:
+            state_dict[prefix + name] = value.reshape(1)
+
+
 class PDERefinement(nn.Module):
     """Learnable PDE refinement of ``[batch, seq, channels]`` hidden states.
 
@@ -221,7 +231,10 @@ class PDERefinement(nn.Module):
         self.state_idx = state_idx
         alpha_bounds, beta_bounds = coefficient_bounds(self.pde_type, self.causal)
         self.alpha_bounds, self.beta_bounds = alpha_bounds, beta_bounds
-        shape = (channels,) if per_channel else ()
+        # A scalar coefficient is a 1-element tensor, not 0-d: FSDP1/2 and DeepSpeed refuse 0-d parameters. The
+        # operator reads a 1-element coefficient as a scalar; 0.1.0 checkpoints (0-d) load through the pre-hook below.
+        self.per_channel = bool(per_channel)
+        shape = (channels,) if per_channel else (1,)
         self.alpha_init = float(alpha)
         self.alpha = nn.Parameter(torch.full(shape, self.alpha_init))
         if beta_bounds is not None:
@@ -230,6 +243,7 @@ class PDERefinement(nn.Module):
         else:
             self.beta_init = None
             self.register_parameter("beta", None)
+        self.register_load_state_dict_pre_hook(_scalar_coefficients_as_one_element)
 
     @property
     def bounds(self):
@@ -238,7 +252,7 @@ class PDERefinement(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "causal" if self.causal else "bidirectional"
-        return f"{self.pde_type}, steps={self.steps}, {kind}, channels={self.channels}, per_channel={self.alpha.dim() == 1}"
+        return f"{self.pde_type}, steps={self.steps}, {kind}, channels={self.channels}, per_channel={self.per_channel}"
 
     def coefficients(self):
         """The effective (projected) ``(alpha, beta)`` used by the scheme."""
