@@ -28,7 +28,8 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cta import CTAConfig
 from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, pde_sites, pop_cache
-from .pde_cta import PDERefinement, check_pde_weights_loaded
+from .checkpoint_conversion import from_pretrained_with_pde_check
+from .pde_cta import PDERefinement
 
 
 class CTARMSNorm(nn.Module):
@@ -327,12 +328,10 @@ class CTAPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' loading, plus an error where the checkpoint's PDE weights do not match the config (a CTA
-        model without its coefficients would silently be a different model)."""
-        output_loading_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        check_pde_weights_loaded(info, cls.__name__, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
-        return (model, info) if output_loading_info else model
+        """transformers' loading, reading checkpoints of earlier releases too, plus an error where the checkpoint's
+        PDE weights do not match the config (a CTA model without its coefficients would silently be a different
+        model); see ``checkpoint_conversion``."""
+        return from_pretrained_with_pde_check(super().from_pretrained, cls, args, kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Saves safetensors weights, the config with the full ``auto_map`` and the flat code files."""

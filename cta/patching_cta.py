@@ -42,6 +42,7 @@ import torch
 import transformers
 from torch import nn
 
+from .checkpoint_conversion import from_pretrained_with_pde_check
 from .pde_cache import CACHE_ARGUMENTS, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
 from .patching_wrapper import CTAPatchWrapper, PatchContext, capturing_forward
@@ -50,7 +51,6 @@ from .pde_cta import (
     PAPER_COEFFICIENTS,
     PDE_BACKENDS,
     PDERefinement,
-    check_pde_weights_loaded,
     coefficient_bounds,
     normalize_pde_type,
     uses_beta,
@@ -546,12 +546,10 @@ class CTAPatchedModelMixin:
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' loading, plus an error where the checkpoint's PDE weights do not match ``config.cta_patch``
-        (a patched model without its coefficients would silently be another model)."""
-        output_loading_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        check_pde_weights_loaded(info, cls.__name__, args[0] if args else kwargs.get("pretrained_model_name_or_path"))
-        return (model, info) if output_loading_info else model
+        """transformers' loading, reading checkpoints of earlier releases too (``checkpoint_conversion``), plus an
+        error where the checkpoint's PDE weights do not match ``config.cta_patch`` (a patched model without its
+        coefficients would silently be another model)."""
+        return from_pretrained_with_pde_check(super().from_pretrained, cls, args, kwargs)
 
 
 _CONFIG_CLASSES = {}

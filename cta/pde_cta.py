@@ -141,25 +141,6 @@ def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, 
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def check_pde_weights_loaded(loading_info: dict, model_class: str, source) -> None:
-    """Raises if a checkpoint's PDE coefficients did not load exactly (``from_pretrained``'s ``loading_info``).
-
-    A model whose PDE sites silently kept their initial coefficients (or dropped the checkpoint's) is a different
-    model with no error; every other missing / unexpected weight follows transformers' own reporting (its warnings,
-    ``output_loading_info``), e.g. a new task head.
-    """
-    problems = {
-        kind: sorted(str(k) for k in loading_info.get(kind, ()) if "_pde." in str(k))
-        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
-    }
-    if any(problems.values()):
-        raise ValueError(
-            f"Loading {model_class} from {source!r}: the checkpoint's PDE weights do not match the config "
-            f"(PDE placements / layers / steps / per-channel coefficients): missing weights {problems['missing_keys']}, "
-            f"unexpected weights {problems['unexpected_keys']}, mismatched {problems['mismatched_keys']}."
-        )
-
-
 class _StraightThroughClamp(torch.autograd.Function):
     """Clamps in the forward pass, passes the gradient unchanged (so a coefficient at a bound can come back)."""
 

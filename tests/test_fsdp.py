@@ -1,6 +1,7 @@
-"""A patched model fine-tunes under FSDP: two CPU processes (torchrun, gloo) shard it by its ``_no_split_modules``,
-their per-step losses equal one process training on the same global batch, and the saved checkpoint reloads patched
-with the same weights."""
+"""Default CTA models fine-tune under FSDP1 and FSDP2: two CPU processes (torchrun, gloo) shard a patched Llama and a
+native CTA decoder, both with the default scalar PDE coefficients (1-element tensors: both engines refuse 0-d
+parameters), by their ``_no_split_modules``; their per-step losses equal one process training on the same global
+batch, and the saved checkpoint reloads (patched) with the same weights."""
 
 import json
 import os
@@ -12,40 +13,65 @@ import pytest
 import torch
 
 import cta
-from fsdp_setup import STEPS, batch, tiny_patched_model
+from fsdp_setup import ENGINES, MODELS, STEPS, batch
 
 TESTS = Path(__file__).resolve().parent
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on the PATH")
-def test_patched_model_under_fsdp_matches_one_process(tmp_path):
-    out, losses_file = tmp_path / "checkpoint", tmp_path / "losses.json"
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun not on the PATH")
+    tmp = tmp_path_factory.mktemp("fsdp")
+    out, losses_file = tmp / "checkpoints", tmp / "losses.json"
     env = dict(os.environ, PYTHONPATH=str(TESTS), OMP_NUM_THREADS="1")
     done = subprocess.run(
         [shutil.which("torchrun"), "--standalone", "--nproc_per_node", "2", str(TESTS / "fsdp_worker.py"),
          str(out), str(losses_file), str(TESTS.parent)],
-        env=env, capture_output=True, text=True, timeout=600)
+        env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    sharded = json.loads(losses_file.read_text())
-    assert sharded["units"] == ["LlamaDecoderLayer"]
+    return out, json.loads(losses_file.read_text())
 
-    # One process, the same global batch: the mean of the two halves' losses is what the two ranks average.
-    model = tiny_patched_model()
+
+def one_process_losses(model):
+    """One process, the same global batch: the mean of the two halves' losses is what the two ranks average."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = batch()
     losses = []
     for _ in range(STEPS):
-        halves = [model(input_ids=part, labels=part).loss for part in ids.chunk(2)]
-        loss = sum(halves) / 2
+        loss = sum(model(input_ids=part, labels=part).loss for part in ids.chunk(2)) / 2
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    assert losses[-1] < losses[0]
-    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+    return losses
 
-    reloaded = cta.load_patched(str(out))
-    assert cta.patching_cta.is_patched(reloaded)
+
+def test_default_models_have_no_0_d_parameters():
+    for build in MODELS.values():
+        model = build()
+        assert [n for n, p in model.named_parameters() if p.dim() == 0] == []
+        assert any(n.endswith("_pde.alpha") and p.shape == (1,) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_default_model_under_fsdp_matches_one_process(sharded_runs, engine, kind):
+    out, runs = sharded_runs
+    run = runs[f"{engine}_{kind}"]
+    assert run["units"] == (["LlamaDecoderLayer"] if kind == "patched" else ["CTADecoderLayer"])
+    model = MODELS[kind]()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = one_process_losses(model)
+    assert losses[-1] < losses[0]
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6)
+
+    folder = str(out / f"{engine}_{kind}")
+    reloaded = cta.load_patched(folder) if kind == "patched" else cta.CTAForCausalLM.from_pretrained(folder)
     trained = dict(model.named_parameters())
+    moved = []
     for name, parameter in reloaded.named_parameters():
         torch.testing.assert_close(parameter, trained[name], rtol=1e-5, atol=1e-6, msg=name)
+        if "_pde." in name:
+            moved.append(not torch.equal(parameter, initial[name]))
+    assert moved and all(moved)  # every PDE coefficient was trained (sharded) and saved

@@ -1,0 +1,157 @@
+# coding=utf-8
+"""Loading CTA checkpoints, those of earlier releases included, and refusing ones whose PDE weights do not fit.
+
+What changed since 0.1.0, and how a checkpoint of that release is read (no file is rewritten; ``save_pretrained``
+afterwards writes the current format):
+
+* A scalar PDE coefficient was a 0-d tensor; it is a 1-element tensor now (FSDP1/2 and DeepSpeed refuse 0-d
+  parameters). transformers' loader would report a 0-d checkpoint tensor as a size mismatch of ``[1]``:
+  :func:`from_pretrained_with_pde_check` reads the checkpoint's safetensors headers first, and where it finds 0-d
+  coefficients it loads with ``ignore_mismatched_sizes=True``, copies exactly those coefficients in their new shape,
+  and raises for every other mismatch as transformers itself does (unless the caller passed
+  ``ignore_mismatched_sizes=True``). Current checkpoints load through transformers unchanged. ``state_dict``s and PEFT adapters go
+  through ``load_state_dict``, where ``PDERefinement``'s pre-hook reshapes them.
+* Weight names that changed are renamed through ``from_pretrained``'s public ``key_mapping`` (``LEGACY_KEY_MAPPING``:
+  patterns that match only names of earlier releases, so current checkpoints load unchanged).
+
+A checkpoint whose PDE weights are missing, unexpected or of another shape than the config declares raises, naming
+them: a model whose PDE sites silently kept their initial coefficients would be another model, with no error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# regex on a checkpoint's weight name -> replacement (re.sub), applied in order; names of earlier releases only.
+LEGACY_KEY_MAPPING: dict = {}
+
+# A PDE coefficient's weight name ends like this, in every release.
+_PDE_COEFFICIENT = re.compile(r"_pde\.(alpha|beta)$")
+_SAFE_WEIGHTS = "model.safetensors"
+_SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
+_HUB_ARGUMENTS = ("subfolder", "revision", "token", "cache_dir", "local_files_only", "force_download")
+
+
+def check_pde_weights_loaded(loading_info: dict, model_class: str, source) -> None:
+    """Raises if a checkpoint's PDE coefficients did not load exactly (``from_pretrained``'s ``loading_info``)."""
+    problems = {
+        kind: sorted(_key_name(k) for k in loading_info.get(kind, ()) if "_pde." in _key_name(k))
+        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+    }
+    if any(problems.values()):
+        raise ValueError(
+            f"Loading {model_class} from {source!r}: the checkpoint's PDE weights do not match the config "
+            f"(PDE placements / layers / steps / per-channel coefficients): missing weights {problems['missing_keys']}, "
+            f"unexpected weights {problems['unexpected_keys']}, mismatched {problems['mismatched_keys']}."
+        )
+
+
+def _key_name(key) -> str:
+    return str(key[0]) if isinstance(key, tuple) else str(key)
+
+
+def from_pretrained_with_pde_check(load, cls, args, kwargs):
+    """``load(*args, **kwargs)`` (the parent class's ``from_pretrained``) reading 0.1.0 checkpoints too, then
+    :func:`check_pde_weights_loaded`. Returns what ``from_pretrained`` returns for the caller's
+    ``output_loading_info``."""
+    output_loading_info = kwargs.pop("output_loading_info", False)
+    key_mapping = {**LEGACY_KEY_MAPPING, **(kwargs.pop("key_mapping", None) or {})}
+    source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+    legacy = _legacy_scalars(source, key_mapping, kwargs) if source is not None else {}
+    if not legacy:
+        model, info = load(*args, output_loading_info=True, key_mapping=key_mapping or None, **kwargs)
+    else:
+        caller_ignores_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
+        # transformers reports the 0-d coefficients as re-initialised size mismatches, which they are not: its report
+        # is held back for this load, the rest of it is logged below.
+        verbosity = logging.get_verbosity()
+        logging.set_verbosity_error()
+        try:
+            model, info = load(*args, output_loading_info=True, ignore_mismatched_sizes=True,
+                               key_mapping=key_mapping or None, **kwargs)
+        finally:
+            logging.set_verbosity(verbosity)
+        converted = [k for k in info.get("mismatched_keys", ()) if _key_name(k) in legacy and _is_legacy_scalar(k)]
+        parameters = dict(model.named_parameters())
+        with torch.no_grad():
+            for key in converted:
+                parameters[_key_name(key)].copy_(legacy[_key_name(key)].reshape(1))
+        info["mismatched_keys"] = [k for k in info["mismatched_keys"] if k not in converted]
+        logger.warning(f"{cls.__name__}: {source!r} was saved by cta 0.1.0; its {len(converted)} 0-d PDE coefficients "
+                       "were read as 1-element tensors (save_pretrained writes the current format).")
+        others = {kind: sorted(_key_name(k) for k in info.get(kind, ())) for kind in ("missing_keys", "unexpected_keys")}
+        if any(others.values()):
+            logger.warning(f"{cls.__name__} from {source!r}: missing weights {others['missing_keys']}, unexpected "
+                           f"weights {others['unexpected_keys']}.")
+        if info["mismatched_keys"] and not caller_ignores_mismatch:
+            details = "\n\t".join(f"size mismatch for {name}: copying a param with shape {tuple(ckpt)} from "
+                                   f"checkpoint, the shape in current model is {tuple(ours)}."
+                                   for name, ckpt, ours in info["mismatched_keys"])
+            raise RuntimeError(f"Error(s) in loading state_dict for {cls.__name__}:\n\t{details}\n\tYou may consider "
+                               "adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if appropriate.")
+    check_pde_weights_loaded(info, cls.__name__, source)
+    return (model, info) if output_loading_info else model
+
+
+def _is_legacy_scalar(key) -> bool:
+    """A mismatch of a 0-d checkpoint coefficient where the model holds a 1-element one."""
+    return isinstance(key, tuple) and len(key) == 3 and tuple(key[1]) == () and tuple(key[2]) == (1,)
+
+
+def _legacy_scalars(source, key_mapping, kwargs) -> dict:
+    """``{model's weight name: 0-d tensor}`` of the PDE coefficients that ``source`` saved as 0-d tensors (0.1.0);
+    empty for current checkpoints and anything that is not a safetensors checkpoint (transformers reports those)."""
+    from safetensors import safe_open
+
+    try:
+        files = _checkpoint_files(source, kwargs)
+    except (OSError, ValueError):
+        return {}
+    found = {}
+    for path in files:
+        with safe_open(path, framework="pt") as checkpoint:
+            for key in checkpoint.keys():
+                if _PDE_COEFFICIENT.search(key) and not checkpoint.get_slice(key).get_shape():
+                    found[_renamed(key, key_mapping)] = checkpoint.get_tensor(key)
+    return found
+
+
+def _renamed(key: str, key_mapping: dict) -> str:
+    for pattern, replacement in key_mapping.items():
+        key = re.sub(pattern, replacement, key)
+    return key
+
+
+def _checkpoint_files(source, kwargs):
+    """The safetensors files of a checkpoint folder or Hub repository (one file or an index's shards)."""
+    hub = {k: kwargs[k] for k in _HUB_ARGUMENTS if kwargs.get(k) is not None}
+    single = _resolve(source, _SAFE_WEIGHTS, hub)
+    if single is not None:
+        return [single]
+    index = _resolve(source, _SAFE_WEIGHTS_INDEX, hub)
+    if index is None:
+        return []
+    with open(index, encoding="utf-8") as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    return [_resolve(source, shard, hub) for shard in shards]
+
+
+def _resolve(source, filename, hub):
+    source = str(source)
+    if os.path.isdir(source):
+        path = os.path.join(source, hub.get("subfolder") or "", filename)
+        return path if os.path.isfile(path) else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return hf_hub_download(source, filename, **hub)
+    except EntryNotFoundError:
+        return None
