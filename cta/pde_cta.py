@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .pde_cache import cached_pde_state
+from .pde_decode import causal_decode_map, pde_decode_update
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names live here too)
     COEFFICIENT_BOUNDS,
@@ -24,7 +25,9 @@ from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names
     PDE_TYPE_ALIASES,
     PDE_TYPES,
     WAVE_DAMPING,
+    check_decode_arguments,
     check_pde_arguments,
+    clamp_coefficients,
     coefficient_bounds,
     normalize_pde_type,
     uses_beta,
@@ -122,18 +125,25 @@ def pde_refine(
     )
 
 
-# Under torch.compile a one-token decode step is traced as the reference's plain tensor operations, not as the Triton
-# decode kernel's custom op: inductor then fuses it (coefficient clamp, the S levels, the state write) with the
-# residual add before it and the norm after it, where the opaque op cost about three extra launches per site in a
-# CUDA-graph step (docs/decoding.md).
+# A one-token decode step is a state update (pde_decode.py): the fused Triton kernel in CUDA eager, plain torch ops
+# elsewhere. Under torch.compile it is traced as those plain ops, not as the Triton decode kernel's custom op:
+# inductor then fuses them (coefficient clamp, the S levels, the state write) with the residual add before it and the
+# norm after it, where the opaque op cost about three extra launches per site in a CUDA-graph step
+# (docs/decoding.md).
 def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto",
                     coefficient_bounds=None):
-    """Dispatching wrapper of :func:`pde_decode_step_reference` (updates ``state`` in place)."""
+    """One causal decode step, ``state`` updated in place: :func:`pde_decode_step_reference`'s semantics (the
+    ground truth), computed as :func:`pde_decode.pde_decode_update` or by the Triton decode kernel."""
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask,
                   coefficient_bounds=coefficient_bounds)
     if _use_triton(backend, hidden_states) and not torch.compiler.is_compiling():
         return _triton_module().pde_decode_step_triton(hidden_states, state, **kwargs)
-    return pde_decode_step_reference(hidden_states, state, **kwargs)
+    pde_type, alpha, beta, bounds = check_decode_arguments(
+        hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds
+    )
+    alpha, beta = clamp_coefficients(alpha, beta, bounds)
+    return pde_decode_update(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
+                             token_mask=token_mask)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -242,17 +252,39 @@ class PDERefinement(nn.Module):
         return alpha, beta
 
     def _decode_step(self, hidden_states, state, attention_mask):
-        """One token ``[batch, 1, channels]``: the decode step on the raw parameters, projected onto their bounds in
-        the step itself (decode is host-bound: one launch per site and token, no clamp launches)."""
-        if _use_triton(self.backend, hidden_states) and not torch.compiler.is_compiling():
+        """One token ``[batch, 1, channels]``: a state update. CUDA eager: the fused kernel on the raw parameters,
+        projected onto their bounds in the kernel (decode is host-bound: one launch per site and token). Elsewhere and
+        under torch.compile: a few plain torch ops (``pde_decode.pde_decode_update``)."""
+        fused = state.dtype == torch.float32 and _use_triton(self.backend, hidden_states)
+        if fused and not torch.compiler.is_compiling():
             return _triton_module().pde_decode_token_triton(
                 hidden_states, state, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
-        out = pde_decode_step(
-            hidden_states.select(1, 0), state, pde_type=self.pde_type, steps=self.steps, alpha=self.alpha,
-            beta=self.beta, token_mask=attention_mask, backend=self.backend, coefficient_bounds=self.bounds,
-        )
-        return out.unsqueeze(1)
+        decode_map = None
+        if state.device.type == "cpu" and self.alpha.numel() == 1 and not torch.compiler.is_compiling():
+            # On the CPU, reading a value costs no device synchronisation: scalar coefficients are projected as
+            # Python floats, the linear map is kept while they keep their values (formed again after a training
+            # step), and a step mask of ones is dropped (the same walls as no mask).
+            alpha = min(max(self.alpha.item(), self.alpha_bounds[0]), self.alpha_bounds[1])
+            beta = None if self.beta is None else min(max(self.beta.item(), self.beta_bounds[0]), self.beta_bounds[1])
+            if self.pde_type != "reaction_diffusion":
+                decode_map = self._scalar_decode_map(alpha, beta, state.dtype)
+            if attention_mask is not None and bool(attention_mask.all()):
+                attention_mask = None
+        else:
+            alpha, beta = self.coefficients()
+        return pde_decode_update(hidden_states, state, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
+                                 beta=beta, token_mask=attention_mask, decode_map=decode_map)
+
+    def _scalar_decode_map(self, alpha: float, beta, dtype):
+        """The ``[S+1, S+1]`` decode map of these scalar coefficients, formed when they change."""
+        cached = self.__dict__.get("_decode_map_cache")
+        if cached is None or cached[0] != (alpha, beta, dtype):
+            as_tensor = lambda value: None if value is None else torch.tensor(value, dtype=dtype)  # noqa: E731
+            decode_map = causal_decode_map(self.pde_type, self.steps, as_tensor(alpha), as_tensor(beta), dtype)
+            cached = ((alpha, beta, dtype), decode_map[..., 0].contiguous())
+            self.__dict__["_decode_map_cache"] = cached
+        return cached[1]
 
     def forward(self, hidden_states, attention_mask=None, cache=None):
         if self.steps == 0:
@@ -288,5 +320,7 @@ class PDERefinement(nn.Module):
         )
         # Stored as the layer's conv state with the channels as its last ("kernel") axis, so the buffer is the
         # contiguous [batch, steps, channels] tensor the decode kernel updates in place.
-        cache.update_conv_state(final_state.detach().float(), self.layer_idx, state_idx=self.state_idx)
+        # fp32 (fp64 for a float64 model: its cached decoding is then exact to fp64 rounding too).
+        state_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+        cache.update_conv_state(final_state.detach().to(state_dtype), self.layer_idx, state_idx=self.state_idx)
         return out

@@ -155,13 +155,16 @@ def _check_bounds(bounds):
     return pairs
 
 
+_STATE_DTYPES = (torch.float32, torch.float64)
+
+
 def check_decode_state(state, batch: int, steps: int, channels: int) -> None:
-    """Raises unless ``state`` is the fp32 ``[batch, steps, channels]`` a decode step reads and writes (one of another
-    shape would be read out of bounds by the kernel)."""
-    if not torch.is_tensor(state) or state.shape != (batch, steps, channels) or state.dtype != torch.float32:
+    """Raises unless ``state`` is the fp32 (fp64 for float64 models) ``[batch, steps, channels]`` a decode step reads
+    and writes (one of another shape would be read out of bounds by the kernel)."""
+    if not torch.is_tensor(state) or state.shape != (batch, steps, channels) or state.dtype not in _STATE_DTYPES:
         got = (tuple(state.shape), state.dtype) if torch.is_tensor(state) else type(state)
         raise ValueError(
-            f"`state` must be a float32 tensor of shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
+            f"`state` must be a float32 (or float64) tensor of shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
             f"got {got}."
         )
 

@@ -1,0 +1,104 @@
+# coding=utf-8
+"""One decoded token of the causal PDE as a state update in plain torch ops (causal-conv1d's ``update`` beside its
+``fn``): the path of every device but CUDA eager (which launches the fused Triton decode kernel), and of
+``torch.compile``, where Inductor fuses these pointwise ops and reductions with the residual add and norm around them.
+
+The state of a site is ``[batch, steps, channels]`` fp32: entry ``s`` is the step-``s`` iterate at the previous
+position (what :func:`pde_reference.pde_refine_reference` returns as its final state). For one new token ``x`` the
+levels ``u_0 = x, u_1, ..., u_S`` of the causal schemes are
+
+* linear schemes (diffusion, advection-diffusion, wave): ``u_s = p_s * x + sum_r W[s, r] * state[r]``, a fixed
+  linear map of the token and the ``S`` stored values whose coefficients ``p``, ``W`` (:func:`causal_decode_map`)
+  are formed once per call from the coefficients alone;
+* reaction-diffusion (nonlinear, ``tanh``): the exact ``S``-step recurrence on the token.
+
+The refined token is ``u_S``; the new state is ``u_0 .. u_{S-1}``. A padded token (``token_mask`` 0) is returned
+unchanged and leaves zeros (a wall) as the state, as the sequence operator does. ``pde_refine_reference`` stays the
+ground truth: the tests compare this update with it, step by step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .pde_spec import WAVE_DAMPING
+
+
+def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Optional[torch.Tensor],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The linear map ``[S+1 levels, S+1 inputs, C']`` of a linear causal scheme over the inputs ``(x, state_0 ..
+    state_{S-1})``, with ``C'`` 1 for scalar coefficients and ``channels`` for per-channel ones (in ``dtype``).
+
+    Computed by running the scheme's recurrence on coefficient vectors over that basis: ``S`` tiny steps on
+    ``[S+1, C']`` tensors, whatever the batch.
+    """
+    coefficient = alpha + beta if pde_type == "advection_diffusion" else alpha
+    coefficient = coefficient.to(dtype).reshape(1, -1)  # [1, C']
+    basis = torch.eye(steps + 1, device=coefficient.device, dtype=dtype).unsqueeze(-1)  # [S+1, S+1, 1]
+    u = basis[0].expand(steps + 1, coefficient.shape[1])  # the token's own level: u_0 = x
+    v = torch.zeros_like(u)
+    levels = []
+    for step in range(steps):
+        levels.append(u)
+        pull = basis[step + 1] - u  # state[step] - u_step
+        if pde_type == "wave":
+            v = (1.0 - WAVE_DAMPING) * v + coefficient * pull
+            u = u + v
+        else:
+            u = u + coefficient * pull
+    levels.append(u)
+    return torch.stack(levels)
+
+
+def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_type: str, steps: int,
+                      alpha: torch.Tensor, beta: Optional[torch.Tensor] = None,
+                      token_mask: Optional[torch.Tensor] = None, decode_map: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+    """Refines one token (``[batch, channels]``, or ``[batch, 1, channels]`` as a model's layer gives it) and updates
+    ``state`` ``[batch, steps, channels]`` in place (fp32, or fp64 for float64 models: the dtype it computes in);
+    returns the refined token in the input's shape and dtype.
+
+    ``pde_type`` normalised, ``alpha`` / ``beta`` the coefficients the scheme uses (already inside their bounds: 0-d,
+    1-element or ``[channels]`` tensors, or Python floats); ``token_mask``: one entry per sequence (0: padding). ``decode_map``: the
+    linear scheme's :func:`causal_decode_map` of these coefficients when the caller keeps it (``[S+1, S+1]`` for
+    scalar coefficients), else formed here. Arguments are not checked here (:func:`pde_cta.pde_decode_step` checks
+    them; :class:`PDERefinement` holds valid ones).
+    """
+    x = hidden_states.to(state.dtype)  # fp32 (fp64 for float64 models)
+    if x.dim() == 2:
+        x = x.unsqueeze(1)  # [batch, 1, channels]: broadcasts against the levels
+    if pde_type == "reaction_diffusion":
+        levels = _reaction_levels(x, state, steps, alpha, beta)
+    else:
+        if decode_map is None:
+            decode_map = causal_decode_map(pde_type, steps, alpha, beta, state.dtype)
+        inputs = torch.cat([x, state], dim=1)  # [batch, S+1, channels]
+        if decode_map.dim() == 2:  # scalar coefficients: one small matrix product
+            levels = torch.matmul(decode_map, inputs)
+        else:  # per channel (and traced: pointwise products and a sum, which Inductor fuses)
+            levels = (decode_map * inputs.unsqueeze(1)).sum(2)
+    refined = levels[:, steps:]
+    if token_mask is not None:
+        valid = token_mask.reshape(-1, 1, 1).to(state.dtype)
+        state.copy_(levels[:, :steps] * valid)
+        refined = torch.where(valid > 0, refined, x)
+    else:
+        state.copy_(levels[:, :steps])
+    return refined.reshape(hidden_states.shape).to(hidden_states.dtype)
+
+
+def _reaction_levels(x, state, steps, alpha, beta):
+    """``[batch, S+1, channels]``: the levels of causal reaction-diffusion for one token ``[batch, 1, channels]``
+    (the exact recurrence ``u += alpha * (state_s - u) - beta * tanh(u)``); ``alpha``, ``beta``: tensors or floats."""
+    if torch.is_tensor(alpha):
+        alpha, beta = alpha.to(x.dtype), beta.to(x.dtype)
+    u = x
+    levels = [u]
+    for step in range(steps):
+        decay = torch.tanh(u)
+        u = torch.lerp(u, state[:, step:step + 1], alpha)
+        u = u.sub_(decay, alpha=beta) if not torch.is_tensor(beta) else u - beta * decay
+        levels.append(u)
+    return torch.cat(levels, dim=1)
