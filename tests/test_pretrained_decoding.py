@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -101,7 +102,7 @@ def test_cached_decoding_is_exact(pretrained, placement):
     # In float64 (the PDE state too): exactness then shows at fp64 rounding (the unpatched model's own cached and full
     # logits differ by ~1e-13). In fp32 the attention's rounding (1e-4 in the unpatched logits) reaches the patched
     # logits amplified by SmolLM2's activations of several hundred: 1e-3 to 1e-1, depending on the CPU.
-    model.double()
+    nn.Module.double(model)  # (nn.Module's own: transformers refuses a GGUF-loaded model's dtype casts)
     try:
         set_coefficients(model, 0.12)
         generate = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -126,7 +127,7 @@ def test_cached_decoding_is_exact(pretrained, placement):
         torch.testing.assert_close(torch.cat(steps, dim=1)[valid], full[valid], atol=1e-9, rtol=0)
     finally:
         unpatch_model(model)
-        model.float()
+        nn.Module.float(model)
     with torch.no_grad():  # unpatching gives the pretrained model back
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits,
                                    plain, atol=1e-5, rtol=0)
