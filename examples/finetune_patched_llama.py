@@ -57,9 +57,9 @@ MODES = ("lora", "lora_pde", "pde")
 @dataclass
 class ModelArguments(PretrainedArguments):
     model_name_or_path: str = field(
-        default=os.path.join(common.REPO_ROOT, "..", "shared", "models", "stories260K"),
+        default=common.default_model_path("stories260K"),
         metadata={"help": "Pretrained causal LM (folder or Hub id) that cta.patch_model supports (Llama family). "
-                          "Default: ../shared/models/stories260K."},
+                          "Default: models/stories260K in $CTA_SHARED_DIR (../shared)."},
     )
 
 
@@ -120,6 +120,7 @@ def load_raw_datasets(data_args, cache_dir):
         raw = datasets.load_dataset("text", data_files=files, sample_by="document", cache_dir=cache_dir)
         desc = f"offline {data_args.dataset_folder} ({base})"
     sep, column = data_args.document_separator, data_args.text_column_name or "text"
+    common.require_column(raw, "text_column_name", column)
     if sep:
         raw = raw.map(lambda batch: {column: [d.strip() for t in batch[column] for d in (t or "").split(sep)
                                               if d.strip()]},

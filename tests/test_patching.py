@@ -3,7 +3,6 @@
 import copy
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,12 +21,12 @@ from cta.patching_cta import (
     unpatch_model,
 )
 from remote_code_env import run_in_clean_env
+from shared_data import STORIES260K, stories260k_missing
 
-REPO = Path(__file__).resolve().parents[1]
-STORIES = Path(os.environ.get("CTA_STORIES260K", REPO.parent / "shared" / "models" / "stories260K"))
+STORIES = STORIES260K  # ($CTA_SHARED_DIR/models/stories260K: tests/shared_data.py)
 needs_stories = pytest.mark.skipif(
     not (STORIES / "config.json").exists(),
-    reason=f"stories260K not found at {STORIES} (set CTA_STORIES260K to the model folder)",
+    reason=stories260k_missing(),
 )
 
 DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
