@@ -129,6 +129,6 @@ def missing_cache_error(site: str) -> ValueError:
 
 
 __all__ = [
-    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices", "pde_sites", "pop_cache",
-    "find_cache", "cached_pde_state", "check_pde_states", "missing_cache_error",
+    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
+    "pde_sites", "pop_cache", "find_cache", "cached_pde_state", "check_pde_states", "missing_cache_error",
 ]

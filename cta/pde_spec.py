@@ -69,19 +69,21 @@ def coefficient_bounds(pde_type: str, causal: bool):
 PDE_IDS = {name: i for i, name in enumerate(PDE_TYPES)}
 
 
-def _as_coefficient(value, name: str, channels: int, device, interval=None, scheme: str = "") -> Optional[torch.Tensor]:
-    """``value`` as a 0-d or ``[channels]`` tensor. A Python number outside ``interval`` (the scheme's stable one)
-    raises; a tensor's values are not range-checked (reading them would synchronise with its device)."""
+def _as_coefficient(value, name: str, channels: int, device, interval=None, scheme=None) -> Optional[torch.Tensor]:
+    """``value`` as a 0-d or ``[channels]`` tensor. A Python number outside ``interval``, the stable one of the
+    scheme ``(pde_type, causal)``, raises; a tensor's values are not range-checked (reading them would synchronise
+    with its device)."""
     if value is None:
         return None
     if not torch.is_tensor(value):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"`{name}` must be a float, a 0-d tensor or a tensor of shape [channels], got {value!r}.")
         if interval is not None and not interval[0] <= value <= interval[1]:  # NaN fails too
+            kind = "causal" if scheme[1] else "bidirectional"
             raise ValueError(
-                f"`{name}`={value!r} is outside the stable interval [{interval[0]}, {interval[1]}] of the {scheme} "
-                f"scheme (`cta.coefficient_bounds(pde_type, causal)`), where the explicit steps are not stable. Pass a value in "
-                "that interval."
+                f"`{name}`={value!r} is outside the stable interval [{interval[0]}, {interval[1]}] of the {kind} "
+                f"{scheme[0]} scheme (`cta.coefficient_bounds(pde_type, causal)`), where the explicit steps are not "
+                "stable. Pass a value in that interval."
             )
         # A fill on the device, not a host-to-device copy: capturable in CUDA graphs, no synchronisation.
         value = torch.full((), float(value), dtype=torch.float64, device=device)  # cast to the compute dtype later
@@ -101,8 +103,8 @@ def _check_operator(pde_type, steps, alpha, beta, channels: int, device, causal:
     pde_type = normalize_pde_type(pde_type)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps > MAX_PDE_STEPS:
         raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
-    alpha_bounds, beta_bounds = COEFFICIENT_BOUNDS[(pde_type, bool(causal))]
-    scheme = f"{'causal' if causal else 'bidirectional'} {pde_type}"
+    scheme = (pde_type, bool(causal))
+    alpha_bounds, beta_bounds = COEFFICIENT_BOUNDS[scheme]
     alpha = _as_coefficient(alpha, "alpha", channels, device, alpha_bounds, scheme)
     if alpha is None:
         raise ValueError("`alpha` is required.")
