@@ -24,11 +24,19 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.utils import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cta import CTAConfig
-from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, pde_sites, pop_cache
 from .checkpoint_conversion import from_pretrained_with_pde_check
+from .pde_cache import (
+    CACHE_ARGUMENT,
+    CACHE_ARGUMENTS,
+    check_pde_states,
+    deprecate_past_key_values,
+    pde_sites,
+    pop_cache,
+)
 from .pde_cta import PDERefinement
 
 
@@ -381,6 +389,11 @@ class CTAModel(CTAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
+    # As transformers' own base models: the old cache keyword's deprecation, then `capture_outputs` (the
+    # `output_hidden_states` / `output_attentions` / `return_dict` keywords, defaulting to the config's). Not
+    # `merge_with_config_defaults`: it would pass the config's `is_causal` on to the attention functions; the
+    # `use_cache` default is read below.
+    @deprecate_past_key_values
     @capture_outputs
     def forward(
         self,
@@ -497,6 +510,10 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
     def set_input_embeddings(self, value):
         self.model.embed_tokens = value
 
+    # As transformers' own heads (LlamaForCausalLM): the flags travel in `kwargs` to the base model, whose
+    # `capture_outputs` falls back to the config for each one not given; `can_return_tuple` handles `return_dict`.
+    @deprecate_past_key_values
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -506,15 +523,13 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
         inputs_embeds=None,
         labels=None,
         use_cache=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
         logits_to_keep=0,
         **kwargs,
     ):
-        """``cache`` may also be given as ``past_key_values`` (its name before transformers 5.24)."""
+        """``cache`` may also be given as ``past_key_values`` (its name before transformers 5.24; deprecated from
+        then on, as in transformers' own models). ``output_hidden_states`` / ``output_attentions`` / ``return_dict``
+        default to the config's."""
         cache = pop_cache(kwargs, cache)
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -522,9 +537,7 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
+            return_dict=True,  # (the base model follows `config.return_dict` otherwise)
             **kwargs,
         )
         hidden_states = outputs.last_hidden_state
@@ -533,14 +546,13 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        output = CausalLMOutputWithPast(
+        return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
             hidden_states=outputs.hidden_states,
             **{CACHE_ARGUMENT: getattr(outputs, CACHE_ARGUMENT)},
             attentions=outputs.attentions,
         )
-        return output if return_dict else output.to_tuple()
 
 
 class CTAForSequenceClassification(CTAPreTrainedModel):
@@ -584,6 +596,8 @@ class CTAForSequenceClassification(CTAPreTrainedModel):
             index = torch.where(mask.bool(), positions, -1).max(1).values.clamp(min=0)
         return hidden_states[torch.arange(batch, device=hidden_states.device), index]
 
+    @deprecate_past_key_values
+    @can_return_tuple
     def forward(
         self,
         input_ids=None,
@@ -591,20 +605,19 @@ class CTAForSequenceClassification(CTAPreTrainedModel):
         position_ids=None,
         inputs_embeds=None,
         labels=None,
-        output_attentions=None,
-        output_hidden_states=None,
-        return_dict=None,
+        use_cache=None,
         **kwargs,
     ):
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        """``output_hidden_states`` / ``output_attentions`` / ``return_dict`` default to the config's (as
+        transformers' own heads: see :class:`CTAForCausalLM`). A cache and ``use_cache`` are accepted, as by
+        transformers' sequence-classification heads, and unused: this head keeps no cache."""
+        pop_cache(kwargs)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             inputs_embeds=inputs_embeds,
             use_cache=False,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
             return_dict=True,
             **kwargs,
         )
@@ -613,10 +626,9 @@ class CTAForSequenceClassification(CTAPreTrainedModel):
         loss = None
         if labels is not None:
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
-        output = SequenceClassifierOutputWithPast(
+        return SequenceClassifierOutputWithPast(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return output if return_dict else output.to_tuple()
 
 
 __all__ = ["CTAPreTrainedModel", "CTAModel", "CTAForCausalLM", "CTAForSequenceClassification"]

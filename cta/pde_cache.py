@@ -20,12 +20,24 @@ from typing import Optional
 import torch
 import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.utils.deprecation import deprecate_kwarg
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
 # The name the installed transformers uses for the cache: the field of its model outputs (`out.cache` from 5.24 on).
 _OUTPUT_FIELDS = {field.name for field in dataclasses.fields(BaseModelOutputWithPast)}
 CACHE_ARGUMENT = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
+# The release from which transformers drops the old name (its models' own `deprecate_kwarg` version).
+PAST_KEY_VALUES_REMOVAL = "5.40.0"
+
+
+def deprecate_past_key_values(forward):
+    """What transformers' own models do with the old cache keyword: on a release that renamed it (``cache``), its
+    ``deprecate_kwarg`` (the same FutureWarning, the value moved to ``cache``); on older ones ``past_key_values`` is
+    the real name: ``forward`` unchanged, no warning."""
+    if CACHE_ARGUMENT != "cache":
+        return forward
+    return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
 
 
 # Per-layer placements that keep a causal state, in the order of their conv-state indices.
@@ -117,6 +129,6 @@ def missing_cache_error(site: str) -> ValueError:
 
 
 __all__ = [
-    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "pde_state_indices", "pde_sites", "pop_cache",
-    "find_cache", "cached_pde_state", "check_pde_states", "missing_cache_error",
+    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
+    "pde_sites", "pop_cache", "find_cache", "cached_pde_state", "check_pde_states", "missing_cache_error",
 ]

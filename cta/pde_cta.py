@@ -8,6 +8,7 @@ The schemes and their stability are documented in ``pde_reference``; the bounds 
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import Optional
 
@@ -39,20 +40,34 @@ from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names
 # ----------------------------------------------------------------------------------------------------------------
 
 
-_TRITON_MODULE = []  # [cta.triton_cta] once imported and usable here (cached: decode checks it per token)
+_TRITON = []  # [(cta.triton_cta or None, why it cannot run here)] once looked up (cached: decode asks per token)
+# Dtypes the Triton backend takes: fp32 / bf16 / fp16 run fused, fp64 runs the reference inside it.
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _triton_module():
-    """``cta.triton_cta`` when Triton can run here (CUDA, or the interpreter), else None; looked up once."""
-    if not _TRITON_MODULE:
+def _triton_lookup():
+    """``(cta.triton_cta, None)`` when Triton can run here (CUDA, or its interpreter), else ``(module or None, the
+    missing requirement)``; looked up once."""
+    if not _TRITON:
+        module, missing = None, None
         try:  # a `from .x import` line: transformers' remote-code loader copies the files such lines name
             from .triton_cta import pde_refine_triton
 
-            triton_cta = sys.modules[pde_refine_triton.__module__]
-        except ImportError:
-            triton_cta = None
-        _TRITON_MODULE.append(triton_cta if triton_cta is not None and triton_cta.is_available() else None)
-    return _TRITON_MODULE[0]
+            module = sys.modules[pde_refine_triton.__module__]
+        except ImportError as error:
+            missing = f"cta.triton_cta does not import ({error})"
+        if importlib.util.find_spec("triton") is None:  # kernels_jit imports without triton; tell that case apart
+            module, missing = None, "Triton is not installed (`pip install triton`)"
+        elif module is not None and not module.is_available():
+            missing = ("there is no CUDA device (torch.cuda.is_available() is False) and Triton's interpreter is off "
+                       "(TRITON_INTERPRET=1, set before triton is imported, runs the kernels on CPU)")
+        _TRITON.append((module if missing is None else None, missing))
+    return _TRITON[0]
+
+
+def _triton_module():
+    """``cta.triton_cta`` when Triton can run here (CUDA, or the interpreter), else None."""
+    return _triton_lookup()[0]
 
 
 def triton_available() -> bool:
@@ -60,16 +75,31 @@ def triton_available() -> bool:
     return _triton_module() is not None
 
 
+def triton_missing_requirement(tensor: torch.Tensor) -> Optional[str]:
+    """Why ``backend="triton"`` cannot refine ``tensor`` here (no Triton, no CUDA device, a tensor off CUDA, an
+    unsupported dtype), or None when it can. Host-side attribute checks only: no import, no synchronisation."""
+    module, missing = _triton_lookup()
+    if missing is not None:
+        return missing
+    if not (tensor.is_cuda or module.INTERPRET):
+        return (f"`hidden_states` is on {tensor.device}: the kernels run on CUDA tensors (on CPU only through Triton's "
+                "interpreter, TRITON_INTERPRET=1, which is off)")
+    if tensor.dtype not in TRITON_DTYPES:
+        return f"`hidden_states` has dtype {tensor.dtype}; the Triton backend takes {[str(d) for d in TRITON_DTYPES]}"
+    return None
+
+
 def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
     if backend not in PDE_BACKENDS:
         raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
-    if backend == "torch":
-        return False
+    if backend == "torch" or not torch.is_tensor(tensor):
+        return False  # (not a tensor: the reference's argument check names it)
     if backend == "triton":
-        if not triton_available():
-            raise ValueError("`backend='triton'` was requested but triton (or cta.triton_cta) cannot be imported.")
+        missing = triton_missing_requirement(tensor)
+        if missing is not None:
+            raise ValueError(f"`backend='triton'` cannot run here: {missing}. Use backend='auto' or 'torch'.")
         return True
-    return tensor.is_cuda and triton_available()
+    return tensor.is_cuda and tensor.dtype in TRITON_DTYPES and triton_available()
 
 
 def pde_refine(
@@ -95,10 +125,14 @@ def pde_refine(
         causal: one-sided stencil: position ``i`` depends only on positions ``<= i``.
         attention_mask: ``[batch, seq]``, 1 for tokens, 0 for padding (a wall that is returned unchanged).
         initial_state / return_final_state: causal streaming state ``[batch, steps, channels]`` (see the reference).
-        backend: ``auto`` (Triton on CUDA when importable), ``torch`` (the reference) or ``triton``.
+        backend: ``auto`` (Triton on CUDA when importable), ``torch`` (the reference) or ``triton`` (raises, naming
+            the missing requirement, where it cannot run: no Triton, no CUDA device, an unsupported dtype).
 
-    Coefficients outside :data:`COEFFICIENT_BOUNDS` are accepted here (the functional op does not clip) but lose the
-    stability guarantee; :class:`PDERefinement` keeps its coefficients inside them.
+    A Python-number ``alpha`` / ``beta`` outside its scheme's stable interval (``coefficient_bounds(pde_type,
+    causal)``, :data:`COEFFICIENT_BOUNDS`) raises a ValueError. Tensor coefficients are checked for shape and dtype
+    only: their values are not range-checked (reading them would synchronise the host with the device), and values
+    outside the interval lose the stability guarantee. :class:`PDERefinement` projects its own coefficients onto the
+    interval.
     """
     if _use_triton(backend, hidden_states):
         return _triton_module().pde_refine_triton(

@@ -69,12 +69,22 @@ def coefficient_bounds(pde_type: str, causal: bool):
 PDE_IDS = {name: i for i, name in enumerate(PDE_TYPES)}
 
 
-def _as_coefficient(value, name: str, channels: int, device) -> Optional[torch.Tensor]:
+def _as_coefficient(value, name: str, channels: int, device, interval=None, scheme=None) -> Optional[torch.Tensor]:
+    """``value`` as a 0-d or ``[channels]`` tensor. A Python number outside ``interval``, the stable one of the
+    scheme ``(pde_type, causal)``, raises; a tensor's values are not range-checked (reading them would synchronise
+    with its device)."""
     if value is None:
         return None
     if not torch.is_tensor(value):
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"`{name}` must be a float, a 0-d tensor or a tensor of shape [channels], got {value!r}.")
+        if interval is not None and not interval[0] <= value <= interval[1]:  # NaN fails too
+            kind = "causal" if scheme[1] else "bidirectional"
+            raise ValueError(
+                f"`{name}`={value!r} is outside the stable interval [{interval[0]}, {interval[1]}] of the {kind} "
+                f"{scheme[0]} scheme (`cta.coefficient_bounds(pde_type, causal)`), where the explicit steps are not "
+                "stable. Pass a value in that interval."
+            )
         # A fill on the device, not a host-to-device copy: capturable in CUDA graphs, no synchronisation.
         value = torch.full((), float(value), dtype=torch.float64, device=device)  # cast to the compute dtype later
     if value.dim() == 1 and value.shape[0] == 1:
@@ -83,20 +93,24 @@ def _as_coefficient(value, name: str, channels: int, device) -> Optional[torch.T
         raise ValueError(
             f"`{name}` must be a scalar or have shape [channels] = [{channels}], got shape {tuple(value.shape)}."
         )
+    if not value.is_floating_point():
+        raise ValueError(f"`{name}` must be a floating point tensor, got dtype {value.dtype}.")
     return value
 
 
-def _check_operator(pde_type, steps, alpha, beta, channels: int, device):
-    """(pde_type, alpha, beta) normalised: the checks every entry point shares."""
+def _check_operator(pde_type, steps, alpha, beta, channels: int, device, causal: bool):
+    """(pde_type, alpha, beta) normalised: the checks every entry point (reference and Triton) shares."""
     pde_type = normalize_pde_type(pde_type)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps > MAX_PDE_STEPS:
         raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
-    alpha = _as_coefficient(alpha, "alpha", channels, device)
+    scheme = (pde_type, bool(causal))
+    alpha_bounds, beta_bounds = COEFFICIENT_BOUNDS[scheme]
+    alpha = _as_coefficient(alpha, "alpha", channels, device, alpha_bounds, scheme)
     if alpha is None:
         raise ValueError("`alpha` is required.")
-    beta = _as_coefficient(beta, "beta", channels, device)
-    if not uses_beta(pde_type):
-        beta = None
+    beta = _as_coefficient(beta, "beta", channels, device, beta_bounds, scheme)
+    if beta_bounds is None:
+        beta = None  # the scheme has no beta: ignored
     elif beta is None:
         raise ValueError(f"`beta` is required for pde_type={pde_type!r}.")
     return pde_type, alpha, beta
@@ -121,7 +135,7 @@ def check_pde_arguments(
     if not hidden_states.is_floating_point():
         raise ValueError(f"`hidden_states` must be a floating point tensor, got dtype {hidden_states.dtype}.")
     batch, seq, channels = hidden_states.shape
-    pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device)
+    pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device, causal)
     if attention_mask is not None and attention_mask.shape != (batch, seq):
         raise ValueError(
             f"`attention_mask` must have shape [batch, seq] = [{batch}, {seq}] like `hidden_states`, "
@@ -176,7 +190,7 @@ def check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, t
         shape = tuple(hidden_states.shape) if torch.is_tensor(hidden_states) else type(hidden_states)
         raise ValueError(f"`hidden_states` must be a floating point tensor of shape [batch, channels], got {shape}.")
     batch, channels = hidden_states.shape
-    pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device)
+    pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device, causal=True)
     check_decode_state(state, batch, steps, channels)
     if token_mask is not None and token_mask.numel() != batch:
         raise ValueError(f"`token_mask` must have {batch} elements (one per sequence), got {tuple(token_mask.shape)}.")

@@ -36,16 +36,26 @@ PAPER_TOKENIZER = "bert-base-uncased"
 
 # ---------------------------------------------------------------------------------------------------------------
 # locations
+def shared_dir() -> str:
+    """``$CTA_SHARED_DIR`` or ``../shared`` next to the repository root: the offline data (``data``), tokenizers
+    (``tokenizers``) and models (``models``) a development checkout has beside it. A user's clone has none; tests
+    point ``CTA_SHARED_DIR`` at an empty folder to run as such a clone."""
+    return os.environ.get("CTA_SHARED_DIR") or os.path.normpath(os.path.join(REPO_ROOT, "..", "shared"))
+
+
 def default_data_dir() -> str:
-    """``$CTA_DATA_DIR`` or ``../shared/data`` next to the repository root."""
-    return os.environ.get("CTA_DATA_DIR") or os.path.normpath(os.path.join(REPO_ROOT, "..", "shared", "data"))
+    """``$CTA_DATA_DIR`` or ``data`` in :func:`shared_dir`."""
+    return os.environ.get("CTA_DATA_DIR") or os.path.join(shared_dir(), "data")
 
 
 def default_tokenizer_dir() -> str:
-    """``$CTA_TOKENIZER_DIR`` or ``../shared/tokenizers`` (holds ``bert-base-uncased``)."""
-    return os.environ.get("CTA_TOKENIZER_DIR") or os.path.normpath(
-        os.path.join(REPO_ROOT, "..", "shared", "tokenizers")
-    )
+    """``$CTA_TOKENIZER_DIR`` or ``tokenizers`` in :func:`shared_dir` (holds ``bert-base-uncased``)."""
+    return os.environ.get("CTA_TOKENIZER_DIR") or os.path.join(shared_dir(), "tokenizers")
+
+
+def default_model_path(name: str) -> str:
+    """``models/<name>`` in :func:`shared_dir` (e.g. ``stories260K``)."""
+    return os.path.join(shared_dir(), "models", name)
 
 
 def resolve_tokenizer_path(name: str) -> str:
@@ -110,6 +120,17 @@ def take(dataset, n: Optional[int], seed: Optional[int] = None):
     return (dataset if seed is None else dataset.shuffle(seed=seed)).select(range(n))
 
 
+def require_column(raw, argument: str, column: str, splits=None) -> None:
+    """Raises a ValueError naming ``--argument`` and listing the columns the data has when ``column`` is missing
+    from one of ``splits`` (default: every split) of the DatasetDict ``raw`` (a bare KeyError would follow)."""
+    for split, dataset in raw.items():
+        if (splits is None or split in splits) and column not in dataset.column_names:
+            raise ValueError(
+                f"--{argument} {column!r} is not a column of the {split} data: its columns are "
+                f"{dataset.column_names}. Pass --{argument} with one of them."
+            )
+
+
 def lm_blocks(raw, tokenizer, text_column: str, block_size: int, data_args, training_args,
               add_special_tokens: bool = False, with_labels: bool = False):
     """transformers' run_clm.py preprocessing, cached by `datasets`: every non-empty row of ``text_column`` is
@@ -119,6 +140,7 @@ def lm_blocks(raw, tokenizer, text_column: str, block_size: int, data_args, trai
     for ``default_data_collator``; ``DataCollatorForLanguageModeling`` makes them itself."""
     from itertools import chain
 
+    require_column(raw, "text_column_name", text_column)
     eos = [tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id]
     eos = [] if eos[0] is None else eos
 
@@ -195,7 +217,7 @@ class PretrainedArguments:
         default=None,
         metadata={"help": "Pretrained tokenizer name or path if not the same as model_name_or_path (default: the "
                           "task's: bert-base-uncased, `byte` = ByT5 bytes, `listops`). Local copies in "
-                          "$CTA_TOKENIZER_DIR (default ../shared/tokenizers) come first."},
+                          "$CTA_TOKENIZER_DIR (default $CTA_SHARED_DIR/tokenizers, ../shared/tokenizers) come first."},
     )
     cache_dir: Optional[str] = field(
         default=None, metadata={"help": "Where datasets (and Hub downloads) are cached (default: datasets' cache)."}
@@ -290,7 +312,7 @@ class DataArguments:
     )
     data_dir: Optional[str] = field(
         default=None, metadata={"help": "Root of the offline copies of the paper's data (default $CTA_DATA_DIR or "
-                                        "../shared/data)."}
+                                        "$CTA_SHARED_DIR/data, ../shared/data)."}
     )
 
     def __post_init__(self):

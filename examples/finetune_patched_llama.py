@@ -1,17 +1,17 @@
 #!/usr/bin/env python
 """Fine-tune a pretrained causal LM patched with CTA PDE refinement: LoRA only vs LoRA + PDE vs PDE only.
 
-For every mode and seed: load the pretrained model ``--model_name_or_path`` (any causal LM that
-``cta.patch_model`` supports; default: the 260K-parameter stories260K Llama in ``../shared/models``), patch it with
-``cta.patch_model(init="identity")`` (so training starts from exactly the pretrained function; "LoRA only" stays
-unpatched), train with ``transformers.Trainer`` (+ PEFT LoRA for the LoRA modes, the PDE coefficients through PEFT's
-``modules_to_save``), and report validation perplexity before and after.
+For every mode and seed: load the pretrained model ``--model_name_or_path`` (any causal LM that ``cta.patch_model``
+supports; default: the 260K-parameter stories260K Llama in ``models`` of ``$CTA_SHARED_DIR``, ``../shared``), patch
+it with ``cta.patch_model(init="identity")`` (so training starts from exactly the pretrained function; "LoRA only"
+stays unpatched), train with ``transformers.Trainer`` (+ PEFT LoRA for the LoRA modes, the PDE coefficients through
+PEFT's ``modules_to_save``), and report validation perplexity before and after.
 
 Data: the same options as ``run_clm.py`` (loaded with ``datasets.load_dataset``): ``--dataset_name`` (Hub), your own
 ``--train_file`` / ``--validation_file`` (text, csv, json or jsonl; ``--text_column_name``), or by default the
-TinyStories sample in ``--data_dir``/``--dataset_folder`` (``../shared/data/tinystories``). Rows are split into
-documents at ``--document_separator`` (``<|endoftext|>``), tokenised with the model's tokenizer (with its special
-tokens), each followed by EOS, concatenated and cut into ``--block_size`` blocks (``.map(batched=True)``).
+TinyStories sample in ``--data_dir``/``--dataset_folder`` (``data/tinystories`` in ``$CTA_SHARED_DIR``). Rows are
+split into documents at ``--document_separator`` (``<|endoftext|>``), tokenised with the model's tokenizer (with its
+special tokens), each followed by EOS, concatenated and cut into ``--block_size`` blocks (``.map(batched=True)``).
 
     python examples/finetune_patched_llama.py                       # the committed results (CPU, a few minutes)
     python examples/finetune_patched_llama.py --max_steps 20 --seeds 0 --modes lora_pde   # smoke test
@@ -57,9 +57,9 @@ MODES = ("lora", "lora_pde", "pde")
 @dataclass
 class ModelArguments(PretrainedArguments):
     model_name_or_path: str = field(
-        default=os.path.join(common.REPO_ROOT, "..", "shared", "models", "stories260K"),
+        default=common.default_model_path("stories260K"),
         metadata={"help": "Pretrained causal LM (folder or Hub id) that cta.patch_model supports (Llama family). "
-                          "Default: ../shared/models/stories260K."},
+                          "Default: models/stories260K in $CTA_SHARED_DIR (../shared)."},
     )
 
 
@@ -120,6 +120,7 @@ def load_raw_datasets(data_args, cache_dir):
         raw = datasets.load_dataset("text", data_files=files, sample_by="document", cache_dir=cache_dir)
         desc = f"offline {data_args.dataset_folder} ({base})"
     sep, column = data_args.document_separator, data_args.text_column_name or "text"
+    common.require_column(raw, "text_column_name", column)
     if sep:
         raw = raw.map(lambda batch: {column: [d.strip() for t in batch[column] for d in (t or "").split(sep)
                                               if d.strip()]},

@@ -458,7 +458,8 @@ def main(argv=None):
     parser.add_argument("--work_dir", default=None, help="run folders (default: runs/ at the repo root; quick: "
                                                           "OUTPUT_DIR/runs)")
     parser.add_argument("--jobs", type=int, default=1, help="concurrent trainings (0 = in this process)")
-    parser.add_argument("--data_dir", default=None, help="offline data root (default $CTA_DATA_DIR or ../shared/data)")
+    parser.add_argument("--data_dir", default=None,
+                        help="offline data root (default $CTA_DATA_DIR or $CTA_SHARED_DIR/data, ../shared/data)")
     parser.add_argument("--epochs", type=float, default=None, help="override every run's number of epochs")
     parser.add_argument("--extra", default="", help="extra arguments passed to every run (one string)")
     parser.add_argument("--time_budget", type=float, default=None,

@@ -188,6 +188,9 @@ def text_column_of(dataset, requested, label_column):
         if name in dataset.column_names:
             return name
     candidates = [c for c in dataset.column_names if c != label_column]
+    if not candidates:
+        raise ValueError(f"No text column in the train data: its columns are {dataset.column_names} (the label "
+                         f"column is {label_column!r}). Pass --text_column_name.")
     logger.warning("No `text` or `sentence` column: using %r (set --text_column_name).", candidates[0])
     return candidates[0]
 
@@ -205,7 +208,10 @@ def main(argv=None):
     with training_args.main_process_first(desc="load datasets"):
         raw, names, data_desc = load_raw_datasets(data_args, model_args.cache_dir)
     label_column = data_args.label_column_name
+    # (a test split may come without labels: it is predicted)
+    common.require_column(raw, "label_column_name", label_column, splits=("train", "validation"))
     text_column = text_column_of(raw["train"], data_args.text_column_name, label_column)
+    common.require_column(raw, "text_column_name", text_column)
     label_names, label_to_id = label_mapping(raw, label_column, names)
     tokenizer = common.load_tokenizer(tokenizer_name)
 

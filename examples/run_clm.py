@@ -173,6 +173,7 @@ def main(argv=None):
     with training_args.main_process_first(desc="load datasets"):
         raw, texts_desc = load_raw_datasets(data_args, model_args.cache_dir)
     text_column = data_args.text_column_name or "text"
+    common.require_column(raw, "text_column_name", text_column)
     if data_args.max_text_chars:
         raw = type(raw)({s: first_chars(d, text_column, data_args.max_text_chars) for s, d in raw.items()})
         texts_desc += f" (first {data_args.max_text_chars} characters of each split)"

@@ -2,7 +2,8 @@
 the LM leak check, the metric module, run_classification.py / run_clm.py end to end on small files the tests write,
 and a ``--quick`` run of every reproduce.py table (tiny slices, 2 optimizer steps).
 
-Tables that need the offline data (../shared/data or $CTA_DATA_DIR) are skipped with a reason when it is absent;
+Tables that need the offline data (``data`` in $CTA_SHARED_DIR, default ../shared, or $CTA_DATA_DIR) are skipped
+with a reason when it is absent;
 ListOps needs no data.
 """
 
@@ -27,8 +28,10 @@ import run_classification  # noqa: E402
 import run_clm  # noqa: E402
 
 import cta  # noqa: E402
+import shared_data  # noqa: E402  (tests/: the offline paths beside a checkout)
 
 DATA_DIR = common.default_data_dir()
+pytestmark = pytest.mark.shared_data  # reads $CTA_SHARED_DIR: CI reruns this file with an empty one
 
 
 def _have(*parts):
@@ -222,7 +225,8 @@ def test_leak_check_catches_future_mean_model():
 
 
 @pytest.mark.skipif(not _have("wikitext2", "train.txt.gz") or not _tokenizer_available(),
-                    reason="offline WikiText-2 / bert-base-uncased tokenizer not found (set CTA_DATA_DIR)")
+                    reason="offline WikiText-2 / bert-base-uncased tokenizer not found "
+                           "(set CTA_SHARED_DIR or CTA_DATA_DIR)")
 def test_run_clm_refuses_to_report_when_leaky(tmp_path, monkeypatch):
     original = run_clm.build_model
 
@@ -302,6 +306,38 @@ def test_run_classification_needs_data(tmp_path):
         run_classification.main(["--train_file", str(tmp_path / "x.parquet"), "--output_dir", str(tmp_path)])
 
 
+def test_missing_text_or_label_column_lists_the_columns_the_file_has(tmp_path):
+    """A text / label column the file lacks is a ValueError naming the argument and the file's columns (it was a bare
+    KeyError), in run_classification.py, run_clm.py and finetune_patched_llama.py."""
+    train = _write(tmp_path / "my.csv", _reviews(8, ("pos", "neg")), ("review", "opinion"))
+    dev = _write(tmp_path / "my_dev.csv", _reviews(4, ("pos", "neg")), ("review", "opinion"))
+    base = ["--train_file", train, "--validation_file", dev, "--output_dir", str(tmp_path / "out")] + TINY
+    has = r"its columns are \['review', 'opinion'\]"
+    with pytest.raises(ValueError, match=rf"--label_column_name 'sentiment' is not a column of the train data: {has}"):
+        run_classification.main(base + ["--text_column_name", "review", "--label_column_name", "sentiment"])
+    with pytest.raises(ValueError, match=rf"--label_column_name 'label' .*{has}"):  # the default name
+        run_classification.main(base + ["--text_column_name", "review"])
+    with pytest.raises(ValueError, match=rf"--text_column_name 'body' .*{has}"):
+        run_classification.main(base + ["--text_column_name", "body", "--label_column_name", "opinion"])
+    only_labels = _write(tmp_path / "labels.csv", [("pos",), ("neg",)], ("opinion",))
+    with pytest.raises(ValueError, match=r"No text column.*\['opinion'\].*--text_column_name"):
+        run_classification.main(["--train_file", only_labels, "--label_column_name", "opinion", "--output_dir",
+                                 str(tmp_path / "out")] + TINY)
+
+    lm = tmp_path / "lm.jsonl"
+    lm.write_text("".join(json.dumps({"content": f"{GOOD[i % 5]} {i}"}) + "\n" for i in range(20)))
+    with pytest.raises(ValueError, match=r"--text_column_name 'text' .*its columns are \['content'\]"):
+        run_clm.main(["--train_file", str(lm), "--validation_file", str(lm), "--block_size", "16", "--output_dir",
+                      str(tmp_path / "lm-out")] + TINY)
+    pytest.importorskip("peft")
+    import finetune_patched_llama
+
+    data_args = finetune_patched_llama.DataTrainingArguments(train_file=str(lm), validation_file=str(lm),
+                                                             text_column_name="story")
+    with pytest.raises(ValueError, match=r"--text_column_name 'story' .*its columns are \['content'\]"):
+        finetune_patched_llama.load_raw_datasets(data_args, str(tmp_path / "cache"))
+
+
 @pytest.mark.parametrize("ext", ["txt", "jsonl"])
 def test_run_clm_on_user_files(tmp_path, ext):
     lines = [f"{GOOD[i % 5]} and {BAD[(i * 3) % 5]} number {i}" if i % 7 else "" for i in range(120)]
@@ -328,10 +364,10 @@ def test_run_clm_on_user_files(tmp_path, ext):
     assert json.loads((out / "test_results.json").read_text())["test_perplexity"] == results["test_perplexity"]
 
 
-STORIES260K = os.path.join(REPO, "..", "shared", "models", "stories260K")
+STORIES260K = str(shared_data.STORIES260K)
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES260K), reason="../shared/models/stories260K not found")
+@pytest.mark.skipif(not os.path.isdir(STORIES260K), reason=shared_data.stories260k_missing())
 def test_finetune_patched_llama_on_user_files(tmp_path):
     pytest.importorskip("peft")
     import finetune_patched_llama
@@ -381,11 +417,11 @@ LM_TABLES = ["lm_steps", "lm_pde_types", "lm_seq_len", "lm_data_fraction", "hybr
 def _skip_reason(table):
     if table in LM_TABLES:
         if not _have("wikitext2", "train.txt.gz") or not _tokenizer_available():
-            return "offline WikiText-2 / bert-base-uncased tokenizer not found (set CTA_DATA_DIR)"
+            return "offline WikiText-2 / bert-base-uncased tokenizer not found (set CTA_SHARED_DIR or CTA_DATA_DIR)"
         return None
     for parts in NEEDS[table]:
         if not _have(*parts):
-            return f"offline data {os.path.join(DATA_DIR, *parts)} not found (set CTA_DATA_DIR)"
+            return f"offline data {os.path.join(DATA_DIR, *parts)} not found (set CTA_SHARED_DIR or CTA_DATA_DIR)"
     if table == "table1" and not _tokenizer_available():
         return "bert-base-uncased tokenizer not found offline"
     return None

@@ -10,7 +10,6 @@
 """
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -23,16 +22,27 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.repocard_data import model_index_to_eval_results
 from safetensors.torch import load_file
-from transformers import Trainer
+from transformers import BertTokenizer, Trainer
 
 from cta import CTAConfig, CTAForCausalLM, CTAForSequenceClassification
 from cta import hub
 from remote_code_env import run_in_clean_env
+from shared_data import BERT_TOKENIZER, STORIES260K, stories260k_missing
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-STORIES = Path(os.environ.get("CTA_STORIES260K", REPO_ROOT.parent / "shared" / "models" / "stories260K"))
-BERT_TOKENIZER = Path(os.environ.get("CTA_PAPER_TOKENIZER",
-                                     REPO_ROOT.parent / "shared" / "tokenizers" / "bert-base-uncased"))
+STORIES = STORIES260K
+pytestmark = pytest.mark.shared_data  # reads $CTA_SHARED_DIR: CI reruns this file with an empty one
+
+
+def paper_tokenizer(root: Path) -> Path:
+    """The paper's bert-base-uncased tokenizer folder where a checkout has it beside it; else (a bare clone) a small
+    BERT WordPiece tokenizer built here, in a folder that, like the real one, also holds a BERT ``config.json``."""
+    if BERT_TOKENIZER.is_dir():
+        return BERT_TOKENIZER
+    folder = root / "bert-tokenizer"
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a movie film was is good bad great not".split()
+    BertTokenizer(vocab={word: i for i, word in enumerate(words)}).save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": len(words)}))
+    return folder
 
 
 def save_metrics(output_dir, split, metrics):
@@ -60,9 +70,9 @@ def exports(tmp_path_factory):
     save_metrics(root / "clf", "eval", {"eval_accuracy": 0.8125, "eval_loss": 0.43, "eval_runtime": 1.2,
                                         "eval_samples_per_second": 100.0, "epoch": 3.0})
     save_metrics(root / "clf", "test", {"test_accuracy": 0.79, "test_loss": 0.47, "test_runtime": 1.0})
-    tok = BERT_TOKENIZER if BERT_TOKENIZER.is_dir() else None
+    tok = paper_tokenizer(root)
     # the classifier goes through the API, including its own load-and-compare check in a cta-free subprocess
-    out["classifier"] = dict(model=clf, auto="AutoModelForSequenceClassification", tokenizer=tok is not None,
+    out["classifier"] = dict(model=clf, auto="AutoModelForSequenceClassification", tokenizer=True,
                              folder=hub.export_for_hub(root / "clf", root / "clf-hub", tokenizer=tok, datasets=["imdb"],
                                                        results=root / "clf" / "all_results.json",
                                                        repo_id="me/imdb-cta", verify_load=True))
@@ -96,7 +106,7 @@ def exports(tmp_path_factory):
 
 def _get(exports, kind):
     if kind not in exports:
-        pytest.skip(f"stories260K not found at {STORIES} (set CTA_STORIES260K)")
+        pytest.skip(stories260k_missing())
     return exports[kind]
 
 

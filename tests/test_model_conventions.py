@@ -5,6 +5,8 @@ Not covered: contrastive search, which transformers 5 serves from the Hub (`cust
 `trust_remote_code=True`), so it cannot run offline.
 """
 
+import warnings
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -12,11 +14,18 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    LlamaModel,
     PreTrainedTokenizerFast,
     pipeline,
 )
+from transformers.utils import ModelOutput
 
 from cta import CTAConfig, CTAForCausalLM, CTAForSequenceClassification, CTAModel
+from cta.pde_cache import CACHE_ARGUMENT
 
 WORDS = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"] + [f"w{i}" for i in range(57)]
 VOCAB = len(WORDS)
@@ -221,3 +230,135 @@ def test_pipelines(tmp_path):
     with torch.no_grad():
         expected = encoder.model(ids).last_hidden_state
     torch.testing.assert_close(torch.tensor(features), expected, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Config-level and keyword-level output flags, and the old cache keyword, against transformers' own Llama
+# --------------------------------------------------------------------------------------------------------------
+
+# Every CTA model class (the base model under both configurations) and its transformers counterpart.
+CLASSES = {
+    "CTAModel-decoder": ("decoder", lambda model: model.model, LlamaModel),
+    "CTAModel-encoder": ("encoder", lambda model: model.model, LlamaModel),
+    "CTAForCausalLM": ("decoder", lambda model: model, LlamaForCausalLM),
+    "CTAForSequenceClassification": ("encoder", lambda model: model, LlamaForSequenceClassification),
+}
+
+# (config flags, keyword flags): each flag from the config, from the keyword, and the keyword overriding the config.
+FLAG_CASES = [
+    ({}, {}),
+    ({"output_hidden_states": True}, {}),
+    ({"output_attentions": True}, {}),
+    ({"output_hidden_states": True, "output_attentions": True}, {}),
+    ({}, {"output_hidden_states": True}),
+    ({}, {"output_attentions": True}),
+    ({"output_hidden_states": True}, {"output_hidden_states": False}),
+    ({"output_attentions": True}, {"output_attentions": False}),
+    ({"output_hidden_states": True, "output_attentions": True}, {"output_attentions": False}),
+]
+
+
+def cta_model(name):
+    kind, pick, _ = CLASSES[name]
+    return pick(build(kind, attn_implementation="eager"))  # config.output_attentions requires eager (as Llama's)
+
+
+def llama_model(name):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0,
+                         attn_implementation="eager")
+    return CLASSES[name][2](config).eval()
+
+
+def run_with_flags(model, config_flags, keyword_flags):
+    """The model's output with ``config_flags`` set on its config (restored afterwards) and ``keyword_flags``."""
+    saved = {key: getattr(model.config, key) for key in config_flags}
+    try:
+        for key, value in config_flags.items():
+            setattr(model.config, key, value)
+        ids, mask = inputs()
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, **keyword_flags)
+    finally:
+        for key, value in saved.items():
+            setattr(model.config, key, value)
+
+
+def what_came_back(output):
+    """(hidden states count, attentions count): None where the output holds none."""
+    return tuple(None if getattr(output, key) is None else len(getattr(output, key))
+                 for key in ("hidden_states", "attentions"))
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_output_flags_from_config_and_keyword_behave_as_transformers_models(name):
+    """Each flag from the config, from the keyword, and the keyword overriding the config: the outputs hold what
+    transformers' own Llama counterpart returns for the same flags, and the config path returns the same tensors as
+    the keyword path."""
+    model, llama = cta_model(name), llama_model(name)
+    both = run_with_flags(model, {}, {"output_hidden_states": True, "output_attentions": True})
+    layers = model.config.num_hidden_layers
+    assert what_came_back(both) == (layers + 1, layers)  # (the Llama twin has as many layers)
+    for config_flags, keyword_flags in FLAG_CASES:
+        out = run_with_flags(model, config_flags, keyword_flags)
+        expected = what_came_back(run_with_flags(llama, config_flags, keyword_flags))
+        assert what_came_back(out) == expected, (name, config_flags, keyword_flags)
+        for key in ("hidden_states", "attentions"):
+            for got, want in zip(getattr(out, key) or (), getattr(both, key)):
+                torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert expected == (layers + 1, None)  # (the last case: hidden states from the config, attentions switched off)
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_return_dict_from_config_and_keyword(name):
+    """``config.return_dict=False`` gives the tuple ``ModelOutput.to_tuple()`` gives (transformers'
+    ``can_return_tuple`` / ``capture_outputs``); the keyword overrides the config either way. (transformers 5.24's own
+    Llama heads raise on ``config.return_dict=False``: their base model returns a tuple to them. The base model is
+    compared with LlamaModel.)"""
+    model = cta_model(name)
+    as_dict = run_with_flags(model, {}, {"output_hidden_states": True})
+    assert isinstance(as_dict, ModelOutput)
+    as_tuple = run_with_flags(model, {"return_dict": False}, {"output_hidden_states": True})
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == len(as_dict.to_tuple())
+    for got, want in zip(as_tuple, as_dict.to_tuple()):
+        if torch.is_tensor(want):
+            torch.testing.assert_close(got, want, atol=0, rtol=0)
+        elif isinstance(want, tuple):
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert isinstance(run_with_flags(model, {"return_dict": False}, {"return_dict": True}), ModelOutput)
+    assert isinstance(run_with_flags(model, {}, {"return_dict": False}), tuple)
+    if CLASSES[name][2] is LlamaModel:
+        llama = llama_model(name)
+        for config_flags, keyword_flags in [({"return_dict": False}, {}), ({"return_dict": False},
+                                            {"return_dict": True}), ({}, {"return_dict": False})]:
+            expected = isinstance(run_with_flags(llama, config_flags, keyword_flags), tuple)
+            assert isinstance(run_with_flags(model, config_flags, keyword_flags), tuple) == expected
+
+
+def cache_keyword_warnings(model, name):
+    """The warnings of one forward that passes the cache under its old name ``past_key_values``, with the model's
+    class name taken out of the messages."""
+    ids, mask = inputs()
+    if isinstance(model, (LlamaForSequenceClassification, CTAForSequenceClassification)):
+        cache, use_cache = None, False  # (an encoder head takes the keyword, keeps no cache)
+    else:
+        cache, use_cache = DynamicCache(config=model.config), True
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=use_cache)
+    return [(w.category, str(w.message).replace(type(model).__name__, "<model>")) for w in caught
+            if "past_key_values" in str(w.message) or "cache" in str(w.message)]
+
+
+@pytest.mark.parametrize("name", CLASSES)
+def test_old_cache_keyword_warns_where_transformers_models_warn(name):
+    """``past_key_values=`` gives the warnings (category and message) transformers' own Llama counterpart gives on the
+    installed release: a FutureWarning from 5.24 on, where the keyword is ``cache``; none on older releases."""
+    model, llama = cta_model(name), llama_model(name)
+    expected = cache_keyword_warnings(llama, name)
+    assert cache_keyword_warnings(model, name) == expected
+    if CACHE_ARGUMENT == "cache":  # (the comparison above is not vacuous on this release)
+        assert expected and expected[0][0] is FutureWarning and "Use `cache` instead" in expected[0][1]
+    else:
+        assert expected == []

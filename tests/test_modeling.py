@@ -220,7 +220,8 @@ def test_plain_dynamic_cache_gets_a_clear_error():
 
 def test_cache_under_either_name_and_in_the_outputs():
     """The cache is read as `cache=` or `past_key_values=` (its name before transformers 5.24), returned under the
-    installed release's name, and giving two different caches is an error."""
+    installed release's name; two different caches are an error before 5.24, and from then on `cache` wins with
+    transformers' warning."""
     model = make_lm("diffusion", ["value", "block_output"])
     ids = torch.randint(1, 61, (2, 6))
     results = []
@@ -230,8 +231,14 @@ def test_cache_under_either_name_and_in_the_outputs():
         assert getattr(first, CACHE_ARGUMENT) is cache
         results.append(model(ids[:, 5:], use_cache=True, **{name: cache}).logits)
     torch.testing.assert_close(results[0], results[1], atol=0, rtol=0)
-    with pytest.raises(ValueError, match="not both"):
-        model(ids, cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+    two = dict(cache=DynamicCache(config=model.config), past_key_values=DynamicCache(config=model.config))
+    if CACHE_ARGUMENT == "cache":  # as transformers' own models there: a warning, and `cache` is used
+        with pytest.warns(FutureWarning, match="Both `past_key_values` and `cache` are set"):
+            out = model(ids, use_cache=True, **two)
+        assert getattr(out, CACHE_ARGUMENT) is two["cache"]
+    else:
+        with pytest.raises(ValueError, match="not both"):
+            model(ids, **two)
 
 
 def test_a_cache_without_a_sites_state_raises():

@@ -3,7 +3,6 @@
 import copy
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,13 +21,15 @@ from cta.patching_cta import (
     unpatch_model,
 )
 from remote_code_env import run_in_clean_env
+from shared_data import STORIES260K, stories260k_missing
 
-REPO = Path(__file__).resolve().parents[1]
-STORIES = Path(os.environ.get("CTA_STORIES260K", REPO.parent / "shared" / "models" / "stories260K"))
+STORIES = STORIES260K  # ($CTA_SHARED_DIR/models/stories260K: tests/shared_data.py)
 needs_stories = pytest.mark.skipif(
     not (STORIES / "config.json").exists(),
-    reason=f"stories260K not found at {STORIES} (set CTA_STORIES260K to the model folder)",
+    reason=stories260k_missing(),
 )
+# The tests that read $CTA_SHARED_DIR: CI reruns them with an empty one (a bare clone).
+shared_data = pytest.mark.shared_data
 
 DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
 ENCODERS = ["bert", "roberta"]
@@ -95,6 +96,7 @@ def randomize_pde(model, seed=0):
 # ------------------------------------------------------------------------------------------------------------------
 
 
+@shared_data
 @needs_stories
 @pytest.mark.parametrize("pde_type", ["diffusion", "wave", "reaction_diffusion", "advection_diffusion"])
 def test_identity_init_stories260k(pde_type):
@@ -375,6 +377,7 @@ print("RESULT " + json.dumps(results))
 """
 
 
+@shared_data
 def test_remote_code_reload_without_package(tmp_path):
     cases, expected = [], {}
     models = [("gpt2", tiny_model("gpt2"), "AutoModelForCausalLM"),
@@ -420,6 +423,7 @@ def stories_or_tiny():
     return tiny_model("llama")
 
 
+@shared_data
 def test_peft_lora_and_pde_train_together_save_reload_merge(tmp_path):
     pytest.importorskip("peft")
     from peft import PeftModel

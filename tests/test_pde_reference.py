@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import cta.pde_cta as pde_cta
 from cta.pde_cta import (
     COEFFICIENT_BOUNDS,
     PDE_TYPES,
@@ -77,7 +78,7 @@ def test_reaction_is_saturating_decay():
 def test_steps_zero_is_identity_and_dtype_is_kept():
     x = torch.randn(2, 7, 5, dtype=torch.bfloat16)
     for pde_type in PDE_TYPES:
-        y = pde_refine_reference(x, pde_type=pde_type, steps=0, alpha=0.3, beta=0.1)
+        y = pde_refine_reference(x, pde_type=pde_type, steps=0, alpha=0.2, beta=0.1)
         assert y.dtype == torch.bfloat16 and torch.equal(y, x)
         assert pde_refine_reference(x, pde_type=pde_type, steps=2, alpha=0.1, beta=0.1).dtype == torch.bfloat16
 
@@ -203,14 +204,14 @@ def test_padding_is_a_wall(pde_type, causal):
     torch.manual_seed(2)
     seq = torch.randn(1, 9, 3)
     garbage = torch.randn(1, 4, 3) * 100
-    alone = pde_refine_reference(seq, pde_type=pde_type, steps=4, alpha=0.2, beta=0.1, causal=causal)
+    alone = pde_refine_reference(seq, pde_type=pde_type, steps=4, alpha=0.12, beta=0.1, causal=causal)
     left = torch.cat([garbage, seq], 1)
     right = torch.cat([seq, garbage], 1)
     mask_left = torch.cat([torch.zeros(1, 4), torch.ones(1, 9)], 1)
     mask_right = torch.cat([torch.ones(1, 9), torch.zeros(1, 4)], 1)
-    out_left = pde_refine_reference(left, pde_type=pde_type, steps=4, alpha=0.2, beta=0.1, causal=causal,
+    out_left = pde_refine_reference(left, pde_type=pde_type, steps=4, alpha=0.12, beta=0.1, causal=causal,
                                     attention_mask=mask_left)
-    out_right = pde_refine_reference(right, pde_type=pde_type, steps=4, alpha=0.2, beta=0.1, causal=causal,
+    out_right = pde_refine_reference(right, pde_type=pde_type, steps=4, alpha=0.12, beta=0.1, causal=causal,
                                      attention_mask=mask_right)
     assert torch.allclose(out_left[:, 4:], alone, atol=1e-6)
     assert torch.allclose(out_right[:, :9], alone, atol=1e-6)
@@ -287,3 +288,74 @@ def test_bad_hidden_states_shape():
         pde_refine(torch.randn(6, 4), pde_type="diffusion", steps=1, alpha=0.1)
     with pytest.raises(ValueError, match="pde_type"):
         PDERefinement(4, pde_type="nope")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pde_type", PDE_TYPES)
+def test_float_coefficient_outside_its_stable_interval_raises(pde_type, causal):
+    """A Python-number coefficient just outside its interval raises, naming the argument, the scheme and the interval
+    (the interval read from COEFFICIENT_BOUNDS, not from the message's code); just inside, it runs and stays bounded."""
+    x = torch.randn(2, 16, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    alpha_bounds, beta_bounds = COEFFICIENT_BOUNDS[(pde_type, causal)]
+    inside = dict(alpha=alpha_bounds[1], beta=beta_bounds[1] if beta_bounds else None)
+    out = pde_refine(x, pde_type=pde_type, steps=64, causal=causal, backend="torch", **inside)
+    assert out.isfinite().all() and out.abs().max() <= 10 * x.abs().max()  # (the bounds themselves: tests above)
+    cases = [("alpha", alpha_bounds, alpha_bounds[1] + 1e-3), ("alpha", alpha_bounds, alpha_bounds[0] - 1e-3),
+             ("alpha", alpha_bounds, float("nan"))]
+    if beta_bounds is not None:
+        cases += [("beta", beta_bounds, beta_bounds[1] + 1e-3), ("beta", beta_bounds, beta_bounds[0] - 1e-3)]
+    scheme = f"{'causal' if causal else 'bidirectional'} {pde_type}"
+    for name, (low, high), value in cases:
+        kwargs = dict(inside, **{name: value})
+        for fn in (pde_refine, pde_refine_reference):
+            with pytest.raises(ValueError) as error:
+                fn(x, pde_type=pde_type, steps=4, causal=causal, **kwargs)
+            message = str(error.value)
+            assert f"`{name}`" in message and scheme in message and f"[{low}, {high}]" in message, message
+        if causal:  # the one-token decode step shares the check
+            state = torch.zeros(2, 4, 4, dtype=torch.float32)
+            with pytest.raises(ValueError, match=f"`{name}`"):
+                pde_decode_step_reference(x[:, 0].float(), state, pde_type=pde_type, steps=4, **kwargs)
+
+
+def test_issue_examples_and_integer_coefficients():
+    u = torch.randn(2, 32, 8)
+    for alpha in (0.9, 2.0, 1):  # 0.9 gave 2.5e26 and 2.0 NaN before the check; an int is a Python number too
+        with pytest.raises(ValueError, match=r"`alpha`=.*\[0\.0, 0\.5\].*diffusion"):
+            pde_refine(u, pde_type="diffusion", steps=64, alpha=alpha)
+    assert torch.equal(pde_refine(u, pde_type="diffusion", steps=3, alpha=0), u)  # int 0: inside, the identity
+
+
+def test_tensor_coefficients_are_checked_for_shape_and_dtype_not_range():
+    x = torch.randn(2, 8, 4)
+    with pytest.raises(ValueError, match="alpha.*floating point"):
+        pde_refine(x, pde_type="diffusion", steps=1, alpha=torch.tensor(1))
+    with pytest.raises(ValueError, match=r"beta.*\[channels\] = \[4\]"):
+        pde_refine(x, pde_type="reaction_diffusion", steps=1, alpha=0.1, beta=torch.zeros(3))
+    # Values are not read (a host-device sync): an out-of-range tensor runs, as the docstring says.
+    assert pde_refine(x, pde_type="diffusion", steps=1, alpha=torch.tensor(0.9)).shape == x.shape
+    assert "not range-checked" in " ".join(pde_refine.__doc__.split())
+
+
+def test_triton_backend_names_the_missing_requirement(monkeypatch):
+    x = torch.randn(2, 8, 4)
+    module, missing = pde_cta._triton_lookup()
+    if missing is not None:  # this machine lacks Triton or CUDA (conftest turns the interpreter on where it can)
+        with pytest.raises(ValueError, match="Triton is not installed|no CUDA device") as error:
+            pde_refine(x, pde_type="diffusion", steps=1, alpha=0.1, backend="triton")
+        assert "cannot be imported" not in str(error.value)
+    # Every requirement in turn, with the cached lookup replaced (it is looked up once per process).
+    fake = type("FakeTritonModule", (), {"INTERPRET": False})()
+    for lookup, tensor, message in [
+        ((None, "Triton is not installed (`pip install triton`)"), x, "Triton is not installed"),
+        ((None, "there is no CUDA device (torch.cuda.is_available() is False)"), x, "no CUDA device"),
+        ((fake, None), x, "is on cpu.*TRITON_INTERPRET"),
+    ]:
+        monkeypatch.setattr(pde_cta, "_TRITON", [lookup])
+        with pytest.raises(ValueError, match=message):
+            pde_refine(tensor, pde_type="diffusion", steps=1, alpha=0.1, backend="triton")
+    fake.INTERPRET = True
+    monkeypatch.setattr(pde_cta, "_TRITON", [(fake, None)])
+    assert pde_cta.triton_missing_requirement(x) is None
+    with pytest.raises(ValueError, match="float8_e4m3fn.*Triton backend takes"):
+        pde_refine(x.to(torch.float8_e4m3fn), pde_type="diffusion", steps=1, alpha=0.1, backend="triton")

