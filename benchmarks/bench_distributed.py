@@ -101,6 +101,8 @@ def engine_name(accelerator) -> str:
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
+    if accelerator.num_processes == 1 and kind != DistributedType.DEEPSPEED and not accelerator.is_fsdp2:
+        return "single"
     if kind == DistributedType.FSDP:
         return f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
     if kind == DistributedType.DEEPSPEED:
@@ -197,6 +199,11 @@ def run_phase(accelerator, phase, paths, args, work_dir):
     before = {n: p.detach().float().clone() for n, p in model.named_parameters() if n in set(pde_names)}
     ids = fixed_batch(args, model.config.vocab_size)
     loader = DataLoader(TensorDataset(ids), batch_size=args.global_batch // accelerator.num_processes)
+    plugin = getattr(accelerator.state, "fsdp_plugin", None) if accelerator.is_fsdp2 else None
+    if plugin is not None and not os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
+        # accelerate keeps the layer classes it read from the first model's _no_split_modules; this run's models
+        # differ (Llama, then the native CTA decoder), so each is wrapped by its own _no_split_modules.
+        plugin.transformer_cls_names_to_wrap = None
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     wrapped = type(model).__name__  # what the engine made of it (FSDP..., DeepSpeedEngine, DistributedDataParallel)
     model.train()
@@ -250,9 +257,8 @@ def check_coefficients(accelerator, state, before, pde_names):
 def save_and_reload(accelerator, model, state, phase, paths, work_dir):
     """Saves the gathered full state dict, reloads it patched on rank 0 and checks weights and generation."""
     out = os.path.join(work_dir, f"saved_{phase}")
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(out, state_dict=state, is_main_process=accelerator.is_main_process,
-                              save_function=accelerator.save)
+    if accelerator.is_main_process:  # the gathered dict lives on rank 0 (empty elsewhere); writing needs no peer
+        accelerator.unwrap_model(model).save_pretrained(out, state_dict=state)
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return {}
