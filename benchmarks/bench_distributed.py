@@ -282,7 +282,16 @@ def save_and_reload(accelerator, model, state, phase, paths, work_dir):
     with torch.no_grad():
         cached = reloaded.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True, pad_token_id=0)
         uncached = reloaded.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=False, pad_token_id=0)
-    result = {"saved_dir": out, "reload_class": type(reloaded).__name__, "reload_compared_tensors": len(compared),
+    auto_map = {}
+    if os.path.exists(os.path.join(out, "config.json")):
+        with open(os.path.join(out, "config.json")) as f:
+            auto_map = json.load(f).get("auto_map", {})
+    # trust_remote_code loading needs auto_map to name the cta classes and their code files next to the weights.
+    foreign = sorted({v for v in auto_map.values() if isinstance(v, str) and not v.startswith(("patching_cta.",
+                                                                                               "modeling_cta.",
+                                                                                               "configuration_cta."))})
+    result = {"saved_dir": out, "reload_class": type(reloaded).__name__, "auto_map_foreign_entries": foreign,
+              "saved_code_files": sorted(f for f in os.listdir(out) if f.endswith(".py")), "reload_compared_tensors": len(compared),
               "reload_weights_equal": bool(compared) and not mismatched, "reload_mismatched": mismatched[:5],
               "generate_cached_equals_uncached": bool(torch.equal(cached, uncached))}
     del reloaded, mine
