@@ -25,7 +25,7 @@ step() {  # step NAME COMMAND...: runs it, logs it, records its status
     local name=$1; shift
     local start=$SECONDS
     echo "=== $name: $*" >>"$LOG"
-    "$@" >>"$LOG" 2>&1
+    timeout "${STEP_TIMEOUT:-0}" "$@" >>"$LOG" 2>&1  # STEP_TIMEOUT (s): a hung collective ends there (0: none)
     local rc=$?
     echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/$MODE.status"
 }
