@@ -38,6 +38,7 @@ Writes ``<results_dir>/distributed_<engine>_<N><gpu|cpu>.json`` (engine: single,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -174,6 +175,35 @@ def fixed_batch(args, vocab_size):
     return torch.randint(0, vocab_size, (args.global_batch, args.seq_len), generator=generator)
 
 
+def gathered(accelerator, params):
+    """DeepSpeed ZeRO-3: the full values of ``params`` inside the block (collective); otherwise a no-op."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
+@contextlib.contextmanager
+def single_process_loading(accelerator):
+    """On rank 0 alone, models must load and generate unsharded: under DeepSpeed ZeRO-3, transformers would otherwise
+    partition them with zero.Init (a collective the other ranks never join). transformers reads ZeRO-3 from the
+    config accelerate registers; it is unregistered for the block and registered again after."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -194,9 +224,11 @@ def run_phase(accelerator, phase, paths, args, work_dir):
         torch.cuda.reset_peak_memory_stats(device)
     transformers.set_seed(args.seed)
     model, optimizer = build(phase, paths, args)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: a ZeRO-3 partition
     pde_names = trainable_pde_names(model)
-    before = {n: p.detach().float().clone() for n, p in model.named_parameters() if n in set(pde_names)}
+    before = {n: p for n, p in model.named_parameters() if n in set(pde_names)}
+    with gathered(accelerator, list(before.values())):  # a native model loaded under zero.Init is partitioned
+        before = {n: p.detach().float().cpu().clone() for n, p in before.items()}
     ids = fixed_batch(args, model.config.vocab_size)
     loader = DataLoader(TensorDataset(ids), batch_size=args.global_batch // accelerator.num_processes)
     plugin = getattr(accelerator.state, "fsdp_plugin", None) if accelerator.is_fsdp2 else None
@@ -262,6 +294,11 @@ def save_and_reload(accelerator, model, state, phase, paths, work_dir):
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return {}
+    with single_process_loading(accelerator):
+        return reload_and_compare(accelerator, state, phase, paths, out)
+
+
+def reload_and_compare(accelerator, state, phase, paths, out):
     dtype = next(iter(state.values())).dtype
     if phase == "lora_pde":
         from peft import PeftModel
@@ -280,8 +317,9 @@ def save_and_reload(accelerator, model, state, phase, paths, work_dir):
     prompt = fixed_batch(argparse.Namespace(seed=7, global_batch=2, seq_len=16), reloaded.config.vocab_size)
     prompt = prompt.to(accelerator.device)
     with torch.no_grad():
-        cached = reloaded.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True, pad_token_id=0)
-        uncached = reloaded.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=False, pad_token_id=0)
+        kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, synced_gpus=False)  # rank 0 alone
+        cached = reloaded.generate(prompt, use_cache=True, **kwargs)
+        uncached = reloaded.generate(prompt, use_cache=False, **kwargs)
     auto_map = {}
     if os.path.exists(os.path.join(out, "config.json")):
         with open(os.path.join(out, "config.json")) as f:

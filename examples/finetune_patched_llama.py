@@ -288,9 +288,11 @@ def main(argv=None):
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             trainer = PDETrainer(model=model, args=training_args, train_dataset=train, eval_dataset=valid,
                                  data_collator=default_data_collator, cta_script=script)
-            # Under FSDP2, Trainer (5.x) can evaluate only after training: before it, evaluation would shard the model
-            # without its optimizer, which accelerate refuses. The "before" perplexity is then not measured.
-            before = None if trainer.is_fsdp_enabled else math.exp(trainer.evaluate()["eval_loss"])
+            # Sharded, Trainer (5.x) can evaluate only after training: evaluating first wraps the model without its
+            # optimizer (FSDP2: accelerate refuses; DeepSpeed: the training engine is then never built). The
+            # "before" perplexity is not measured there.
+            sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
+            before = None if sharded else math.exp(trainer.evaluate()["eval_loss"])
             start = time.time()
             trainer.train()
             seconds = time.time() - start
@@ -305,6 +307,11 @@ def main(argv=None):
             print(json.dumps(run), flush=True)
             runs.append(run)
             last = (trainer, model)
+            if trainer.is_deepspeed_enabled:
+                # One process builds one DeepSpeed setup: the next Trainer reuses it (accelerate refuses a second
+                # plugin) and this run's engine is released first.
+                trainer.accelerator.free_memory()
+                training_args.deepspeed_plugin = None
 
     summary = {}
     for mode in script.modes.split(","):
@@ -345,7 +352,7 @@ def main(argv=None):
         "|---|---|---|---|",
     ]
     for mode, row in summary.items():
-        before = "n/a (FSDP)" if row["ppl_before"] is None else f"{row['ppl_before']:.3f}"
+        before = "n/a (sharded)" if row["ppl_before"] is None else f"{row['ppl_before']:.3f}"
         lines.append(f"| {mode} | {row['trainable_parameters']} | {before} | "
                      f"{row['ppl_after_mean']:.3f} ± {row['ppl_after_std']:.3f} |")
     command = sys.argv[1:] if argv is None else list(argv)
