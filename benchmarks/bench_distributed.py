@@ -228,7 +228,8 @@ def run_phase(accelerator, phase, paths, args, work_dir):
     pde_names = trainable_pde_names(model)
     before = {n: p for n, p in model.named_parameters() if n in set(pde_names)}
     with gathered(accelerator, list(before.values())):  # a native model loaded under zero.Init is partitioned
-        before = {n: p.detach().float().cpu().clone() for n, p in before.items()}
+        # Rank 0 alone: with FSDP's CPU-RAM-efficient loading the other ranks may hold the model on the meta device.
+        before = {n: p.detach().float().cpu().clone() for n, p in before.items()} if accelerator.is_main_process else {}
     ids = fixed_batch(args, model.config.vocab_size)
     loader = DataLoader(TensorDataset(ids), batch_size=args.global_batch // accelerator.num_processes)
     plugin = getattr(accelerator.state, "fsdp_plugin", None) if accelerator.is_fsdp2 else None
