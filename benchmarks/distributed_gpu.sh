@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU runs behind results/distributed*.{json,md,png} and results/qlora_finetune.* (2 GPUs of one host).
+# The GPU runs behind results/distributed*.{json,md,png} and results/qlora/ (2 GPUs of one host; one mode a call).
 #
-#   bash benchmarks/distributed_gpu.sh sanity   # seconds each: tiny model through every engine, script and test
-#   bash benchmarks/distributed_gpu.sh ref      # the 1-GPU reference of the 1.1B model
-#   bash benchmarks/distributed_gpu.sh sharded  # FSDP2 and DeepSpeed ZeRO-3 on 2 GPUs, then QLoRA on one
+#   bash benchmarks/distributed_gpu.sh sanity     # tiny model through every engine, script and test; QLoRA run
+#   bash benchmarks/distributed_gpu.sh ref_fsdp2  # the 1.1B model: 1-GPU reference, then FSDP2 on 2 GPUs
+#   bash benchmarks/distributed_gpu.sh zero3      # the 1.1B model: DeepSpeed ZeRO-3 on 2 GPUs
 #   python benchmarks/summarize_distributed.py  # results/distributed.{json,md,png} from the JSON files
 #
 # OUT (default results/gpu_run) receives the JSON files and logs. Wheels the machine lacks (DeepSpeed's sdist,
@@ -81,28 +81,27 @@ EOF
     step bench_fsdp2 launch --config_file $FSDP benchmarks/bench_distributed.py "${TINY[@]}"
     step bench_zero3 launch --config_file $ZERO3 benchmarks/bench_distributed.py "${TINY[@]}"
     step test_gpu_qlora "$PY" -m pytest -q -x tests/test_gpu_qlora.py
-    step ft_4bit "$PY" "${FT[@]}" --load_in_4bit --modes lora_pde --max_steps 5 --output_dir /tmp/ft4 --results_dir "$OUT/tiny"
     step ft_fsdp2 launch --config_file $FSDP "${FT[@]}" --modes lora_pde,pde --max_steps 3 --output_dir /tmp/ftf --results_dir /tmp/ftf
     step ft_zero3 launch --config_file $ZERO3 "${FT[@]}" --modes lora_pde,pde --max_steps 3 --output_dir /tmp/ftz --results_dir /tmp/ftz
     step clm_fsdp2 launch --config_file $FSDP "${CLM[@]}" --output_dir /tmp/clm_f
     step clm_zero3 launch --config_file $ZERO3 "${CLM[@]}" --output_dir /tmp/clm_z
     step cls_fsdp2 launch --config_file $FSDP "${CLS[@]}" --output_dir /tmp/cls_f
     step cls_zero3 launch --config_file $ZERO3 "${CLS[@]}" --output_dir /tmp/cls_z
+    step qlora_finetune "$PY" "${FT[@]}" --load_in_4bit --modes lora,lora_pde --max_steps 100 --learning_rate 2e-3 \
+        --per_device_train_batch_size 16 --output_dir /tmp/qlora --results_dir "$OUT/qlora"
     for d in /tmp/clm_f /tmp/clm_z /tmp/cls_f /tmp/cls_z /tmp/ftf/lora_pde-seed0 /tmp/ftf/pde-seed0; do
         echo "$d: $(ls "$d" 2>/dev/null | tr '\n' ' ')" >>"$LOG"
     done
     ;;
-ref)
+ref_fsdp2)
     step bench_single_1b launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
-    ;;
-sharded)
     step bench_fsdp2_1b launch --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
+    ;;
+zero3)
     step bench_zero3_1b launch --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
-    step qlora_finetune "$PY" "${FT[@]}" --load_in_4bit --modes lora,lora_pde --max_steps 100 --learning_rate 2e-3 \
-        --per_device_train_batch_size 16 --output_dir /tmp/qlora --results_dir "$OUT/qlora"
     ;;
 *)
-    echo "usage: $0 sanity|ref|sharded" >&2
+    echo "usage: $0 sanity|ref_fsdp2|zero3" >&2
     exit 2
     ;;
 esac
