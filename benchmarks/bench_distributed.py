@@ -220,8 +220,12 @@ def run_phase(accelerator, phase, paths, args, work_dir):
     from torch.utils.data import DataLoader, TensorDataset
 
     device = accelerator.device
+    gc.collect()  # the previous phase's model is unreachable only once its run_phase returned
+    start_gib = 0.0
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        start_gib = torch.cuda.memory_allocated(device) / 2**30
     transformers.set_seed(args.seed)
     model, optimizer = build(phase, paths, args)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: a ZeRO-3 partition
@@ -263,6 +267,7 @@ def run_phase(accelerator, phase, paths, args, work_dir):
         "step_seconds": times,
         "step_seconds_median": statistics.median(times[args.warmup:]),
         "peak_memory_gib_per_gpu": [round(v, 3) for v in accelerator.gather(peak).tolist()],
+        "allocated_at_start_gib_rank0": round(start_gib, 3),  # left over from earlier phases (should be ~0)
     }
     if pde_names or (phase == "full_pde" and not args.no_save):
         state = accelerator.get_state_dict(model)  # collective: every rank calls it; the full dict is on rank 0
