@@ -22,7 +22,7 @@ Several GPUs (FSDP2 or DeepSpeed ZeRO-3; the configs are in ``examples/accelerat
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/finetune_patched_llama.py --bf16 ...
 
-QLoRA (one GPU, bitsandbytes): ``--load_in_4bit`` loads the base in nf4 (bf16 compute), patches it after loading,
+QLoRA (bitsandbytes, one GPU): ``--load_in_4bit`` loads the base in nf4 (bf16 compute), patches it after loading,
 runs ``peft.prepare_model_for_kbit_training`` (which freezes every parameter and upcasts the rest to fp32) and then
 adds LoRA with ``modules_to_save=cta.pde_modules_to_save(model)``, so the PDE coefficients train in fp32 next to
 LoRA. ``--save_models`` saves each trained model (the adapter for LoRA modes) under ``--output_dir`` and checks that
@@ -35,6 +35,7 @@ the last trained model is merged (LoRA) and pushed as a patched checkpoint (it r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -117,8 +118,9 @@ class FinetuneArguments:
     )
     load_in_4bit: bool = field(
         default=False,
-        metadata={"help": "QLoRA: load the base in 4 bits (bitsandbytes nf4, bf16 compute; needs a CUDA GPU), patch it "
-                          "after loading, prepare it with peft.prepare_model_for_kbit_training; LoRA modes only."},
+        metadata={"help": "QLoRA: load the base in 4 bits (bitsandbytes nf4, bf16 compute; meant for a CUDA GPU), "
+                          "patch it after loading, prepare it with peft.prepare_model_for_kbit_training; LoRA modes "
+                          "only."},
     )
     save_models: bool = field(
         default=False,
@@ -155,7 +157,7 @@ def load_base(model_args, script, mode, training_args):
     if script.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
-        kwargs = dict(dtype=torch.bfloat16, device_map={"": training_args.local_process_index},
+        kwargs = dict(dtype=torch.bfloat16, device_map={"": training_args.device},
                       quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                              bnb_4bit_compute_dtype=torch.bfloat16))
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
@@ -268,8 +270,8 @@ def main(argv=None):
         if script.load_in_4bit and mode == "pde":
             raise ValueError("`--load_in_4bit` trains through LoRA: use `--modes lora` or `lora_pde`, not `pde` "
                              "(Trainer does not train a quantized model without an adapter).")
-    if script.load_in_4bit and not torch.cuda.is_available():
-        raise ValueError("`--load_in_4bit` needs a CUDA GPU (bitsandbytes nf4).")
+    if script.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("`--load_in_4bit` needs bitsandbytes (`pip install bitsandbytes`).")
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
     with training_args.main_process_first(desc="load datasets"):
         raw, data_desc = load_raw_datasets(data_args, model_args.cache_dir)
