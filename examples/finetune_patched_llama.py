@@ -18,6 +18,16 @@ special tokens), each followed by EOS, concatenated and cut into ``--block_size`
     python examples/finetune_patched_llama.py --model_name_or_path my-llama --train_file my.txt --validation_file dev.txt
     python examples/finetune_patched_llama.py --help
 
+Several GPUs (FSDP2 or DeepSpeed ZeRO-3; the configs are in ``examples/accelerate/``), unchanged::
+
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/finetune_patched_llama.py --bf16 ...
+
+QLoRA (bitsandbytes, one GPU): ``--load_in_4bit`` loads the base in nf4 (bf16 compute), patches it after loading,
+runs ``peft.prepare_model_for_kbit_training`` (which freezes every parameter and upcasts the rest to fp32) and then
+adds LoRA with ``modules_to_save=cta.pde_modules_to_save(model)``, so the PDE coefficients train in fp32 next to
+LoRA. ``--save_models`` saves each trained model (the adapter for LoRA modes) under ``--output_dir`` and checks that
+it reloads onto a freshly loaded (and patched) base with the same logits.
+
 Writes ``<results_dir>/finetune_patched_llama.json`` and ``.md``. Any ``TrainingArguments`` flag works as well
 (``--learning_rate``, ``--per_device_train_batch_size``, ``--bf16``, ``--push_to_hub`` ...). With ``--push_to_hub``
 the last trained model is merged (LoRA) and pushed as a patched checkpoint (it reloads with trust_remote_code).
@@ -25,6 +35,7 @@ the last trained model is merged (LoRA) and pushed as a patched checkpoint (it r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -38,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (also puts the repo root on sys.path)
+import cta  # noqa: E402
 from common import DataArguments, PretrainedArguments  # noqa: E402
 
 import transformers  # noqa: E402
@@ -104,6 +116,17 @@ class FinetuneArguments:
         default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         metadata={"help": "Comma list of module names LoRA adapts."},
     )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "QLoRA: load the base in 4 bits (bitsandbytes nf4, bf16 compute; meant for a CUDA GPU), "
+                          "patch it after loading, prepare it with peft.prepare_model_for_kbit_training; LoRA modes "
+                          "only."},
+    )
+    save_models: bool = field(
+        default=False,
+        metadata={"help": "Save each trained model under --output_dir/<mode>-seed<seed> (LoRA modes: the adapter) and "
+                          "check that it reloads onto a fresh base with the same logits."},
+    )
     results_dir: str = field(default=os.path.join(common.REPO_ROOT, "results"),
                              metadata={"help": "Where finetune_patched_llama.json / .md are written."})
 
@@ -128,14 +151,34 @@ def load_raw_datasets(data_args, cache_dir):
     return raw, desc
 
 
-def build(model_args, script, mode, seed):
-    from peft import LoraConfig, get_peft_model
+def load_base(model_args, script, mode, training_args):
+    """The pretrained model, patched for the PDE modes (after loading: also in 4 bits), prepared for k-bit training
+    when 4-bit (the same steps make the fresh base of the reload check)."""
+    kwargs = dict(dtype=torch.float32)
+    if script.load_in_4bit:
+        from transformers import BitsAndBytesConfig
 
-    transformers.set_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=torch.float32)
+        kwargs = dict(dtype=torch.bfloat16, device_map={"": training_args.device},
+                      quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                             bnb_4bit_compute_dtype=torch.bfloat16))
+    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
     if mode in ("lora_pde", "pde"):
         patch_model(model, pde_type=script.pde_type, pde_steps=script.pde_steps,
                     placement=script.pde_placement.split(","), init="identity", per_channel=script.pde_per_channel)
+    if script.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        # Freezes every parameter and upcasts the non-quantized ones (the PDE coefficients too) to fp32; the PDE
+        # coefficients become trainable again as PEFT's modules_to_save copies of those fp32 modules.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=training_args.gradient_checkpointing)
+    return model
+
+
+def build(model_args, script, mode, seed, training_args):
+    from peft import LoraConfig, get_peft_model
+
+    transformers.set_seed(seed)
+    model = load_base(model_args, script, mode, training_args)
     if mode == "pde":
         mark_pde_trainable(model, freeze_others=True)
         return model
@@ -157,12 +200,61 @@ def optimizer_for(model, training_args, script):
     return torch.optim.AdamW(groups, weight_decay=training_args.weight_decay)
 
 
-def coefficient_summary(model):
-    values = [m.coefficients()[0].detach().float() for name, m in pde_modules(model) if "original_module" not in name]
-    if not values:
+class PDETrainer(Trainer):
+    """Trainer whose AdamW gives the PDE coefficients their own learning rate. Built in ``create_optimizer`` (not
+    passed as ``optimizers=``, which Trainer refuses under FSDP): Trainer calls it after the engine has wrapped or
+    sharded the model, and DeepSpeed's setup calls it too."""
+
+    def __init__(self, *args, cta_script=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cta_script = cta_script
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = optimizer_for(self.model if model is None else model, self.args, self.cta_script)
+        return self.optimizer
+
+
+def full_values(trainer, params):
+    """Full (unsharded) copies of ``params`` on every rank: DeepSpeed ZeRO-3 gathers them for the block, FSDP2 holds
+    DTensor shards (``full_tensor()``), otherwise they are plain tensors."""
+    from contextlib import nullcontext
+
+    gather = nullcontext()
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(params)
+    with gather:
+        return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone() for p in params]
+
+
+def coefficient_summary(model, trainer=None):
+    modules = [m for name, m in pde_modules(model) if "original_module" not in name]
+    params = [p for m in modules for p in m.parameters()]
+    if not params:
         return None
-    flat = torch.cat([v.reshape(-1) for v in values])
-    return {"sites": len(values), "alpha_mean": float(flat.mean()), "alpha_max": float(flat.max())}
+    flat = torch.cat([v.reshape(-1) for v in full_values(trainer, params)])
+    return {"sites": len(modules), "alpha_mean": float(flat.mean()), "alpha_max": float(flat.max()),
+            "dtype": str(params[0].dtype).replace("torch.", "")}
+
+
+def reload_check(model_args, script, mode, training_args, trained, saved_dir, valid):
+    """The saved model (adapter) on a freshly loaded and patched base gives the trained model's logits."""
+    from peft import PeftModel
+
+    if mode == "pde":
+        fresh = cta.load_patched(saved_dir, dtype=torch.float32)
+    else:
+        fresh = PeftModel.from_pretrained(load_base(model_args, script, mode, training_args), saved_dir)
+    device = next(trained.parameters()).device
+    if not script.load_in_4bit:  # a 4-bit model already sits on its GPU
+        fresh.to(device)
+    ids = torch.tensor(valid[:2]["input_ids"], device=device)
+    trained.eval(), fresh.eval()
+    with torch.no_grad():
+        diff = (trained(input_ids=ids).logits.float() - fresh(input_ids=ids).logits.float()).abs().max().item()
+    return {"saved_dir": saved_dir, "reload_max_abs_logit_diff": diff}
 
 
 def main(argv=None):
@@ -176,6 +268,11 @@ def main(argv=None):
     for mode in script.modes.split(","):
         if mode not in MODES:
             raise ValueError(f"`--modes` entries must be in {MODES}, got {mode!r}.")
+        if script.load_in_4bit and mode == "pde":
+            raise ValueError("`--load_in_4bit` trains through LoRA: use `--modes lora` or `lora_pde`, not `pde` "
+                             "(Trainer does not train a quantized model without an adapter).")
+    if script.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("`--load_in_4bit` needs bitsandbytes (`pip install bitsandbytes`).")
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
     with training_args.main_process_first(desc="load datasets"):
         raw, data_desc = load_raw_datasets(data_args, model_args.cache_dir)
@@ -190,21 +287,34 @@ def main(argv=None):
     for seed in [int(s) for s in script.seeds.split(",")]:
         for mode in script.modes.split(","):
             training_args.seed = seed
-            model = build(model_args, script, mode, seed)
+            model = build(model_args, script, mode, seed, training_args)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            trainer = Trainer(model=model, args=training_args, train_dataset=train, eval_dataset=valid,
-                              data_collator=default_data_collator,
-                              optimizers=(optimizer_for(model, training_args, script), None))
-            before = math.exp(trainer.evaluate()["eval_loss"])
+            trainer = PDETrainer(model=model, args=training_args, train_dataset=train, eval_dataset=valid,
+                                 data_collator=default_data_collator, cta_script=script)
+            # Sharded, Trainer (5.x) can evaluate only after training: evaluating first wraps the model without its
+            # optimizer (FSDP2: accelerate refuses; DeepSpeed: the training engine is then never built). The
+            # "before" perplexity is not measured there.
+            sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
+            before = None if sharded else math.exp(trainer.evaluate()["eval_loss"])
             start = time.time()
             trainer.train()
             seconds = time.time() - start
             after = math.exp(trainer.evaluate()["eval_loss"])
             run = {"mode": mode, "seed": seed, "trainable_parameters": trainable, "ppl_before": before,
-                   "ppl_after": after, "train_seconds": seconds, "pde": coefficient_summary(model)}
+                   "ppl_after": after, "train_seconds": seconds, "pde": coefficient_summary(model, trainer)}
+            if script.save_models:
+                saved_dir = os.path.join(training_args.output_dir, f"{mode}-seed{seed}")
+                trainer.save_model(saved_dir)  # gathers a full state dict under FSDP / ZeRO-3
+                if training_args.world_size == 1:  # the check reloads on one device
+                    run.update(reload_check(model_args, script, mode, training_args, model, saved_dir, valid))
             print(json.dumps(run), flush=True)
             runs.append(run)
             last = (trainer, model)
+            if trainer.is_deepspeed_enabled:
+                # One process builds one DeepSpeed setup: the next Trainer reuses it (accelerate refuses a second
+                # plugin) and this run's engine is released first.
+                trainer.accelerator.free_memory()
+                training_args.deepspeed_plugin = None
 
     summary = {}
     for mode in script.modes.split(","):
@@ -222,7 +332,8 @@ def main(argv=None):
         "args": dict({k: v for k, v in asdict(script).items() if k != "results_dir"}, block_size=data_args.block_size),
         "training": {"max_steps": training_args.max_steps, "learning_rate": training_args.learning_rate,
                      "batch_size": training_args.per_device_train_batch_size,
-                     "scheduler": str(training_args.lr_scheduler_type), "device": str(training_args.device)},
+                     "scheduler": str(training_args.lr_scheduler_type), "device": str(training_args.device),
+                     "load_in_4bit": script.load_in_4bit, "world_size": training_args.world_size},
         "torch": torch.__version__, "transformers": transformers.__version__,
         "summary": summary, "runs": runs,
     }
@@ -244,7 +355,8 @@ def main(argv=None):
         "|---|---|---|---|",
     ]
     for mode, row in summary.items():
-        lines.append(f"| {mode} | {row['trainable_parameters']} | {row['ppl_before']:.3f} | "
+        before = "n/a (sharded)" if row["ppl_before"] is None else f"{row['ppl_before']:.3f}"
+        lines.append(f"| {mode} | {row['trainable_parameters']} | {before} | "
                      f"{row['ppl_after_mean']:.3f} ± {row['ppl_after_std']:.3f} |")
     command = sys.argv[1:] if argv is None else list(argv)
     lines += ["", "Reproduce: `" + " ".join(["python examples/finetune_patched_llama.py", *command]) + "`"]

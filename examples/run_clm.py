@@ -102,16 +102,19 @@ def first_chars(dataset, column, max_chars):
 
 
 @torch.no_grad()
-def leak_check(model, input_ids: torch.Tensor, cut_points=None, tolerance: float = 1e-4, vocab_size=None, seed=0):
+def leak_check(model, input_ids: torch.Tensor, cut_points=None, tolerance: float = 1e-4, vocab_size=None, seed=0,
+               upcast=True):
     """Changing tokens after position ``t`` must leave logits at positions ``<= t`` unchanged.
 
     Returns ``{"passed": bool, "max_abs_diff": float, "cut_points": [...], "tolerance": float}``. Runs in fp32 with
-    the model in eval mode (restores its mode and dtype).
+    the model in eval mode (restores its mode and dtype); ``upcast=False`` keeps the model's dtype (a model sharded by
+    DeepSpeed ZeRO-3 keeps its bf16 partitions outside the module, which a dtype cast of the module would desync).
     """
     was_training = model.training
     dtype = next(model.parameters()).dtype
     model.eval()
-    model.float()
+    if upcast:
+        model.float()
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     seq = input_ids.shape[1]
@@ -130,7 +133,8 @@ def leak_check(model, input_ids: torch.Tensor, cut_points=None, tolerance: float
         logits = model(input_ids=changed, use_cache=False).logits.float()
         diff = (logits[:, :t + 1] - reference[:, :t + 1]).abs().max().item()
         worst = max(worst, diff)
-    model.to(dtype)
+    if upcast:
+        model.to(dtype)
     model.train(was_training)
     return {"passed": bool(worst <= tolerance), "max_abs_diff": worst, "cut_points": list(cut_points),
             "tolerance": tolerance, "num_sequences": int(input_ids.shape[0]), "seq_len": int(seq)}
@@ -213,7 +217,9 @@ def main(argv=None):
 
     # ---- leak check BEFORE any number is reported ----
     probe = torch.tensor(eval_dataset[: data_args.leak_check_samples]["input_ids"], dtype=torch.long)
-    leak = leak_check(trainer.model, probe, tolerance=data_args.leak_check_tolerance, vocab_size=vocab_size)
+    # Every rank runs it (a sharded model's forward is collective), in the model's own dtype when sharded.
+    leak = leak_check(trainer.model, probe, tolerance=data_args.leak_check_tolerance, vocab_size=vocab_size,
+                      upcast=not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled))
     results = dict(
         script="run_clm.py",
         task="causal_lm" if data_args.train_file else "wikitext_lm",

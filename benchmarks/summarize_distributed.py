@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Compares the sharded runs of bench_distributed.py with the one-process run: results/distributed.{json,md,png}.
+
+    python benchmarks/summarize_distributed.py [--results_dir results] [--reference distributed_single_1gpu]
+
+Reads every ``<results_dir>/distributed_<engine>_<N><gpu|cpu>.json`` of more than one process and the reference
+(one process, same global batch, same seed). For each engine and phase: per-step loss difference against the
+reference, PDE coefficients moved, the saved checkpoint reloaded with equal weights, cached == uncached greedy
+generation, step time patched vs unpatched (the PDE's overhead) and peak memory per GPU.
+
+Loss tolerance: |loss - reference| <= LOSS_RTOL * reference at every step. Why 1%: the runs compute in bf16 (unit
+roundoff 2**-9 = 0.2%); sharding changes the order of every reduction (gradient reduce-scatter / all-reduce in
+bf16, per-shard loss means), and DeepSpeed's bf16 mode keeps the weights themselves in bf16 (the reference and FSDP2
+keep fp32 weights under autocast / a bf16 compute policy), so step 0 already differs by a few roundoffs, and AdamW's
+normalised updates turn gradient differences in near-zero coordinates into lr-sized weight differences that grow
+over the steps. A wrong global batch (a rank's shard missing or counted twice) or a missed gradient reduction moves
+the loss by far more than 1% within a few steps (the fixed batch is memorised quickly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS_RTOL = 0.01
+OVERHEAD_TARGET = 0.05
+NAME = re.compile(r"distributed_(?P<engine>[a-z0-9]+)_(?P<n>\d+)(?P<unit>gpu|cpu)\.json$")
+ENGINE_LABEL = {"fsdp2": "FSDP2", "fsdp1": "FSDP1", "zero3": "DeepSpeed ZeRO-3", "zero2": "DeepSpeed ZeRO-2",
+                "ddp": "DDP", "single": "one process"}
+
+
+def load_runs(results_dir):
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(results_dir, "distributed_*.json"))):
+        match = NAME.search(os.path.basename(path))
+        if match:
+            with open(path) as f:
+                runs[os.path.basename(path)[:-5]] = json.load(f)
+    return runs
+
+
+def compare(run, reference):
+    rows = []
+    for phase, record in run["phases"].items():
+        ref = reference["phases"].get(phase)
+        row = {"phase": phase, "losses": record["losses"], "wrapped_as": record.get("wrapped_as"),
+               "step_seconds_median": record["step_seconds_median"],
+               "peak_memory_gib_per_gpu": record["peak_memory_gib_per_gpu"]}
+        if ref:
+            diffs = [abs(a - b) for a, b in zip(record["losses"], ref["losses"])]
+            rel = [d / abs(b) for d, b in zip(diffs, ref["losses"])]
+            row.update(reference_losses=ref["losses"], loss_max_abs_diff=max(diffs), loss_max_rel_diff=max(rel),
+                       loss_step0_rel_diff=rel[0], losses_match=max(rel) <= LOSS_RTOL)
+        for key in ("pde_coefficients", "pde_all_moved", "reload_weights_equal", "generate_cached_equals_uncached",
+                    "step_overhead_vs_full", "step_overhead_vs_lora"):
+            if key in record:
+                row[key] = record[key]
+        rows.append(row)
+    return rows
+
+
+def summarize(results_dir, reference_name):
+    runs = load_runs(results_dir)
+    if reference_name not in runs:
+        raise SystemExit(f"--reference: {reference_name}.json is not in {results_dir} (have: {sorted(runs)}).")
+    reference = runs[reference_name]
+    engines = {name: run for name, run in runs.items() if run["num_processes"] > 1}
+    summary = {"loss_rtol": LOSS_RTOL, "overhead_target": OVERHEAD_TARGET, "reference": reference_name,
+               "reference_device": reference["device"], "mixed_precision": reference["mixed_precision"],
+               "device_type": reference["device_type"], "model_shape": reference["model_shape"],
+               "global_batch": reference["global_batch"], "seq_len": reference["seq_len"],
+               "steps": reference["steps"], "patch": reference["patch"],
+               "runs": {name: {"engine": run["engine"], "num_processes": run["num_processes"],
+                               "device": run["device"], "per_process_batch": run["per_process_batch"],
+                               "phases": compare(run, reference)} for name, run in engines.items()},
+               "reference_phases": compare(reference, reference)}
+    return summary, runs
+
+
+def fmt_overhead(row):
+    value = row.get("step_overhead_vs_full", row.get("step_overhead_vs_lora"))
+    return "" if value is None else f"{100 * value:+.2f}%"
+
+
+def yes_no(value):
+    return "" if value is None else ("yes" if value else "**no**")
+
+
+def render_md(summary):
+    shape = summary["model_shape"]
+    params = next((r for r in summary["reference_phases"] if r["phase"] == "full"), None)
+    lines = [
+        "# Sharded training vs one process (`benchmarks/bench_distributed.py`)",
+        "",
+        f"Llama-shaped model: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, intermediate "
+        f"{shape['intermediate_size']}, vocab {shape['vocab_size']}, random init (fixed seed); {summary['mixed_precision']} mixed precision; global batch "
+        f"{summary['global_batch']} x {summary['seq_len']} tokens (the same at every process count), "
+        f"{summary['steps']} steps. Patched: `cta.patch_model(pde_type={summary['patch']['pde_type']!r}, "
+        f"pde_steps={summary['patch']['pde_steps']}, placement={summary['patch']['placement']!r}, "
+        f"init={summary['patch']['init']!r})`, default (scalar) coefficients. Reference: "
+        f"`{summary['reference']}` ({summary['reference_device']}). Loss tolerance: every step within "
+        f"{100 * summary['loss_rtol']:.0f}% of the reference (for bf16 runs; see the docstring of "
+        f"`benchmarks/summarize_distributed.py` for why). Step time: "
+        f"median after warm-up; overhead = patched / unpatched - 1 in the same run (target <= "
+        f"{100 * summary['overhead_target']:.0f}%).",
+        "",
+        f"| engine | {summary['device_type'].upper()}s | phase | loss step 0 -> last (reference) | max rel. diff | match | PDE moved | reload equal "
+        "| cached == uncached | step s | PDE overhead | peak GiB / GPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    tables = [("one process (reference)", 1, summary["reference_phases"])]
+    tables += [(ENGINE_LABEL.get(r["engine"], r["engine"]), r["num_processes"], r["phases"])
+               for r in summary["runs"].values()]
+    for label, n, rows in tables:
+        for row in rows:
+            ref = row.get("reference_losses", row["losses"])
+            losses = f"{row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}"
+            if n > 1:
+                losses += f" ({ref[0]:.4f} -> {ref[-1]:.4f})"
+            peak = ", ".join(f"{v:.1f}" for v in row["peak_memory_gib_per_gpu"])
+            rel = f"{100 * row['loss_max_rel_diff']:.2f}%" if n > 1 and "loss_max_rel_diff" in row else ""
+            lines.append(
+                f"| {label} | {n} | {row['phase']} | {losses} | {rel} | {yes_no(row.get('losses_match')) if n > 1 else ''} "
+                f"| {yes_no(row.get('pde_all_moved'))} | {yes_no(row.get('reload_weights_equal'))} "
+                f"| {yes_no(row.get('generate_cached_equals_uncached'))} | {row['step_seconds_median']:.3f} "
+                f"| {fmt_overhead(row)} | {peak} |")
+    if params:
+        lines += ["", f"Phases: `full` / `full_pde` = full fine-tune unpatched / patched; `lora` / `lora_pde` = LoRA "
+                      f"unpatched / LoRA + PDE coefficients (`modules_to_save`); `native` = `cta.CTAForCausalLM` "
+                      f"(`CTAConfig.modern_decoder`) of the same shape. Rendered by "
+                      f"`python benchmarks/summarize_distributed.py` from `results/distributed_*.json`."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary, runs, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = [p for p in ("full_pde", "lora_pde", "native") if any(p in r["phases"] for r in runs.values())]
+    fig, axes = plt.subplots(1, len(phases) + 1, figsize=(4.2 * (len(phases) + 1), 3.6))
+    reference = runs[summary["reference"]]
+    for ax, phase in zip(axes, phases):
+        if phase in reference["phases"]:
+            ax.plot(reference["phases"][phase]["losses"], "k-", lw=2, label=f"1 {reference['device_type'].upper()}")
+        for name in summary["runs"]:
+            run = runs[name]
+            if phase in run["phases"]:
+                ax.plot(run["phases"][phase]["losses"], "--", marker=".",
+                        label=f"{ENGINE_LABEL.get(run['engine'], run['engine'])}, {run['num_processes']} "
+                              f"{run['device_type'].upper()}s")
+        ax.set_title(f"loss: {phase}")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    labels, plain, patched = [], [], []
+    for name in [summary["reference"], *summary["runs"]]:
+        run = runs[name]
+        for base in ("full", "lora"):
+            if base in run["phases"] and base + "_pde" in run["phases"]:
+                labels.append(f"{run['engine']} {run['num_processes']}x\n{base}")
+                plain.append(run["phases"][base]["step_seconds_median"])
+                patched.append(run["phases"][base + "_pde"]["step_seconds_median"])
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], plain, 0.4, label="unpatched")
+    ax.bar([x + 0.2 for x in xs], patched, 0.4, label="patched (PDE)")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("median step time (s)")
+    ax.set_title("step time")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results_dir", default=os.path.join(REPO_ROOT, "results"))
+    parser.add_argument("--reference", default="distributed_single_1gpu",
+                        help="Stem of the one-process run (default distributed_single_1gpu).")
+    parser.add_argument("--output", default="distributed", help="Output stem under --results_dir.")
+    args = parser.parse_args(argv)
+    summary, runs = summarize(args.results_dir, args.reference)
+    stem = os.path.join(args.results_dir, args.output)
+    with open(stem + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(render_md(summary))
+    plot(summary, runs, stem + ".png")
+    print(open(stem + ".md").read())
+    return summary
+
+
+if __name__ == "__main__":
+    main()
