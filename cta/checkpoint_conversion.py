@@ -20,6 +20,7 @@ them: a model whose PDE sites silently kept their initial coefficients would be 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -155,3 +156,22 @@ def _resolve(source, filename, hub):
         return hf_hub_download(source, filename, **hub)
     except EntryNotFoundError:
         return None
+
+
+@contextlib.contextmanager
+def saved_as_own_class(model, own_module: str):
+    """For the duration of a save, ``model`` is an instance of the first class of its MRO defined in ``own_module``.
+
+    FSDP2's ``fully_shard`` swaps a module's class for a subclass it builds (``FSDPCTAForCausalLM``, defined in
+    torch); transformers' ``save_pretrained`` names the instance's class in ``auto_map`` and copies the file that
+    defines it, so a checkpoint saved from a sharded model would point ``trust_remote_code`` at torch's files."""
+    cls = type(model)
+    own = next((c for c in cls.__mro__ if c.__module__ == own_module), cls)
+    if own is cls:
+        yield model
+        return
+    model.__class__ = own
+    try:
+        yield model
+    finally:
+        model.__class__ = cls

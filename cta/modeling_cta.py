@@ -28,7 +28,7 @@ from transformers.utils import can_return_tuple
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cta import CTAConfig
-from .checkpoint_conversion import from_pretrained_with_pde_check
+from .checkpoint_conversion import from_pretrained_with_pde_check, saved_as_own_class
 from .pde_cache import (
     CACHE_ARGUMENT,
     CACHE_ARGUMENTS,
@@ -344,7 +344,8 @@ class CTAPreTrainedModel(PreTrainedModel):
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Saves safetensors weights, the config with the full ``auto_map`` and the flat code files."""
         self.config.auto_map = dict(AUTO_MAP)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        with saved_as_own_class(self, __name__):  # (a model sharded by FSDP2 has a class of torch's)
+            return super().save_pretrained(save_directory, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module):

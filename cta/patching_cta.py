@@ -42,7 +42,7 @@ import torch
 import transformers
 from torch import nn
 
-from .checkpoint_conversion import from_pretrained_with_pde_check
+from .checkpoint_conversion import from_pretrained_with_pde_check, saved_as_own_class
 from .pde_cache import CACHE_ARGUMENTS, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
 from .patching_wrapper import CTAPatchWrapper, PatchContext, capturing_forward
@@ -542,7 +542,8 @@ class CTAPatchedModelMixin:
         """Saves weights (safetensors), the config (``model_type = cta_patched_*``, ``cta_patch``, ``auto_map``) and
         the flat code files (``patching_cta.py`` and the siblings it imports) so that the folder reloads patched."""
         self.config.auto_map = auto_map_for(self.config)
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        with saved_as_own_class(self, __name__):  # (a model sharded by FSDP2 has a class of torch's)
+            return super().save_pretrained(save_directory, *args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

@@ -63,7 +63,7 @@ def train(engine, build, rank, world):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    return losses, full_state_dict(sharded, engine)
+    return losses, full_state_dict(sharded, engine), sharded
 
 
 def main(out_dir: str, losses_file: str) -> None:
@@ -72,11 +72,13 @@ def main(out_dir: str, losses_file: str) -> None:
     results = {}
     for engine in ENGINES:
         for kind, build in MODELS.items():
-            losses, state = train(engine, build, rank, world)
+            losses, state, sharded = train(engine, build, rank, world)
             if rank == 0:  # (save_pretrained on the sharded module would gather on this rank alone)
                 plain = build()
                 plain.load_state_dict(state)
                 plain.save_pretrained(os.path.join(out_dir, f"{engine}_{kind}"))
+                if engine == "fsdp2":  # what Trainer does: the sharded model's save_pretrained, the gathered weights
+                    sharded.save_pretrained(os.path.join(out_dir, f"{engine}_{kind}_from_sharded"), state_dict=state)
                 results[f"{engine}_{kind}"] = dict(losses=losses,
                                                    units=sorted(c.__name__ for c in layer_classes(plain)))
             dist.barrier()

@@ -75,3 +75,22 @@ def test_default_model_under_fsdp_matches_one_process(sharded_runs, engine, kind
         if "_pde." in name:
             moved.append(not torch.equal(parameter, initial[name]))
     assert moved and all(moved)  # every PDE coefficient was trained (sharded) and saved
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_checkpoint_saved_from_an_fsdp2_model_names_this_package(sharded_runs, kind):
+    """FSDP2 swaps the model's class for one of torch's (``FSDP<Name>``): the checkpoint its own ``save_pretrained``
+    writes must still name this package's classes and files, so that it loads with ``trust_remote_code`` alone."""
+    out, _ = sharded_runs
+    folder = out / f"fsdp2_{kind}_from_sharded"
+    config = json.loads((folder / "config.json").read_text())
+    modules = {ref.split(".")[0] for ref in config["auto_map"].values()}
+    assert modules == {"modeling_cta" if kind == "native" else "patching_cta"}, config["auto_map"]
+    assert config["architectures"] == [type(MODELS[kind]()).__name__]
+    assert not list(folder.glob("_fsdp*.py"))
+    assert (folder / ("modeling_cta.py" if kind == "native" else "patching_cta.py")).exists()
+    reloaded = cta.load_patched(str(folder)) if kind == "patched" else cta.CTAForCausalLM.from_pretrained(folder)
+    reference = cta.load_patched(str(out / f"fsdp2_{kind}")) if kind == "patched" else \
+        cta.CTAForCausalLM.from_pretrained(out / f"fsdp2_{kind}")
+    for (name, a), (_, b) in zip(reloaded.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(a, b, msg=name)
