@@ -4,6 +4,8 @@
 #   bash benchmarks/distributed_gpu.sh sanity     # tiny model through every engine, script and test; QLoRA run
 #   bash benchmarks/distributed_gpu.sh ref_fsdp2  # the 1.1B model: 1-GPU reference, then FSDP2 on 2 GPUs
 #   bash benchmarks/distributed_gpu.sh zero3      # the 1.1B model: DeepSpeed ZeRO-3 on 2 GPUs
+#   bash benchmarks/distributed_gpu.sh check      # tiny engines, QLoRA test + run, the 1.1B 1-GPU reference
+#   bash benchmarks/distributed_gpu.sh sharded    # the 1.1B model under FSDP2 and ZeRO-3 (2 GPUs)
 #   python benchmarks/summarize_distributed.py  # results/distributed.{json,md,png} from the JSON files
 #
 # OUT (default results/gpu_run) receives the JSON files and logs. Wheels the machine lacks (DeepSpeed's sdist,
@@ -93,6 +95,18 @@ EOF
         echo "$d: $(ls "$d" 2>/dev/null | tr '\n' ' ')" >>"$LOG"
     done
     ;;
+check)  # one device call: the engines at tiny size, QLoRA (test and run), the 1-GPU reference at 1.1B
+    step bench_fsdp2 launch --config_file $FSDP benchmarks/bench_distributed.py "${TINY[@]}"
+    step bench_zero3 launch --config_file $ZERO3 benchmarks/bench_distributed.py "${TINY[@]}"
+    step test_gpu_qlora "$PY" -m pytest -q -x tests/test_gpu_qlora.py
+    step qlora_finetune "$PY" "${FT[@]}" --load_in_4bit --modes lora,lora_pde --max_steps 100 --learning_rate 2e-3 \
+        --per_device_train_batch_size 16 --output_dir /tmp/qlora --results_dir "$OUT/qlora"
+    step bench_single_1b launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
+    ;;
+sharded)  # one device call: the 1.1B model under FSDP2 and ZeRO-3 on 2 GPUs
+    step bench_fsdp2_1b launch --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
+    step bench_zero3_1b launch --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
+    ;;
 ref_fsdp2)
     step bench_single_1b launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
     step bench_fsdp2_1b launch --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
@@ -101,7 +115,7 @@ zero3)
     step bench_zero3_1b launch --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
     ;;
 *)
-    echo "usage: $0 sanity|ref_fsdp2|zero3" >&2
+    echo "usage: $0 sanity|check|sharded|ref_fsdp2|zero3" >&2
     exit 2
     ;;
 esac
