@@ -22,7 +22,7 @@ DATA=${DATA:-$([ -d .gpu_data ] && echo .gpu_data || echo ../shared)}
 LOG="$OUT/$MODE.log"
 FSDP=examples/accelerate/fsdp2.yaml
 ZERO3=examples/accelerate/deepspeed_zero3.yaml
-launch() { "$PY" -m accelerate.commands.launch "$@"; }
+launch=("$PY" -m accelerate.commands.launch)  # (an array: `timeout` cannot run a shell function)
 step() {  # step NAME COMMAND...: runs it, logs it, records its status
     local name=$1; shift
     local start=$SECONDS
@@ -79,16 +79,16 @@ for split, n in (("train", 400), ("validation", 40)):
         writer.writerow(["text", "label"])
         writer.writerows([(r, "pos" if "cat" in r else "neg") for r in rows])
 EOF
-    step bench_single launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${TINY[@]}"
-    step bench_fsdp2 launch --config_file $FSDP benchmarks/bench_distributed.py "${TINY[@]}"
-    step bench_zero3 launch --config_file $ZERO3 benchmarks/bench_distributed.py "${TINY[@]}"
-    step test_gpu_qlora "$PY" -m pytest -q -x tests/test_gpu_qlora.py
-    step ft_fsdp2 launch --config_file $FSDP "${FT[@]}" --modes lora_pde,pde --max_steps 3 --output_dir /tmp/ftf --results_dir /tmp/ftf
-    step ft_zero3 launch --config_file $ZERO3 "${FT[@]}" --modes lora_pde,pde --max_steps 3 --output_dir /tmp/ftz --results_dir /tmp/ftz
-    step clm_fsdp2 launch --config_file $FSDP "${CLM[@]}" --output_dir /tmp/clm_f
-    step clm_zero3 launch --config_file $ZERO3 "${CLM[@]}" --output_dir /tmp/clm_z
-    step cls_fsdp2 launch --config_file $FSDP "${CLS[@]}" --output_dir /tmp/cls_f
-    step cls_zero3 launch --config_file $ZERO3 "${CLS[@]}" --output_dir /tmp/cls_z
+    step bench_single "${launch[@]}" --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${TINY[@]}"
+    step bench_fsdp2 "${launch[@]}" --config_file $FSDP benchmarks/bench_distributed.py "${TINY[@]}"
+    step bench_zero3 "${launch[@]}" --config_file $ZERO3 benchmarks/bench_distributed.py "${TINY[@]}"
+    step test_gpu_qlora env CTA_TEST_GPU=1 "$PY" -m pytest -q -x tests/test_gpu_qlora.py
+    step ft_fsdp2 "${launch[@]}" --config_file $FSDP "${FT[@]}" --modes lora_pde,pde --max_steps 3 --output_dir /tmp/ftf --results_dir /tmp/ftf
+    step ft_zero3 "${launch[@]}" --config_file $ZERO3 "${FT[@]}" --modes lora_pde,pde --max_steps 3 --output_dir /tmp/ftz --results_dir /tmp/ftz
+    step clm_fsdp2 "${launch[@]}" --config_file $FSDP "${CLM[@]}" --output_dir /tmp/clm_f
+    step clm_zero3 "${launch[@]}" --config_file $ZERO3 "${CLM[@]}" --output_dir /tmp/clm_z
+    step cls_fsdp2 "${launch[@]}" --config_file $FSDP "${CLS[@]}" --output_dir /tmp/cls_f
+    step cls_zero3 "${launch[@]}" --config_file $ZERO3 "${CLS[@]}" --output_dir /tmp/cls_z
     step qlora_finetune "$PY" "${FT[@]}" --load_in_4bit --modes lora,lora_pde --max_steps 100 --learning_rate 2e-3 \
         --per_device_train_batch_size 16 --output_dir /tmp/qlora --results_dir "$OUT/qlora"
     for d in /tmp/clm_f /tmp/clm_z /tmp/cls_f /tmp/cls_z /tmp/ftf/lora_pde-seed0 /tmp/ftf/pde-seed0; do
@@ -96,23 +96,21 @@ EOF
     done
     ;;
 check)  # one device call: the engines at tiny size, QLoRA (test and run), the 1-GPU reference at 1.1B
-    step bench_fsdp2 launch --config_file $FSDP benchmarks/bench_distributed.py "${TINY[@]}"
-    step bench_zero3 launch --config_file $ZERO3 benchmarks/bench_distributed.py "${TINY[@]}"
-    step test_gpu_qlora "$PY" -m pytest -q -x tests/test_gpu_qlora.py
-    step qlora_finetune "$PY" "${FT[@]}" --load_in_4bit --modes lora,lora_pde --max_steps 100 --learning_rate 2e-3 \
-        --per_device_train_batch_size 16 --output_dir /tmp/qlora --results_dir "$OUT/qlora"
-    step bench_single_1b launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
+    step bench_fsdp2 "${launch[@]}" --config_file $FSDP benchmarks/bench_distributed.py "${TINY[@]}"
+    step bench_zero3 "${launch[@]}" --config_file $ZERO3 benchmarks/bench_distributed.py "${TINY[@]}"
+    step test_gpu_qlora env CTA_TEST_GPU=1 "$PY" -m pytest -q -x tests/test_gpu_qlora.py
+    step bench_single_1b "${launch[@]}" --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
     ;;
 sharded)  # one device call: the 1.1B model under FSDP2 and ZeRO-3 on 2 GPUs
-    step bench_fsdp2_1b launch --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
-    step bench_zero3_1b launch --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
+    step bench_fsdp2_1b "${launch[@]}" --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
+    step bench_zero3_1b "${launch[@]}" --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
     ;;
 ref_fsdp2)
-    step bench_single_1b launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
-    step bench_fsdp2_1b launch --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
+    step bench_single_1b "${launch[@]}" --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
+    step bench_fsdp2_1b "${launch[@]}" --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
     ;;
 zero3)
-    step bench_zero3_1b launch --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
+    step bench_zero3_1b "${launch[@]}" --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
     ;;
 *)
     echo "usage: $0 sanity|check|sharded|ref_fsdp2|zero3" >&2
