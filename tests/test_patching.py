@@ -247,6 +247,32 @@ def test_gradient_checkpointing_gives_the_same_gradients(arch, reentrant):
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_recomputation_never_takes_another_forwards_walls(reentrant):
+    """Gradient checkpointing recomputes a layer after the forwards returned. Two training forwards with different
+    padding masks, then one backward through both: the recomputed layer cannot tell which forward's walls apply, and
+    raises. A forward whose outputs were released without a backward (a loop that skips a step) is no rival, nor is
+    one with the same mask."""
+    model = patch_model(tiny_model("llama"), pde_steps=2, placement=["mlp_output"], init="paper")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ids, mask = batch(pad=4)
+    other = mask.clone()
+    other[0, :2] = 0
+
+    def loss(attention_mask):
+        return model(input_ids=ids, attention_mask=attention_mask, labels=ids).loss
+
+    first, second = loss(mask), loss(other)
+    with pytest.raises(ValueError, match="different attention masks"):
+        (first + second).backward()
+    del first, second
+    skipped = loss(mask)
+    del skipped
+    loss(other).backward()
+    (loss(mask) + loss(mask.clone())).backward()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_pde_modules_run_as_modules_and_refine_in_the_first_hook(arch):
     """The PDE modules are called as ordinary modules (a global forward hook sees each once); the refinement is the
