@@ -158,16 +158,17 @@ def main():
             diff = (logits - ref_logits)[valid].abs().max().item() if logits.shape == ref_logits.shape else None
             info = describe(model)
             checks[name] = dict(info, same_greedy_tokens=same_tokens, max_abs_logit_diff=diff,
-                                tokens=tokens.tolist(),
+                                tokens=[" ".join(map(str, row)) for row in tokens.tolist()],
                                 passed=bool(same_tokens and diff is not None and diff <= atol and info["patched"]
                                             and info["base_names_kept"] and (world == 1 or info["sharded_parameters"] > 0)))
         del model
     if rank == 0:
-        result["reference_tokens"] = ref_tokens.tolist()
+        result["reference_tokens"] = [" ".join(map(str, row)) for row in ref_tokens.tolist()]
         result["tensor_parallel"] = checks
         result["passed"] = all(c["passed"] for c in checks.values())
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        text = json.dumps(result, indent=1)
+        Path(args.out).write_text(text + "\n")
         print(json.dumps({k: (v["same_greedy_tokens"], v["max_abs_logit_diff"], v["q_proj_local_shape"],
                               v["sharded_parameters"]) for k, v in checks.items()}), "passed:", result["passed"])
     failed = [not result.get("passed", True)]
