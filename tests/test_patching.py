@@ -340,6 +340,40 @@ def test_patched_model_keeps_the_base_model_names(arch):
     torch.testing.assert_close(logits(model, ids, mask), logits(plain, ids, mask), atol=0, rtol=0)
 
 
+class _ProjectionWithDelta(torch.nn.Module):
+    """Stands for a PEFT LoRA layer put in place of a projection: ``base(x) + delta(x)``."""
+
+    def __init__(self, base, delta):
+        super().__init__()
+        self.base_layer, self.delta = base, delta
+
+    def forward(self, x):
+        return self.base_layer(x) + self.delta(x)
+
+
+def test_value_site_refines_the_module_that_is_the_projection_at_call_time():
+    """A module put in place of ``v_proj`` after patching (as PEFT's LoRA does) is refined with its delta: the same
+    logits as a ``v_proj`` whose weight holds the delta; and putting the original back refines it again."""
+    model = patch_model(tiny_model("llama"), pde_type="wave", pde_steps=3, placement="value", init="paper")
+    randomize_pde(model)
+    merged = copy.deepcopy(model)
+    ids, mask = batch()
+    before = logits(model, ids, mask)
+    torch.manual_seed(3)
+    originals = []
+    for layer, merged_layer in zip(model.model.layers, merged.model.layers):
+        v_proj = layer.self_attn.v_proj
+        delta = torch.nn.Linear(v_proj.in_features, v_proj.out_features, bias=False)
+        originals.append(v_proj)
+        layer.self_attn.v_proj = _ProjectionWithDelta(v_proj, delta)
+        with torch.no_grad():
+            merged_layer.self_attn.v_proj.weight += delta.weight
+    torch.testing.assert_close(logits(model, ids, mask), logits(merged, ids, mask), atol=1e-5, rtol=0)
+    for layer, v_proj in zip(model.model.layers, originals):
+        layer.self_attn.v_proj = v_proj
+    torch.testing.assert_close(logits(model, ids, mask), before, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_deepcopy_refines_with_its_own_pde_modules_and_context(arch):
     """A deep copy's hooks are bound to the copy's sites: it refines with its own coefficients and padding context,
