@@ -82,6 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--lora_lr", type=float, default=1e-3, help="Learning rate of the LoRA weights (default 1e-3).")
     p.add_argument("--pde_lr", type=float, default=1e-2, help="Learning rate of the PDE coefficients (default 1e-2).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the model init and the batch (default 0).")
+    p.add_argument("--merge", action="store_true",
+                   help="Add this run's phases to the result file of the same name (run one phase per process: "
+                        "DeepSpeed engines of earlier phases stay in memory and slow the later ones).")
     p.add_argument("--no_save", action="store_true", help="Skip the save / reload / generation checks.")
     p.add_argument("--work_dir", default=None,
                    help="Where the random-init base models and the saved checkpoints go (default: a temp dir; "
@@ -150,10 +153,14 @@ def build(phase, paths, args):
             cta.patch_model(model, **PATCH)  # after loading, as users patch a pretrained model
     if phase.startswith("lora"):
         from peft import LoraConfig, get_peft_model
+        from transformers.integrations import is_deepspeed_zero3_enabled
 
         config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM",
                             modules_to_save=cta.pde_modules_to_save(model) if phase == "lora_pde" else None)
-        model = get_peft_model(model, config)
+        # DeepSpeed partitions the trainable parameters of one dtype together: under ZeRO-3 the adapters keep the
+        # model's dtype (bf16) like the PDE coefficients instead of PEFT's fp32 upcast; DeepSpeed's optimizer keeps
+        # fp32 master copies of all of them.
+        model = get_peft_model(model, config, autocast_adapter_dtype=not is_deepspeed_zero3_enabled())
     model.config.use_cache = False
     pde, other = [], []
     for name, param in model.named_parameters():
@@ -359,11 +366,17 @@ def main(argv=None):
     for phase in args.phases.split(","):
         phases[phase] = run_phase(accelerator, phase, paths, args, os.path.join(work_dir, name))
         accelerator.wait_for_everyone()
-    for patched, plain in (("full_pde", "full"), ("lora_pde", "lora")):
-        if patched in phases and plain in phases:
-            phases[patched]["step_overhead_vs_" + plain] = (
-                phases[patched]["step_seconds_median"] / phases[plain]["step_seconds_median"] - 1)
     if accelerator.is_main_process:
+        for record in phases.values():
+            record["run_arguments"] = " ".join(sys.argv[1:])
+        path = os.path.join(args.results_dir, name + ".json")
+        if args.merge and os.path.exists(path):
+            with open(path) as f:
+                phases = {**json.load(f)["phases"], **phases}
+        for patched, plain in (("full_pde", "full"), ("lora_pde", "lora")):
+            if patched in phases and plain in phases:
+                phases[patched]["step_overhead_vs_" + plain] = (
+                    phases[patched]["step_seconds_median"] / phases[plain]["step_seconds_median"] - 1)
         result = {
             "name": name, "engine": engine, "num_processes": accelerator.num_processes, "device_type": unit,
             "device": torch.cuda.get_device_name(0) if unit == "gpu" else platform.processor() or "cpu",
@@ -378,7 +391,6 @@ def main(argv=None):
             "phases": phases,
         }
         os.makedirs(args.results_dir, exist_ok=True)
-        path = os.path.join(args.results_dir, name + ".json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {path}")

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU runs behind results/distributed*.{json,md,png} and results/qlora/ (2 GPUs of one host; one mode a call).
 #
-#   bash benchmarks/distributed_gpu.sh sanity     # tiny model through every engine, script and test; QLoRA run
-#   bash benchmarks/distributed_gpu.sh ref_fsdp2  # the 1.1B model: 1-GPU reference, then FSDP2 on 2 GPUs
-#   bash benchmarks/distributed_gpu.sh zero3      # the 1.1B model: DeepSpeed ZeRO-3 on 2 GPUs
-#   bash benchmarks/distributed_gpu.sh check      # tiny engines, QLoRA test + run, the 1.1B 1-GPU reference
-#   bash benchmarks/distributed_gpu.sh sharded    # the 1.1B model under FSDP2 and ZeRO-3 (2 GPUs)
+#   bash benchmarks/distributed_gpu.sh sanity  # tiny model through every engine, script and test; QLoRA run
+#   bash benchmarks/distributed_gpu.sh check   # tiny engines, the QLoRA test, the 1.1B 1-GPU reference
+#   bash benchmarks/distributed_gpu.sh single  # the 1.1B model on 1 GPU (the reference), one process per phase
+#   bash benchmarks/distributed_gpu.sh fsdp2   # the 1.1B model under FSDP2 on 2 GPUs, one process per phase
+#   bash benchmarks/distributed_gpu.sh zero3   # the 1.1B model under DeepSpeed ZeRO-3 on 2 GPUs, likewise
 #   python benchmarks/summarize_distributed.py  # results/distributed.{json,md,png} from the JSON files
 #
 # OUT (default results/gpu_run) receives the JSON files and logs. Wheels the machine lacks (DeepSpeed's sdist,
@@ -101,19 +101,21 @@ check)  # one device call: the engines at tiny size, QLoRA (test and run), the 1
     step test_gpu_qlora env CTA_TEST_GPU=1 "$PY" -m pytest -q -x tests/test_gpu_qlora.py
     step bench_single_1b "${launch[@]}" --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
     ;;
-sharded)  # one device call: the 1.1B model under FSDP2 and ZeRO-3 on 2 GPUs
-    step bench_fsdp2_1b "${launch[@]}" --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
-    step bench_zero3_1b "${launch[@]}" --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
+fsdp2|zero3)  # one device call per engine, one process per phase (--merge collects them in one file)
+    config=$([ "$MODE" = fsdp2 ] && echo $FSDP || echo $ZERO3)
+    for phase in full full_pde lora lora_pde native; do
+        step "bench_${MODE}_1b_$phase" "${launch[@]}" --config_file "$config" benchmarks/bench_distributed.py \
+            "${BIG[@]}" --phases "$phase" --merge
+    done
     ;;
-ref_fsdp2)
-    step bench_single_1b "${launch[@]}" --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py "${BIG[@]}"
-    step bench_fsdp2_1b "${launch[@]}" --config_file $FSDP benchmarks/bench_distributed.py "${BIG[@]}"
-    ;;
-zero3)
-    step bench_zero3_1b "${launch[@]}" --config_file $ZERO3 benchmarks/bench_distributed.py "${BIG[@]}"
+single)  # the one-GPU reference, one process per phase like the sharded runs
+    for phase in full full_pde lora lora_pde native; do
+        step "bench_single_1b_$phase" "${launch[@]}" --num_processes 1 --mixed_precision bf16 \
+            benchmarks/bench_distributed.py "${BIG[@]}" --phases "$phase" --merge
+    done
     ;;
 *)
-    echo "usage: $0 sanity|check|sharded|ref_fsdp2|zero3" >&2
+    echo "usage: $0 sanity|check|single|fsdp2|zero3" >&2
     exit 2
     ;;
 esac

@@ -8,13 +8,15 @@ Reads every ``<results_dir>/distributed_<engine>_<N><gpu|cpu>.json`` of more tha
 reference, PDE coefficients moved, the saved checkpoint reloaded with equal weights, cached == uncached greedy
 generation, step time patched vs unpatched (the PDE's overhead) and peak memory per GPU.
 
-Loss tolerance: |loss - reference| <= LOSS_RTOL * reference at every step. Why 1%: the runs compute in bf16 (unit
+Loss tolerance: |loss - reference| <= LOSS_RTOL * reference + LOSS_ATOL at every step. Why 1%: the runs compute in bf16 (unit
 roundoff 2**-9 = 0.2%); sharding changes the order of every reduction (gradient reduce-scatter / all-reduce in
 bf16, per-shard loss means), and DeepSpeed's bf16 mode keeps the weights themselves in bf16 (the reference and FSDP2
 keep fp32 weights under autocast / a bf16 compute policy), so step 0 already differs by a few roundoffs, and AdamW's
 normalised updates turn gradient differences in near-zero coordinates into lr-sized weight differences that grow
 over the steps. A wrong global batch (a rank's shard missing or counted twice) or a missed gradient reduction moves
-the loss by far more than 1% within a few steps (the fixed batch is memorised quickly).
+the loss by far more than 1% within a few steps (the fixed batch is memorised quickly). Why 0.01 nats on top: a
+full fine-tune memorises the batch down to a loss near 0.06, where the same few-roundoff weight differences are a
+large fraction of a tiny number (FSDP2: 0.0614 vs 0.0636); a missing shard there costs whole nats.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import re
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS_RTOL = 0.01
+LOSS_ATOL = 0.01
 OVERHEAD_TARGET = 0.05
 NAME = re.compile(r"distributed_(?P<engine>[a-z0-9]+)_(?P<n>\d+)(?P<unit>gpu|cpu)\.json$")
 ENGINE_LABEL = {"fsdp2": "FSDP2", "fsdp1": "FSDP1", "zero3": "DeepSpeed ZeRO-3", "zero2": "DeepSpeed ZeRO-2",
@@ -54,7 +57,7 @@ def compare(run, reference):
             diffs = [abs(a - b) for a, b in zip(record["losses"], ref["losses"])]
             rel = [d / abs(b) for d, b in zip(diffs, ref["losses"])]
             row.update(reference_losses=ref["losses"], loss_max_abs_diff=max(diffs), loss_max_rel_diff=max(rel),
-                       loss_step0_rel_diff=rel[0], losses_match=max(rel) <= LOSS_RTOL)
+                       loss_step0_rel_diff=rel[0], losses_match=all(d <= LOSS_RTOL * abs(b) + LOSS_ATOL for d, b in zip(diffs, ref["losses"])))
         for key in ("pde_coefficients", "pde_all_moved", "reload_weights_equal", "generate_cached_equals_uncached",
                     "step_overhead_vs_full", "step_overhead_vs_lora"):
             if key in record:
@@ -69,7 +72,7 @@ def summarize(results_dir, reference_name):
         raise SystemExit(f"--reference: {reference_name}.json is not in {results_dir} (have: {sorted(runs)}).")
     reference = runs[reference_name]
     engines = {name: run for name, run in runs.items() if run["num_processes"] > 1}
-    summary = {"loss_rtol": LOSS_RTOL, "overhead_target": OVERHEAD_TARGET, "reference": reference_name,
+    summary = {"loss_rtol": LOSS_RTOL, "loss_atol": LOSS_ATOL, "overhead_target": OVERHEAD_TARGET, "reference": reference_name,
                "reference_device": reference["device"], "mixed_precision": reference["mixed_precision"],
                "device_type": reference["device_type"], "model_shape": reference["model_shape"],
                "global_batch": reference["global_batch"], "seq_len": reference["seq_len"],
@@ -103,9 +106,10 @@ def render_md(summary):
         f"pde_steps={summary['patch']['pde_steps']}, placement={summary['patch']['placement']!r}, "
         f"init={summary['patch']['init']!r})`, default (scalar) coefficients. Reference: "
         f"`{summary['reference']}` ({summary['reference_device']}). Loss tolerance: every step within "
-        f"{100 * summary['loss_rtol']:.0f}% of the reference (for bf16 runs; see the docstring of "
+        f"{100 * summary['loss_rtol']:.0f}% + {summary['loss_atol']} nats of the reference (for bf16 runs; see the docstring of "
         f"`benchmarks/summarize_distributed.py` for why). Step time: "
-        f"median after warm-up; overhead = patched / unpatched - 1 in the same run (target <= "
+        f"median after warm-up; overhead = patched / unpatched - 1 on the same machine, "
+        f"each phase in its own process where `run_arguments` name one phase (target <= "
         f"{100 * summary['overhead_target']:.0f}%).",
         "",
         f"| engine | {summary['device_type'].upper()}s | phase | loss step 0 -> last (reference) | max rel. diff | match | PDE moved | reload equal "

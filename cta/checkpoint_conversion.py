@@ -12,7 +12,9 @@ afterwards writes the current format):
   ``ignore_mismatched_sizes=True``). Current checkpoints load through transformers unchanged. ``state_dict``s and PEFT adapters go
   through ``load_state_dict``, where ``PDERefinement``'s pre-hook reshapes them.
 * Weight names that changed are renamed through ``from_pretrained``'s public ``key_mapping`` (``LEGACY_KEY_MAPPING``:
-  patterns that match only names of earlier releases, so current checkpoints load unchanged).
+  patterns that match only names of earlier releases), passed only for a checkpoint that has such names. transformers'
+  ``save_pretrained`` would write the loaded names back (it reverts the load's ``key_mapping``): a model loaded that
+  way saves with ``save_original_format=False`` (:data:`SAVES_CURRENT_NAMES`), i.e. in the current names.
 
 A checkpoint whose PDE weights are missing, unexpected or of another shape than the config declares raises, naming
 them: a model whose PDE sites silently kept their initial coefficients would be another model, with no error.
@@ -31,10 +33,16 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 # regex on a checkpoint's weight name -> replacement (re.sub), applied in order; names of earlier releases only.
-LEGACY_KEY_MAPPING: dict = {}
+# 0.1.0 wrapped every patched module (`model.layers.3.wrapped.self_attn.wrapped.q_proj.weight`, the PDE modules
+# beside `wrapped`); patched models now keep the base model's names and hold each PDE module inside the module it
+# refines, so deleting `.wrapped` maps every 0.1.0 name to the current one. transformers renames the first match of
+# each pattern: one pattern per wrapper level (a layer's, then the attention / MLP / output module's inside it).
+LEGACY_KEY_MAPPING: dict = {r"\.wrapped(?=\.)": "", r"(?<=\.)wrapped\.": ""}
 
 # A PDE coefficient's weight name ends like this, in every release.
 _PDE_COEFFICIENT = re.compile(r"_pde\.(alpha|beta)$")
+# Set on a model whose checkpoint was read through LEGACY_KEY_MAPPING (see the module docstring).
+SAVES_CURRENT_NAMES = "_cta_saves_current_names"
 _SAFE_WEIGHTS = "model.safetensors"
 _SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
 _HUB_ARGUMENTS = ("subfolder", "revision", "token", "cache_dir", "local_files_only", "force_download")
@@ -63,9 +71,13 @@ def from_pretrained_with_pde_check(load, cls, args, kwargs):
     :func:`check_pde_weights_loaded`. Returns what ``from_pretrained`` returns for the caller's
     ``output_loading_info``."""
     output_loading_info = kwargs.pop("output_loading_info", False)
-    key_mapping = {**LEGACY_KEY_MAPPING, **(kwargs.pop("key_mapping", None) or {})}
+    key_mapping = dict(kwargs.pop("key_mapping", None) or {})
     source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-    legacy = _legacy_scalars(source, key_mapping, kwargs) if source is not None else {}
+    keys = _checkpoint_keys(source, kwargs) if source is not None else {}
+    legacy_names = any(re.search(pattern, key) for key in keys for pattern in LEGACY_KEY_MAPPING)
+    if legacy_names:
+        key_mapping = {**LEGACY_KEY_MAPPING, **key_mapping}
+    legacy = _legacy_scalars(keys, key_mapping)
     if not legacy:
         model, info = load(*args, output_loading_info=True, key_mapping=key_mapping or None, **kwargs)
     else:
@@ -98,6 +110,8 @@ def from_pretrained_with_pde_check(load, cls, args, kwargs):
             raise RuntimeError(f"Error(s) in loading state_dict for {cls.__name__}:\n\t{details}\n\tYou may consider "
                                "adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if appropriate.")
     check_pde_weights_loaded(info, cls.__name__, source)
+    if legacy_names:
+        setattr(model, SAVES_CURRENT_NAMES, True)
     return (model, info) if output_loading_info else model
 
 
@@ -106,27 +120,39 @@ def _is_legacy_scalar(key) -> bool:
     return isinstance(key, tuple) and len(key) == 3 and tuple(key[1]) == () and tuple(key[2]) == (1,)
 
 
-def _legacy_scalars(source, key_mapping, kwargs) -> dict:
-    """``{model's weight name: 0-d tensor}`` of the PDE coefficients that ``source`` saved as 0-d tensors (0.1.0);
-    empty for current checkpoints and anything that is not a safetensors checkpoint (transformers reports those)."""
+def _checkpoint_keys(source, kwargs) -> dict:
+    """``{weight name: (safetensors file, shape)}`` of a safetensors checkpoint, read from its headers; empty for
+    anything else (transformers reports those)."""
     from safetensors import safe_open
 
     try:
         files = _checkpoint_files(source, kwargs)
     except (OSError, ValueError):
         return {}
-    found = {}
+    keys = {}
     for path in files:
         with safe_open(path, framework="pt") as checkpoint:
             for key in checkpoint.keys():
-                if _PDE_COEFFICIENT.search(key) and not checkpoint.get_slice(key).get_shape():
-                    found[_renamed(key, key_mapping)] = checkpoint.get_tensor(key)
+                keys[key] = (path, tuple(checkpoint.get_slice(key).get_shape()))
+    return keys
+
+
+def _legacy_scalars(keys: dict, key_mapping: dict) -> dict:
+    """``{model's weight name: 0-d tensor}`` of the PDE coefficients that the checkpoint saved as 0-d tensors
+    (0.1.0); empty for current checkpoints."""
+    from safetensors import safe_open
+
+    found = {}
+    for key, (path, shape) in keys.items():
+        if _PDE_COEFFICIENT.search(key) and not shape:
+            with safe_open(path, framework="pt") as checkpoint:
+                found[_renamed(key, key_mapping)] = checkpoint.get_tensor(key)
     return found
 
 
 def _renamed(key: str, key_mapping: dict) -> str:
     for pattern, replacement in key_mapping.items():
-        key = re.sub(pattern, replacement, key)
+        key = re.sub(pattern, replacement, key, count=1)  # the first match, as transformers renames
     return key
 
 

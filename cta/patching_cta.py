@@ -4,8 +4,14 @@
 ``patch_model(model, ...)`` patches a loaded model *in place* and returns it:
 
 * Modules are found by structure (the decoder-layer ``ModuleList``, the attention module holding ``v_proj`` /
-  ``c_attn`` / ``value``, the MLP) and **wrapped** by :class:`CTAPatchWrapper`; no class's ``forward`` is rebound.
-  The wrapped module lives at ``<name>.wrapped``; the PDE modules are siblings named ``cta_<placement>_pde``.
+  ``c_attn`` / ``value``, the MLP). The model keeps its module tree and weight names
+  (``model.layers.3.self_attn.q_proj.weight``): each PDE module is a submodule ``cta_<placement>_pde`` of the module it
+  refines (the layer holds ``cta_embedding_pde`` / ``cta_block_output_pde``, the attention module ``cta_value_pde`` /
+  ``cta_attention_output_pde``, the MLP ``cta_mlp_output_pde``; BERT's dropouts before Add & Norm hold the attention /
+  MLP output sites), applied by forward hooks registered on those modules (``patching_hooks``; their handles are kept
+  in the base model's ``_cta_context``). No module is put between a parent and its child and no ``forward`` is
+  rebound. Checkpoints of 0.1.0 (which wrapped the modules: ``...layers.3.wrapped.self_attn...``) load through
+  ``checkpoint_conversion.LEGACY_KEY_MAPPING``.
 * The instance's class is swapped to a subclass (``LlamaForCausalLM`` -> ``CTAPatchedLlamaForCausalLM``), and the
   config's class likewise (``model_type = "cta_patched_llama"``), the way ``torch.nn.utils.parametrize`` swaps a
   module's class. ``isinstance(model, LlamaForCausalLM)`` still holds, and ``save_pretrained`` writes a checkpoint
@@ -13,21 +19,23 @@
   ``trust_remote_code=True``; with it, the saved ``auto_map`` and the flat code files (this file and its siblings)
   rebuild the patched model; missing or unexpected weights are an error.
 * Placements: ``embedding`` (input of the first block), ``value`` (output of ``v_proj`` / the value third of GPT-2's
-  ``c_attn`` / BERT's ``value``, through a forward hook that the attention wrapper registers on whatever module is
-  the value projection *at call time*, so a LoRA layer on it is refined too), ``attention_output`` (attention output
+  ``c_attn`` / BERT's ``value``, through a forward hook on whatever module is the value projection when the layer is
+  called, so a LoRA layer put in its place is refined with its delta), ``attention_output`` (attention output
   before the residual add), ``mlp_output`` (MLP output before the residual add), ``block_output`` (after each block).
   ``attention_matrix`` is not available for patched models (it needs its own attention kernel); use the native models.
 * Decoders get the causal stencil, encoders the bidirectional one. Padding walls come from the 2D ``attention_mask``
-  given to the model (captured by the base model's ``forward``, wrapped on the instance; its last ``L`` columns are
-  the current tokens). A 4D custom mask gives no walls.
+  given to the model (captured by the base model's forward pre-hook; its last ``L`` columns are the current tokens).
+  A 4D custom mask gives no walls. Gradient checkpointing recomputes a layer after the model's forward returned: its
+  sites then read the walls of the latest training forward (``patching_hooks.CheckpointWalls``, which raises where two
+  forwards with different masks await one backward).
 * Cached decoding: the causal PDE state lives in the model's own cache as conv states of transformers' hybrid cache
   layers. The patched config answers ``get_text_config(decoder=True)`` (what ``DynamicCache(config=...)`` and
   ``generate`` read) with a view whose ``layer_types`` are ``hybrid`` / ``hybrid_sliding`` and whose
   ``number_of_conv_states`` counts the PDE sites per layer; the config's own ``layer_types`` are untouched (Qwen2/3
   index their masks with them).
 * ``output_hidden_states``: entry ``k`` is what layer ``k`` receives, i.e. the refined output of layer ``k - 1``
-  (transformers records it with hooks on the wrapped layers; the output placements refine in each wrapped
-  layer's first forward hook, so every later hook sees the refined output).
+  (transformers records it with hooks on the layers; the output placements refine in each module's first forward
+  hook and the embedding in the first layer's first forward pre-hook, so every later hook sees the refined states).
 * PEFT: ``LoraConfig(target_modules=[...], modules_to_save=pde_modules_to_save(model))`` trains LoRA and the PDE
   coefficients together and saves both in the adapter; :func:`mark_pde_trainable` trains the PDE alone.
 """
@@ -35,17 +43,17 @@
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 
 import torch
 import transformers
 from torch import nn
+from transformers.integrations import is_deepspeed_zero3_enabled
 
-from .checkpoint_conversion import from_pretrained_with_pde_check, saved_as_own_class
+from .checkpoint_conversion import SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, saved_as_own_class
 from .pde_cache import CACHE_ARGUMENTS, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
-from .patching_wrapper import CTAPatchWrapper, PatchContext, capturing_forward
+from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
 from .pde_cta import (
     MAX_PDE_STEPS,
     PAPER_COEFFICIENTS,
@@ -103,10 +111,6 @@ def _base_model_type(config) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _unwrap(module):
-    return module.wrapped if isinstance(module, CTAPatchWrapper) else module
-
-
 def _find_structure(model, kind):
     """``(base_model, layers ModuleList)`` of a supported model, found by attribute structure."""
     base = model.base_model if hasattr(model, "base_model") else model
@@ -122,27 +126,22 @@ def _find_structure(model, kind):
 
 
 def _layer_sites(layer, kind, config):
-    """For one layer: {site: (parent, attribute, wrapper role, value_attr, value_slice, value channels)}."""
-    layer = _unwrap(layer)
+    """The modules of one layer that its PDE sites refine: ``{"value": (owner, projection attribute, value slice,
+    value channels), "attention_output": module, "mlp_output": module}``; each PDE module becomes a submodule of the
+    module that refines it (the owner for ``value``)."""
     if kind == "llama":
         attn = layer.self_attn
-        v_proj = _unwrap(attn).v_proj
-        channels = getattr(v_proj, "out_features", None) or v_proj.weight.shape[0]
-        return {
-            "attention": (layer, "self_attn", "v_proj", None, channels),
-            "mlp": (layer, "mlp"),
-        }
+        channels = getattr(attn.v_proj, "out_features", None) or attn.v_proj.weight.shape[0]
+        return {"value": (attn, "v_proj", None, channels), "attention_output": attn, "mlp_output": layer.mlp}
     if kind == "gpt2":
         hidden = config.hidden_size
-        return {
-            "attention": (layer, "attn", "c_attn", (2 * hidden, 3 * hidden), hidden),
-            "mlp": (layer, "mlp"),
-        }
+        return {"value": (layer.attn, "c_attn", (2 * hidden, 3 * hidden), hidden), "attention_output": layer.attn,
+                "mlp_output": layer.mlp}
     self_attention = layer.attention.self
     return {
-        "attention": (layer.attention, "self", "value", None, _unwrap(self_attention).all_head_size),
-        "attention_output": (_unwrap(layer.attention).output, "dropout"),
-        "mlp": (layer.output, "dropout"),
+        "value": (self_attention, "value", None, self_attention.all_head_size),
+        "attention_output": layer.attention.output.dropout,  # BERT: the dropout before Add & Norm
+        "mlp_output": layer.output.dropout,
     }
 
 
@@ -307,21 +306,23 @@ def _make_pde(spec, channels, layer_idx, state_idx, like: nn.Module):
     param = next(iter(like.parameters()), None)
     if param is not None and param.device.type != "meta":
         module.to(device=param.device)
+    if param is not None and param.is_floating_point() and is_deepspeed_zero3_enabled():
+        # Loaded under ZeRO-3, the model's parameters were cast to the engine's dtype: DeepSpeed partitions every
+        # parameter of one dtype together and refuses an fp32 coefficient among bf16 weights.
+        module.to(dtype=param.dtype)
     return module
 
 
-def _wrap(parent, attribute, role, pdes, context, **kwargs):
-    current = getattr(parent, attribute)
-    if isinstance(current, CTAPatchWrapper):
-        raise ValueError("This module is already wrapped by a CTA patch; call unpatch_model first.")
-    wrapper = CTAPatchWrapper(current, role, pdes, **kwargs)
-    wrapper._cta_context = context
-    setattr(parent, attribute, wrapper)
-    return wrapper
+def _add_pde(module, placement, pde):
+    name = f"cta_{placement}_pde"
+    if hasattr(module, name):
+        raise ValueError(f"{type(module).__name__} already has a `{name}`: call unpatch_model first.")
+    module.add_module(name, pde)
 
 
 def _apply_patch(model, spec):
-    """Wraps the modules of ``model`` according to ``spec`` (the structure part of :func:`patch_model`)."""
+    """Adds the PDE modules of ``spec`` to the modules they refine and registers the hooks that apply them (the
+    structure part of :func:`patch_model`)."""
     config = model.config
     kind = SUPPORTED_ARCHITECTURES[_base_model_type(config)][1]
     base, layers = _find_structure(model, kind)
@@ -330,8 +331,8 @@ def _apply_patch(model, spec):
     sites = pde_sites(num_layers, lambda i: pde_state_indices(spec, i, num_layers)) if spec["causal"] else []
     context = PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__)
     base._cta_context = context
-    base._cta_inner_forward = base.forward  # the bound class method, or an instance forward set before (accelerate)
-    base.forward = functools.update_wrapper(functools.partial(capturing_forward, base), base._cta_inner_forward)
+    context.handles = [base.register_forward_pre_hook(context.enter, with_kwargs=True),
+                       base.register_forward_hook(context.exit, with_kwargs=True, always_call=True)]
     if spec["pde_steps"] == 0:
         return model
     hidden = config.hidden_size
@@ -342,58 +343,41 @@ def _apply_patch(model, spec):
         if not states:
             continue
         layer = layers[idx]
-        sites = _layer_sites(layer, kind, config)
+        targets = _layer_sites(layer, kind, config)
         per_layer = placements if idx in selected else []
-        # attention wrapper: value and (for decoders) attention output
-        attention_pdes = {}
+        nested, value_sites = [], []
         if "value" in per_layer:
-            parent, attr, value_attr, value_slice, channels = sites["attention"]
-            attention_pdes["value"] = _make_pde(spec, channels, idx, states["value"], layer)
-        if "attention_output" in per_layer and "attention_output" not in sites:
-            attention_pdes["attention_output"] = _make_pde(spec, hidden, idx, states["attention_output"], layer)
-        if attention_pdes:
-            parent, attr, value_attr, value_slice, _ = sites["attention"]
-            _wrap(parent, attr, "attention", attention_pdes, context, value_attr=value_attr, value_slice=value_slice)
-        if "attention_output" in per_layer and "attention_output" in sites:  # BERT: the dropout before Add & Norm
-            parent, attr = sites["attention_output"]
-            pde = _make_pde(spec, hidden, idx, states["attention_output"], layer)
-            _wrap(parent, attr, "output", {"attention_output": pde}, context)
-        if "mlp_output" in per_layer:
-            parent, attr = sites["mlp"]
-            pde = _make_pde(spec, hidden, idx, states["mlp_output"], layer)
-            _wrap(parent, attr, "mlp", {"mlp_output": pde}, context)
-        block_pdes = {}
+            owner, value_attr, value_slice, channels = targets["value"]
+            _add_pde(owner, "value", _make_pde(spec, channels, idx, states["value"], layer))
+            value_sites.append(ValueSite(context, layer, owner, value_attr, value_slice))
+        for placement in ("attention_output", "mlp_output"):
+            if placement in per_layer:
+                module = targets[placement]
+                _add_pde(module, placement, _make_pde(spec, hidden, idx, states[placement], layer))
+                nested.append(OutputSite(context, layer, module, f"cta_{placement}_pde"))
         if "embedding" in states:
-            block_pdes["embedding"] = _make_pde(spec, hidden, 0, states["embedding"], layer)
+            _add_pde(layer, "embedding", _make_pde(spec, hidden, 0, states["embedding"], layer))
         if "block_output" in per_layer:
-            block_pdes["block_output"] = _make_pde(spec, hidden, idx, states["block_output"], layer)
-        # Every layer with a PDE site gets a block wrapper: it publishes the cache to the nested wrappers.
+            _add_pde(layer, "block_output", _make_pde(spec, hidden, idx, states["block_output"], layer))
         cache_position = _cache_index(type(layer).forward)
-        wrapper = _wrap(layers, str(idx), "block", block_pdes, context,
-                        cache_position=None if cache_position is None else cache_position - 1)
-        wrapper.site_name = f"layer {idx}"
-        wrapper.placements_causal = spec["causal"]
+        layer_site = LayerSite(context, layer, f"layer {idx}", spec["causal"],
+                               None if cache_position is None else cache_position - 1,
+                               embedding="embedding" in states, block_output="block_output" in per_layer,
+                               nested=bool(nested or value_sites), value_sites=value_sites)
+        context.site_hooks += [*value_sites, *nested, layer_site]
     return model
 
 
 def _remove_patch_modules(model):
-    for name, module in list(model.named_modules()):
-        inner = module.__dict__.pop("_cta_inner_forward", None)
-        if inner is not None:
-            # Back to the class's forward, or to the instance forward that was there before the patch.
-            if getattr(inner, "__self__", None) is module and inner.__func__ is type(module).forward:
-                module.__dict__.pop("forward", None)
-            else:
-                module.forward = inner
-        module.__dict__.pop("_cta_context", None)
-    # Unwrap deepest first so that nested wrappers (attention inside a block) are replaced inside their new parent.
-    wrappers = [(name, m) for name, m in model.named_modules() if isinstance(m, CTAPatchWrapper)]
-    for name, wrapper in sorted(wrappers, key=lambda item: -item[0].count(".")):
-        if wrapper.refine_hook is not None:
-            wrapper.refine_hook.remove()
-        parent_name, _, attribute = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attribute, wrapper.wrapped)
+    """Removes the hooks (through their handles) and the PDE submodules that :func:`_apply_patch` added."""
+    for _, module in list(model.named_modules()):
+        context = module.__dict__.pop("_cta_context", None)
+        if context is not None:
+            context.remove_hooks()
+    for _, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if name.startswith("cta_") and name.endswith("_pde"):
+                delattr(module, name)
 
 
 def is_patched(model) -> bool:
@@ -452,7 +436,8 @@ def _register_recorded_outputs(model):
 
 
 def unpatch_model(model):
-    """Removes a CTA patch (wrappers, hooks, class swap, ``config.cta_patch``); returns the plain model, in place.
+    """Removes a CTA patch (hooks, PDE submodules, class swap, ``config.cta_patch``); returns the plain model, in
+    place.
 
     The PDE modules (and what they learnt) are dropped.
     """
@@ -542,6 +527,9 @@ class CTAPatchedModelMixin:
         """Saves weights (safetensors), the config (``model_type = cta_patched_*``, ``cta_patch``, ``auto_map``) and
         the flat code files (``patching_cta.py`` and the siblings it imports) so that the folder reloads patched."""
         self.config.auto_map = auto_map_for(self.config)
+        if getattr(self, SAVES_CURRENT_NAMES, False):
+            # Read from an earlier release's names: saved in the current ones (checkpoint_conversion).
+            kwargs.setdefault("save_original_format", False)
         with saved_as_own_class(self, __name__):  # (a model sharded by FSDP2 has a class of torch's)
             return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -673,7 +661,6 @@ if __name__ == "cta.patching_cta":
 __all__ = [
     "PATCH_PLACEMENTS",
     "SUPPORTED_ARCHITECTURES",
-    "CTAPatchWrapper",
     "patch_model",
     "unpatch_model",
     "is_patched",

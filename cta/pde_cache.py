@@ -27,6 +27,7 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")
 # The name the installed transformers uses for the cache: the field of its model outputs (`out.cache` from 5.24 on).
 _OUTPUT_FIELDS = {field.name for field in dataclasses.fields(BaseModelOutputWithPast)}
 CACHE_ARGUMENT = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
+_CACHE_LOOKUP_ORDER = tuple(dict.fromkeys((CACHE_ARGUMENT, *CACHE_ARGUMENTS)))
 # The release from which transformers drops the old name (its models' own `deprecate_kwarg` version).
 PAST_KEY_VALUES_REMOVAL = "5.40.0"
 
@@ -78,9 +79,10 @@ def pop_cache(kwargs: dict, cache=None):
 def find_cache(kwargs: dict):
     """The cache in a forward's keyword arguments, without removing it: under the installed release's name first
     (older releases pass an unknown ``cache=`` on untouched in ``**kwargs`` beside the ``past_key_values`` in use)."""
-    for name in (CACHE_ARGUMENT, *CACHE_ARGUMENTS):
-        if kwargs.get(name) is not None:
-            return kwargs[name]
+    for name in _CACHE_LOOKUP_ORDER:  # (a constant: this runs once per PDE-bearing layer and decoded token)
+        cache = kwargs.get(name)
+        if cache is not None:
+            return cache
     return None
 
 

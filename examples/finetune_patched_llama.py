@@ -176,6 +176,7 @@ def load_base(model_args, script, mode, training_args):
 
 def build(model_args, script, mode, seed, training_args):
     from peft import LoraConfig, get_peft_model
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     transformers.set_seed(seed)
     model = load_base(model_args, script, mode, training_args)
@@ -187,7 +188,9 @@ def build(model_args, script, mode, seed, training_args):
         target_modules=script.lora_target_modules.split(","), task_type="CAUSAL_LM",
         modules_to_save=pde_modules_to_save(model) if mode == "lora_pde" else None,
     )
-    return get_peft_model(model, config)
+    # DeepSpeed partitions the trainable parameters of one dtype together: under ZeRO-3 the adapters keep the model's
+    # dtype, like the PDE coefficients (PEFT would upcast bf16 adapters to fp32 and DeepSpeed would refuse the mix).
+    return get_peft_model(model, config, autocast_adapter_dtype=not is_deepspeed_zero3_enabled())
 
 
 def optimizer_for(model, training_args, script):

@@ -92,8 +92,8 @@ def test_patched_decode_is_exact_and_keeps_hooks():
         # output_hidden_states while decoding: the recorded states are the refined ones, what each next layer
         # receives.
         received = []
-        hooks = [wrapper.wrapped.register_forward_pre_hook(lambda module, args: received.append(args[0]))
-                 for wrapper in model.model.layers]
+        hooks = [layer.register_forward_pre_hook(lambda module, args: received.append(args[0]))
+                 for layer in model.model.layers]
         cache = model(ids[:, :6], use_cache=True).past_key_values
         for t in range(6, 9):
             del received[:]

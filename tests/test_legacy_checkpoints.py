@@ -67,6 +67,10 @@ def test_patched_0_1_0_checkpoint_loads_with_the_same_outputs(name, tmp_path):
     assert all(p.dim() >= 1 for p in model.parameters())
     model.save_pretrained(tmp_path)
     assert set(coefficient_shapes(tmp_path).values()) == {(1,)}
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        saved = set(f.keys())
+    # saved again in the current names (the base model's, no `.wrapped.`), not in the names it was read from
+    assert saved <= set(model.state_dict()) and not any("wrapped" in key for key in saved), sorted(saved)
     assert_same_outputs_as_0_1_0(cta.load_patched(tmp_path), name)
 
 

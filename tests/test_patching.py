@@ -3,6 +3,8 @@
 import copy
 import json
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +13,6 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from cta.patching_cta import (
     PATCH_PLACEMENTS,
-    CTAPatchWrapper,
     load_patched,
     mark_pde_trainable,
     patch_model,
@@ -149,7 +150,7 @@ def test_patch_arguments_and_unsupported_architecture():
     with pytest.raises(ValueError, match="pde_type"):
         patch_model(model, pde_type="heat_equation")
     patch_model(model, layers=[1], placement="mlp_output")
-    assert [name for name, _ in pde_modules(model)] == ["model.layers.1.wrapped.mlp.cta_mlp_output_pde"]
+    assert [name for name, _ in pde_modules(model)] == ["model.layers.1.mlp.cta_mlp_output_pde"]
     with pytest.raises(ValueError, match="already patched"):
         patch_model(model)
 
@@ -172,7 +173,7 @@ def patched_decoder(arch, placement, steps=3):
 @pytest.mark.parametrize("arch", DECODERS + ENCODERS)
 def test_output_hidden_states_are_what_each_layer_receives(arch, base_model):
     """``output_hidden_states``: entry k is the input of layer k, refined (transformers records them with hooks on
-    the wrapped layers, which fire before the refinement; and a base model patched in place has a new class)."""
+    the layers, which fire after the refining hooks; and a base model patched in place has a new class)."""
     model = tiny_model(arch)
     if base_model:
         model = model.base_model
@@ -181,8 +182,8 @@ def test_output_hidden_states_are_what_each_layer_receives(arch, base_model):
         plain = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
     patch_model(model, pde_steps=2, placement=["embedding", "block_output"], init="paper")
     received = []
-    for wrapper in [m for m in model.modules() if isinstance(m, CTAPatchWrapper) and m.role == "block"]:
-        wrapper.wrapped.register_forward_pre_hook(
+    for layer in [m for m in model.modules() if hasattr(m, "cta_block_output_pde")]:
+        layer.register_forward_pre_hook(
             lambda module, args, kwargs: received.append(args[0] if args else kwargs["hidden_states"]),
             with_kwargs=True)
     with torch.no_grad():
@@ -249,45 +250,158 @@ def test_gradient_checkpointing_gives_the_same_gradients(arch, reentrant):
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_recomputation_never_takes_another_forwards_walls(reentrant):
+    """Gradient checkpointing recomputes a layer after the forwards returned. Two training forwards with different
+    padding masks, then one backward through both: the recomputed layer cannot tell which forward's walls apply, and
+    raises. A forward whose outputs were released without a backward (a loop that skips a step) is no rival, nor is
+    one with the same mask."""
+    model = patch_model(tiny_model("llama"), pde_steps=2, placement=["mlp_output"], init="paper")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    ids, mask = batch(pad=4)
+    other = mask.clone()
+    other[0, :2] = 0
+
+    def loss(attention_mask):
+        return model(input_ids=ids, attention_mask=attention_mask, labels=ids).loss
+
+    first, second = loss(mask), loss(other)
+    with pytest.raises(ValueError, match="different attention masks"):
+        (first + second).backward()
+    del first, second
+    skipped = loss(mask)
+    del skipped
+    loss(other).backward()
+    (loss(mask) + loss(mask.clone())).backward()
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
-def test_hooks_on_wrappers_and_wrapped_layers_run(arch):
-    """The wrappers are called as ordinary modules: a global forward hook sees every wrapper; the refinement is a
-    wrapped layer's first forward hook, so a hook added to the layer sees the refined output (as its wrapper's hook
-    and the next layer do) and one prepended before it the layer's own; hooks change no output."""
+def test_pde_modules_run_as_modules_and_refine_in_the_first_hook(arch):
+    """The PDE modules are called as ordinary modules (a global forward hook sees each once); the refinement is the
+    refined module's first forward hook, so a hook added to a layer sees the refined output (as the next layer does)
+    and one prepended before it the layer's own; hooks change no output."""
     model = patch_model(tiny_model(arch), pde_steps=3, placement=list(PATCH_PLACEMENTS), init="paper")
     randomize_pde(model)
     ids, mask = batch(pad=4)
     if arch in ENCODERS:
         mask = mask.flip(-1)
-    wrappers = [m for m in model.modules() if isinstance(m, CTAPatchWrapper)]
+    pdes = [m for _, m in pde_modules(model)]
     plain = logits(model, ids, mask)
 
     seen = []
     handle = torch.nn.modules.module.register_module_forward_hook(
-        lambda module, args, output: seen.append(module) if isinstance(module, CTAPatchWrapper) else None)
+        lambda module, args, output: seen.append(module) if any(module is p for p in pdes) else None)
     try:
         hooked = logits(model, ids, mask)
     finally:
         handle.remove()
-    assert len(seen) == len(wrappers)
+    assert len(seen) == len(pdes) and all(any(m is p for m in seen) for p in pdes)
     torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
 
-    block = next(w for w in wrappers if w.role == "block")
+    layer = next(m for m in model.modules() if hasattr(m, "cta_block_output_pde"))
     outputs = {}
-    handles = [block.wrapped.register_forward_hook(lambda module, args, output: outputs.setdefault("layer", output),
-                                                   prepend=True),
-               block.wrapped.register_forward_hook(lambda module, args, output: outputs.setdefault("after", output)),
-               block.register_forward_hook(lambda module, args, output: outputs.setdefault("wrapper", output))]
+    handles = [layer.register_forward_hook(lambda module, args, output: outputs.setdefault("layer", output),
+                                           prepend=True),
+               layer.register_forward_hook(lambda module, args, output: outputs.setdefault("after", output))]
     try:
         hooked = logits(model, ids, mask)
     finally:
         for handle in handles:
             handle.remove()
     torch.testing.assert_close(hooked, plain, atol=0, rtol=0)
-    unrefined, after, refined = (out if torch.is_tensor(out) else out[0]
-                                 for out in (outputs["layer"], outputs["after"], outputs["wrapper"]))
+    unrefined, refined = (out if torch.is_tensor(out) else out[0] for out in (outputs["layer"], outputs["after"]))
     assert (refined - unrefined).abs().max() > 1e-4  # the prepended hook saw the layer's own output
-    assert torch.equal(after, refined)  # a hook added after the patch sees the refined one
+
+
+@pytest.mark.parametrize("arch", DECODERS + ENCODERS)
+def test_patched_model_keeps_the_base_model_names(arch):
+    """No module between a parent and its child: the parameter names are the base model's plus the PDE
+    coefficients ``...cta_<placement>_pde.alpha/beta`` (submodules of the modules they refine), the base weights'
+    ``state_dict`` keys are unchanged, and ``unpatch_model`` removes exactly the PDE modules and their hooks."""
+    plain = tiny_model(arch)
+    names = [n for n, _ in plain.named_parameters()]
+    keys = list(plain.state_dict())
+    model = patch_model(tiny_model(arch), pde_type="reaction_diffusion", pde_steps=2,
+                        placement=list(PATCH_PLACEMENTS), init="paper")
+    patched_names = [n for n, _ in model.named_parameters()]
+    added = [n for n in patched_names if n not in names]
+    assert [n for n in patched_names if n in names] == names
+    assert added and all(re.fullmatch(r".+\.cta_(embedding|value|attention_output|mlp_output|block_output)_pde\."
+                                      r"(alpha|beta)", n) for n in added), added
+    assert [k for k in model.state_dict() if k in keys] == keys and all("_pde." in k for k in model.state_dict()
+                                                                         if k not in keys)
+    if arch == "llama":
+        assert "model.layers.1.self_attn.q_proj.weight" in patched_names
+        assert {"model.layers.1.self_attn.cta_value_pde.alpha", "model.layers.1.mlp.cta_mlp_output_pde.alpha",
+                "model.layers.0.cta_embedding_pde.alpha", "model.layers.1.cta_block_output_pde.alpha"} <= set(added)
+    added_types = {type(m).__name__ for m in list(model.modules())[1:]} - {type(m).__name__ for m in plain.modules()}
+    assert added_types == {"PDERefinement"}  # (the model itself has its patched class)
+    unpatch_model(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    ids, mask = batch()
+    torch.testing.assert_close(logits(model, ids, mask), logits(plain, ids, mask), atol=0, rtol=0)
+
+
+class _ProjectionWithDelta(torch.nn.Module):
+    """Stands for a PEFT LoRA layer put in place of a projection: ``base(x) + delta(x)``."""
+
+    def __init__(self, base, delta):
+        super().__init__()
+        self.base_layer, self.delta = base, delta
+
+    def forward(self, x):
+        return self.base_layer(x) + self.delta(x)
+
+
+def test_value_site_refines_the_module_that_is_the_projection_at_call_time():
+    """A module put in place of ``v_proj`` after patching (as PEFT's LoRA does) is refined with its delta: the same
+    logits as a ``v_proj`` whose weight holds the delta; and putting the original back refines it again."""
+    model = patch_model(tiny_model("llama"), pde_type="wave", pde_steps=3, placement="value", init="paper")
+    randomize_pde(model)
+    merged = copy.deepcopy(model)
+    ids, mask = batch()
+    before = logits(model, ids, mask)
+    torch.manual_seed(3)
+    originals = []
+    for layer, merged_layer in zip(model.model.layers, merged.model.layers):
+        v_proj = layer.self_attn.v_proj
+        delta = torch.nn.Linear(v_proj.in_features, v_proj.out_features, bias=False)
+        originals.append(v_proj)
+        layer.self_attn.v_proj = _ProjectionWithDelta(v_proj, delta)
+        with torch.no_grad():
+            merged_layer.self_attn.v_proj.weight += delta.weight
+    torch.testing.assert_close(logits(model, ids, mask), logits(merged, ids, mask), atol=1e-5, rtol=0)
+    for layer, v_proj in zip(model.model.layers, originals):
+        layer.self_attn.v_proj = v_proj
+    torch.testing.assert_close(logits(model, ids, mask), before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_deepcopy_refines_with_its_own_pde_modules_and_context(arch):
+    """A deep copy's hooks are bound to the copy's sites: it refines with its own coefficients and padding context,
+    never calls the original's PDE modules, and unpatching one leaves the other patched."""
+    model = patch_model(tiny_model(arch), pde_steps=2, placement=list(PATCH_PLACEMENTS), init="paper")
+    randomize_pde(model)
+    ids, mask = batch(pad=4)
+    if arch in ENCODERS:
+        mask = mask.flip(-1)
+    expected = logits(model, ids, mask)
+    twin = copy.deepcopy(model)
+    called = []
+    handles = [m.register_forward_hook(lambda *a: called.append(1)) for _, m in pde_modules(model)]
+    try:
+        torch.testing.assert_close(logits(twin, ids, mask), expected, atol=0, rtol=0)
+        assert not called  # the copy ran its own PDE modules only
+        randomize_pde(twin, seed=5)
+        assert (logits(twin, ids, mask) - expected).abs().max() > 1e-4
+        torch.testing.assert_close(logits(model, ids, mask), expected, atol=0, rtol=0)
+        assert len(called) == len(pde_modules(model))
+    finally:
+        for handle in handles:
+            handle.remove()
+    unpatch_model(twin)
+    torch.testing.assert_close(logits(model, ids, mask), expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("placement", list(PATCH_PLACEMENTS) + ["all"])
@@ -351,7 +465,7 @@ def test_missing_or_unexpected_pde_weights_are_errors(tmp_path):
               metadata={"format": "pt"})
     with pytest.raises(ValueError, match="missing weights"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
-    weights["model.layers.0.wrapped.mlp.cta_mlp_output_pde.alpha"] = torch.tensor(0.1)
+    weights["model.layers.0.mlp.cta_mlp_output_pde.alpha"] = torch.tensor([0.1])
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected weights"):
         AutoModelForCausalLM.from_pretrained(tmp_path)

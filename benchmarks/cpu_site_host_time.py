@@ -1,0 +1,78 @@
+"""CPU host time per PDE site of a patched decoder's one-token step: a tiny Llama (8 layers x 64), one thread.
+
+    python benchmarks/cpu_site_host_time.py --placement block_output [--identity-step]
+
+Each round times the median decode step of the unpatched model, then of the patched copy (same weights; 100 tokens
+each, the all-ones mask generate() passes); prints the median and lower quartile over rounds of (patched - unpatched)
+/ sites. ``--identity-step`` replaces the one-token PDE step by the identity (prefill stays real: it stores the state
+the continuation check asks for), so what remains is the structure's cost: hooks, lookups, module calls. A shared
+CPU makes single rounds noisy: compare trees within one session, alternating (``PYTHONPATH=<tree>``).
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import cta  # noqa: E402
+from cta.pde_cache import CACHE_ARGUMENT  # noqa: E402
+from cta.pde_cta import PDERefinement  # noqa: E402
+from cta.patching_cta import patch_model, pde_modules  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--placement", default="block_output", help="a placement or a JSON list of them")
+    parser.add_argument("--pde-type", default="diffusion")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--identity-step", action="store_true")
+    args = parser.parse_args()
+    placement = json.loads(args.placement) if args.placement.startswith("[") else args.placement
+    if args.identity_step:
+        real = PDERefinement.forward
+        PDERefinement.forward = lambda self, h, attention_mask=None, cache=None: (
+            h if h.shape[1] == 1 else real(self, h, attention_mask, cache))
+    torch.set_num_threads(1)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                                      num_attention_heads=4, num_key_value_heads=4)
+    torch.manual_seed(0)
+    plain = transformers.LlamaForCausalLM(config).eval()
+    patched = patch_model(copy.deepcopy(plain), pde_type=args.pde_type, pde_steps=4, placement=placement,
+                          init="paper", backend="torch")
+    sites = len(pde_modules(patched))
+    ids = torch.randint(0, 128, (1, 16))
+    mask = torch.ones(1, 16 + args.tokens + 1, dtype=torch.long)
+
+    def step_time(model):
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            cache, token = getattr(out, CACHE_ARGUMENT), out.logits[:, -1:].argmax(-1)
+            times = []
+            for t in range(args.tokens):
+                start = time.perf_counter()
+                out = model(token, attention_mask=mask[:, :17 + t], use_cache=True, **{CACHE_ARGUMENT: cache})
+                times.append(time.perf_counter() - start)
+                token = out.logits[:, -1:].argmax(-1)
+        return statistics.median(times)
+
+    diffs, unpatched = [], []
+    for _ in range(args.rounds):
+        a, b = step_time(plain), step_time(patched)
+        diffs.append(b - a)
+        unpatched.append(a)
+    diffs.sort()
+    print(f"{cta.__file__}: placement={placement} {args.pde_type} sites={sites} identity_step={args.identity_step}: "
+          f"unpatched step median {statistics.median(unpatched) * 1e6:.0f} us; host time per site: median "
+          f"{statistics.median(diffs) / sites * 1e6:.1f} us, lower quartile {diffs[len(diffs) // 4] / sites * 1e6:.1f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+# coding=utf-8
+"""What runs at every forward of a patched model: the forward hooks that apply its PDE sites, and the per-forward
+context (:class:`PatchContext`: the 2D padding mask and the cache) that the hooks of one model share.
+
+``patching_cta.patch_model`` finds the modules, adds each PDE module as a submodule ``cta_<placement>_pde`` of the
+module it refines and registers these hooks on the modules themselves: the base model's tree and weight names stay
+as they were. Every hook is a bound method of a plain site object kept in the context, so ``copy.deepcopy`` of a
+patched model gives hooks bound to the copy's sites (``copy`` deep-copies a bound method's ``__self__``), and the
+hooks find their PDE module through the module they are called on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from .pde_cache import check_pde_states, find_cache, missing_cache_error
+
+
+class CheckpointWalls:
+    """The padding mask of a forward run with autograd in training mode, kept after that forward returns.
+
+    transformers' gradient checkpointing recomputes a layer in the backward pass, after the model's forward released
+    its context; the PDE sites inside the recomputed layer take their walls from here. A recomputation cannot tell
+    which forward it belongs to: it reads the latest one's walls, and raises where an earlier forward whose graph is
+    still alive, not yet recomputed, had other walls (two forwards, then one backward through both).
+    """
+
+    def __init__(self, mask, previous: Optional["CheckpointWalls"]):
+        self.mask = mask
+        self.padded = None
+        self.recomputed = False
+        self.in_graph = False  # held by the metadata of the forward's output node (set when the forward returns)
+        self.rivals = []
+        if previous is not None:
+            self.rivals = [ref for ref in previous.rivals if ref() is not None]
+            if previous.in_graph and not previous.recomputed:
+                self.rivals.append(weakref.ref(previous))
+
+    def token_mask(self, length: int):
+        if not self.recomputed:
+            for ref in self.rivals:
+                rival = ref()
+                if rival is not None and not rival.recomputed and not _same_mask(rival.mask, self.mask):
+                    raise ValueError(
+                        "CTA patch: a layer is recomputed for gradient checkpointing while two forwards with "
+                        "different attention masks await their backward pass; its PDE sites cannot tell which "
+                        "forward's padding walls apply. Call backward after each forward (or release the outputs "
+                        "of a forward you will not backpropagate before the next one)."
+                    )
+            self.recomputed = True
+        mask = self.mask
+        if mask is None:
+            return None
+        if self.padded is None:
+            self.padded = not bool(mask.all())
+        return mask[:, -length:] if self.padded else None
+
+
+def _same_mask(a, b) -> bool:
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+class PatchContext:
+    """Per-forward state shared by the hooks of one patched model: the 2D padding mask and the cache in use.
+
+    The base model's forward pre-hook (:meth:`enter`) captures it, its forward hook (:meth:`exit`, also called when
+    the forward raises) releases it. ``site_hooks`` holds every site object of the model, each with its hook handles.
+    """
+
+    def __init__(self, mask_position: Optional[int], cache_position: Optional[int], sites, model_name: str):
+        self.mask_position = mask_position
+        self.cache_position = cache_position
+        self.sites = sites  # (site, cache layer, conv state) of every causal PDE site
+        self.model_name = model_name
+        self.active = False  # inside the base model's forward
+        self.mask = None
+        self.cache = None
+        self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
+        self._step_mask = None  # the [batch, 1] mask column of a one-token step, taken once per forward
+        self.checkpoint_walls = None  # CheckpointWalls of the latest forward run for training
+        self.handles = []  # of the base model's hooks
+        self.site_hooks = []  # LayerSite / OutputSite / ValueSite objects, each with its `handles`
+
+    def enter(self, module, args, kwargs):
+        """The base model's forward pre-hook."""
+        mask = kwargs.get("attention_mask")
+        if mask is None and self.mask_position is not None and len(args) > self.mask_position:
+            mask = args[self.mask_position]
+        # A 4D custom mask: no walls can be derived from it.
+        self.mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
+        self._padded = self._step_mask = None
+        cache = find_cache(kwargs)
+        if cache is None and self.cache_position is not None and len(args) > self.cache_position:
+            cache = args[self.cache_position]
+        self.cache = cache
+        if cache is not None and self.sites:
+            # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
+            check_pde_states(cache, self.sites, self.model_name)
+        if module.training and torch.is_grad_enabled():
+            self.checkpoint_walls = CheckpointWalls(self.mask, self.checkpoint_walls)
+        self.active = True
+
+    def exit(self, module, args, kwargs, output):
+        """The base model's forward hook (``always_call``: it also runs when the forward raises)."""
+        walls = self.checkpoint_walls
+        if self.active and walls is not None and output is not None:
+            hidden = output[0] if isinstance(output, (tuple, list)) or hasattr(output, "to_tuple") else output
+            grad_fn = getattr(hidden, "grad_fn", None)
+            if grad_fn is not None:
+                # The walls live as long as this forward's graph: what tells a later forward's recomputation that
+                # this one may still be backpropagated (see CheckpointWalls).
+                grad_fn.metadata["cta_checkpoint_walls"] = walls
+                walls.in_graph = True
+        self.active = False
+        self.mask = self.cache = self._padded = self._step_mask = None
+
+    def token_mask(self, length: int, layer):
+        """The walls of the current ``length`` tokens: ``[batch, length]``, or None where nothing is padded."""
+        if not self.active:
+            return self._recomputation_mask(length, layer)
+        mask = self.mask
+        if mask is None:
+            return None
+        if mask.shape[1] < length:
+            raise ValueError(
+                f"`attention_mask` has {mask.shape[1]} columns but the current input has {length} tokens; it must "
+                "cover the cached and the current tokens ([batch, past + seq])."
+            )
+        if length == 1 and not torch.compiler.is_compiling():
+            # One decoded token: its own column is the decode kernel's token mask, made once for all sites. Asking
+            # whether the whole mask is ones (to drop it) would cost a device synchronisation per token.
+            if self._step_mask is None:
+                self._step_mask = mask[:, -1:]  # (a view: the kernel reads the mask's own dtype)
+            return self._step_mask
+        if self._padded is None:
+            # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
+            self._padded = torch.compiler.is_compiling() or not bool(mask.all())
+        return mask[:, -length:] if self._padded else None
+
+    def _recomputation_mask(self, length, layer):
+        """Outside the model's forward: gradient checkpointing's recomputation of ``layer`` (the walls of the forward
+        it recomputes), or a module called by itself (no walls)."""
+        walls = self.checkpoint_walls
+        if (walls is None or not torch.is_grad_enabled() or not layer.training
+                or not getattr(layer, "gradient_checkpointing", False)):
+            return None
+        return walls.token_mask(length)
+
+    def remove_hooks(self):
+        for handle in self.handles:
+            handle.remove()
+        for site in self.site_hooks:
+            site.remove()
+        self.handles, self.site_hooks = [], []
+
+
+def _first_tensor(output):
+    if torch.is_tensor(output):
+        return output
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    raise TypeError(f"CTA patch: cannot find the hidden states in an output of type {type(output).__name__}.")
+
+
+def _replace_first(output, value):
+    if torch.is_tensor(output):
+        return value
+    return type(output)((value, *output[1:])) if isinstance(output, tuple) else [value, *output[1:]]
+
+
+class _Site:
+    """Base of the site objects: the shared context, the layer the site belongs to, the handles of its hooks."""
+
+    def __init__(self, context: PatchContext, layer):
+        self.context = context
+        self.layer = layer  # its `gradient_checkpointing` / `training` tell a recomputation apart
+        self.handles = []
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class LayerSite(_Site):
+    """A decoder/encoder layer's hooks: ``cta_embedding_pde`` refines the first layer's input (a forward pre-hook),
+    ``cta_block_output_pde`` its output (its first forward hook). The pre-hook, where the layer has one, also
+    publishes the layer's cache to the sites nested in it and points the value sites at the current projection."""
+
+    def __init__(self, context, layer, name: str, causal: bool, cache_position, embedding: bool, block_output: bool,
+                 nested: bool, value_sites=()):
+        super().__init__(context, layer)
+        self.name = name
+        self.causal = causal
+        self.cache_position = cache_position
+        self.embedding = embedding
+        self.value_sites = tuple(value_sites)
+        self.has_pre_hook = embedding or nested
+        if self.has_pre_hook:
+            self.handles.append(layer.register_forward_pre_hook(self.before, prepend=True, with_kwargs=True))
+        if block_output:
+            # First forward hook: every later hook (transformers' `output_hidden_states` recording among them) sees
+            # the refined output that the next layer receives.
+            self.handles.append(layer.register_forward_hook(self.after, prepend=True, with_kwargs=True))
+
+    def _layer_cache(self, module, args, kwargs):
+        """The cache this layer received; published for its nested sites. A layer that receives none although the
+        model was called with one raises (its sites would refine statelessly)."""
+        cache = find_cache(kwargs)
+        if cache is None and self.cache_position is not None and len(args) > self.cache_position:
+            cache = args[self.cache_position]
+        context = self.context
+        if context.active:
+            if cache is None and context.cache is not None and self.causal and not (
+                    module.training and getattr(module, "gradient_checkpointing", False)):
+                # (a checkpointed layer is handed no cache by transformers on purpose)
+                raise missing_cache_error(self.name)
+            context.cache = cache
+        return cache
+
+    def before(self, module, args, kwargs):
+        # Once per layer and token when decoding, where host time is the cost: plain attribute reads only.
+        cache = self._layer_cache(module, args, kwargs)
+        for value_site in self.value_sites:
+            value_site.follow_projection()
+        if not self.embedding:
+            return None
+        context = self.context
+        if args:
+            hidden = args[0]
+            refined = module.cta_embedding_pde(hidden, context.token_mask(hidden.shape[1], module), cache)
+            return (refined, *args[1:]), kwargs
+        hidden = kwargs["hidden_states"]
+        kwargs["hidden_states"] = module.cta_embedding_pde(hidden, context.token_mask(hidden.shape[1], module), cache)
+        return args, kwargs
+
+    def after(self, module, args, kwargs, output):
+        context = self.context
+        if self.has_pre_hook:
+            cache = context.cache if context.active else None
+        else:
+            cache = self._layer_cache(module, args, kwargs)
+        plain = type(output) is torch.Tensor
+        hidden = output if plain else _first_tensor(output)
+        refined = module.cta_block_output_pde(hidden, context.token_mask(hidden.shape[1], module), cache)
+        return refined if plain else _replace_first(output, refined)
+
+
+class OutputSite(_Site):
+    """Refines a module's output (its first forward hook) with its submodule ``pde_name``: the attention module
+    (``attention_output``), the MLP (``mlp_output``), or BERT's dropouts before Add & Norm."""
+
+    def __init__(self, context, layer, module, pde_name: str):
+        super().__init__(context, layer)
+        self.pde_name = pde_name
+        self.handles.append(module.register_forward_hook(self.after, prepend=True))
+
+    def after(self, module, args, output):
+        context = self.context
+        cache = context.cache if context.active else None
+        plain = type(output) is torch.Tensor
+        hidden = output if plain else _first_tensor(output)
+        # Looked up per call: PEFT's `modules_to_save` replaces the PDE module by its own wrapper.
+        pde = getattr(module, self.pde_name)
+        refined = pde(hidden, context.token_mask(hidden.shape[1], self.layer), cache)
+        return refined if plain else _replace_first(output, refined)
+
+
+class ValueSite(_Site):
+    """Refines the value projection ``owner.<value_attr>`` (``value_slice``: the value part of a fused qkv
+    projection) with ``owner.cta_value_pde``, through a forward hook on whatever module is the projection when the
+    layer is called: a PEFT LoRA layer put in its place is refined with its LoRA delta."""
+
+    def __init__(self, context, layer, owner, value_attr: str, value_slice):
+        super().__init__(context, layer)
+        self.owner = owner
+        self.value_attr = value_attr
+        self.value_slice = value_slice
+        self.projection = None
+        self.follow_projection()
+
+    def follow_projection(self):
+        projection = getattr(self.owner, self.value_attr)
+        if projection is not self.projection:
+            self.remove()
+            self.handles.append(projection.register_forward_hook(self.after))
+            self.projection = projection
+
+    def after(self, module, args, output):
+        context = self.context
+        cache = context.cache if context.active else None
+        pde = self.owner.cta_value_pde
+        mask = context.token_mask(output.shape[1], self.layer)
+        if self.value_slice is None:
+            return pde(output, mask, cache)
+        low, high = self.value_slice
+        refined = pde(output[..., low:high], mask, cache)
+        return torch.cat([output[..., :low], refined, output[..., high:]], dim=-1)
