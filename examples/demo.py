@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -87,8 +88,8 @@ class DemoArguments:
                        metadata={"help": "Comma list of arms: lora, lora_pde, pde (see the module docstring)."})
     seeds: str = field(default="0,1,2", metadata={"help": "Comma list of seeds; every arm runs once per seed."})
     block_size: int = field(default=128, metadata={"help": "Tokens per training / validation block."})
-    max_train_blocks: int = field(default=None, metadata={"help": "Use at most this many training blocks."})
-    max_eval_blocks: int = field(default=None, metadata={"help": "Use at most this many validation blocks."})
+    max_train_blocks: Optional[int] = field(default=None, metadata={"help": "Use at most this many training blocks."})
+    max_eval_blocks: Optional[int] = field(default=None, metadata={"help": "Use at most this many validation blocks."})
     pde_type: str = field(default="reaction_diffusion",
                           metadata={"help": "diffusion, wave, reaction_diffusion (default: the type that gained most "
                                             "in the README's LM table and in a short trial here), advection_diffusion."})
@@ -249,18 +250,25 @@ def conclusion(result):
     parts = [f"A real pretrained LLM ({result['model']}) was patched with CTA {result['args']['pde_type']} PDE "
              f"refinement ({result['identity']['pde_sites']} sites, identity init): its logits equal the unpatched "
              f"model's to {result['identity']['max_abs_logit_diff']:.1g} and its greedy tokens are the same."]
+    meaning = {  # what each verdict lets the summary say, and no more
+        "lower": "lower in every seed, by more than twice the seed std",
+        "higher": "higher (worse) in every seed, by more than twice the seed std",
+        "within noise": "within seed-to-seed noise",
+        "one seed": "one seed only, so no claim either way",
+    }
     if "pde" in s:
+        v = c["pde vs before"]["verdict"]
         parts.append(f"Training only the {s['pde']['trainable_parameters']} PDE coefficients (every pretrained "
                      f"weight frozen) moved validation perplexity from {result['ppl_before']:.4f} to "
-                     f"{s['pde']['ppl_after_mean']:.4f} ± {s['pde']['ppl_after_std']:.4f} "
-                     f"({c['pde vs before']['verdict']}): the refinement itself learns something the model can use.")
+                     f"{s['pde']['ppl_after_mean']:.4f} ± {s['pde']['ppl_after_std']:.4f} ({meaning[v]})"
+                     + (": a small but consistent gain, so the refinement learns something the pretrained model can "
+                        "use." if v == "lower" else "."))
     if "lora_pde vs lora" in c:
         v = c["lora_pde vs lora"]["verdict"]
-        parts.append(f"With LoRA, PDE + LoRA reached {s['lora_pde']['ppl_after_mean']:.4f} ± "
+        parts.append(f"PDE + LoRA reached {s['lora_pde']['ppl_after_mean']:.4f} ± "
                      f"{s['lora_pde']['ppl_after_std']:.4f} against {s['lora']['ppl_after_mean']:.4f} ± "
-                     f"{s['lora']['ppl_after_std']:.4f} for LoRA alone: "
-                     + ("within seed-to-seed noise, so this short run shows no benefit of CTA over LoRA alone."
-                        if v == "within noise" else f"{v} in every seed by more than twice the seed std."))
+                     f"{s['lora']['ppl_after_std']:.4f} for LoRA alone ({meaning[v]})"
+                     + ("; this short run shows no benefit of adding CTA to LoRA." if v != "lower" else "."))
     parts.append(f"The merged PDE + LoRA model was saved and reloaded through trust_remote_code in a process where "
                  f"`cta` cannot be imported; its logits match to {result['reload']['max_abs_logit_diff']:.1g}, and it "
                  f"wrote the sample above. Small model ({result['model']}, TinyStories-only), "
