@@ -249,7 +249,8 @@ def conclusion(result):
     s, c = result["summary"], {x["pair"]: x for x in result["comparisons"]}
     parts = [f"A real pretrained LLM ({result['model']}) was patched with CTA {result['args']['pde_type']} PDE "
              f"refinement ({result['identity']['pde_sites']} sites, identity init): its logits equal the unpatched "
-             f"model's to {result['identity']['max_abs_logit_diff']:.1g} and its greedy tokens are the same."]
+             f"model's (max |difference| {result['identity']['max_abs_logit_diff']:.1g}) and its greedy tokens are "
+             f"the same."]
     meaning = {  # what each verdict lets the summary say, and no more
         "lower": "lower in every seed, by more than twice the seed std",
         "higher": "higher (worse) in every seed, by more than twice the seed std",
@@ -270,7 +271,8 @@ def conclusion(result):
                      f"{s['lora']['ppl_after_std']:.4f} for LoRA alone ({meaning[v]})"
                      + ("; this short run shows no benefit of adding CTA to LoRA." if v != "lower" else "."))
     parts.append(f"The merged PDE + LoRA model was saved and reloaded through trust_remote_code in a process where "
-                 f"`cta` cannot be imported; its logits match to {result['reload']['max_abs_logit_diff']:.1g}, and it "
+                 f"`cta` cannot be imported: max |logit difference| to before saving "
+                 f"{result['reload']['max_abs_logit_diff']:.1g}; it "
                  f"wrote the sample above. Small model ({result['model']}, TinyStories-only), "
                  f"{result['training']['max_steps']} steps, {len(result['seeds'])} seeds on CPU: a demonstration of "
                  f"the mechanics and of honest measurement, not a benchmark.")
@@ -355,7 +357,7 @@ def main(argv=None):
 
     result = {
         "script": "examples/demo.py", "model": os.path.basename(os.path.normpath(args.model_name_or_path)),
-        "data": data_desc.split(" (")[0], "train_blocks": len(train), "validation_blocks": len(valid),
+        "data": data_desc, "train_blocks": len(train), "validation_blocks": len(valid),
         "seeds": seeds, "args": {k: v for k, v in vars(args).items()},
         "training": {"max_steps": training_args.max_steps, "learning_rate": training_args.learning_rate,
                      "batch_size": training_args.per_device_train_batch_size,
