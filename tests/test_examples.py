@@ -10,6 +10,7 @@ ListOps needs no data.
 import csv
 import gzip
 import json
+import math
 import os
 import statistics
 import sys
@@ -502,3 +503,84 @@ def test_reproduce_resume_from_refuses_other_settings(tmp_path):
         reproduce.main(["--table", "listops", "--quick", "--seeds", "1", "--jobs", "0", "--time_budget", "0",
                         "--output_dir", str(tmp_path / "new"), "--work_dir", str(tmp_path / "runs"),
                         "--resume_from", str(tmp_path / "earlier")])
+
+
+# ------------------------------------------------------------------------------------------------ make demo
+DEMO_MODEL = os.path.join(EXAMPLES, "demo_data", "stories260K")
+
+
+def test_demo_ships_what_it_needs():
+    """`make demo` works on a bare clone: the model, the text and their provenance are in the repository."""
+    for path in ("stories260K/config.json", "stories260K/model.safetensors", "stories260K/tokenizer.json",
+                 "stories260K/PROVENANCE.md", "tinystories/train.txt.gz", "tinystories/validation.txt.gz",
+                 "tinystories/PROVENANCE.md"):
+        assert os.path.isfile(os.path.join(EXAMPLES, "demo_data", path)), path
+    size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(os.path.join(EXAMPLES, "demo_data"))
+               for f in files)
+    assert size < 2_000_000, size
+    for name in ("stories260K", "tinystories"):
+        text = open(os.path.join(EXAMPLES, "demo_data", name, "PROVENANCE.md")).read()
+        assert ("MIT" if name == "stories260K" else "CDLA-Sharing-1.0") in text
+
+
+def test_demo_verdict_does_not_overclaim():
+    import demo
+
+    assert demo.verdict([4.40, 4.39, 4.41], [4.40, 4.41, 4.39], "a", "b")[1] == "within noise"
+    assert demo.verdict([4.30, 4.31, 4.29], [4.40, 4.41, 4.39], "a", "b")[1] == "lower"
+    assert demo.verdict([4.30, 4.42, 4.29], [4.40, 4.41, 4.39], "a", "b")[1] == "within noise"  # one seed disagrees
+    assert demo.verdict([4.3], [4.4], "a", "b")[1] == "one seed"
+
+
+def test_demo_end_to_end_tiny(tmp_path):
+    """The demo on a minimal setting: identity init, training arms, merge + save, reload without `cta`, files."""
+    pytest.importorskip("peft")
+    import demo
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "demo"
+    result = demo.main(["--output_dir", str(out), "--seeds", "0", "--max_steps", "2", "--max_train_blocks", "16",
+                        "--max_eval_blocks", "4", "--per_device_train_batch_size", "4", "--sample_tokens", "6",
+                        "--disable_tqdm", "true"])
+
+    # identity init, checked here independently of the demo's own check
+    ids = torch.tensor([[1, 403, 407, 261, 378, 2, 1, 66, 80]])
+    base = AutoModelForCausalLM.from_pretrained(DEMO_MODEL).eval()
+    patched = AutoModelForCausalLM.from_pretrained(DEMO_MODEL).eval()
+    cta.patch_model(patched, pde_type=result["args"]["pde_type"], pde_steps=result["args"]["pde_steps"],
+                    placement=result["args"]["pde_placement"], init="identity", per_channel=True)
+    with torch.no_grad():
+        assert torch.equal(base(input_ids=ids).logits, patched(input_ids=ids).logits)
+    assert result["identity"]["same_greedy_tokens"] and result["identity"]["max_abs_logit_diff"] <= 1e-6
+
+    # the saved model reloaded in a process without `cta` gives the logits it had before saving
+    assert result["reload"]["cta_importable"] is False
+    assert result["reload"]["class"].startswith("transformers_modules.")
+    assert result["reload"]["max_abs_logit_diff"] <= 1e-5
+    assert result["reload"]["sample"].startswith(result["args"]["prompt"])
+    saved = AutoModelForCausalLM.from_pretrained(out / "model", trust_remote_code=True)
+    assert len([m for m in saved.modules() if type(m).__name__ == "PDERefinement"]) == result["identity"]["pde_sites"]
+
+    # result files with the expected fields
+    for suffix in (".json", ".md", ".png"):
+        assert (out / f"demo{suffix}").stat().st_size > 0
+    on_disk = json.loads((out / "demo.json").read_text())
+    assert set(on_disk["summary"]) == {"lora", "lora_pde", "pde"}
+    for row in on_disk["summary"].values():
+        assert set(row) >= {"ppl_after_mean", "ppl_after_std", "seeds", "trainable_parameters"}
+        assert math.isfinite(row["ppl_after_mean"])
+    assert on_disk["summary"]["pde"]["trainable_parameters"] < on_disk["summary"]["lora"]["trainable_parameters"]
+    assert {c["pair"] for c in on_disk["comparisons"]} == {"lora_pde vs lora", "pde vs before"}
+    assert math.isfinite(on_disk["ppl_before"]) and on_disk["conclusion"]
+    assert "within" in (out / "demo.md").read_text() or "one seed" in (out / "demo.md").read_text()
+
+
+def test_demo_help(capsys):
+    import demo
+
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--model_name_or_path", "--seeds", "--modes", "--max_steps", "--pde_type", "--output_dir"):
+        assert flag in text, flag
