@@ -324,8 +324,10 @@ def reload_and_compare(accelerator, state, phase, paths, out):
     mine = reloaded.state_dict()
     # PEFT's state dict names the adapter "default" where the saved file has no adapter name: compare the entries
     # the sharded run held, by name.
+    # Compared at the saved precision: a frozen original PDE module (PEFT's original_module) is built again in fp32 by
+    # patch_model on the reloaded base, where the ZeRO-3 run held it in bf16.
     compared = [n for n in state if n in mine]
-    mismatched = [n for n in compared if not torch.equal(mine[n].cpu(), state[n].cpu().to(mine[n].dtype))]
+    mismatched = [n for n in compared if not torch.equal(mine[n].cpu().to(state[n].dtype), state[n].cpu())]
     reloaded = reloaded.to(accelerator.device, torch.float32).eval()  # fp32: no near-tie flips from rounding
     prompt = fixed_batch(argparse.Namespace(seed=7, global_batch=2, seq_len=16), reloaded.config.vocab_size)
     prompt = prompt.to(accelerator.device)

@@ -6,6 +6,8 @@
 #   bash benchmarks/distributed_gpu.sh single  # the 1.1B model on 1 GPU (the reference), one process per phase
 #   bash benchmarks/distributed_gpu.sh fsdp2   # the 1.1B model under FSDP2 on 2 GPUs, one process per phase
 #   bash benchmarks/distributed_gpu.sh zero3   # the 1.1B model under DeepSpeed ZeRO-3 on 2 GPUs, likewise
+#   bash benchmarks/distributed_gpu.sh tp      # tensor parallel: tp_plan="auto" on 2 GPUs vs one (check_tensor_parallel)
+# PHASES="lora_pde" (single / fsdp2 / zero3): only those phases, merged into the result file already in OUT.
 #   python benchmarks/summarize_distributed.py  # results/distributed.{json,md,png} from the JSON files
 #
 # OUT (default results/gpu_run) receives the JSON files and logs. Wheels the machine lacks (DeepSpeed's sdist,
@@ -103,19 +105,23 @@ check)  # one device call: the engines at tiny size, QLoRA (test and run), the 1
     ;;
 fsdp2|zero3)  # one device call per engine, one process per phase (--merge collects them in one file)
     config=$([ "$MODE" = fsdp2 ] && echo $FSDP || echo $ZERO3)
-    for phase in full full_pde lora lora_pde native; do
+    for phase in ${PHASES:-full full_pde lora lora_pde native}; do
         step "bench_${MODE}_1b_$phase" "${launch[@]}" --config_file "$config" benchmarks/bench_distributed.py \
             "${BIG[@]}" --phases "$phase" --merge
     done
     ;;
 single)  # the one-GPU reference, one process per phase like the sharded runs
-    for phase in full full_pde lora lora_pde native; do
+    for phase in ${PHASES:-full full_pde lora lora_pde native}; do
         step "bench_single_1b_$phase" "${launch[@]}" --num_processes 1 --mixed_precision bf16 \
             benchmarks/bench_distributed.py "${BIG[@]}" --phases "$phase" --merge
     done
     ;;
+tp)  # issue 34: a saved patched Llama loaded with tp_plan="auto" on 2 GPUs decodes the 1-GPU tokens
+    step tensor_parallel "$PY" -m torch.distributed.run --nproc_per_node 2 benchmarks/check_tensor_parallel.py \
+        --out "$OUT/tensor_parallel_2gpu.json"
+    ;;
 *)
-    echo "usage: $0 sanity|check|single|fsdp2|zero3" >&2
+    echo "usage: $0 sanity|check|single|fsdp2|zero3|tp" >&2
     exit 2
     ;;
 esac

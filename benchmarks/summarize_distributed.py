@@ -78,7 +78,7 @@ def summarize(results_dir, reference_name):
                "global_batch": reference["global_batch"], "seq_len": reference["seq_len"],
                "steps": reference["steps"], "patch": reference["patch"],
                "runs": {name: {"engine": run["engine"], "num_processes": run["num_processes"],
-                               "device": run["device"], "per_process_batch": run["per_process_batch"],
+                               "device": run["device"], "versions": run.get("versions", {}), "per_process_batch": run["per_process_batch"],
                                "phases": compare(run, reference)} for name, run in engines.items()},
                "reference_phases": compare(reference, reference)}
     return summary, runs
@@ -137,6 +137,15 @@ def render_md(summary):
                       f"unpatched / LoRA + PDE coefficients (`modules_to_save`); `native` = `cta.CTAForCausalLM` "
                       f"(`CTAConfig.modern_decoder`) of the same shape. Rendered by "
                       f"`python benchmarks/summarize_distributed.py` from `results/distributed_*.json`."]
+    devices = "; ".join(f"{name}: {run.get('device', '?')}, transformers {run.get('versions', {}).get('transformers', '?')}"
+                        for name, run in summary["runs"].items())
+    lines += ["", f"Devices: {devices}.", "",
+              "Reading the step times: where `run_arguments` name one phase, each phase ran in its own process "
+              "(7 timed steps after 3 warm-up); on these shared hosts the same work moved by tens of percent between "
+              "processes (compare the unpatched `full` and `lora` rows of one engine), so the PDE overhead of such runs "
+              "is not a measurement of the PDE. The one-process reference times all phases in one process. "
+              "DeepSpeed's bf16 mode keeps the weights themselves in bf16 (the reference and FSDP2 keep fp32 weights), "
+              "which moves the fast-falling unpatched full fine-tune out of the tolerance band in its middle steps."]
     return "\n".join(lines) + "\n"
 
 

@@ -134,11 +134,13 @@ class PatchContext:
                 "cover the cached and the current tokens ([batch, past + seq])."
             )
         if length == 1 and not torch.compiler.is_compiling():
-            # One decoded token: its own column is the decode kernel's token mask, made once for all sites. Asking
-            # whether the whole mask is ones (to drop it) would cost a device synchronisation per token.
+            # One decoded token: its own column is the decode kernel's token mask, made once for all sites. On an
+            # accelerator, asking whether it is all ones (to drop it) would cost a device synchronisation per token;
+            # on the CPU it is a cheap read, once per token, and a dropped mask saves every site its masking ops.
             if self._step_mask is None:
-                self._step_mask = mask[:, -1:]  # (a view: the kernel reads the mask's own dtype)
-            return self._step_mask
+                column = mask[:, -1:]  # (a view: the kernel reads the mask's own dtype)
+                self._step_mask = False if column.device.type == "cpu" and bool(column.all()) else column
+            return self._step_mask if self._step_mask is not False else None
         if self._padded is None:
             # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
             self._padded = torch.compiler.is_compiling() or not bool(mask.all())

@@ -297,14 +297,12 @@ class PDERefinement(nn.Module):
         decode_map = None
         if state.device.type == "cpu" and self.alpha.numel() == 1 and not torch.compiler.is_compiling():
             # On the CPU, reading a value costs no device synchronisation: scalar coefficients are projected as
-            # Python floats, the linear map is kept while they keep their values (formed again after a training
-            # step), and a step mask of ones is dropped (the same walls as no mask).
+            # Python floats and the linear map is kept while they keep their values (formed again after a training
+            # step). (A step mask of ones was dropped by the patched model's hooks, once per token.)
             alpha = min(max(self.alpha.item(), self.alpha_bounds[0]), self.alpha_bounds[1])
             beta = None if self.beta is None else min(max(self.beta.item(), self.beta_bounds[0]), self.beta_bounds[1])
             if self.pde_type != "reaction_diffusion":
                 decode_map = self._scalar_decode_map(alpha, beta, state.dtype)
-            if attention_mask is not None and bool(attention_mask.all()):
-                attention_mask = None
         else:
             alpha, beta = self.coefficients()
         return pde_decode_update(hidden_states, state, pde_type=self.pde_type, steps=self.steps, alpha=alpha,

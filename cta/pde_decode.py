@@ -66,7 +66,8 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
     scalar coefficients), else formed here. Arguments are not checked here (:func:`pde_cta.pde_decode_step` checks
     them; :class:`PDERefinement` holds valid ones).
     """
-    x = hidden_states.to(state.dtype)  # fp32 (fp64 for float64 models)
+    # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
+    x = hidden_states if hidden_states.dtype == state.dtype else hidden_states.to(state.dtype)  # fp32 (fp64 models)
     if x.dim() == 2:
         x = x.unsqueeze(1)  # [batch, 1, channels]: broadcasts against the levels
     if pde_type == "reaction_diffusion":
@@ -79,14 +80,16 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
             levels = torch.matmul(decode_map, inputs)
         else:  # per channel (and traced: pointwise products and a sum, which Inductor fuses)
             levels = (decode_map * inputs.unsqueeze(1)).sum(2)
-    refined = levels[:, steps:]
+    refined = levels.narrow(1, steps, 1)
     if token_mask is not None:
         valid = token_mask.reshape(-1, 1, 1).to(state.dtype)
-        state.copy_(levels[:, :steps] * valid)
+        state.copy_(levels.narrow(1, 0, steps) * valid)
         refined = torch.where(valid > 0, refined, x)
     else:
-        state.copy_(levels[:, :steps])
-    return refined.reshape(hidden_states.shape).to(hidden_states.dtype)
+        state.copy_(levels.narrow(1, 0, steps))
+    if refined.dim() != hidden_states.dim():
+        refined = refined.reshape(hidden_states.shape)
+    return refined if refined.dtype == hidden_states.dtype else refined.to(hidden_states.dtype)
 
 
 def _reaction_levels(x, state, steps, alpha, beta):
