@@ -552,18 +552,9 @@ def patched_config_class(base_class):
     model_type = getattr(base_class, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"patch_model does not support model_type {model_type!r}. Supported: {_supported_message()}.")
-    if base_class not in _CONFIG_CLASSES:
-        name = f"CTAPatched{base_class.__name__}"
-        cls = type(name, (CTAPatchedConfigMixin, base_class), {
-            "model_type": PATCHED_MODEL_TYPE_PREFIX + model_type,
-            "_cta_original_class": base_class,
-            "_auto_class": "AutoConfig",
-            "__module__": __name__,
-            "__doc__": f"{base_class.__name__} of a CTA-patched model (see `patching_cta.py`).",
-        })
-        _CONFIG_CLASSES[base_class] = cls
-        globals().setdefault(name, cls)
-    return _CONFIG_CLASSES[base_class]
+    return _derived_class(_CONFIG_CLASSES, CTAPatchedConfigMixin, base_class,
+                          f"{base_class.__name__} of a CTA-patched model (see `patching_cta.py`).",
+                          model_type=PATCHED_MODEL_TYPE_PREFIX + model_type, _auto_class="AutoConfig")
 
 
 def patched_class(base_class):
@@ -577,20 +568,22 @@ def patched_class(base_class):
             f"patch_model does not support {base_class.__name__} (model_type {model_type!r}). Supported "
             f"architectures: {_supported_message()}."
         )
-    if base_class not in _MODEL_CLASSES:
+    prefix = SUPPORTED_ARCHITECTURES[model_type][0]
+    suffix = base_class.__name__[len(prefix):] if base_class.__name__.startswith(prefix) else None
+    return _derived_class(_MODEL_CLASSES, CTAPatchedModelMixin, base_class,
+                          f"{base_class.__name__} with CTA PDE refinement (built from `config.cta_patch`).",
+                          config_class=patched_config_class(config_class), _auto_class=_HEADS.get(suffix))
+
+
+def _derived_class(registry, mixin, base_class, doc, **attributes):
+    """``CTAPatched<Base>``: ``mixin`` over ``base_class``, made once, kept in ``registry`` and in this module (where
+    pickling and transformers' ``auto_map`` find it by name)."""
+    if base_class not in registry:
         name = f"CTAPatched{base_class.__name__}"
-        prefix = SUPPORTED_ARCHITECTURES[model_type][0]
-        suffix = base_class.__name__[len(prefix):] if base_class.__name__.startswith(prefix) else None
-        cls = type(name, (CTAPatchedModelMixin, base_class), {
-            "config_class": patched_config_class(config_class),
-            "_cta_original_class": base_class,
-            "_auto_class": _HEADS.get(suffix),
-            "__module__": __name__,
-            "__doc__": f"{base_class.__name__} with CTA PDE refinement (built from `config.cta_patch`).",
-        })
-        _MODEL_CLASSES[base_class] = cls
+        registry[base_class] = cls = type(name, (mixin, base_class), {
+            "_cta_original_class": base_class, "__module__": __name__, "__doc__": doc, **attributes})
         globals().setdefault(name, cls)
-    return _MODEL_CLASSES[base_class]
+    return registry[base_class]
 
 
 def _family_heads(model_type):

@@ -134,29 +134,11 @@ def pde_refine(
     outside the interval lose the stability guarantee. :class:`PDERefinement` projects its own coefficients onto the
     interval.
     """
+    kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
+                  attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state)
     if _use_triton(backend, hidden_states):
-        return _triton_module().pde_refine_triton(
-            hidden_states,
-            pde_type=pde_type,
-            steps=steps,
-            alpha=alpha,
-            beta=beta,
-            causal=causal,
-            attention_mask=attention_mask,
-            initial_state=initial_state,
-            return_final_state=return_final_state,
-        )
-    return pde_refine_reference(
-        hidden_states,
-        pde_type=pde_type,
-        steps=steps,
-        alpha=alpha,
-        beta=beta,
-        causal=causal,
-        attention_mask=attention_mask,
-        initial_state=initial_state,
-        return_final_state=return_final_state,
-    )
+        return _triton_module().pde_refine_triton(hidden_states, **kwargs)
+    return pde_refine_reference(hidden_states, **kwargs)
 
 
 # A one-token decode step is a state update (pde_decode.py): the fused Triton kernel in CUDA eager, plain torch ops

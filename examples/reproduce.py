@@ -79,6 +79,10 @@ def _lm_row(name, block, epochs, extra=(), quick_extra=()):
                        *QUICK_LM, *quick_extra])
 
 
+# Evaluate every epoch and report the checkpoint of the lowest validation loss (as the papers' training curves do):
+# with little data the last epoch may over-fit far past the best one.
+BEST_CHECKPOINT = ["--eval_strategy", "epoch", "--load_best_model_at_end", "true", "--metric_for_best_model",
+                   "eval_loss", "--greater_is_better", "false"]
 SST2_TRAIN = ["--per_device_train_batch_size", "128"]  # 67k short sentences (the authors used 512)
 LISTOPS_DATA = ["--listops_num_train", "20000", "--listops_num_eval", "2000"]
 LRA_TEXT_TRAIN = ["--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "64"]
@@ -142,7 +146,7 @@ TABLES["lm_seq_len"] = dict(
 TABLES["lm_data_fraction"] = dict(
     title="Paper Table 13: training-data fraction, WikiText-2 L=512 (test perplexity; lower is better)",
     metric="test_perplexity", scale=1.0, higher_is_better=False,
-    rows=[_lm_row(f"{int(f * 100)}% of train", 512, 3, extra=["--train_fraction", str(f)],
+    rows=[_lm_row(f"{int(f * 100)}% of train", 512, 3, extra=["--train_fraction", str(f), *BEST_CHECKPOINT],
                   quick_extra=["--train_fraction", str(f)])
           for f in (0.1, 0.25, 0.5, 1.0)],
     variants=[("baseline (0 steps)", ["--pde_steps", "0"]), ("CTA (4 steps)", ["--pde_steps", "4"])],
@@ -289,6 +293,24 @@ def _mean_std(values):
     return mean, std
 
 
+UNSTABLE_SPREAD = 2.0  # a perplexity cell whose seeds differ by more than this factor is no mean
+
+
+def mark_unstable(data):
+    """Flags the cells of a lower-is-better (perplexity) table whose seeds span more than ``UNSTABLE_SPREAD``x:
+    some run blew up or over-fitted, so a mean and a Δ would describe no run; they are withheld (the per-seed values
+    stay). Returns ``data``."""
+    for cell in data["cells"]:
+        values = cell["values"]
+        cell["unstable"] = (not data["higher_is_better"] and len(values) > 1 and min(values) > 0
+                            and max(values) / min(values) > UNSTABLE_SPREAD)
+    baseline = {c["row"]: c for c in data["cells"] if c["variant"] == data["baseline_variant"]}
+    for cell in data["cells"]:
+        if cell["unstable"] or baseline[cell["row"]]["unstable"]:
+            cell["delta_vs_baseline"] = None
+    return data
+
+
 def aggregate(table_name, table, runs, settings):
     """The table's JSON: per (row, variant) the per-seed values, mean, std (sample, ddof=1), n."""
     metric, scale = table["metric"], table["scale"]
@@ -316,10 +338,12 @@ def aggregate(table_name, table, runs, settings):
                     continue
                 values.append(value)
                 seeds.append(run["seed"])
-                extra.append({k: res.get(k) for k in (
+                record = {k: res.get(k) for k in (
                     "seed", "global_steps", "epochs", "train_runtime", "train_samples_per_second", "n_parameters",
                     "num_train", "num_train_tokens", "num_eval", "data", "device", "leak_check", "metric",
-                    "nan_in_training", "train_loss", "world_size")})
+                    "nan_in_training", "train_loss", "world_size")}
+                record["load_best_model_at_end"] = "--load_best_model_at_end" in (res.get("argv") or [])
+                extra.append(record)
             mean, std = _mean_std(values)
             cells.append(dict(row=row["name"], variant=variant, variant_args=vargs, values=values, seeds=seeds,
                               mean=mean, std=std, n=len(values), failed=failed, runs=extra,
@@ -329,10 +353,11 @@ def aggregate(table_name, table, runs, settings):
         base = next(c for c in cells if c["row"] == cell["row"] and c["variant"] == baseline)
         cell["delta_vs_baseline"] = (None if cell["mean"] is None or base["mean"] is None
                                      else cell["mean"] - base["mean"])
-    return dict(table=table_name, title=table["title"], metric=metric, metric_scale=scale,
-                higher_is_better=table["higher_is_better"], baseline_variant=baseline,
-                rows=[r["name"] for r in table["rows"]], variants=[v[0] for v in table["variants"]],
-                cells=cells, paper_source=PAPER_SOURCE if table_name in PAPER_NUMBERS else None, settings=settings)
+    return mark_unstable(dict(
+        table=table_name, title=table["title"], metric=metric, metric_scale=scale,
+        higher_is_better=table["higher_is_better"], baseline_variant=baseline,
+        rows=[r["name"] for r in table["rows"]], variants=[v[0] for v in table["variants"]],
+        cells=cells, paper_source=PAPER_SOURCE if table_name in PAPER_NUMBERS else None, settings=settings))
 
 
 def _fmt(x, digits):
@@ -354,6 +379,8 @@ def render_markdown(data) -> str:
               "|---|---|---|---|---|---|---|"]
     for c in data["cells"]:
         ours = "" if c["mean"] is None else f"{c['mean']:.{digits}f} ± {c['std']:.{digits}f}"
+        if c.get("unstable"):
+            ours = f"unstable: seeds span {min(c['values']):.{digits}f}–{max(c['values']):.{digits}f}"
         if c["failed"] and c["mean"] is None:
             ours = "failed: " + "; ".join(str(f.get("error", f"rc {f.get('returncode')}"))[:60] for f in c["failed"])
         delta = "" if c["delta_vs_baseline"] is None or c["variant"] == data["baseline_variant"] else \
@@ -377,6 +404,12 @@ def render_markdown(data) -> str:
             lines.append(f"Leak check (future tokens changed, earlier logits compared, fp32): "
                          f"{sum(l['passed'] for l in leaks)}/{len(leaks)} runs passed, max |Δlogit| = {worst:.2e}. "
                          f"Runs that fail it report no perplexity.")
+    if any(c.get("unstable") for c in data["cells"]):
+        lines += ["", f"Unstable: the seeds of a cell differ by more than {UNSTABLE_SPREAD:g}x (a run blew up or "
+                      f"over-fitted); no mean or Δ is given for it or against it. "
+                      + ("Each run reports its best checkpoint by validation loss."
+                         if any(r.get("load_best_model_at_end") for c in data["cells"] for r in c["runs"])
+                         else "Each run reports its final checkpoint (no best-checkpoint selection).")]
     if data.get("paper_source"):
         lines += ["", f"Paper column: {data['paper_source']}. Blank = not known to us."]
     lines += ["", f"Command: `{s.get('command')}`", ""]
@@ -439,6 +472,9 @@ def write_table(table_name, runs, args, settings):
 def render_from_json(json_path):
     with open(json_path) as f:
         data = json.load(f)
+    if "unstable" not in data["cells"][0]:  # a file written before cells were flagged: flag them and keep it
+        with open(json_path, "w") as f:
+            json.dump(mark_unstable(data), f, indent=2, default=str)
     base = json_path[: -len(".json")]
     with open(base + ".md", "w") as f:
         f.write(render_markdown(data))

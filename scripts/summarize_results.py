@@ -63,6 +63,8 @@ def _load(path: Path):
 def _ours(cell):
     if not cell or cell.get("mean") is None:
         return MISSING
+    if cell.get("unstable"):  # examples/reproduce.py withholds the mean of seeds that span more than 2x
+        return f"unstable: {min(cell['values']):.0f}–{max(cell['values']):.0f} ({cell['n']})"
     std = cell.get("std")
     spread = "" if std is None or (isinstance(std, float) and math.isnan(std)) else f" ± {std:.2f}"
     return f"{cell['mean']:.2f}{spread} ({cell['n']})"
@@ -212,7 +214,10 @@ def render() -> str:
         f"{'/'.join(f'{e:g}' for e in epochs) or MISSING} epochs (fewer than the paper); baseline = the same model "
         "with 0 PDE steps (Table 3: full attention); CTA = diffusion unless the row names another type. "
         + " ".join(f"Paper column: {s}." for s in sources)
-        + f" {MISSING} = no number in any result file.",
+        + f" {MISSING} = no number in any result file."
+        + (" unstable = seeds more than 2x apart (a run blew up or over-fitted): no mean, no Δ; the per-seed values are "
+           "in the table's file." if any(c.get("unstable") for data in tables.values() if data
+                                         for c in data["cells"]) else ""),
         f"¹ {_data(tables.get('table1'), 'AG News 2L')} ² The paper's perplexities are WikiText-103, not WikiText-2. "
         "³ The baseline is full attention; sliding window alone and full attention + PDE are in the full table.",
         "",

@@ -12,6 +12,7 @@ import gzip
 import json
 import math
 import os
+import random
 import statistics
 import sys
 
@@ -363,6 +364,50 @@ def test_run_clm_on_user_files(tmp_path, ext):
     evaluation = json.loads((out / "eval_results.json").read_text())
     assert evaluation["eval_perplexity"] == pytest.approx(2.718281828 ** evaluation["eval_loss"], rel=1e-6)
     assert json.loads((out / "test_results.json").read_text())["test_perplexity"] == results["test_perplexity"]
+
+
+def test_run_clm_reports_the_best_checkpoint_with_reproduces_best_checkpoint_flags(tmp_path):
+    """The data-fraction table's runs (reproduce.BEST_CHECKPOINT) evaluate every epoch and report the checkpoint of
+    the lowest validation loss: a learning rate that makes later epochs worse must not move the reported loss."""
+    lines = [f"{GOOD[i % 5]} and {BAD[(i * 3) % 5]} number {i}" for i in range(120)]
+    # Validation text of random bytes: the more the model learns the training text, the worse it predicts these,
+    # so the first epoch is the best one and the last one is not.
+    noise = random.Random(0)
+    validation = ["".join(chr(noise.randrange(33, 127)) for _ in range(40)) for _ in range(40)]
+    files = {}
+    for split, part in (("train", lines), ("validation", validation)):
+        files[split] = tmp_path / f"{split}.txt"
+        files[split].write_text("\n".join(part) + "\n")
+    out = tmp_path / "out"
+    tiny = [a for a in TINY]
+    tiny[tiny.index("--max_steps") + 1] = "-1"
+    argv = (["--train_file", str(files["train"]), "--validation_file", str(files["validation"]), "--block_size", "16",
+             "--num_train_epochs", "3", "--learning_rate", "0.01", "--save_strategy", "epoch", "--output_dir", str(out)]
+            + tiny + reproduce.BEST_CHECKPOINT)
+    results = run_clm.main(argv)
+    last = max(out.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    state = json.loads((last / "trainer_state.json").read_text())
+    per_epoch = [h["eval_loss"] for h in state["log_history"] if "eval_loss" in h and "epoch" in h][:3]
+    assert len(per_epoch) == 3 and per_epoch[-1] > min(per_epoch)
+    assert state["best_metric"] == pytest.approx(min(per_epoch))
+    assert results["eval_loss"] == pytest.approx(min(per_epoch), rel=1e-5)
+
+
+def test_mark_unstable_withholds_means_of_seeds_far_apart():
+    def cell(row, variant, values):
+        return dict(row=row, variant=variant, values=values, mean=statistics.mean(values), delta_vs_baseline=0.0)
+
+    data = dict(higher_is_better=False, baseline_variant="base", cells=[
+        cell("a", "base", [100.0, 110.0]), cell("a", "cta", [90.0, 400.0]),
+        cell("b", "base", [50.0, 500.0]), cell("b", "cta", [60.0, 61.0])])
+    flags = [c["unstable"] for c in reproduce.mark_unstable(data)["cells"]]
+    assert flags == [False, True, True, False]
+    assert [c["delta_vs_baseline"] for c in data["cells"]] == [0.0, None, None, None]
+    accuracy = dict(higher_is_better=True, baseline_variant="base", cells=[cell("a", "base", [10.0, 90.0])])
+    assert reproduce.mark_unstable(accuracy)["cells"][0]["unstable"] is False
+    assert "unstable: seeds span 90.00–400.00" in reproduce.render_markdown(dict(
+        data, title="t", metric="test_perplexity", metric_scale=1.0, settings={}, table="t",
+        cells=[dict(c, n=2, std=0.0, failed=[], paper=None, runs=[]) for c in data["cells"]]))
 
 
 STORIES260K = str(shared_data.STORIES260K)
