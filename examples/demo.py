@@ -319,7 +319,7 @@ def main(argv=None):
     for seed in seeds:
         for mode in modes:
             training_args.seed = seed
-            model = ft.build(model_args, script, mode, seed)  # same seed: same LoRA init and data order in each arm
+            model = ft.build(model_args, script, mode, seed, training_args)  # same seed: same LoRA init and data order in each arm
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             trainer = Trainer(model=model, args=training_args, train_dataset=train, data_collator=default_data_collator,
                               optimizers=(ft.optimizer_for(model, training_args, script), None))
