@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -202,6 +203,15 @@ def last_checkpoint(training_args) -> Optional[str]:
     if os.path.isdir(training_args.output_dir) and not getattr(training_args, "overwrite_output_dir", False):
         return get_last_checkpoint(training_args.output_dir)
     return None
+
+
+def train(trainer, training_args):
+    """``trainer.train()``, resuming the run's last checkpoint (:func:`last_checkpoint`): (its ``TrainOutput``, wall
+    seconds, the checkpoint resumed or None)."""
+    resume = last_checkpoint(training_args)
+    start = time.time()
+    result = trainer.train(resume_from_checkpoint=resume)
+    return result, time.time() - start, resume
 
 
 # ---------------------------------------------------------------------------------------------------------------

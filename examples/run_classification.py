@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -291,10 +290,7 @@ def main(argv=None):
         compute_metrics=compute_metrics,
     )
 
-    resume = common.last_checkpoint(training_args)
-    start = time.time()
-    train_result = trainer.train(resume_from_checkpoint=resume)
-    train_seconds = time.time() - start
+    train_result, train_seconds, resume = common.train(trainer, training_args)
     metrics = dict(train_result.metrics, train_samples=len(train_dataset))
     trainer.log_metrics("train", metrics)
     trainer.save_metrics("train", metrics)

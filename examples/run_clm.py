@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -210,10 +209,7 @@ def main(argv=None):
     # do not let Trainer rescale it by the number of processes (measured: 2x loss and perplexity**2 under torchrun
     # with 2 processes otherwise).
     trainer.model_accepts_loss_kwargs = False
-    resume = common.last_checkpoint(training_args)
-    start = time.time()
-    train_result = trainer.train(resume_from_checkpoint=resume)
-    train_seconds = time.time() - start
+    train_result, train_seconds, resume = common.train(trainer, training_args)
 
     # ---- leak check BEFORE any number is reported ----
     probe = torch.tensor(eval_dataset[: data_args.leak_check_samples]["input_ids"], dtype=torch.long)
