@@ -505,12 +505,6 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
-
     # As transformers' own heads (LlamaForCausalLM): the flags travel in `kwargs` to the base model, whose
     # `capture_outputs` falls back to the config for each one not given; `can_return_tuple` handles `return_dict`.
     @deprecate_past_key_values
@@ -574,12 +568,6 @@ class CTAForSequenceClassification(CTAPreTrainedModel):
         self.dropout = nn.Dropout(dropout)
         self.score = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.model.embed_tokens = value
 
     def pool(self, hidden_states, attention_mask):
         batch, seq_len = hidden_states.shape[:2]
