@@ -630,3 +630,17 @@ def test_patched_generate_with_static_cache_and_left_padding():
     static = model.generate(ids, cache_implementation="static", **kwargs)
     assert torch.equal(static, model.generate(ids, **kwargs))
     assert torch.equal(static, model.generate(ids, use_cache=False, **kwargs))
+
+
+@pytest.mark.parametrize("zero3", [False, True])
+def test_pde_modules_take_the_models_dtype_under_deepspeed_zero3(zero3, monkeypatch):
+    """DeepSpeed ZeRO-3 partitions the parameters of one dtype together and refuses an fp32 coefficient among bf16
+    weights (found on 2 GPUs): a model loaded under ZeRO-3 gets PDE modules of its own dtype; elsewhere the
+    coefficients stay fp32 (their updates are far below bf16's resolution)."""
+    import cta.patching_cta as patching
+
+    monkeypatch.setattr(patching, "is_deepspeed_zero3_enabled", lambda: zero3)
+    model = tiny_model("llama").to(torch.bfloat16)
+    patch_model(model, pde_type="diffusion", pde_steps=2, placement="block_output")
+    dtypes = {p.dtype for _, module in pde_modules(model) for p in module.parameters()}
+    assert dtypes == ({torch.bfloat16} if zero3 else {torch.float32})
