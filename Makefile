@@ -1,5 +1,5 @@
 # `make test`: set up (CPU torch pinned) and run the test suite. `make demo`: set up and run examples/demo.py (a real
-# pretrained LLM patched with CTA, fine-tuned against LoRA alone, saved and reloaded; about 3 minutes on 2 CPU cores).
+# pretrained LLM patched with CTA, fine-tuned against LoRA alone, saved and reloaded; about 1.5 minutes on 2 idle CPU cores).
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 
