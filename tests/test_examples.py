@@ -413,7 +413,6 @@ def test_mark_unstable_withholds_means_of_seeds_far_apart():
 STORIES260K = str(shared_data.STORIES260K)
 
 
-@pytest.mark.skipif(not os.path.isdir(STORIES260K), reason=shared_data.stories260k_missing())
 def test_finetune_patched_llama_on_user_files(tmp_path):
     pytest.importorskip("peft")
     import finetune_patched_llama

@@ -5,8 +5,8 @@ batch, and the saved checkpoint reloads (patched) with the same weights."""
 
 import json
 import os
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +20,12 @@ TESTS = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory):
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun not on the PATH")
     tmp = tmp_path_factory.mktemp("fsdp")
     out, losses_file = tmp / "checkpoints", tmp / "losses.json"
     env = dict(os.environ, PYTHONPATH=str(TESTS), OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [shutil.which("torchrun"), "--standalone", "--nproc_per_node", "2", str(TESTS / "fsdp_worker.py"),
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(TESTS / "fsdp_worker.py"),
          str(out), str(losses_file), str(TESTS.parent)],
         env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -27,7 +27,7 @@ from transformers import BertTokenizer, Trainer
 from cta import CTAConfig, CTAForCausalLM, CTAForSequenceClassification
 from cta import hub
 from remote_code_env import run_in_clean_env
-from shared_data import BERT_TOKENIZER, STORIES260K, stories260k_missing
+from shared_data import BERT_TOKENIZER, STORIES260K
 
 STORIES = STORIES260K
 pytestmark = pytest.mark.shared_data  # reads $CTA_SHARED_DIR: CI reruns this file with an empty one
@@ -88,26 +88,19 @@ def exports(tmp_path_factory):
                      "--no-verify-load"]) == 0
     out["causal_lm"] = dict(model=lm, auto="AutoModelForCausalLM", tokenizer=False, folder=root / "lm-hub")
 
-    if STORIES.is_dir():
-        from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-        from cta.patching_cta import patch_model
+    from cta.patching_cta import patch_model
 
-        llama = AutoModelForCausalLM.from_pretrained(str(STORIES)).eval()
-        patch_model(llama, pde_type="diffusion", pde_steps=2, placement=["embedding", "block_output"], init="paper")
-        llama.save_pretrained(root / "llama")
-        out["patched_llama"] = dict(
-            model=llama, auto="AutoModelForCausalLM", tokenizer=True,
-            folder=hub.export_for_hub(root / "llama", root / "llama-hub", tokenizer=STORIES, license="mit",
-                                      base_model="karpathy/tinyllamas", repo_id="me/stories260K-cta",
-                                      verify_load=False))
+    llama = AutoModelForCausalLM.from_pretrained(str(STORIES)).eval()
+    patch_model(llama, pde_type="diffusion", pde_steps=2, placement=["embedding", "block_output"], init="paper")
+    llama.save_pretrained(root / "llama")
+    out["patched_llama"] = dict(
+        model=llama, auto="AutoModelForCausalLM", tokenizer=True,
+        folder=hub.export_for_hub(root / "llama", root / "llama-hub", tokenizer=STORIES, license="mit",
+                                  base_model="karpathy/tinyllamas", repo_id="me/stories260K-cta",
+                                  verify_load=False))
     return out
-
-
-def _get(exports, kind):
-    if kind not in exports:
-        pytest.skip(stories260k_missing())
-    return exports[kind]
 
 
 KINDS = ["classifier", "causal_lm", "patched_llama"]
@@ -125,7 +118,7 @@ def _card(folder):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_folder_contents(exports, kind):
-    entry = _get(exports, kind)
+    entry = exports[kind]
     folder, model = Path(entry["folder"]), entry["model"]
     files = {p.name for p in folder.iterdir()}
     assert not any(p.is_dir() for p in folder.iterdir())
@@ -245,7 +238,7 @@ def test_causal_lm_card(exports):
 
 
 def test_patched_card(exports):
-    card, data = _card(_get(exports, "patched_llama")["folder"])
+    card, data = _card(exports["patched_llama"]["folder"])
     assert data["base_model"] == "karpathy/tinyllamas" and data["license"] == "mit"
     assert {"cta-patched", "llama", "custom_code"} <= set(data["tags"]) and "model-index" not in data
     assert "`LlamaForCausalLM`" in card.text and "| PDE initialisation | `paper` |" in card.text
@@ -256,7 +249,7 @@ def test_repo_ids_are_validated(exports, capsys):
     with pytest.raises(HFValidationError):
         hub.render_model_card(exports["root"] / "clf", repo_id="a/b/c")
     with pytest.raises(HFValidationError):
-        hub.render_model_card(exports["root"] / "llama" if STORIES.is_dir() else exports["root"] / "clf",
+        hub.render_model_card(exports["root"] / "llama",
                               base_model="bad--name")
     assert hub.main(["card", str(exports["root"] / "clf"), "--repo-id", "me/bad..name"]) == 2
     assert "me/bad..name" in capsys.readouterr().err

@@ -22,15 +22,9 @@ from cta.patching_cta import (
     unpatch_model,
 )
 from remote_code_env import run_in_clean_env
-from shared_data import STORIES260K, stories260k_missing
+from shared_data import STORIES260K
 
-STORIES = STORIES260K  # ($CTA_SHARED_DIR/models/stories260K: tests/shared_data.py)
-needs_stories = pytest.mark.skipif(
-    not (STORIES / "config.json").exists(),
-    reason=stories260k_missing(),
-)
-# The tests that read $CTA_SHARED_DIR: CI reruns them with an empty one (a bare clone).
-shared_data = pytest.mark.shared_data
+STORIES = STORIES260K  # (shipped in examples/demo_data: tests/shared_data.py)
 
 DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gpt2"]
 ENCODERS = ["bert", "roberta"]
@@ -97,8 +91,6 @@ def randomize_pde(model, seed=0):
 # ------------------------------------------------------------------------------------------------------------------
 
 
-@shared_data
-@needs_stories
 @pytest.mark.parametrize("pde_type", ["diffusion", "wave", "reaction_diffusion", "advection_diffusion"])
 def test_identity_init_stories260k(pde_type):
     model = AutoModelForCausalLM.from_pretrained(STORIES).eval()
@@ -491,13 +483,11 @@ print("RESULT " + json.dumps(results))
 """
 
 
-@shared_data
 def test_remote_code_reload_without_package(tmp_path):
     cases, expected = [], {}
     models = [("gpt2", tiny_model("gpt2"), "AutoModelForCausalLM"),
-              ("bert", tiny_model("bert"), "AutoModelForSequenceClassification")]
-    if (STORIES / "config.json").exists():
-        models.append(("stories", AutoModelForCausalLM.from_pretrained(STORIES).eval(), "AutoModelForCausalLM"))
+              ("bert", tiny_model("bert"), "AutoModelForSequenceClassification"),
+              ("stories", AutoModelForCausalLM.from_pretrained(STORIES).eval(), "AutoModelForCausalLM")]
     for name, model, auto in models:
         patch_model(model, pde_type="wave", pde_steps=2, placement=["value", "attention_output", "block_output"],
                     per_channel=True)
@@ -531,19 +521,16 @@ def lora_patched(model_factory):
     return get_peft_model(model, config)
 
 
-def stories_or_tiny():
-    if (STORIES / "config.json").exists():
-        return AutoModelForCausalLM.from_pretrained(STORIES).eval()
-    return tiny_model("llama")
+def stories():
+    return AutoModelForCausalLM.from_pretrained(STORIES).eval()
 
 
-@shared_data
 def test_peft_lora_and_pde_train_together_save_reload_merge(tmp_path):
     pytest.importorskip("peft")
     from peft import PeftModel
 
     torch.manual_seed(0)
-    peft_model = lora_patched(stories_or_tiny)
+    peft_model = lora_patched(stories)
     trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
     assert any("lora_" in n for n in trainable) and any("_pde." in n for n in trainable)
     assert all("lora_" in n or "_pde." in n for n in trainable), sorted(trainable)
@@ -564,7 +551,7 @@ def test_peft_lora_and_pde_train_together_save_reload_merge(tmp_path):
 
     # adapter save -> load onto a freshly patched base -> identical logits
     peft_model.save_pretrained(tmp_path / "adapter")
-    fresh = patch_model(stories_or_tiny(), pde_steps=2, placement=["value", "block_output"])
+    fresh = patch_model(stories(), pde_steps=2, placement=["value", "block_output"])
     reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     torch.testing.assert_close(logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
 

