@@ -426,15 +426,21 @@ def render_plot(data, path):
     width = 0.8 / max(1, len(variants))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) * max(1, len(variants)) / 2), 4))
     for j, variant in enumerate(variants):
-        xs, ys, es, px, py = [], [], [], [], []
+        xs, ys, es, px, py, ux, uy = [], [], [], [], [], [], []
         for i, row in enumerate(rows):
             c = next(c for c in data["cells"] if c["row"] == row and c["variant"] == variant)
             x = i + (j - (len(variants) - 1) / 2) * width
-            if c["mean"] is not None:
+            if c.get("unstable"):  # no mean to draw (mark_unstable): each seed's value as a point
+                ux += [x] * len(c["values"])
+                uy += c["values"]
+            elif c["mean"] is not None:
                 xs.append(x), ys.append(c["mean"]), es.append(c["std"])
             if isinstance(c["paper"], (int, float)):
                 px.append(x), py.append(c["paper"])
-        bars = ax.bar(xs, ys, width, yerr=es, capsize=3, label=variant)
+        ax.bar(xs, ys, width, yerr=es, capsize=3, label=variant, color=f"C{j}")
+        if ux:
+            ax.scatter(ux, uy, marker="o", facecolors="none", edgecolors=f"C{j}", zorder=3,
+                       label=f"{variant}: unstable, per seed")
         if px:
             ax.scatter(px, py, marker="x", color="black", zorder=3,
                        label="paper (reported)" if j == len(variants) - 1 or not ax.get_legend_handles_labels() else None)
@@ -446,7 +452,7 @@ def render_plot(data, path):
     uniq = OrderedDict((l, h) for h, l in zip(handles, labels) if l)
     ax.legend(uniq.values(), uniq.keys(), fontsize=7)
     if not data["higher_is_better"]:
-        vals = [c["mean"] for c in data["cells"] if c["mean"] is not None]
+        vals = [v for c in data["cells"] for v in c["values"]]
         if vals and max(vals) / max(min(vals), 1e-9) > 20:
             ax.set_yscale("log")
     fig.tight_layout()
