@@ -82,6 +82,10 @@ def parse_args(argv=None):
     p.add_argument("--lora_lr", type=float, default=1e-3, help="Learning rate of the LoRA weights (default 1e-3).")
     p.add_argument("--pde_lr", type=float, default=1e-2, help="Learning rate of the PDE coefficients (default 1e-2).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the model init and the batch (default 0).")
+    p.add_argument("--overhead_rounds", type=int, default=0,
+                   help="After a phase with PDE sites: this many paired rounds of one training step with the sites "
+                        "on and one with them off (steps=0), order alternating, in the same process and engine "
+                        "(default 0: none). The first two rounds are warm-up.")
     p.add_argument("--merge", action="store_true",
                    help="Add this run's phases to the result file of the same name (run one phase per process: "
                         "DeepSpeed engines of earlier phases stay in memory and slow the later ones).")
@@ -251,16 +255,20 @@ def run_phase(accelerator, phase, paths, args, work_dir):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     wrapped = type(model).__name__  # what the engine made of it (FSDP..., DeepSpeedEngine, DistributedDataParallel)
     model.train()
-    losses, times = [], []
-    for _ in range(args.steps):
-        sync(device)
-        start = time.perf_counter()
+    def train_step():
         for (batch,) in loader:  # one batch per process: the same global batch every step
             loss = model(input_ids=batch, labels=batch).loss
             accelerator.backward(loss)
             accelerator.clip_grad_norm_(model.parameters(), 1.0)  # DeepSpeed clips inside (gradient_clipping 1.0)
             optimizer.step()
             optimizer.zero_grad()
+        return loss
+
+    losses, times = [], []
+    for _ in range(args.steps):
+        sync(device)
+        start = time.perf_counter()
+        loss = train_step()
         sync(device)
         times.append(time.perf_counter() - start)
         losses.append(accelerator.reduce(loss.detach().float(), "mean").item())
@@ -282,9 +290,45 @@ def run_phase(accelerator, phase, paths, args, work_dir):
         if not args.no_save and phase in ("full_pde", "lora_pde"):
             record.update(save_and_reload(accelerator, model, state, phase, paths, work_dir))
         del state
+    if args.overhead_rounds and pde_names:  # after the checks: these steps train on with the sites on and off
+        record.update(paired_pde_overhead(accelerator, model, train_step, args.overhead_rounds))
     free(accelerator, model, optimizer, loader)
     accelerator.print(json.dumps({k: v for k, v in record.items() if k != "step_seconds"}))
     return record
+
+
+def paired_pde_overhead(accelerator, model, train_step, rounds):
+    """The PDE's share of a training step, measured in the process, engine and model of the phase: ``rounds`` pairs
+    of one step with every PDE site on and one with the sites off (``steps = 0``: each site is still called, so
+    hooks, parameter gathering and module order stay the same, and returns its input), the order swapped every
+    round. Timings between processes differ by tens of percent on a shared 2-GPU host; within a pair they do not.
+    Returns the median and range of the per-pair ratios (the first two pairs left out as warm-up)."""
+    from cta.pde_cta import PDERefinement
+
+    sites = [m for m in model.modules() if isinstance(m, PDERefinement)]
+    steps = [m.steps for m in sites]
+    ratios, on_times, off_times = [], [], []
+    for r in range(rounds):
+        times = {}
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            for site, s in zip(sites, steps):
+                site.steps = s if on else 0
+            sync(accelerator.device)
+            start = time.perf_counter()
+            train_step()
+            sync(accelerator.device)
+            times[on] = time.perf_counter() - start
+        for site, s in zip(sites, steps):
+            site.steps = s
+        # rank 0's pair; the collectives inside a step keep the ranks in step
+        ratios.append(times[True] / times[False])
+        on_times.append(times[True])
+        off_times.append(times[False])
+    kept = ratios[2:] if len(ratios) > 2 else ratios
+    return {"paired_rounds": rounds, "paired_pde_sites": len(sites),
+            "paired_step_seconds_on": on_times, "paired_step_seconds_off": off_times,
+            "paired_step_overhead_median": statistics.median(kept) - 1,
+            "paired_step_overhead_range": [min(kept) - 1, max(kept) - 1]}
 
 
 def check_coefficients(accelerator, state, before, pde_names):

@@ -6,6 +6,7 @@
 #   bash benchmarks/distributed_gpu.sh single  # the 1.1B model on 1 GPU (the reference), one process per phase
 #   bash benchmarks/distributed_gpu.sh fsdp2   # the 1.1B model under FSDP2 on 2 GPUs, one process per phase
 #   bash benchmarks/distributed_gpu.sh zero3   # the 1.1B model under DeepSpeed ZeRO-3 on 2 GPUs, likewise
+#   bash benchmarks/distributed_gpu.sh overhead  # the PDE's share of a step under FSDP2 and ZeRO-3, paired rounds
 #   bash benchmarks/distributed_gpu.sh tp      # tensor parallel: tp_plan="auto" on 2 GPUs vs one (check_tensor_parallel)
 # PHASES="lora_pde" (single / fsdp2 / zero3): only those phases, merged into the result file already in OUT.
 #   python benchmarks/summarize_distributed.py  # results/distributed.{json,md,png} from the JSON files
@@ -116,12 +117,22 @@ single)  # the one-GPU reference, one process per phase like the sharded runs
             benchmarks/bench_distributed.py "${BIG[@]}" --phases "$phase" --merge
     done
     ;;
+overhead)  # per engine and patched phase, one process: sites on / off in paired rounds (<engine>_overhead.json)
+    for engine in fsdp2 zero3; do
+        config=$([ "$engine" = fsdp2 ] && echo $FSDP || echo $ZERO3)
+        for phase in ${PHASES:-full_pde lora_pde native}; do
+            step "overhead_${engine}_1b_$phase" "${launch[@]}" --config_file "$config" benchmarks/bench_distributed.py \
+                "${BIG[@]}" --steps 4 --warmup 1 --no_save --overhead_rounds "${ROUNDS:-16}" --phases "$phase" \
+                --name "distributed_${engine}_2gpu_overhead" --merge
+        done
+    done
+    ;;
 tp)  # issue 34: a saved patched Llama loaded with tp_plan="auto" on 2 GPUs decodes the 1-GPU tokens
     step tensor_parallel "$PY" -m torch.distributed.run --nproc_per_node 2 benchmarks/check_tensor_parallel.py \
         --out "$OUT/tensor_parallel_2gpu.json"
     ;;
 *)
-    echo "usage: $0 sanity|check|single|fsdp2|zero3|tp" >&2
+    echo "usage: $0 sanity|check|single|fsdp2|zero3|overhead|tp" >&2
     exit 2
     ;;
 esac
