@@ -6,7 +6,7 @@
 #   bash benchmarks/distributed_gpu.sh single  # the 1.1B model on 1 GPU (the reference), one process per phase
 #   bash benchmarks/distributed_gpu.sh fsdp2   # the 1.1B model under FSDP2 on 2 GPUs, one process per phase
 #   bash benchmarks/distributed_gpu.sh zero3   # the 1.1B model under DeepSpeed ZeRO-3 on 2 GPUs, likewise
-#   bash benchmarks/distributed_gpu.sh overhead  # the PDE's share of a step under FSDP2 and ZeRO-3, paired rounds
+#   bash benchmarks/distributed_gpu.sh overhead  # the PDE's share of a step under FSDP2 and ZeRO-3, paired rounds; ENGINES="zero3": one of them
 #   bash benchmarks/distributed_gpu.sh tp      # tensor parallel: tp_plan="auto" on 2 GPUs vs one (check_tensor_parallel)
 # PHASES="lora_pde" (single / fsdp2 / zero3): only those phases, merged into the result file already in OUT.
 #   python benchmarks/summarize_distributed.py  # results/distributed.{json,md,png} from the JSON files
@@ -118,7 +118,7 @@ single)  # the one-GPU reference, one process per phase like the sharded runs
     done
     ;;
 overhead)  # per engine and patched phase, one process: sites on / off in paired rounds (<engine>_overhead.json)
-    for engine in fsdp2 zero3; do
+    for engine in ${ENGINES:-fsdp2 zero3}; do
         config=$([ "$engine" = fsdp2 ] && echo $FSDP || echo $ZERO3)
         for phase in ${PHASES:-full_pde lora_pde native}; do
             step "overhead_${engine}_1b_$phase" "${launch[@]}" --config_file "$config" benchmarks/bench_distributed.py \
