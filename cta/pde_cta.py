@@ -315,6 +315,12 @@ class PDERefinement(nn.Module):
             if state is not None and hidden_states.shape[1] == 1 and not differentiable:
                 # one decoded token (the decode kernel has no backward: under autograd the chunked path below)
                 return self._decode_step(hidden_states, state, attention_mask)
+        if (cache is None or not self.causal) and _use_triton(self.backend, hidden_states):
+            refined = _triton_module().pde_refine_module_triton(
+                hidden_states, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.causal,
+                self.bounds)
+            if refined is not None:
+                return refined
         alpha, beta = self.coefficients()
         kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
         if cache is None or not self.causal:

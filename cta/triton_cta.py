@@ -31,7 +31,8 @@ from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, lau
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import PDE_IDS, check_decode_arguments, check_decode_state, check_pde_arguments, clamp_coefficients
 
-__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton", "pde_refine_triton"]
+__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton", "pde_refine_module_triton",
+           "pde_refine_triton"]
 
 _PDE_NAMES = {v: k for k, v in PDE_IDS.items()}
 
@@ -172,6 +173,30 @@ class _PDERefineFunction(torch.autograd.Function):
         return _kernel_backward(ctx, gy, gfin, eager=True)[:6]
 
 
+class _ProjectedPDERefineFunction(torch.autograd.Function):
+    """:class:`PDERefinement`'s stateless call in one autograd node: the raw coefficients are projected onto their
+    bounds here and get the projected coefficients' gradient unchanged (the straight-through projection of
+    ``pde_cta.project_coefficient``), so a training step pays one Python autograd node per site, not two."""
+
+    @staticmethod
+    def forward(ctx, x, alpha, beta, mask, options):
+        pde, steps, causal, ((a_lo, a_hi), b_bounds) = options
+        alpha = alpha.clamp(a_lo, a_hi)
+        beta = beta.clamp(*b_bounds) if beta is not None else None
+        y, _ = launch_forward(x, alpha, beta, mask, None, pde, steps, causal, False)
+        ctx.save_for_backward(x, alpha, beta, mask, None)
+        ctx.meta = (pde, steps, causal)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        dx, da, db = _kernel_backward(ctx, gy, None, eager=True)[:3]
+        _, alpha, beta, _, _ = ctx.saved_tensors  # (a scalar's gradient comes back 0-d; the parameter is [1])
+        da = da.reshape(alpha.shape) if da is not None else None
+        db = db.reshape(beta.shape) if db is not None else None
+        return dx, da, db, None, None
+
+
 def _pde_decode_impl(
     x: torch.Tensor,
     state: torch.Tensor,
@@ -262,6 +287,33 @@ def pde_refine_triton(
     if want_final:
         return y, (fin if fin is not None else _no_state(hidden_states))
     return y
+
+
+def pde_refine_module_triton(hidden_states, alpha, beta, attention_mask, pde_type: str, steps: int, causal: bool,
+                             bounds):
+    """:class:`PDERefinement`'s eager call without a cache (training, and inference without one) on its raw
+    coefficients ``alpha`` / ``beta``, projected onto ``bounds`` inside: :func:`pde_refine_triton` without its
+    argument checks, which the module's type, steps and coefficients passed when it was built (a host-bound sharded
+    training step pays them per site and step); the token mask, which a model hands over, is checked. Returns None
+    where the fused kernels do not apply (fp64, more than ``MAX_FUSED_STEPS`` steps, another device, a traced call):
+    the caller then takes :func:`pde_refine`."""
+    if (steps > MAX_FUSED_STEPS or hidden_states.dtype == torch.float64 or torch.compiler.is_compiling()
+            or alpha.device != hidden_states.device):
+        return None
+    if attention_mask is not None:
+        if attention_mask.shape != hidden_states.shape[:2]:
+            raise ValueError(f"`attention_mask` must have shape [batch, seq] = {list(hidden_states.shape[:2])} like "
+                             f"`hidden_states`, got {tuple(attention_mask.shape)}.")
+        if attention_mask.device != hidden_states.device:
+            attention_mask = attention_mask.to(hidden_states.device)
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or alpha.requires_grad
+                                    or (beta is not None and beta.requires_grad)):
+        return _ProjectedPDERefineFunction.apply(hidden_states, alpha, beta, attention_mask,
+                                                 (pde_type, steps, bool(causal), bounds))
+    (a_lo, a_hi), b_bounds = bounds
+    alpha = alpha.clamp(a_lo, a_hi)
+    beta = beta.clamp(*b_bounds) if beta is not None else None
+    return launch_forward(hidden_states, alpha, beta, attention_mask, None, pde_type, steps, bool(causal), False)[0]
 
 
 def pde_decode_step_triton(

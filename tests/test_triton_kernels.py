@@ -770,3 +770,45 @@ def test_parity_hypothesis_filters(pde_causal, batch, seq, channels, steps, per_
     randomised test above seldom draws), with the sequence ends anywhere in a program."""
     pde, causal = pde_causal
     check_parity(pde, causal, seq, channels, steps, "none", per_channel, batch=batch, seed=seed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("pde,causal,per_channel", [
+    ("diffusion", True, False), ("diffusion", False, True), ("wave", True, True),
+    ("reaction_diffusion", False, False), ("advection_diffusion", True, False), ("advection_diffusion", False, True),
+])
+def test_module_training_call_matches_reference_module(pde, causal, per_channel):
+    """PDERefinement's stateless call on the kernels (one autograd node that projects the raw coefficients:
+    ``pde_refine_module_triton``) against the reference module: outputs, the input gradient and the raw
+    coefficients' gradients (straight-through: a coefficient outside its bounds computes with the bound and still
+    gets the gradient), with a padding mask, on an odd shape."""
+    from cta.pde_cta import PDERefinement
+
+    batch, seq, channels, steps = 2, 37, 19, 3
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(batch, seq, channels, generator=gen).to(DEVICE)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, :5] = 0
+    mask = mask.to(DEVICE)
+    upstream = torch.randn(batch, seq, channels, generator=gen).to(DEVICE)
+    results = {}
+    for backend in ("triton", "torch"):
+        torch.manual_seed(0)
+        module = PDERefinement(channels, pde, steps, causal=causal, alpha=0.1, per_channel=per_channel,
+                               backend=backend).to(DEVICE)
+        with torch.no_grad():
+            # the first coefficient above its upper bound: computed with the bound, still trained
+            module.alpha.copy_(torch.linspace(module.alpha_bounds[1] + 0.3, 0.05, module.alpha.numel()))
+        leaf = x.clone().requires_grad_(True)
+        out = module(leaf, mask)
+        (out * upstream).sum().backward()
+        grads = [leaf.grad, module.alpha.grad] + ([module.beta.grad] if module.beta is not None else [])
+        with torch.no_grad():
+            inference = module(x, mask)
+        results[backend] = (out.detach(), inference, *grads)
+    for got, want in zip(results["triton"], results["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * (1 + batch * seq * channels) ** 0.5)
+    assert results["triton"][2].abs().max() > 0  # the out-of-bounds coefficient got a gradient
+    with pytest.raises(ValueError, match="attention_mask"):
+        module_t = PDERefinement(channels, pde, steps, causal=causal, backend="triton").to(DEVICE)
+        module_t(x, mask[:, 1:])
