@@ -170,8 +170,7 @@ class CTAAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        active = config.pde_steps > 0 and layer_idx in config.pde_layer_indices()
-        placements = config.pde_placements if active else []
+        placements = config.pde_layer_placements(layer_idx)
         states = config.pde_state_indices(layer_idx)
         self.value_pde = (
             make_pde(config, self.num_key_value_heads * self.head_dim, layer_idx, states.get("value", 0))
@@ -267,8 +266,7 @@ class CTADecoderLayer(GradientCheckpointingLayer):
         self.attention_norm = make_norm(config)
         self.mlp_norm = make_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        active = config.pde_steps > 0 and layer_idx in config.pde_layer_indices()
-        placements = config.pde_placements if active else []
+        placements = config.pde_layer_placements(layer_idx)
         states = config.pde_state_indices(layer_idx)
         for name in ("attention_output", "mlp_output", "block_output"):
             module = make_pde(config, config.hidden_size, layer_idx, states.get(name, 0)) if name in placements else None

@@ -21,7 +21,7 @@ custom ops, and the public entry points :func:`pde_refine_triton` and :func:`pde
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -48,18 +48,14 @@ def _op_registered(name: str) -> bool:
 
 _REGISTER = not _op_registered("pde_refine_fwd")
 
+# The operands both refine ops take, in their impls' order (the forward op then takes `want_final`, the backward op
+# takes the output gradient `gy` first): one schema text for the two ops instead of the same type hints on both impls
+# (`SymInt` is what a hint `int` gives).
+_REFINE_OPERANDS = ("Tensor x, Tensor alpha, Tensor? beta, Tensor? mask, Tensor? init, "
+                    "SymInt pde, SymInt steps, bool causal")
 
-def _pde_refine_fwd_impl(
-    x: torch.Tensor,
-    alpha: torch.Tensor,
-    beta: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    init: Optional[torch.Tensor],
-    pde: int,
-    steps: int,
-    causal: bool,
-    want_final: bool,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+
+def _pde_refine_fwd_impl(x, alpha, beta, mask, init, pde, steps, causal, want_final):
     y, fin = launch_forward(x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal, want_final)
     return y, (fin if fin is not None else _no_state(x))
 
@@ -76,17 +72,7 @@ def _pde_refine_fwd_fake(x, alpha, beta, mask, init, pde, steps, causal, want_fi
     return y, fin
 
 
-def _pde_refine_bwd_impl(
-    gy: torch.Tensor,
-    x: torch.Tensor,
-    alpha: torch.Tensor,
-    beta: Optional[torch.Tensor],
-    mask: Optional[torch.Tensor],
-    init: Optional[torch.Tensor],
-    pde: int,
-    steps: int,
-    causal: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _pde_refine_bwd_impl(gy, x, alpha, beta, mask, init, pde, steps, causal):
     return launch_backward(gy, x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal)
 
 
@@ -214,9 +200,11 @@ def _pde_decode_fake(x, state, alpha, beta, token_mask, pde, steps):
 
 
 if _REGISTER:
-    _pde_refine_fwd = torch.library.custom_op("cta::pde_refine_fwd", _pde_refine_fwd_impl, mutates_args=())
+    _pde_refine_fwd = torch.library.custom_op("cta::pde_refine_fwd", _pde_refine_fwd_impl, mutates_args=(),
+                                              schema=f"({_REFINE_OPERANDS}, bool want_final) -> (Tensor, Tensor)")
     _pde_refine_fwd.register_fake(_pde_refine_fwd_fake)
-    _pde_refine_bwd = torch.library.custom_op("cta::pde_refine_bwd", _pde_refine_bwd_impl, mutates_args=())
+    _pde_refine_bwd = torch.library.custom_op("cta::pde_refine_bwd", _pde_refine_bwd_impl, mutates_args=(),
+                                              schema=f"(Tensor gy, {_REFINE_OPERANDS}) -> (Tensor, Tensor, Tensor)")
     _pde_refine_bwd.register_fake(_pde_refine_bwd_fake)
     torch.library.register_autograd("cta::pde_refine_fwd", _kernel_backward, setup_context=_fwd_setup_context)
     _pde_decode_op = torch.library.custom_op("cta::pde_decode_step", _pde_decode_impl, mutates_args=("state",))

@@ -216,6 +216,10 @@ def train(trainer, training_args):
 
 # ---------------------------------------------------------------------------------------------------------------
 # model arguments shared by the scripts
+# The size of a fresh model as both scripts set it (and its results JSON records it).
+MODEL_SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
 @dataclass
 class PretrainedArguments:
     """Which model and tokenizer to start from, as in transformers' example scripts."""
@@ -260,9 +264,11 @@ class ModelArguments(PretrainedArguments):
     )
     attn_implementation: str = field(default="sdpa", metadata={"help": "eager | sdpa | flash_attention_2"})
 
-    def pde_kwargs(self) -> dict:
+    def config_kwargs(self) -> dict:
+        """The ``CTAConfig`` keywords of a fresh model: its size (:data:`MODEL_SIZE_FIELDS`) and PDE refinement."""
         placement = [p.strip() for p in self.pde_placement.split(",") if p.strip()]
         kwargs = dict(
+            {name: getattr(self, name) for name in MODEL_SIZE_FIELDS},
             pde_type=self.pde_type,
             pde_steps=self.pde_steps,
             pde_placement=placement[0] if len(placement) == 1 else placement,
@@ -367,8 +373,7 @@ def write_run_results(output_dir: str, results: dict):
 
 def run_record(trainer, training_args, model, n_params, resume) -> dict:
     """The fields every run's results JSON shares: schedule, scale, PDE config, provenance."""
-    keep = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "sliding_window",
-            "vocab_size")
+    keep = (*MODEL_SIZE_FIELDS, "sliding_window", "vocab_size")
     return dict(
         epochs=training_args.num_train_epochs if training_args.max_steps <= 0 else None,
         max_steps=training_args.max_steps if training_args.max_steps > 0 else None,
@@ -382,6 +387,17 @@ def run_record(trainer, training_args, model, n_params, resume) -> dict:
         resumed_from=resume,
         device=device_description(),
         git_commit=git_commit(),
+    )
+
+
+def training_record(trainer, metrics: dict, train_seconds: float) -> dict:
+    """The training fields every run's results JSON shares: the train metrics and the logged loss curve."""
+    return dict(
+        train_loss=metrics.get("train_loss"),
+        train_runtime=metrics.get("train_runtime"),
+        train_wall_seconds=train_seconds,
+        train_samples_per_second=metrics.get("train_samples_per_second"),
+        loss_history=[{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
     )
 
 

@@ -257,17 +257,13 @@ def main(argv=None):
             )
         config = cta.CTAConfig.paper_encoder(
             vocab_size=len(tokenizer),
-            hidden_size=model_args.hidden_size,
-            num_hidden_layers=model_args.num_hidden_layers,
-            num_attention_heads=model_args.num_attention_heads,
-            intermediate_size=model_args.intermediate_size,
             hidden_dropout_prob=model_args.hidden_dropout_prob,
             max_position_embeddings=max(max_length, 8),
             num_labels=len(label_names),
             id2label=id2label,
             label2id=label2id,
             pad_token_id=tokenizer.pad_token_id,
-            **model_args.pde_kwargs(),
+            **model_args.config_kwargs(),
         )
         config._attn_implementation = model_args.attn_implementation
         model = cta.CTAForSequenceClassification(config)
@@ -324,12 +320,8 @@ def main(argv=None):
         metric=metric.name_for_results,
         eval_accuracy=metrics.get("eval_accuracy"),
         eval_loss=metrics.get("eval_loss"),
-        train_loss=metrics.get("train_loss"),
-        train_runtime=metrics.get("train_runtime"),
-        train_wall_seconds=train_seconds,
-        train_samples_per_second=metrics.get("train_samples_per_second"),
+        **common.training_record(trainer, metrics, train_seconds),
         **common.run_record(trainer, training_args, model, n_params, resume),
-        loss_history=[{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
         argv=sys.argv[1:] if argv is None else list(argv),
     )
     common.finish_and_maybe_push(trainer, tokenizer, results,

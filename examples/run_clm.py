@@ -145,15 +145,11 @@ def build_model(model_args, data_args, vocab_size, pad_id):
                                                   attn_implementation=model_args.attn_implementation)
     common_kwargs = dict(
         vocab_size=vocab_size,
-        hidden_size=model_args.hidden_size,
-        num_hidden_layers=model_args.num_hidden_layers,
-        num_attention_heads=model_args.num_attention_heads,
-        intermediate_size=model_args.intermediate_size,
         max_position_embeddings=data_args.block_size,
         sliding_window=model_args.sliding_window,
         pad_token_id=pad_id,
         is_causal=True,
-        **model_args.pde_kwargs(),
+        **model_args.config_kwargs(),
     )
     if data_args.architecture == "paper":
         config = cta.CTAConfig.paper_encoder(hidden_dropout_prob=model_args.hidden_dropout_prob, **common_kwargs)
@@ -256,12 +252,8 @@ def main(argv=None):
         eval_perplexity=metrics.get("eval_perplexity"),
         test_loss=metrics.get("test_loss"),
         test_perplexity=metrics.get("test_perplexity"),
-        train_loss=metrics.get("train_loss"),
-        train_runtime=metrics.get("train_runtime"),
-        train_wall_seconds=train_seconds,
-        train_samples_per_second=metrics.get("train_samples_per_second"),
+        **common.training_record(trainer, metrics, train_seconds),
         train_tokens_per_second=(metrics.get("train_samples_per_second") or 0) * block_size,
-        loss_history=[{"step": h["step"], "loss": h["loss"]} for h in trainer.state.log_history if "loss" in h],
         nan_in_training=any(not math.isfinite(h["loss"]) for h in trainer.state.log_history if "loss" in h),
     )
     common.finish_and_maybe_push(trainer, tokenizer, results,

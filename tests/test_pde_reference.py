@@ -290,6 +290,22 @@ def test_bad_hidden_states_shape():
         PDERefinement(4, pde_type="nope")
 
 
+def test_entry_points_share_one_signature():
+    # The dispatch, the reference and the Triton kernels each spell out their keyword-only parameters (a shared
+    # declaration would hide them from the `def`): they must not drift apart. The dispatch adds `backend`.
+    import inspect
+
+    from cta.triton_cta import pde_decode_step_triton, pde_refine_triton
+
+    def parameters(function):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()
+                if p.name != "backend"]
+
+    assert parameters(pde_refine) == parameters(pde_refine_reference) == parameters(pde_refine_triton)
+    decode_steps = (pde_cta.pde_decode_step, pde_decode_step_reference, pde_decode_step_triton)
+    assert parameters(decode_steps[0]) == parameters(decode_steps[1]) == parameters(decode_steps[2])
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pde_type", PDE_TYPES)
 def test_float_coefficient_outside_its_stable_interval_raises(pde_type, causal):
