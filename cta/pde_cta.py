@@ -322,22 +322,13 @@ class PDERefinement(nn.Module):
             if refined is not None:
                 return refined
         alpha, beta = self.coefficients()
-        kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
+        kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta, causal=self.causal,
+                      attention_mask=attention_mask, backend=self.backend)
         if cache is None or not self.causal:
-            return pde_refine(
-                hidden_states, attention_mask=attention_mask, causal=self.causal, backend=self.backend, **kwargs
-            )
+            return pde_refine(hidden_states, **kwargs)
         if differentiable and state is not None:
             state = state.clone()  # autograd may save it, and the cache's buffer is overwritten below
-        out, final_state = pde_refine(
-            hidden_states,
-            attention_mask=attention_mask,
-            initial_state=state,
-            return_final_state=True,
-            causal=True,
-            backend=self.backend,
-            **kwargs,
-        )
+        out, final_state = pde_refine(hidden_states, initial_state=state, return_final_state=True, **kwargs)
         # Stored as the layer's conv state with the channels as its last ("kernel") axis, so the buffer is the
         # contiguous [batch, steps, channels] tensor the decode kernel updates in place.
         # fp32 (fp64 for a float64 model: its cached decoding is then exact to fp64 rounding too).
