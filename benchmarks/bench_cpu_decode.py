@@ -9,11 +9,13 @@ time per site is the median per-token difference divided by the number of PDE si
 
     python benchmarks/bench_cpu_decode.py                          # diffusion and reaction-diffusion (~1 min)
     python benchmarks/bench_cpu_decode.py --pde-types wave --pairs 2000
+    python benchmarks/bench_cpu_decode.py --bounds                 # + the structure's cost and the ops' floor
 
 Writes ``benchmarks/results/cpu_decode.json`` / ``.md``.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -27,10 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import transformers  # noqa: E402
 from bench_patched_model import bootstrap_median, llama_model, paired_decode  # noqa: E402
+from cpu_site_host_time import substitute_decode_step  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+STEP_LABEL = {"real": "the package's", "identity": "identity (structure only)",
+              "floor": "floor: cat + mm + state write"}
 
 
 def parse_args():
@@ -45,6 +50,10 @@ def parse_args():
     p.add_argument("--tokens", type=int, default=200, help="tokens per decoding pass")
     p.add_argument("--pairs", type=int, default=1000, help="timed token pairs per PDE type")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bounds", action="store_true",
+                   help="also time diffusion with the one-token step replaced by the identity (the structure's "
+                        "cost alone) and by the fewest torch ops of a linear update (the floor of any eager torch "
+                        "step; cpu_site_host_time.substitute_decode_step)")
     p.add_argument("--out", default=RESULTS)
     return p.parse_args()
 
@@ -54,7 +63,10 @@ def main():
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     rows = []
-    for pde_type in args.pde_types.split(","):
+    cases = [(t, None) for t in args.pde_types.split(",")]
+    if args.bounds:
+        cases += [("diffusion", "identity"), ("diffusion", "floor")]
+    for pde_type, substitute in cases:
         build = lambda: llama_model(args.layers, args.hidden, args.intermediate, args.vocab, device,  # noqa: E731
                                     torch.float32, max_positions=4096)
         unpatched, patched = build(), build()
@@ -64,11 +76,12 @@ def main():
                     backend="torch")
         sites = len(pde_modules(patched))
         prompt = torch.randint(0, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(3))
-        pairs = paired_decode(patched, unpatched, prompt, args.tokens, args.pairs, device, mask=True)
+        with substitute_decode_step(substitute) if substitute else contextlib.nullcontext():
+            pairs = paired_decode(patched, unpatched, prompt, args.tokens, args.pairs, device, mask=True)
         ratios = [p / u for u, p in pairs]
         low, high = bootstrap_median(ratios)
         unpatched_s = statistics.median(u for u, _ in pairs)
-        row = dict(pde_type=pde_type, sites=sites, pairs=len(pairs), unpatched_step_us=1e6 * unpatched_s,
+        row = dict(pde_type=pde_type, step=substitute or "real", sites=sites, pairs=len(pairs), unpatched_step_us=1e6 * unpatched_s,
                    patched_step_us=1e6 * statistics.median(p for _, p in pairs),
                    overhead_percent=100 * (statistics.median(ratios) - 1),
                    overhead_ci95_percent=[100 * (low - 1), 100 * (high - 1)],
@@ -88,11 +101,11 @@ def main():
              f"`init=\"paper\"`, backend `torch`. Per-token pairs (each token decoded by both models back to back); "
              f"overhead: median of patched / unpatched - 1 [bootstrap 95%]. torch {info['torch']}, transformers "
              f"{info['transformers']}.", "",
-             "| PDE type | unpatched µs/token | patched µs/token | overhead | host µs per site | target |",
-             "|---|---|---|---|---|---|"]
+             "| PDE type | one-token step | unpatched µs/token | patched µs/token | overhead | host µs per site | target |",
+             "|---|---|---|---|---|---|---|"]
     for row in rows:
         low, high = row["overhead_ci95_percent"]
-        lines.append(f"| {row['pde_type']} | {row['unpatched_step_us']:.0f} | {row['patched_step_us']:.0f} | "
+        lines.append(f"| {row['pde_type']} | {STEP_LABEL[row['step']]} | {row['unpatched_step_us']:.0f} | {row['patched_step_us']:.0f} | "
                      f"{row['overhead_percent']:+.1f}% [{low:+.1f}, {high:+.1f}] | {row['host_us_per_site']:.1f} | "
                      f"<= {row['target_percent']:.0f}% |")
     lines += ["", f"Reproduce: `{info['command']}`", ""]

@@ -70,8 +70,14 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
     x = hidden_states if hidden_states.dtype == state.dtype else hidden_states.to(state.dtype)  # fp32 (fp64 models)
     if x.dim() == 2:
         x = x.unsqueeze(1)  # [batch, 1, channels]: broadcasts against the levels
+    if pde_type == "reaction_diffusion" and steps and token_mask is None and not torch.compiler.is_compiling():
+        # Eager, no padding: the stored values read as views, the new state written by one concatenation into it.
+        levels = _reaction_levels(x, state.split(1, dim=1), alpha, beta)
+        torch.cat(levels[:steps], dim=1, out=state)
+        refined = levels[steps]
+        return _as_input(refined, hidden_states)
     if pde_type == "reaction_diffusion":
-        levels = _reaction_levels(x, state, steps, alpha, beta)
+        levels = torch.cat(_reaction_levels(x, state.split(1, dim=1), alpha, beta), dim=1)
     else:
         if decode_map is None:
             decode_map = causal_decode_map(pde_type, steps, alpha, beta, state.dtype)
@@ -87,21 +93,27 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
         refined = torch.where(valid > 0, refined, x)
     else:
         state.copy_(levels.narrow(1, 0, steps))
+    return _as_input(refined, hidden_states)
+
+
+def _as_input(refined, hidden_states):
+    """``refined`` ``[batch, 1, channels]`` in the shape and dtype of the token it refines."""
     if refined.dim() != hidden_states.dim():
         refined = refined.reshape(hidden_states.shape)
     return refined if refined.dtype == hidden_states.dtype else refined.to(hidden_states.dtype)
 
 
-def _reaction_levels(x, state, steps, alpha, beta):
-    """``[batch, S+1, channels]``: the levels of causal reaction-diffusion for one token ``[batch, 1, channels]``
-    (the exact recurrence ``u += alpha * (state_s - u) - beta * tanh(u)``); ``alpha``, ``beta``: tensors or floats."""
+def _reaction_levels(x, stored, alpha, beta):
+    """The levels ``[u_0 = x, ..., u_S]`` (each ``[batch, 1, channels]``) of causal reaction-diffusion for one token:
+    the exact recurrence ``u += alpha * (stored_s - u) - beta * tanh(u)`` over the stored values ``stored`` (``S``
+    tensors ``[batch, 1, channels]``); ``alpha``, ``beta``: tensors or floats."""
     if torch.is_tensor(alpha):
         alpha, beta = alpha.to(x.dtype), beta.to(x.dtype)
     u = x
     levels = [u]
-    for step in range(steps):
+    for value in stored:
         decay = torch.tanh(u)
-        u = torch.lerp(u, state[:, step:step + 1], alpha)
+        u = torch.lerp(u, value, alpha)
         u = u.sub_(decay, alpha=beta) if not torch.is_tensor(beta) else u - beta * decay
         levels.append(u)
-    return torch.cat(levels, dim=1)
+    return levels
