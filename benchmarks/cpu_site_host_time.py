@@ -74,8 +74,9 @@ def main():
     parser.add_argument("--floor-step", action="store_true")
     args = parser.parse_args()
     placement = json.loads(args.placement) if args.placement.startswith("[") else args.placement
-    if args.identity_step or args.floor_step:  # (for the whole run)
-        contextlib.ExitStack().enter_context(substitute_decode_step("identity" if args.identity_step else "floor"))
+    substitution = contextlib.ExitStack()  # (held for the whole run: closing it restores the real step)
+    if args.identity_step or args.floor_step:
+        substitution.enter_context(substitute_decode_step("identity" if args.identity_step else "floor"))
     torch.set_num_threads(1)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                                       num_attention_heads=4, num_key_value_heads=4)
