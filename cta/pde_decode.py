@@ -7,10 +7,14 @@ The state of a site is ``[batch, steps, channels]`` fp32: entry ``s`` is the ste
 position (what :func:`pde_reference.pde_refine_reference` returns as its final state). For one new token ``x`` the
 levels ``u_0 = x, u_1, ..., u_S`` of the causal schemes are
 
-* linear schemes (diffusion, advection-diffusion, wave): ``u_s = p_s * x + sum_r W[s, r] * state[r]``, a fixed
-  linear map of the token and the ``S`` stored values whose coefficients ``p``, ``W`` (:func:`causal_decode_map`)
-  are formed once per call from the coefficients alone;
-* reaction-diffusion (nonlinear, ``tanh``): the exact ``S``-step recurrence on the token.
+* computed by the scheme's own recurrence on the token (the reference's causal step, ``S`` pointwise steps on
+  ``[batch, 1, channels]`` tensors, the stored values read as views), and the state written back one level at a
+  time under ``torch.compile``: everything stays in the token's iteration space, so Inductor fuses the whole site,
+  state writes included, into the kernel of the norm that follows it (no kernel of its own);
+* or, for the linear schemes (diffusion, advection-diffusion, wave), as ``u_s = p_s * x + sum_r W[s, r] *
+  state[r]``: a fixed linear map of the token and the ``S`` stored values whose matrix (:func:`causal_decode_map`)
+  depends on the coefficients alone. The CPU keeps that matrix while a site's scalar coefficients keep their
+  values: one concatenation and one small matrix product per token, fewer ops than the recurrence.
 
 The refined token is ``u_S``; the new state is ``u_0 .. u_{S-1}``. A padded token (``token_mask`` 0) is returned
 unchanged and leaves zeros (a wall) as the state, as the sequence operator does. ``pde_refine_reference`` stays the
@@ -63,37 +67,50 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
     ``pde_type`` normalised, ``alpha`` / ``beta`` the coefficients the scheme uses (already inside their bounds: 0-d,
     1-element or ``[channels]`` tensors, or Python floats); ``token_mask``: one entry per sequence (0: padding). ``decode_map``: the
     linear scheme's :func:`causal_decode_map` of these coefficients when the caller keeps it (``[S+1, S+1]`` for
-    scalar coefficients), else formed here. Arguments are not checked here (:func:`pde_cta.pde_decode_step` checks
+    scalar coefficients), else the recurrence runs. Arguments are not checked here (:func:`pde_cta.pde_decode_step` checks
     them; :class:`PDERefinement` holds valid ones).
     """
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
     x = hidden_states if hidden_states.dtype == state.dtype else hidden_states.to(state.dtype)  # fp32 (fp64 models)
     if x.dim() == 2:
         x = x.unsqueeze(1)  # [batch, 1, channels]: broadcasts against the levels
-    if pde_type == "reaction_diffusion" and steps and token_mask is None and not torch.compiler.is_compiling():
-        # Eager, no padding: the stored values read as views, the new state written by one concatenation into it.
-        levels = _reaction_levels(x, state.split(1, dim=1), alpha, beta)
-        torch.cat(levels[:steps], dim=1, out=state)
-        refined = levels[steps]
-        return _as_input(refined, hidden_states)
-    if pde_type == "reaction_diffusion":
-        levels = torch.cat(_reaction_levels(x, state.split(1, dim=1), alpha, beta), dim=1)
-    else:
-        if decode_map is None:
-            decode_map = causal_decode_map(pde_type, steps, alpha, beta, state.dtype)
+    valid = None if token_mask is None else token_mask.reshape(-1, 1, 1).to(state.dtype)
+    if decode_map is not None and pde_type != "reaction_diffusion":
+        # the caller's map (the CPU's, for scalar coefficients: one concatenation and one small matrix product)
         inputs = torch.cat([x, state], dim=1)  # [batch, S+1, channels]
-        if decode_map.dim() == 2:  # scalar coefficients: one small matrix product
+        if decode_map.dim() == 2:
             levels = torch.matmul(decode_map, inputs)
-        else:  # per channel (and traced: pointwise products and a sum, which Inductor fuses)
+        else:  # per channel: [S+1, S+1, channels]
             levels = (decode_map * inputs.unsqueeze(1)).sum(2)
-    refined = levels.narrow(1, steps, 1)
-    if token_mask is not None:
-        valid = token_mask.reshape(-1, 1, 1).to(state.dtype)
-        state.copy_(levels.narrow(1, 0, steps) * valid)
-        refined = torch.where(valid > 0, refined, x)
+        refined = levels.narrow(1, steps, 1)
+        state.copy_(levels.narrow(1, 0, steps) if valid is None else levels.narrow(1, 0, steps) * valid)
     else:
-        state.copy_(levels.narrow(1, 0, steps))
+        # the scheme's recurrence on the token, pointwise on [batch, 1, channels] (the stored values read as views)
+        stored = state.split(1, dim=1)
+        if pde_type == "reaction_diffusion":
+            levels = _reaction_levels(x, stored, alpha, beta)
+        else:
+            levels = _linear_levels(x, stored, pde_type, alpha, beta)
+        refined = levels[steps]
+        _write_state(state, levels[:steps], valid)
+    if valid is not None:
+        refined = torch.where(valid > 0, refined, x)
     return _as_input(refined, hidden_states)
+
+
+def _write_state(state, levels, valid):
+    """``state`` ``[batch, S, channels]`` := the levels ``u_0 .. u_{S-1}`` (zeros for padded sequences)."""
+    if not levels:
+        return
+    if torch.compiler.is_compiling():
+        # One [batch, 1, channels] write per level: the iteration space of the token's own ops, so that Inductor
+        # stores the state from the kernel that refines the token (a [batch, S, channels] copy is a kernel of its own).
+        for index, level in enumerate(levels):
+            state.narrow(1, index, 1).copy_(level if valid is None else level * valid)
+    elif valid is None:
+        torch.cat(levels, dim=1, out=state)
+    else:
+        torch.mul(torch.cat(levels, dim=1), valid, out=state)
 
 
 def _as_input(refined, hidden_states):
@@ -101,6 +118,25 @@ def _as_input(refined, hidden_states):
     if refined.dim() != hidden_states.dim():
         refined = refined.reshape(hidden_states.shape)
     return refined if refined.dtype == hidden_states.dtype else refined.to(hidden_states.dtype)
+
+
+def _linear_levels(x, stored, pde_type, alpha, beta):
+    """The levels ``[u_0 = x, ..., u_S]`` (each ``[batch, 1, channels]``) of a linear causal scheme for one token: the
+    reference's causal step (``pull = stored_s - u``; diffusion / advection-diffusion ``u += c * pull`` with ``c =
+    alpha`` / ``alpha + beta``; wave ``v = (1 - damping) v + alpha * pull``, ``u += v``) over the stored values."""
+    coefficient = alpha + beta if pde_type == "advection_diffusion" else alpha
+    if torch.is_tensor(coefficient):
+        coefficient = coefficient.to(x.dtype)
+    u, velocity, levels = x, None, [x]
+    for value in stored:
+        pull = value - u
+        if pde_type == "wave":
+            velocity = coefficient * pull if velocity is None else (1.0 - WAVE_DAMPING) * velocity + coefficient * pull
+            u = u + velocity
+        else:
+            u = u + coefficient * pull
+        levels.append(u)
+    return levels
 
 
 def _reaction_levels(x, stored, alpha, beta):

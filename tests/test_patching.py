@@ -571,11 +571,12 @@ def test_pde_only_training_helper():
     assert count == 2 and sorted(trainable) == sorted(pde_parameter_names(model))
 
 
-def test_patched_decoder_static_cache_and_compiled_decode():
+@pytest.mark.parametrize("pde_type,per_channel", [("diffusion", False), ("wave", True), ("reaction_diffusion", False)])
+def test_patched_decoder_static_cache_and_compiled_decode(pde_type, per_channel):
     """A patched decoder decodes through transformers' StaticCache (hybrid static layers hold the PDE state), and a
     `torch.compile(fullgraph=True)` decode step -- the CUDA-graph serving setting -- equals eager decoding, with
-    the decode step traced as plain tensor operations (inductor fuses them with their neighbours); no graph
-    break."""
+    the decode step traced as plain tensor operations (the scheme's recurrence on the token and one state write per
+    level, which inductor fuses with their neighbours); no graph break."""
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
     torch._dynamo.reset()
@@ -585,7 +586,8 @@ def test_patched_decoder_static_cache_and_compiled_decode():
     # CPU tensors need Triton's interpreter (set by conftest unless CTA_TEST_GPU); a GPU run uses the GPU.
     device = "cpu" if os.environ.get("CTA_TEST_GPU", "0") in ("", "0") else "cuda"
     model = LlamaForCausalLM(config).eval()
-    patch_model(model, pde_type="diffusion", pde_steps=3, placement="block_output", init="paper", backend="triton")
+    patch_model(model, pde_type=pde_type, pde_steps=3, placement="block_output", init="paper", backend="triton",
+                per_channel=per_channel)
     model.to(device)
     ids = torch.randint(0, 64, (1, 10), generator=torch.Generator().manual_seed(1)).to(device)
     compiled = torch.compile(model.forward, fullgraph=True)
