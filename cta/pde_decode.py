@@ -94,7 +94,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
         refined = levels[steps]
         _write_state(state, levels[:steps], valid)
     if valid is not None:
-        refined = torch.where(valid > 0, refined, x)
+        refined = torch.lerp(x, refined, valid)  # exactly x where valid is 0 and refined where it is 1: one op
     return _as_input(refined, hidden_states)
 
 
@@ -129,12 +129,12 @@ def _linear_levels(x, stored, pde_type, alpha, beta):
         coefficient = coefficient.to(x.dtype)
     u, velocity, levels = x, None, [x]
     for value in stored:
-        pull = value - u
         if pde_type == "wave":
+            pull = value - u
             velocity = coefficient * pull if velocity is None else (1.0 - WAVE_DAMPING) * velocity + coefficient * pull
             u = u + velocity
         else:
-            u = u + coefficient * pull
+            u = torch.lerp(u, value, coefficient)  # u + c * (value - u): one op
         levels.append(u)
     return levels
 
