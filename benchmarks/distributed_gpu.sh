@@ -6,7 +6,8 @@
 #   bash benchmarks/distributed_gpu.sh single  # the 1.1B model on 1 GPU (the reference), one process per phase
 #   bash benchmarks/distributed_gpu.sh fsdp2   # the 1.1B model under FSDP2 on 2 GPUs, one process per phase
 #   bash benchmarks/distributed_gpu.sh zero3   # the 1.1B model under DeepSpeed ZeRO-3 on 2 GPUs, likewise
-#   bash benchmarks/distributed_gpu.sh overhead  # the PDE's share of a step under FSDP2 and ZeRO-3, paired rounds; ENGINES="zero3": one of them
+#   bash benchmarks/distributed_gpu.sh overhead  # the PDE's share of a step under FSDP2 and ZeRO-3, paired rounds; ENGINES="zero3": one of them;
+#       OVERHEAD_ARGS="--global_batch 16" SUFFIX=_b16: another per-GPU batch, into its own file
 #   bash benchmarks/distributed_gpu.sh tp      # tensor parallel: tp_plan="auto" on 2 GPUs vs one (check_tensor_parallel)
 # PHASES="lora_pde" (single / fsdp2 / zero3): only those phases, merged into the result file already in OUT.
 #   python benchmarks/summarize_distributed.py  # results/distributed.{json,md,png} from the JSON files
@@ -123,7 +124,7 @@ overhead)  # per engine and patched phase, one process: sites on / off in paired
         for phase in ${PHASES:-full_pde lora_pde native}; do
             step "overhead_${engine}_1b_$phase" "${launch[@]}" --config_file "$config" benchmarks/bench_distributed.py \
                 "${BIG[@]}" --steps 4 --warmup 1 --no_save --overhead_rounds "${ROUNDS:-16}" --phases "$phase" \
-                --name "distributed_${engine}_2gpu_overhead" --merge
+                --name "distributed_${engine}_2gpu_overhead${SUFFIX:-}" --merge ${OVERHEAD_ARGS:-}
         done
     done
     ;;
