@@ -174,3 +174,25 @@ def test_module_training_call_matches_reference_module(pde, causal, per_channel)
     with pytest.raises(ValueError, match="attention_mask"):
         module_t = PDERefinement(channels, pde, steps, causal=causal, backend="triton").to(DEVICE)
         module_t(x, mask[:, 1:])
+
+
+@needs_kernels
+def test_module_training_call_with_bf16_coefficients():
+    """FSDP2's bf16 parameter policy and DeepSpeed's bf16 mode hand the site bf16 coefficients and activations: the
+    kernels (fp32 inside) match the reference module run in fp32 on the same bf16 values, and the coefficient keeps
+    its dtype and shape in its gradient."""
+    from cta.pde_cta import PDERefinement
+
+    x = torch.randn(2, 37, 19, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)
+    results = {}
+    for backend, dtype in (("triton", torch.bfloat16), ("torch", torch.float32)):
+        module = PDERefinement(19, "diffusion", 3, causal=True, alpha=0.2, backend=backend).to(DEVICE, dtype)
+        leaf = x.to(dtype).clone().requires_grad_(True)
+        out = module(leaf)
+        out.float().square().sum().backward()
+        results[backend] = (out.float(), leaf.grad.float(), module.alpha.grad)
+    (out, dx, da), (ref_out, ref_dx, ref_da) = results["triton"], results["torch"]
+    assert da.dtype == torch.bfloat16 and da.shape == (1,)
+    torch.testing.assert_close(out, ref_out, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(dx, ref_dx, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(da.float(), ref_da, rtol=2e-2, atol=1e-1)
