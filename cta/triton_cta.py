@@ -31,8 +31,8 @@ from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, lau
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import PDE_IDS, check_decode_arguments, check_decode_state, check_pde_arguments, clamp_coefficients
 
-__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton", "pde_refine_module_triton",
-           "pde_refine_triton"]
+__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton",
+           "pde_refine_module_triton", "pde_refine_triton"]
 
 _PDE_NAMES = {v: k for k, v in PDE_IDS.items()}
 
