@@ -73,6 +73,11 @@ def parse_args():
                    help="only model.generate() (what users call), eager and compiled, patched vs an unpatched copy: "
                         "generate_<gpu>.json / .md (see measure_generate)")
     p.add_argument("--generate-batches", default="1,8", help="with --generate: batch sizes")
+    p.add_argument("--eager-decode", default="auto", choices=("auto", "torch"),
+                   help="with --generate: 'torch' runs the one-token step of a CUDA eager decode as plain torch ops "
+                        "(pde_decode.pde_decode_update, the recurrence) instead of the fused Triton kernel, prefill "
+                        "unchanged; results go to generate_<gpu>_torch_decode.* (compare with the default in one "
+                        "session)")
     p.add_argument("--generate-tokens", type=int, default=256, help="with --generate: new tokens per call")
     p.add_argument("--generate-modes", default="eager,compiled",
                    help="with --generate: 'eager' (dynamic cache) and/or 'compiled' (cache_implementation='static': "
@@ -335,6 +340,23 @@ class _TokenClock:
         return statistics.median(steps)
 
 
+def torch_decode_steps():
+    """From here on, a PDE site's one-token step takes its torch-ops path (as on the CPU, and under torch.compile)
+    even where the Triton decode kernel could run; prefill and training keep their kernels."""
+    from cta.pde_cta import PDERefinement
+
+    real = PDERefinement._decode_step
+
+    def decode_step(self, hidden_states, state, attention_mask):
+        backend, self.backend = self.backend, "torch"
+        try:
+            return real(self, hidden_states, state, attention_mask)
+        finally:
+            self.backend = backend
+
+    PDERefinement._decode_step = decode_step
+
+
 def measure_generate(patched, unpatched, args, device, on_row=None):
     """``model.generate()`` timed patched and unpatched: for each mode and batch size, ``--rounds`` paired rounds
     (each round calls generate once on each model, the order alternating; greedy, exactly ``--generate-tokens`` new
@@ -405,7 +427,9 @@ def write_generate(results, info, args, tag):
         f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})",
         "",
         f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block: diffusion, "
-        f"{args.steps} steps, backend `{info['patch']['backend_used']}`. Greedy, {args.generate_tokens} new tokens "
+        f"{args.steps} steps, backend `{info['patch']['backend_used']}`"
+        f"{' (the one-token step as torch ops: --eager-decode torch)' if args.eager_decode == 'torch' else ''}. "
+        f"Greedy, {args.generate_tokens} new tokens "
         f"after a {args.decode_prefill}-token prompt. Call overhead: median over {args.rounds} paired rounds of "
         "patched / unpatched time of the generate() call; decode-step overhead: the same of each call's median time "
         "between decoded tokens (ranges over rounds in brackets); µs per site and step: the median over rounds of "
@@ -460,6 +484,10 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         return compiled_step_kernels(model, args, device, os.path.join(args.out, f"compiled_step_kernels_{tag}.txt"))
     if args.generate:  # an unpatched copy (same seed, same weights) beside the patched model
+        info["patch"]["eager_decode"] = args.eager_decode
+        if args.eager_decode == "torch":
+            torch_decode_steps()
+            tag += "_torch_decode"
         unpatched = llama_model(args.layers, hidden, intermediate, args.vocab, device, dtype)
         unpatched.config._attn_implementation = "sdpa"
         patch(model, args, device)
