@@ -38,22 +38,12 @@ def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Opti
     Computed by running the scheme's recurrence on coefficient vectors over that basis: ``S`` tiny steps on
     ``[S+1, C']`` tensors, whatever the batch.
     """
-    coefficient = alpha + beta if pde_type == "advection_diffusion" else alpha
-    coefficient = coefficient.to(dtype).reshape(1, -1)  # [1, C']
-    basis = torch.eye(steps + 1, device=coefficient.device, dtype=dtype).unsqueeze(-1)  # [S+1, S+1, 1]
-    u = basis[0].expand(steps + 1, coefficient.shape[1])  # the token's own level: u_0 = x
-    v = torch.zeros_like(u)
-    levels = []
-    for step in range(steps):
-        levels.append(u)
-        pull = basis[step + 1] - u  # state[step] - u_step
-        if pde_type == "wave":
-            v = (1.0 - WAVE_DAMPING) * v + coefficient * pull
-            u = u + v
-        else:
-            u = u + coefficient * pull
-    levels.append(u)
-    return torch.stack(levels)
+    to_row = lambda c: None if c is None else c.to(dtype).reshape(1, -1)  # noqa: E731  ([1, C'])
+    alpha, beta = to_row(alpha), to_row(beta)
+    width = max(alpha.shape[1], 1 if beta is None else beta.shape[1])
+    basis = torch.eye(steps + 1, device=alpha.device, dtype=dtype).unsqueeze(-1)  # [S+1, S+1, 1]
+    token = basis[0].expand(steps + 1, width)  # the token's own level: u_0 = x
+    return torch.stack(_linear_levels(token, basis[1:], pde_type, alpha, beta))
 
 
 def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_type: str, steps: int,

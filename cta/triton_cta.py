@@ -166,9 +166,8 @@ class _ProjectedPDERefineFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, alpha, beta, mask, options):
-        pde, steps, causal, ((a_lo, a_hi), b_bounds) = options
-        alpha = alpha.clamp(a_lo, a_hi)
-        beta = beta.clamp(*b_bounds) if beta is not None else None
+        pde, steps, causal, bounds = options
+        alpha, beta = clamp_coefficients(alpha, beta, bounds)
         y, _ = launch_forward(x, alpha, beta, mask, None, pde, steps, causal, False)
         ctx.save_for_backward(x, alpha, beta, mask, None)
         ctx.meta = (pde, steps, causal)
@@ -298,9 +297,7 @@ def pde_refine_module_triton(hidden_states, alpha, beta, attention_mask, pde_typ
                                     or (beta is not None and beta.requires_grad)):
         return _ProjectedPDERefineFunction.apply(hidden_states, alpha, beta, attention_mask,
                                                  (pde_type, steps, bool(causal), bounds))
-    (a_lo, a_hi), b_bounds = bounds
-    alpha = alpha.clamp(a_lo, a_hi)
-    beta = beta.clamp(*b_bounds) if beta is not None else None
+    alpha, beta = clamp_coefficients(alpha, beta, bounds)
     return launch_forward(hidden_states, alpha, beta, attention_mask, None, pde_type, steps, bool(causal), False)[0]
 
 
