@@ -136,11 +136,7 @@ def check_pde_arguments(
         raise ValueError(f"`hidden_states` must be a floating point tensor, got dtype {hidden_states.dtype}.")
     batch, seq, channels = hidden_states.shape
     pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device, causal)
-    if attention_mask is not None and attention_mask.shape != (batch, seq):
-        raise ValueError(
-            f"`attention_mask` must have shape [batch, seq] = [{batch}, {seq}] like `hidden_states`, "
-            f"got {tuple(attention_mask.shape)}."
-        )
+    check_attention_mask(attention_mask, batch, seq)
     if initial_state is not None:
         if not causal:
             raise ValueError("`initial_state` is only defined for causal=True.")
@@ -150,6 +146,15 @@ def check_pde_arguments(
                 f"got {tuple(initial_state.shape)}."
             )
     return pde_type, alpha, beta
+
+
+def check_attention_mask(attention_mask, batch: int, seq: int) -> None:
+    """Raises unless ``attention_mask`` is None or ``[batch, seq]`` like the hidden states it walls."""
+    if attention_mask is not None and attention_mask.shape != (batch, seq):
+        raise ValueError(
+            f"`attention_mask` must have shape [batch, seq] = [{batch}, {seq}] like `hidden_states`, "
+            f"got {tuple(attention_mask.shape)}."
+        )
 
 
 def _check_bounds(bounds):

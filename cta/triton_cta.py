@@ -29,7 +29,14 @@ from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
 from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, launch_forward
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
-from .pde_spec import PDE_IDS, check_decode_arguments, check_decode_state, check_pde_arguments, clamp_coefficients
+from .pde_spec import (
+    PDE_IDS,
+    check_attention_mask,
+    check_decode_arguments,
+    check_decode_state,
+    check_pde_arguments,
+    clamp_coefficients,
+)
 
 __all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton",
            "pde_refine_module_triton", "pde_refine_triton"]
@@ -288,9 +295,7 @@ def pde_refine_module_triton(hidden_states, alpha, beta, attention_mask, pde_typ
             or alpha.device != hidden_states.device):
         return None
     if attention_mask is not None:
-        if attention_mask.shape != hidden_states.shape[:2]:
-            raise ValueError(f"`attention_mask` must have shape [batch, seq] = {list(hidden_states.shape[:2])} like "
-                             f"`hidden_states`, got {tuple(attention_mask.shape)}.")
+        check_attention_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
         if attention_mask.device != hidden_states.device:
             attention_mask = attention_mask.to(hidden_states.device)
     if torch.is_grad_enabled() and (hidden_states.requires_grad or alpha.requires_grad
