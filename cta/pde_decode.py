@@ -55,10 +55,10 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
     returns the refined token in the input's shape and dtype.
 
     ``pde_type`` normalised, ``alpha`` / ``beta`` the coefficients the scheme uses (already inside their bounds: 0-d,
-    1-element or ``[channels]`` tensors, or Python floats); ``token_mask``: one entry per sequence (0: padding). ``decode_map``: the
-    linear scheme's :func:`causal_decode_map` of these coefficients when the caller keeps it (``[S+1, S+1]`` for
-    scalar coefficients), else the recurrence runs. Arguments are not checked here (:func:`pde_cta.pde_decode_step` checks
-    them; :class:`PDERefinement` holds valid ones).
+    1-element or ``[channels]`` tensors, or Python floats); ``token_mask``: one entry per sequence (0: padding).
+    ``decode_map``: the linear scheme's :func:`causal_decode_map` of these coefficients when the caller keeps it
+    (``[S+1, S+1]`` for scalar coefficients), else the recurrence runs. Arguments are not checked here
+    (:func:`pde_cta.pde_decode_step` checks them; :class:`PDERefinement` holds valid ones).
     """
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
     x = hidden_states if hidden_states.dtype == state.dtype else hidden_states.to(state.dtype)  # fp32 (fp64 models)
@@ -72,8 +72,8 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
             levels = torch.matmul(decode_map, inputs)
         else:  # per channel: [S+1, S+1, channels]
             levels = (decode_map * inputs.unsqueeze(1)).sum(2)
-        refined = levels.narrow(1, steps, 1)
-        state.copy_(levels.narrow(1, 0, steps) if valid is None else levels.narrow(1, 0, steps) * valid)
+        refined, new_state = levels.narrow(1, steps, 1), levels.narrow(1, 0, steps)
+        state.copy_(new_state if valid is None else new_state * valid)
     else:
         # the scheme's recurrence on the token, pointwise on [batch, 1, channels] (the stored values read as views)
         stored = state.split(1, dim=1)
