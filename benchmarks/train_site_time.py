@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -58,8 +59,8 @@ def main():
                 site.steps = 4 if mode == "on" else 0
                 rows[mode].append(timed(site, x, args.calls))
         site.steps = 4
-        med = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-        case = {mode: {"host_us": 1e6 * med([h for h, _ in r]), "wall_us": 1e6 * med([w for _, w in r])}
+        case = {mode: {"host_us": 1e6 * statistics.median(h for h, _ in r),
+                       "wall_us": 1e6 * statistics.median(w for _, w in r)}
                 for mode, r in rows.items()}
         case["added_host_us"] = case["on"]["host_us"] - case["off"]["host_us"]
         case["added_wall_us"] = case["on"]["wall_us"] - case["off"]["wall_us"]
