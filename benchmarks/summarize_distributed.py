@@ -59,7 +59,22 @@ def load_runs(results_dir):
                 run["phases"][phase].update({k: v for k, v in record.items() if k.startswith("paired_")},
                                             paired_source=os.path.basename(path))
                 run["phases"][phase]["paired_step_overhead_ci95"] = paired_overhead_ci(record)
+        # The same paired measurement at other per-GPU batches (distributed_gpu.sh overhead with SUFFIX=_<tag>)
+        run["overhead_variants"] = [overhead_variant(path) for path in
+                                    sorted(glob.glob(os.path.join(results_dir, stem + "_overhead_*.json")))]
     return runs
+
+
+def overhead_variant(path):
+    """A ``<stem>_overhead_<tag>.json`` file's paired overheads by phase, with the tokens per GPU they ran at."""
+    with open(path) as f:
+        timing = json.load(f)
+    phases = {phase: {"median": record["paired_step_overhead_median"], "ci95": paired_overhead_ci(record),
+                      "pairs": record["paired_rounds"] - 2, "step_seconds_median": record["step_seconds_median"]}
+              for phase, record in timing["phases"].items() if "paired_step_overhead_median" in record}
+    return {"source": os.path.basename(path), "per_process_batch": timing["per_process_batch"],
+            "seq_len": timing["seq_len"], "device": timing.get("device"),
+            "transformers": timing.get("versions", {}).get("transformers"), "phases": phases}
 
 
 def paired_overhead_ci(record):
@@ -106,7 +121,8 @@ def summarize(results_dir, reference_name):
                "steps": reference["steps"], "patch": reference["patch"],
                "runs": {name: {"engine": run["engine"], "num_processes": run["num_processes"],
                                "device": run["device"], "versions": run.get("versions", {}), "per_process_batch": run["per_process_batch"],
-                               "phases": compare(run, reference)} for name, run in engines.items()},
+                               "phases": compare(run, reference),
+                               "overhead_variants": run.get("overhead_variants", [])} for name, run in engines.items()},
                "reference_phases": compare(reference, reference)}
     return summary, runs
 
@@ -171,6 +187,18 @@ def render_md(summary):
                       f"unpatched / LoRA + PDE coefficients (`modules_to_save`); `native` = `cta.CTAForCausalLM` "
                       f"(`CTAConfig.modern_decoder`) of the same shape. Rendered by "
                       f"`python benchmarks/summarize_distributed.py` from `results/distributed_*.json`."]
+    variants = [(r, v) for r in summary["runs"].values() for v in r["overhead_variants"]]
+    if variants:
+        lines += ["", "PDE overhead at more tokens per GPU (the same paired measurement, its own process per phase):",
+                  "", "| engine | GPUs | phase | tokens per GPU | step s | PDE overhead, paired [95%] (pairs) | source |",
+                  "|---|---|---|---|---|---|---|"]
+        for run, variant in variants:
+            for phase, v in variant["phases"].items():
+                low, high = v["ci95"]
+                lines.append(f"| {ENGINE_LABEL.get(run['engine'], run['engine'])} | {run['num_processes']} | {phase} "
+                             f"| {variant['per_process_batch']} x {variant['seq_len']} | {v['step_seconds_median']:.3f} "
+                             f"| {100 * v['median']:+.2f}% [{100 * low:+.1f}, {100 * high:+.1f}] ({v['pairs']}) "
+                             f"| `{variant['source']}` ({variant['device']}, transformers {variant['transformers']}) |")
     devices = "; ".join(f"{name}: {run.get('device', '?')}, transformers {run.get('versions', {}).get('transformers', '?')}"
                         for name, run in summary["runs"].items())
     lines += ["", f"Devices: {devices}.", "",
@@ -178,8 +206,8 @@ def render_md(summary):
               "(7 timed steps after 3 warm-up); on these shared hosts the same work moved by tens of percent between "
               "processes (compare the unpatched `full` and `lora` rows of one engine), so a step-time ratio between "
               "two such phases is not a measurement of the PDE: the paired rounds are (their files: `paired_source` in "
-              "distributed.json). At 4 x 1024 tokens per GPU a sharded step waits on the host, so what a site adds "
-              "there is its host time (`benchmarks/train_site_time.py`; results in benchmarks/results/), which the "
+              "distributed.json). At 4 x 1024 tokens per GPU a sharded step waits on the host (compare FSDP2's step "
+              "time at twice the tokens per GPU, in the table above), so what a site adds there is its host time (`benchmarks/train_site_time.py`; results in benchmarks/results/), which the "
               "one-GPU step hides. "
               "DeepSpeed's bf16 mode keeps the weights themselves in bf16 (the reference and FSDP2 keep fp32 weights), "
               "which moves the fast-falling unpatched full fine-tune out of the tolerance band in its middle steps."]
@@ -193,7 +221,9 @@ def plot(summary, runs, path):
     import matplotlib.pyplot as plt
 
     phases = [p for p in ("full_pde", "lora_pde", "native") if any(p in r["phases"] for r in runs.values())]
-    fig, axes = plt.subplots(1, len(phases) + 1, figsize=(4.2 * (len(phases) + 1), 3.6))
+    fig = plt.figure(figsize=(4.2 * max(len(phases), 2), 7.6))
+    grid = fig.add_gridspec(2, len(phases))
+    axes = [fig.add_subplot(grid[0, i]) for i in range(len(phases))] + [fig.add_subplot(grid[1, :])]
     reference = runs[summary["reference"]]
     for ax, phase in zip(axes, phases):
         if phase in reference["phases"]:
@@ -214,17 +244,28 @@ def plot(summary, runs, path):
         for phase in phases:
             record = run["phases"].get(phase, {})
             if "paired_step_overhead_median" in record:
-                labels.append(f"{run['engine']} {run['num_processes']}x\n{phase}")
+                labels.append(f"{ENGINE_LABEL.get(run['engine'], run['engine'])}, {run['num_processes']} "
+                              f"{run['device_type'].upper()}s: {phase}, {run['per_process_batch']} x "
+                              f"{run['seq_len']} / GPU")
                 median = record["paired_step_overhead_median"]
                 low, high = record.get("paired_step_overhead_ci95", (median, median))
                 overheads.append(100 * median)
                 errors[0].append(100 * (median - low))
                 errors[1].append(100 * (high - median))
+        for variant in summary["runs"].get(name, {}).get("overhead_variants", []):
+            for phase, v in variant["phases"].items():
+                labels.append(f"{ENGINE_LABEL.get(run['engine'], run['engine'])}, {run['num_processes']} "
+                              f"{run['device_type'].upper()}s: {phase}, {variant['per_process_batch']} x "
+                              f"{variant['seq_len']} / GPU")
+                overheads.append(100 * v["median"])
+                errors[0].append(100 * (v["median"] - v["ci95"][0]))
+                errors[1].append(100 * (v["ci95"][1] - v["median"]))
     if overheads:
-        ax.bar(range(len(labels)), overheads, yerr=errors, capsize=3, color="tab:orange")
-        ax.axhline(100 * OVERHEAD_TARGET, color="k", ls=":", label=f"target {100 * OVERHEAD_TARGET:.0f}%")
-        ax.set_xticks(range(len(labels)), labels, fontsize=6)
-        ax.set_ylabel("PDE step overhead (%), paired, 95% CI")
+        ax.barh(range(len(labels)), overheads, xerr=errors, capsize=3, color="tab:orange")
+        ax.axvline(100 * OVERHEAD_TARGET, color="k", ls=":", label=f"target {100 * OVERHEAD_TARGET:.0f}%")
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("PDE step overhead (%): median of paired steps (sites on / off), bootstrap 95% interval")
         ax.legend(fontsize=7)
     ax.set_title("PDE share of a training step")
     fig.tight_layout()
