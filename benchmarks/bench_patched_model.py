@@ -73,11 +73,18 @@ def parse_args():
                    help="only model.generate() (what users call), eager and compiled, patched vs an unpatched copy: "
                         "generate_<gpu>.json / .md (see measure_generate)")
     p.add_argument("--generate-batches", default="1,8", help="with --generate: batch sizes")
-    p.add_argument("--eager-decode", default="auto", choices=("auto", "torch"),
+    p.add_argument("--eager-decode", default="auto", choices=("auto", "torch", "identity"),
                    help="with --generate: 'torch' runs the one-token step of a CUDA eager decode as plain torch ops "
                         "(pde_decode.pde_decode_update, the recurrence) instead of the fused Triton kernel, prefill "
-                        "unchanged; results go to generate_<gpu>_torch_decode.* (compare with the default in one "
-                        "session)")
+                        "unchanged; 'identity' returns the token unchanged (what remains is the structure: hooks, "
+                        "lookups, module calls; a bound, not a result). Results go to generate_<gpu>_<mode>_decode.* "
+                        "(compare with the default in one session)")
+    p.add_argument("--compiled-state-write", default="levels", choices=("levels", "stack", "index_copy"),
+                   help="an experiment on the compiled decode step (with --generate or --compiled-step-kernels): "
+                        "'stack' writes a site's new state as one [batch, S, channels] copy of the stacked levels "
+                        "instead of the package's one [batch, 1, channels] write per level; 'index_copy' writes them "
+                        "with one index_copy_ (as transformers' StaticCache writes keys and values); results get the "
+                        "suffix _<choice>_state")
     p.add_argument("--generate-tokens", type=int, default=256, help="with --generate: new tokens per call")
     p.add_argument("--generate-modes", default="eager,compiled",
                    help="with --generate: 'eager' (dynamic cache) and/or 'compiled' (cache_implementation='static': "
@@ -340,6 +347,26 @@ class _TokenClock:
         return statistics.median(steps)
 
 
+def stacked_state_writes(mode):
+    """From here on, a traced decode step writes a site's new state as one copy of the stacked levels (``stack``) or
+    one ``index_copy_`` of them (``index_copy``): the ``--compiled-state-write`` experiment."""
+    from cta import pde_decode
+
+    real = pde_decode._write_state
+
+    def write_state(state, levels, valid):
+        if not (levels and torch.compiler.is_compiling()):
+            return real(state, levels, valid)
+        stacked = torch.cat(levels, dim=1)
+        stacked = stacked if valid is None else stacked * valid
+        if mode == "stack":
+            state.copy_(stacked)
+        else:
+            state.index_copy_(1, torch.arange(len(levels), device=state.device), stacked)
+
+    pde_decode._write_state = write_state
+
+
 def torch_decode_steps():
     """From here on, a PDE site's one-token step takes its torch-ops path (as on the CPU, and under torch.compile)
     even where the Triton decode kernel could run; prefill and training keep their kernels."""
@@ -418,6 +445,11 @@ def measure_generate(patched, unpatched, args, device, on_row=None):
     return results
 
 
+EAGER_DECODE_NOTE = {"auto": "", "torch": " (the one-token step as torch ops: --eager-decode torch)",
+                     "identity": " (the one-token step replaced by the identity, --eager-decode identity: the "
+                                 "structure's cost alone, a bound)"}
+
+
 def write_generate(results, info, args, tag):
     stem = os.path.join(args.out, f"generate_{tag}")
     info = dict(info, generate=results, command="python benchmarks/bench_patched_model.py " + " ".join(sys.argv[1:]))
@@ -428,7 +460,7 @@ def write_generate(results, info, args, tag):
         "",
         f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block: diffusion, "
         f"{args.steps} steps, backend `{info['patch']['backend_used']}`"
-        f"{' (the one-token step as torch ops: --eager-decode torch)' if args.eager_decode == 'torch' else ''}. "
+        f"{EAGER_DECODE_NOTE[args.eager_decode]}. "
         f"Greedy, {args.generate_tokens} new tokens "
         f"after a {args.decode_prefill}-token prompt. Call overhead: median over {args.rounds} paired rounds of "
         "patched / unpatched time of the generate() call; decode-step overhead: the same of each call's median time "
@@ -478,6 +510,10 @@ def main():
     info["patch"]["triton_available"] = triton_available()
     info["patch"]["backend_used"] = "triton" if _use_triton(args.backend, probe) else "torch"
     print(json.dumps(info, indent=1), flush=True)
+    if args.compiled_state_write != "levels":
+        stacked_state_writes(args.compiled_state_write)
+        tag += f"_{args.compiled_state_write}_state"
+        info["patch"]["compiled_state_write"] = args.compiled_state_write
     if args.compiled_step_kernels:
         if device.type != "cuda":
             raise SystemExit("--compiled-step-kernels profiles CUDA kernels: it needs --device cuda.")
@@ -487,7 +523,11 @@ def main():
         info["patch"]["eager_decode"] = args.eager_decode
         if args.eager_decode == "torch":
             torch_decode_steps()
-            tag += "_torch_decode"
+        elif args.eager_decode == "identity":
+            from cpu_site_host_time import substitute_decode_step
+            substitute_decode_step("identity").__enter__()  # for the rest of this process
+        if args.eager_decode != "auto":
+            tag += f"_{args.eager_decode}_decode"
         unpatched = llama_model(args.layers, hidden, intermediate, args.vocab, device, dtype)
         unpatched.config._attn_implementation = "sdpa"
         patch(model, args, device)

@@ -27,6 +27,7 @@ GPU = "NVIDIA_H200"  # the kernel sweep
 # The model-level files of the current code (public decode path): prefill, training step and generate(); the H200's
 # patched_model file predates the removal of the private decode fast path (commit 3cc1b57).
 MODEL_GPU = "NVIDIA_H100_80GB_HBM3"
+GENERATE_GPU = "NVIDIA_H200"  # the generate() run of the current decode path (benchmarks/results/generate_<gpu>.json)
 MISSING = "—"
 
 # One row per paper task: (label, results/<table>.json, row of that table, CTA variant, paper value note).
@@ -174,7 +175,7 @@ def overhead_line():
         return value + (f" (target <= {targets[key]:.0f}%)" if key in targets else "")
 
     items = [item("prefill_16384", "prefill of 16384 tokens"), item("train_step", "training step")]
-    generate = _load(ROOT / "benchmarks" / "results" / f"generate_{MODEL_GPU}.json")
+    generate = _load(ROOT / "benchmarks" / "results" / f"generate_{GENERATE_GPU}.json")
     if generate:
         rows = {(r["mode"], r["batch"]): r for r in generate["generate"]}
         for mode in ("eager", "compiled"):
