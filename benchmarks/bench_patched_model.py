@@ -80,11 +80,8 @@ def parse_args():
                         "lookups, module calls; a bound, not a result). Results go to generate_<gpu>_<mode>_decode.* "
                         "(compare with the default in one session)")
     p.add_argument("--compiled-state-write", default="levels", choices=("levels", "stack", "index_copy"),
-                   help="an experiment on the compiled decode step (with --generate or --compiled-step-kernels): "
-                        "'stack' writes a site's new state as one [batch, S, channels] copy of the stacked levels "
-                        "instead of the package's one [batch, 1, channels] write per level; 'index_copy' writes them "
-                        "with one index_copy_ (as transformers' StaticCache writes keys and values); results get the "
-                        "suffix _<choice>_state")
+                   help="experiment: how a traced decode step writes a site's state (the package's per-level writes, "
+                        "one stacked copy, one index_copy_); files get _<choice>_state (docs/decoding.md)")
     p.add_argument("--generate-tokens", type=int, default=256, help="with --generate: new tokens per call")
     p.add_argument("--generate-modes", default="eager,compiled",
                    help="with --generate: 'eager' (dynamic cache) and/or 'compiled' (cache_implementation='static': "
