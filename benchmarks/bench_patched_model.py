@@ -32,6 +32,7 @@ Timings are medians over ``--repeats`` runs after warm-up (CUDA synchronised wal
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -364,9 +365,10 @@ def stacked_state_writes(mode):
     pde_decode._write_state = write_state
 
 
+@contextlib.contextmanager
 def torch_decode_steps():
-    """From here on, a PDE site's one-token step takes its torch-ops path (as on the CPU, and under torch.compile)
-    even where the Triton decode kernel could run; prefill and training keep their kernels."""
+    """Within the block, a PDE site's one-token step takes its torch-ops path (as on the CPU, and under
+    torch.compile) even where the Triton decode kernel could run; prefill and training keep their kernels."""
     from cta.pde_cta import PDERefinement
 
     real = PDERefinement._decode_step
@@ -379,6 +381,10 @@ def torch_decode_steps():
             self.backend = backend
 
     PDERefinement._decode_step = decode_step
+    try:
+        yield
+    finally:
+        PDERefinement._decode_step = real
 
 
 def measure_generate(patched, unpatched, args, device, on_row=None):
@@ -519,7 +525,7 @@ def main():
     if args.generate:  # an unpatched copy (same seed, same weights) beside the patched model
         info["patch"]["eager_decode"] = args.eager_decode
         if args.eager_decode == "torch":
-            torch_decode_steps()
+            torch_decode_steps().__enter__()  # for the rest of this process
         elif args.eager_decode == "identity":
             from cpu_site_host_time import substitute_decode_step
             substitute_decode_step("identity").__enter__()  # for the rest of this process
