@@ -16,7 +16,6 @@ Writes ``decode_launch_cost_<gpu>_batch<N>.json`` / ``.md``.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,10 +23,12 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+
+from results_io import write_result_files  # noqa: E402  (beside this script)
 
 from cta.kernels_launch import DECODE_WARPS, _coef_arg, _decode_launch, launch_decode  # noqa: E402
 from cta.pde_cta import PDERefinement  # noqa: E402
@@ -96,10 +97,7 @@ def main():
     info = dict(device=gpu, torch=torch.__version__, triton=triton.__version__, batch=args.batch,
                 channels=args.channels, steps=args.steps, calls=args.calls, repeats=args.repeats, us_per_call=rows,
                 command="python benchmarks/decode_launch_cost.py " + " ".join(sys.argv[1:]))
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"decode_launch_cost_{gpu.replace(' ', '_')}_batch{args.batch}")
-    with open(stem + ".json", "w") as f:
-        json.dump(info, f, indent=1)
     lines = [f"# Host time of one eager decode step, down to the launch ({gpu})", "",
              f"Token [{args.batch}, 1, {args.channels}] bf16, state [{args.batch}, {args.steps}, {args.channels}] "
              "fp32, "
@@ -107,10 +105,7 @@ def main():
              f"{args.repeats} loops. torch {info['torch']}, triton {info['triton']}.", "",
              "| call | µs per call |", "|---|---|"]
     lines += [f"| {label} | {us:.2f} |" for label, us in rows.items()]
-    lines += ["", f"Reproduce: `{info['command']}`", ""]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+    write_result_files(stem, info, lines)
 
 
 if __name__ == "__main__":

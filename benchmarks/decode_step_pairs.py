@@ -30,6 +30,7 @@ from bench_patched_model import (  # noqa: E402
     _TokenClock, bootstrap_median, llama_model, paired_decode, sync, torch_decode_steps,
 )
 from cpu_site_host_time import substitute_decode_step  # noqa: E402
+from results_io import write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 
@@ -109,10 +110,7 @@ def main():
     info = dict(device=gpu, torch=torch.__version__, transformers=transformers.__version__, batch=args.batch,
                 model=dict(layers=args.layers, hidden=args.hidden, dtype=str(dtype).replace("torch.", "")),
                 sites=sites, rows=rows, command="python benchmarks/decode_step_pairs.py " + " ".join(sys.argv[1:]))
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"decode_step_pairs_{gpu.replace(' ', '_')}_batch{args.batch}")
-    with open(stem + ".json", "w") as f:
-        json.dump(info, f, indent=1)
     lines = [f"# One eager decode step: what the PDE sites add, by substitute step ({gpu}, batch {args.batch})", "",
              f"{args.layers} layers x {args.hidden} hidden, {info['model']['dtype']}, sdpa; diffusion, 4 steps "
              f"after every block ({sites} sites). Loop: {args.pairs} per-token pairs against an unpatched copy "
@@ -129,10 +127,7 @@ def main():
             low, high = s["overhead_ci95_percent"]
             cells += [f"{s['overhead_percent']:+.2f}% [{low:+.2f}, {high:+.2f}]", f"{s['us_per_site']:.1f}"]
         lines.append(f"| {VARIANTS[row['variant']]} | " + " | ".join(cells) + " |")
-    lines += ["", f"Reproduce: `{info['command']}`", ""]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
+    write_result_files(stem, info, lines)
 
 
 if __name__ == "__main__":

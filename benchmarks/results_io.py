@@ -1,6 +1,5 @@
-"""What the kernel benchmarks share: the check that a GPU is there (kernels compiled, not interpreted), the kernel
-launch they time, and the result file ``<out>/<stem>_<gpu>.json`` with the rows and a ``meta`` block that says where
-they came from (GPU, torch and triton versions, the command that reproduces them)."""
+"""What the benchmarks share: the check that a GPU is there (kernels compiled, not interpreted), the kernel launch
+they time, and the writing of a result's ``.json`` / ``.md`` pair."""
 
 import json
 import os
@@ -38,15 +37,13 @@ def diffusion_launch(kind: str, x, alpha, grad, steps: int, causal: bool):
     return lambda: launch_backward(grad, x, alpha, None, None, None, "diffusion", steps, causal, need_db=False)
 
 
-def write_results(out_dir: str, stem: str, rows, **meta) -> str:
-    """Writes ``{"meta": ..., "rows": rows}`` (``meta``: the given fields plus gpu, torch, triton, command) and
-    returns the path."""
-    gpu = torch.cuda.get_device_name()
-    meta = dict(gpu=gpu, torch=torch.__version__, triton=__import__("triton").__version__, **meta,
-                command="python benchmarks/" + " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]))
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{stem}_{gpu.replace(' ', '_')}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"wrote {path}")
-    return path
+def write_result_files(stem: str, info: dict, lines) -> None:
+    """Writes ``info`` to ``<stem>.json`` and the markdown ``lines`` to ``<stem>.md``, ending with the command that
+    reproduces them (``info["command"]``), and prints the markdown."""
+    os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(info, f, indent=1)
+    text = "\n".join([*lines, "", f"Reproduce: `{info['command']}`", ""])
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    print(text)
