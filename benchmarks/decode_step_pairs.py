@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
