@@ -345,9 +345,10 @@ class _TokenClock:
         return statistics.median(steps)
 
 
+@contextlib.contextmanager
 def stacked_state_writes(mode):
-    """From here on, a traced decode step writes a site's new state as one copy of the stacked levels (``stack``) or
-    one ``index_copy_`` of them (``index_copy``): the ``--compiled-state-write`` experiment."""
+    """Within the block, a traced decode step writes a site's new state as one copy of the stacked levels (``stack``)
+    or one ``index_copy_`` of them (``index_copy``): the ``--compiled-state-write`` experiment."""
     from cta import pde_decode
 
     real = pde_decode._write_state
@@ -363,12 +364,27 @@ def stacked_state_writes(mode):
             state.index_copy_(1, torch.arange(len(levels), device=state.device), stacked)
 
     pde_decode._write_state = write_state
+    try:
+        yield
+    finally:
+        pde_decode._write_state = real
 
 
 @contextlib.contextmanager
-def torch_decode_steps():
-    """Within the block, a PDE site's one-token step takes its torch-ops path (as on the CPU, and under
-    torch.compile) even where the Triton decode kernel could run; prefill and training keep their kernels."""
+def decode_step_variant(name):
+    """Within the block, a PDE site's one-token step is ``name``: ``auto`` the package's; ``torch`` its torch-ops
+    path (as on the CPU and under torch.compile) even where the Triton decode kernel could run; ``identity`` the token
+    returned unchanged (what remains is the structure: hooks, lookups, module calls). Prefill and training keep their
+    kernels."""
+    if name == "identity":
+        from cpu_site_host_time import substitute_decode_step
+
+        with substitute_decode_step("identity"):
+            yield
+        return
+    if name == "auto":
+        yield
+        return
     from cta.pde_cta import PDERefinement
 
     real = PDERefinement._decode_step
@@ -513,8 +529,9 @@ def main():
     info["patch"]["triton_available"] = triton_available()
     info["patch"]["backend_used"] = "triton" if _use_triton(args.backend, probe) else "torch"
     print(json.dumps(info, indent=1), flush=True)
+    substitutions = contextlib.ExitStack()  # (held for the rest of this process)
     if args.compiled_state_write != "levels":
-        stacked_state_writes(args.compiled_state_write)
+        substitutions.enter_context(stacked_state_writes(args.compiled_state_write))
         tag += f"_{args.compiled_state_write}_state"
         info["patch"]["compiled_state_write"] = args.compiled_state_write
     if args.compiled_step_kernels:
@@ -524,11 +541,7 @@ def main():
         return compiled_step_kernels(model, args, device, os.path.join(args.out, f"compiled_step_kernels_{tag}.txt"))
     if args.generate:  # an unpatched copy (same seed, same weights) beside the patched model
         info["patch"]["eager_decode"] = args.eager_decode
-        if args.eager_decode == "torch":
-            torch_decode_steps().__enter__()  # for the rest of this process
-        elif args.eager_decode == "identity":
-            from cpu_site_host_time import substitute_decode_step
-            substitute_decode_step("identity").__enter__()  # for the rest of this process
+        substitutions.enter_context(decode_step_variant(args.eager_decode))
         if args.eager_decode != "auto":
             tag += f"_{args.eager_decode}_decode"
         unpatched = llama_model(args.layers, hidden, intermediate, args.vocab, device, dtype)

@@ -13,7 +13,6 @@ the difference is generate()'s, not the sites'. Writes ``decode_step_pairs_<gpu>
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -26,21 +25,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import transformers  # noqa: E402
 from bench_patched_model import (  # noqa: E402
-    _TokenClock, bootstrap_median, llama_model, paired_decode, sync, torch_decode_steps,
+    _TokenClock, bootstrap_median, decode_step_variant, llama_model, paired_decode, sync,
 )
-from cpu_site_host_time import substitute_decode_step  # noqa: E402
 from results_io import write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 
 VARIANTS = {"package": "the package's step", "torch": "plain torch ops (the recurrence)",
             "identity": "the identity (structure alone)"}
-
-
-def variant_step(name):
-    """The one-token step of ``name`` for the block (prefill stays real)."""
-    return {"package": contextlib.nullcontext, "torch": torch_decode_steps,
-            "identity": lambda: substitute_decode_step("identity")}[name]()
 
 
 def generate_rounds(patched, unpatched, prompt, tokens, rounds, device):
@@ -99,7 +91,7 @@ def main():
     prompt = torch.randint(0, 32000, (args.batch, args.prompt), generator=torch.Generator().manual_seed(5)).to(device)
     rows = []
     for name in args.variants.split(","):
-        with variant_step(name):
+        with decode_step_variant("auto" if name == "package" else name):
             loop = paired_decode(patched, unpatched, prompt, args.tokens, args.pairs, device, mask=True)
             calls = generate_rounds(patched, unpatched, prompt, args.tokens, args.rounds, device)
         row = dict(variant=name, loop=summary(loop, sites), generate=summary(calls, sites))

@@ -5,7 +5,7 @@ per-function difference against the unpatched model.
 
 The Llama-shaped model of ``bench_patched_model.py --generate`` (random weights, bf16 on CUDA / fp32 on CPU, sdpa),
 unpatched; patched with diffusion, 4 steps after every block (``init="paper"``, the default backend: Triton on
-CUDA); and patched with the one-token PDE step replaced by the identity (``cpu_site_host_time.substitute_decode_step``:
+CUDA); and patched with the one-token PDE step replaced by the identity (``bench_patched_model.decode_step_variant``:
 what remains is the structure: hooks, lookups, module calls, and whatever generate() does differently for a patched
 model). Each model generates once untimed, once timed, then once under cProfile. Writes
 ``eager_generate_profile_<device>.txt``: the call times, then for each patched variant the functions whose own time
@@ -14,7 +14,6 @@ calls. Under the profiler every Python call costs more: read the ranking and the
 """
 
 import argparse
-import contextlib
 import cProfile
 import io
 import os
@@ -27,8 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench_patched_model import llama_model  # noqa: E402
-from cpu_site_host_time import substitute_decode_step  # noqa: E402
+from bench_patched_model import decode_step_variant, llama_model  # noqa: E402
 
 from cta.patching_cta import patch_model  # noqa: E402
 
@@ -93,8 +91,7 @@ def main():
         prompt = torch.randint(0, 32000, (1, 512), generator=torch.Generator().manual_seed(0)).to(device)
         kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.tokens, min_new_tokens=args.tokens,
                       do_sample=False, pad_token_id=0)
-        substitute = substitute_decode_step("identity") if "identity" in variant else contextlib.nullcontext()
-        with substitute:
+        with decode_step_variant("identity" if "identity" in variant else "auto"):
             stats[variant] = profiled_generate(model, prompt, kwargs, device, variant, report)
         del model
     for variant in ("patched", "patched, identity step"):
