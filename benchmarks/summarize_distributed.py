@@ -238,28 +238,23 @@ def plot(summary, runs, path):
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
     ax = axes[-1]
-    labels, overheads, errors = [], [], [[], []]
+    bars = []  # (label, median, (low, high)) of every paired overhead: each run's own batch, then its variants
     for name in [summary["reference"], *summary["runs"]]:
         run = runs[name]
+        engine = f"{ENGINE_LABEL.get(run['engine'], run['engine'])}, {run['num_processes']} {run['device_type'].upper()}s"
         for phase in phases:
             record = run["phases"].get(phase, {})
             if "paired_step_overhead_median" in record:
-                labels.append(f"{ENGINE_LABEL.get(run['engine'], run['engine'])}, {run['num_processes']} "
-                              f"{run['device_type'].upper()}s: {phase}, {run['per_process_batch']} x "
-                              f"{run['seq_len']} / GPU")
                 median = record["paired_step_overhead_median"]
-                low, high = record.get("paired_step_overhead_ci95", (median, median))
-                overheads.append(100 * median)
-                errors[0].append(100 * (median - low))
-                errors[1].append(100 * (high - median))
-        for variant in summary["runs"].get(name, {}).get("overhead_variants", []):
-            for phase, v in variant["phases"].items():
-                labels.append(f"{ENGINE_LABEL.get(run['engine'], run['engine'])}, {run['num_processes']} "
-                              f"{run['device_type'].upper()}s: {phase}, {variant['per_process_batch']} x "
-                              f"{variant['seq_len']} / GPU")
-                overheads.append(100 * v["median"])
-                errors[0].append(100 * (v["median"] - v["ci95"][0]))
-                errors[1].append(100 * (v["ci95"][1] - v["median"]))
+                bars.append((f"{engine}: {phase}, {run['per_process_batch']} x {run['seq_len']} / GPU", median,
+                             record.get("paired_step_overhead_ci95", (median, median))))
+        for variant in run.get("overhead_variants", []):
+            bars += [(f"{engine}: {phase}, {variant['per_process_batch']} x {variant['seq_len']} / GPU", v["median"],
+                      v["ci95"]) for phase, v in variant["phases"].items()]
+    labels = [label for label, _, _ in bars]
+    overheads = [100 * median for _, median, _ in bars]
+    errors = [[100 * (median - low) for _, median, (low, _) in bars],
+              [100 * (high - median) for _, median, (_, high) in bars]]
     if overheads:
         ax.barh(range(len(labels)), overheads, xerr=errors, capsize=3, color="tab:orange")
         ax.axvline(100 * OVERHEAD_TARGET, color="k", ls=":", label=f"target {100 * OVERHEAD_TARGET:.0f}%")
