@@ -122,10 +122,22 @@ def test_identity_and_paper_init_tiny(arch):
 
 
 def test_patch_arguments_and_unsupported_architecture():
-    opt = transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1,
-                                                             num_attention_heads=2, ffn_dim=32, word_embed_proj_dim=16))
-    with pytest.raises(ValueError, match="Supported architectures: Llama.*Mistral.*Qwen2.*Qwen3.*GPT2.*Bert.*Roberta"):
-        patch_model(opt)
+    mamba = transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=VOCAB, hidden_size=16,
+                                                                   num_hidden_layers=1, state_size=4))
+    with pytest.raises(ValueError, match=r"MambaConfig \(model_type 'mamba'\): keeps its own recurrent"):
+        patch_model(mamba)
+    # a placement the architecture does not offer: refused before anything changes, naming what it supports
+    neox = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)).eval()
+    ids, mask = batch()
+    before, names = logits(neox, ids, mask), [n for n, _ in neox.named_modules()]
+    with pytest.raises(ValueError, match=r"cannot place `value` in GPTNeoXForCausalLM \(model_type 'gpt_neox'\): "
+                                         r".*interleaved.*supports there: embedding, attention_output, mlp_output, "
+                                         r"block_output\."):
+        patch_model(neox, placement=["block_output", "value"])
+    assert type(neox) is transformers.GPTNeoXForCausalLM and not hasattr(neox.config, "cta_patch")
+    assert [n for n, _ in neox.named_modules()] == names
+    torch.testing.assert_close(logits(neox, ids, mask), before, atol=0, rtol=0)
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="attention_matrix"):
         patch_model(model, placement="attention_matrix")

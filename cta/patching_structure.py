@@ -1,0 +1,398 @@
+# coding=utf-8
+"""Where the PDE sites of a patched transformers model go, found by structure, and what is refused (with why).
+
+``patching_cta.patch_model`` asks :func:`plan_patch` for the modules each placement refines before it changes
+anything; every refusal is a ``ValueError`` raised here, naming the placement, the architecture and what it supports.
+
+* **The layer stack**: the one ``nn.ModuleList`` of the base model whose items are transformers'
+  ``GradientCheckpointingLayer`` s (every decoder / encoder layer of transformers 5.x is one) or the class the model
+  names in ``_no_split_modules``. ``block_output`` refines each item's output, ``embedding`` the first item's input (what
+  ``get_input_embeddings()`` produced, after any scaling or projection the model applies before its first layer).
+* **Decoder or encoder** (causal or bidirectional stencil), from the config: ``is_decoder`` / ``is_causal`` where it
+  sets them, else the model's heads (a masked-LM head: an encoder; a causal-LM head only: a decoder); where the
+  attention modules say ``is_causal`` too, it must agree.
+* **value**: the layer's one value projection (an ``nn.Linear`` / ``Conv1D`` named ``v_proj``, ``value``,
+  ``value_proj``, ``v_lin`` or ``v``), or the value columns of a fused QKV projection whose layout the config
+  determines (:data:`FUSED_VALUE`). **attention_output** / **mlp_output**: the attention module (the layer's child that
+  holds the value projection) and the MLP / mixture-of-experts block (a child named ``mlp``, ``feed_forward``, ``ffn``,
+  ``block_sparse_moe``, ``moe``; or the second feed-forward ``Linear`` ``fc2`` of OPT-style layers): their outputs
+  before the residual add. Where such a module adds the residual itself (its ``forward`` takes ``residual``), its output
+  projection (its last ``Linear``) is refined instead; in BERT-style post-LN layers, the dropout before Add & Norm.
+* **Refused up front**: architectures whose cache holds their own recurrent or convolution state (the PDE state
+  cannot share it: Mamba, Jamba, Falcon-H1, LFM2, Qwen3-Next, RecurrentGemma, RWKV, ...), composite (multimodal) and
+  encoder-decoder configs, and the types listed in :data:`REFUSED` with their reason.
+
+The per-architecture knowledge is :data:`FUSED_VALUE` and :data:`REFUSED`: one line per architecture, like PEFT's
+default LoRA target table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Optional
+
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.auto import modeling_auto
+
+
+LAYER_PLACEMENTS = ("value", "attention_output", "mlp_output")
+ALL_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output")
+
+VALUE_NAMES = ("v_proj", "value", "value_proj", "v_lin", "v")
+FUSED_QKV_NAMES = ("c_attn", "qkv_proj", "Wqkv", "query_key_value", "qkv", "W_pack", "qkv_linear")
+MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe", "mlp_block")
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+# The cache layer types whose layers hold only keys and values: a PDE state can be added beside them.
+ATTENTION_CACHE_TYPES = ("full_attention", "sliding_attention")
+
+
+def _head_dim(config):
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+# model_type -> (fused QKV attribute, width of its trailing value columns from the config; None: not a contiguous
+# block for this config). One line per architecture whose value projection is fused.
+FUSED_VALUE = {
+    "gpt2": ("c_attn", lambda c: c.hidden_size),
+    "mpt": ("Wqkv", lambda c: c.hidden_size),
+    "modernbert": ("Wqkv", lambda c: c.hidden_size),
+    "phi3": ("qkv_proj", lambda c: c.num_key_value_heads * _head_dim(c)),
+    "gpt_bigcode": ("c_attn", lambda c: _head_dim(c) if c.multi_query else None),
+    "falcon": ("query_key_value",
+               lambda c: _head_dim(c) if c.multi_query and not c.new_decoder_architecture else None),
+    # per head [q, k, v]: the value columns are interleaved with the others
+    "gpt_neox": ("query_key_value", lambda c: None),
+    "persimmon": ("query_key_value", lambda c: None),
+    "bloom": ("query_key_value", lambda c: None),
+    "codegen": ("qkv_proj", lambda c: None),
+}
+
+# model_type -> why patch_model refuses it (what the structure alone would not tell).
+REFUSED = {
+    "mamba": "keeps its own recurrent (selective state-space) state in its cache",
+    "mamba2": "keeps its own recurrent (selective state-space) state in its cache",
+    "falcon_mamba": "keeps its own recurrent (selective state-space) state in its cache",
+    "rwkv": "keeps its own recurrent (RWKV time-mixing) state in its cache",
+    "recurrent_gemma": "keeps its own recurrent (RG-LRU) state in its cache",
+    "xlstm": "keeps its own recurrent (xLSTM) state in its cache",
+}
+
+
+@dataclasses.dataclass
+class ValueTarget:
+    owner: nn.Module  # the module whose attribute is the projection (the PDE module becomes its submodule)
+    attr: str
+    value_slice: Optional[tuple]  # (low, high) columns of a fused projection; None: the whole output
+    channels: int
+
+
+@dataclasses.dataclass
+class LayerTargets:
+    """The modules of one layer that each placement refines, or why a placement is not available there."""
+
+    value: Optional[ValueTarget] = None
+    attention_output: Optional[nn.Module] = None
+    mlp_output: Optional[nn.Module] = None
+    reasons: dict = dataclasses.field(default_factory=dict)  # placement -> why not
+
+
+@dataclasses.dataclass
+class PatchPlan:
+    base: nn.Module
+    layers: nn.ModuleList
+    layers_name: str
+    causal: bool
+    targets: list  # LayerTargets per layer (None where the layer gets no per-layer site)
+
+
+def architecture_name(model_or_config) -> str:
+    config = getattr(model_or_config, "config", model_or_config)
+    name = type(model_or_config).__name__ if hasattr(model_or_config, "config") else type(config).__name__
+    return f"{name} (model_type {base_model_type(config)!r})"
+
+
+def base_model_type(config) -> str:
+    """The model type of the config's class (a patched config's class reports its base model's type)."""
+    model_type = getattr(type(config), "_cta_base_model_type", None) or getattr(type(config), "model_type", None)
+    return model_type or getattr(config, "model_type", "") or ""
+
+
+def _out_features(module) -> Optional[int]:
+    for attr in ("out_features", "nf"):  # nn.Linear (and its PEFT / quantized subclasses), GPT-2's Conv1D
+        value = getattr(module, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Refusals that the config alone decides (also what the README table lists)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def config_refusal(config) -> Optional[str]:
+    """Why no model of ``config`` can be patched (``None``: the structure decides)."""
+    model_type = base_model_type(config)
+    if model_type in REFUSED:
+        return REFUSED[model_type]
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder (sequence-to-sequence) model: patch_model refines one layer stack"
+    if getattr(type(config), "sub_configs", None):
+        names = ", ".join(sorted(type(config).sub_configs))
+        return (f"a composite config (sub-configs {names}): patch the text model of its own model type, not the "
+                "multimodal wrapper")
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        layer_types, _ = get_layer_types_and_kwargs(config)
+    except Exception:  # a config without the fields transformers reads: the structure decides
+        return None
+    others = sorted(set(layer_types) - set(ATTENTION_CACHE_TYPES))
+    if others:
+        return (f"its cache layers of type {others} keep their own recurrent / convolution / compressed state, "
+                "which the PDE state cannot share (only full and sliding-window attention layers can hold it)")
+    return None
+
+
+def _has_head(model_type, names):
+    return model_type in names
+
+
+def config_is_decoder(config) -> bool:
+    """Decoder (causal stencil) or encoder (bidirectional), from the config and the model's heads."""
+    if getattr(config, "is_decoder", False):
+        return True
+    is_causal = getattr(config, "is_causal", None)
+    if isinstance(is_causal, bool):
+        return is_causal
+    model_type = base_model_type(config)
+    if _has_head(model_type, modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        return False
+    return _has_head(model_type, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The layer stack and each layer's modules
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def find_layer_stack(model):
+    """``(base model, its layer ModuleList, the list's name)``; raises ``ValueError`` where there is not exactly one."""
+    base = getattr(model, "base_model", model)
+    split = set(getattr(model, "_no_split_modules", None) or ()) | set(getattr(base, "_no_split_modules", None) or ())
+    found = []
+    for name, module in base.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(
+                isinstance(item, GradientCheckpointingLayer) or type(item).__name__ in split for item in module):
+            found.append((name, module))
+    # a stack nested inside the layers of another one (e.g. sub-blocks) is part of that one
+    found = [(n, m) for n, m in found if not any(n.startswith(other + ".") for other, _ in found if other != n)]
+    if len(found) != 1:
+        what = "no" if not found else f"{len(found)} ({', '.join(n for n, _ in found)})"
+        raise ValueError(
+            f"patch_model cannot patch {architecture_name(model)}: it needs one layer stack (an nn.ModuleList of "
+            f"GradientCheckpointingLayer / `_no_split_modules` layers) in its base model and found {what}."
+        )
+    name, layers = found[0]
+    return base, layers, name
+
+
+def _children_named(module, names):
+    return [(n, getattr(module, n)) for n in names if isinstance(getattr(module, n, None), nn.Module)]
+
+
+def _takes_residual(module) -> bool:
+    try:
+        return "residual" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _last_linear(module):
+    linears = [m for m in module.children() if _out_features(m) is not None]
+    return linears[-1] if linears else None
+
+
+def _post_ln_dropout(module):
+    """BERT-style ``output`` block (dense, dropout, LayerNorm of the sum with the residual): its dropout."""
+    output = getattr(module, "output", None)
+    if isinstance(output, nn.Module) and isinstance(getattr(output, "dropout", None), nn.Dropout) and any(
+            isinstance(m, nn.LayerNorm) for m in output.children()):
+        return output.dropout
+    return None
+
+
+def _output_module(module):
+    """What an attention / MLP module's ``*_output`` site refines: the module, or, where it adds the residual itself,
+    its output projection (BERT-style: the dropout before Add & Norm)."""
+    dropout = _post_ln_dropout(module)
+    if dropout is not None:
+        return dropout
+    if _takes_residual(module):
+        return _last_linear(module)
+    return module
+
+
+def _value_projections(layer):
+    """``[(owner, attribute)]`` of the layer's separate value projections (cross-attention excluded)."""
+    found = []
+    for path, module in layer.named_modules():
+        if "cross" in path or "encoder_attn" in path:
+            continue
+        for name, child in _children_named(module, VALUE_NAMES):
+            if _out_features(child) is not None:
+                found.append((path, module, name))
+    return found
+
+
+def _fused_projections(layer):
+    found = []
+    for path, module in layer.named_modules():
+        if "cross" in path or "encoder_attn" in path:
+            continue
+        for name, child in _children_named(module, FUSED_QKV_NAMES):
+            if _out_features(child) is not None:
+                found.append((path, module, name))
+    return found
+
+
+def _direct_child(layer, path):
+    """The layer's child on the way to its submodule ``path`` (``""``: the layer itself)."""
+    return getattr(layer, path.split(".")[0]) if path else None
+
+
+def layer_targets(layer, config) -> LayerTargets:
+    """What ``value`` / ``attention_output`` / ``mlp_output`` refine in ``layer`` (or why they cannot)."""
+    targets = LayerTargets()
+    model_type = base_model_type(config)
+    attention = None
+    separate = _value_projections(layer)
+    fused = _fused_projections(layer)
+    if len(separate) == 1:
+        path, owner, attr = separate[0]
+        channels = _out_features(getattr(owner, attr))
+        targets.value = ValueTarget(owner, attr, None, channels)
+        attention = _direct_child(layer, path)
+    elif len(separate) > 1:
+        targets.reasons["value"] = f"several value projections ({', '.join(p + '.' + a for p, _, a in separate)})"
+    elif len(fused) == 1:
+        path, owner, attr = fused[0]
+        attention = _direct_child(layer, path)
+        known = FUSED_VALUE.get(model_type)
+        width = known[1](config) if known is not None and known[0] == attr else None
+        total = _out_features(getattr(owner, attr))
+        if width is not None and 0 < width < total:
+            targets.value = ValueTarget(owner, attr, (total - width, total), width)
+        elif known is not None and known[0] == attr:
+            targets.reasons["value"] = (f"the value columns of its fused `{attr}` are interleaved with the query and "
+                                        "key columns (per head or per group) for this config")
+        else:
+            targets.reasons["value"] = (f"its value projection is fused into `{attr}` with a layout cta does not know "
+                                        "(an architecture with a contiguous value block is one line in "
+                                        "patching_structure.FUSED_VALUE)")
+    else:
+        targets.reasons["value"] = ("no value projection found (a Linear named " + ", ".join(VALUE_NAMES) +
+                                    " or a known fused QKV projection)")
+    if attention is None or attention is layer:
+        named = _children_named(layer, ATTENTION_NAMES)
+        attention = named[0][1] if len(named) == 1 else None
+    if attention is None:
+        targets.reasons["attention_output"] = "no attention module found (" + ", ".join(ATTENTION_NAMES) + ")"
+    else:
+        module = _output_module(attention)
+        if module is None:
+            targets.reasons["attention_output"] = (f"its attention module {type(attention).__name__} adds the residual "
+                                                   "itself and has no output projection")
+        else:
+            targets.attention_output = module
+    layer_dropout = _post_ln_dropout(layer) if hasattr(layer, "intermediate") else None
+    mlps = _children_named(layer, MLP_NAMES)
+    if layer_dropout is not None:
+        targets.mlp_output = layer_dropout
+    elif len(mlps) == 1:
+        module = _output_module(mlps[0][1])
+        if module is None:
+            targets.reasons["mlp_output"] = f"its MLP {type(mlps[0][1]).__name__} adds the residual itself"
+        else:
+            targets.mlp_output = module
+    elif len(mlps) > 1:
+        targets.reasons["mlp_output"] = f"several MLP blocks ({', '.join(n for n, _ in mlps)})"
+    elif _out_features(getattr(layer, "fc2", None)) is not None:
+        targets.mlp_output = layer.fc2  # OPT-style layers: fc1 / fc2 directly on the layer
+    else:
+        targets.reasons["mlp_output"] = "no MLP / mixture-of-experts block found (" + ", ".join(MLP_NAMES) + ", fc2)"
+    return targets
+
+
+def _attention_causality(layers):
+    flags = set()
+    for layer in layers:
+        for module in layer.modules():
+            flag = module.__dict__.get("is_causal", getattr(type(module), "is_causal", None))
+            if isinstance(flag, bool) and any(_out_features(c) is not None for c in module.children()):
+                flags.add(flag)
+    return flags
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def refuse(placement, model, reason, supported):
+    supported_text = ", ".join(supported) if supported else "none"
+    return ValueError(
+        f"patch_model cannot place `{placement}` in {architecture_name(model)}: {reason}. Placements it supports "
+        f"there: {supported_text}."
+    )
+
+
+def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
+    """The modules that ``placements`` refine in ``model`` (``layer_indices``: the layers with per-layer sites,
+    default all); raises ``ValueError`` before anything is changed where the model or a placement is not supported."""
+    config = model.config
+    reason = config_refusal(config)
+    if reason is not None:
+        raise ValueError(f"patch_model does not support {architecture_name(model)}: {reason}.")
+    base, layers, name = find_layer_stack(model)
+    causal = config_is_decoder(config)
+    flags = _attention_causality(layers)
+    if flags and flags != {causal}:
+        raise ValueError(
+            f"patch_model cannot patch {architecture_name(model)}: its config makes it "
+            f"{'a decoder' if causal else 'an encoder'} but its attention modules say is_causal={sorted(flags)}."
+        )
+    model_type = base_model_type(config)
+    if causal and _has_head(model_type, modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        raise ValueError(
+            f"patch_model supports {architecture_name(model)} as an encoder only (config.is_decoder=False); got "
+            "is_decoder=True."
+        )
+    indices = range(len(layers)) if layer_indices is None else layer_indices
+    wanted = [p for p in LAYER_PLACEMENTS if p in placements]
+    targets = [None] * len(layers)
+    for idx in indices:
+        found = layer_targets(layers[idx], config)
+        for placement in wanted:
+            if getattr(found, placement) is None:
+                supported = [p for p in ALL_PLACEMENTS if p not in LAYER_PLACEMENTS or getattr(found, p) is not None]
+                raise refuse(placement, model, found.reasons[placement] + f" (layer {idx}, {type(layers[idx]).__name__})",
+                             supported)
+        targets[idx] = found
+    return PatchPlan(base, layers, name, causal, targets)
+
+
+def supported_placements(model) -> list:
+    """The placements ``patch_model`` accepts for ``model`` (every layer must offer a per-layer one)."""
+    plan = plan_patch(model, ())
+    supported = []
+    for placement in ALL_PLACEMENTS:
+        if placement not in LAYER_PLACEMENTS or all(
+                getattr(layer_targets(layer, model.config), placement) is not None for layer in plan.layers):
+            supported.append(placement)
+    return supported
+
+
+__all__ = ["FUSED_VALUE", "REFUSED", "plan_patch", "supported_placements", "config_refusal", "find_layer_stack"]
