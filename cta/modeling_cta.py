@@ -34,10 +34,13 @@ from .pde_cache import (
     CACHE_ARGUMENTS,
     check_pde_states,
     deprecate_past_key_values,
+    fill_unused_pde_states,
     pde_sites,
     pop_cache,
 )
+from .generation_cta import PDEGenerationMixin
 from .pde_cta import PDERefinement
+from .pde_packing import packed_rows
 
 
 class CTARMSNorm(nn.Module):
@@ -180,14 +183,14 @@ class CTAAttention(nn.Module):
         self.matrix_pde = make_pde(config, self.num_heads, layer_idx) if "attention_matrix" in placements else None
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None, cache=None,
-                output_attentions=False, **kwargs):
+                output_attentions=False, packed=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         values = self.v_proj(hidden_states)
         if self.value_pde is not None:
-            values = self.value_pde(values, token_mask, cache)
+            values = self.value_pde(values, token_mask, cache, packed)
         value_states = values.view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             cos, sin = position_embeddings
@@ -273,7 +276,7 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             setattr(self, f"{name}_pde", module)
 
     def forward(self, hidden_states, attention_mask=None, token_mask=None, position_embeddings=None,
-                output_attentions=False, **kwargs):
+                output_attentions=False, packed=None, **kwargs):
         # The cache arrives under the installed transformers' name (its gradient checkpointing clears that one).
         cache = pop_cache(kwargs)
         residual = hidden_states
@@ -286,10 +289,11 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             token_mask=token_mask,
             cache=cache,
             output_attentions=output_attentions,
+            packed=packed,
             **kwargs,
         )
         if self.attention_output_pde is not None:
-            attn_output = self.attention_output_pde(attn_output, token_mask, cache)
+            attn_output = self.attention_output_pde(attn_output, token_mask, cache, packed)
         hidden_states = residual + self.dropout(attn_output)
         if not self.pre_norm:
             hidden_states = self.attention_norm(hidden_states)
@@ -299,13 +303,13 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.mlp_norm(hidden_states)
         mlp_output = self.mlp(hidden_states)
         if self.mlp_output_pde is not None:
-            mlp_output = self.mlp_output_pde(mlp_output, token_mask, cache)
+            mlp_output = self.mlp_output_pde(mlp_output, token_mask, cache, packed)
         hidden_states = residual + self.dropout(mlp_output)
         if not self.pre_norm:
             hidden_states = self.mlp_norm(hidden_states)
 
         if self.block_output_pde is not None:
-            hidden_states = self.block_output_pde(hidden_states, token_mask, cache)
+            hidden_states = self.block_output_pde(hidden_states, token_mask, cache, packed)
         return hidden_states, attn_weights
 
 
@@ -417,7 +421,7 @@ class CTAModel(CTAPreTrainedModel):
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         batch, seq_len = inputs_embeds.shape[:2]
-        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[0] != batch:
+        if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 and attention_mask.shape[0] != batch:
             raise ValueError(
                 f"`attention_mask` has batch size {attention_mask.shape[0]} but the inputs have {batch}."
             )
@@ -429,9 +433,12 @@ class CTAModel(CTAPreTrainedModel):
         # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
         check_pde_states(cache, self.pde_sites, type(self).__name__)
 
-        # The PDE walls come from the 2D padding mask of the current tokens.
+        # The PDE walls come from the 2D padding mask of the current tokens. generate() gives a one-token decode step
+        # of a StaticCache its 4D masks (one per layer type) instead: the new token is not padding.
         token_mask = None
-        if attention_mask is not None and attention_mask.dim() == 2:
+        built_masks = attention_mask if isinstance(attention_mask, dict) or (
+            torch.is_tensor(attention_mask) and attention_mask.dim() == 4) else None
+        if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
             if attention_mask.shape[1] != past_seen + seq_len:
                 raise ValueError(
                     f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {past_seen + seq_len}], "
@@ -440,8 +447,18 @@ class CTAModel(CTAPreTrainedModel):
             # Skipping an all-ones mask saves the PDE its wall arithmetic; the check syncs, so not under compile.
             if torch.compiler.is_compiling() or not bool(attention_mask.all()):
                 token_mask = attention_mask[:, -seq_len:]
+        # Rows holding several sequences (padding-free training: `position_ids` restarting) get a wall between them.
+        packed = None
+        if position_ids is not None or kwargs.get("cu_seq_lens_q") is not None:
+            if not (cache is not None and torch.compiler.is_compiling()):
+                packed = packed_rows(position_ids, token_mask, seq_len, kwargs.get("cu_seq_lens_q"))
+            if packed is not None and past_seen > 0:
+                raise ValueError(
+                    "`position_ids` restart inside a row (packed sequences) while the cache holds past tokens; packed "
+                    "rows cannot continue a cache. Give each sequence its own row (or no cache)."
+                )
         if position_ids is None:
-            if attention_mask is not None and attention_mask.dim() == 2:
+            if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
             else:
                 position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device)[None]
@@ -459,13 +476,17 @@ class CTAModel(CTAPreTrainedModel):
             hidden_states = self.embedding_norm(hidden_states)
         hidden_states = self.embedding_dropout(hidden_states)
         if self.embedding_pde is not None:
-            hidden_states = self.embedding_pde(hidden_states, token_mask, cache)
+            hidden_states = self.embedding_pde(hidden_states, token_mask, cache, packed)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
 
         mask_kwargs = dict(
             config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache}
         )
-        if not causal and self.config.sliding_window is not None:
+        if built_masks is not None:  # (already built by generate(): the one of this model's layer type)
+            mask = built_masks
+            if isinstance(built_masks, dict):
+                mask = built_masks["sliding_attention" if self.config.sliding_window is not None else "full_attention"]
+        elif not causal and self.config.sliding_window is not None:
             mask = create_bidirectional_sliding_window_mask(**mask_kwargs)
         elif not causal:
             mask = create_bidirectional_mask(**mask_kwargs)
@@ -479,6 +500,7 @@ class CTAModel(CTAPreTrainedModel):
                 hidden_states,
                 attention_mask=mask,
                 token_mask=token_mask,
+                packed=packed,
                 position_embeddings=position_embeddings,
                 output_attentions=output_attentions,
                 **{CACHE_ARGUMENT: cache},
@@ -486,10 +508,12 @@ class CTAModel(CTAPreTrainedModel):
             )
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
+        if cache is not None and self.pde_sites and seq_len > 1 and not torch.compiler.is_compiling():
+            fill_unused_pde_states(cache)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARGUMENT: cache})
 
 
-class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
+class CTAForCausalLM(PDEGenerationMixin, CTAPreTrainedModel, GenerationMixin):
     """CTA decoder with a language-modelling head. Always causal: the config is switched to ``is_causal=True``."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -502,6 +526,10 @@ class CTAForCausalLM(CTAPreTrainedModel, GenerationMixin):
         self.model = CTAModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def pde_cache_sites(self):
+        """``[(site, cache layer, conv state)]`` of this model's causal PDE sites (what ``generate()`` checks)."""
+        return self.model.pde_sites
 
     # As transformers' own heads (LlamaForCausalLM): the flags travel in `kwargs` to the base model, whose
     # `capture_outputs` falls back to the config for each one not given; `can_return_tuple` handles `return_dict`.

@@ -60,6 +60,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from .checkpoint_conversion import SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, saved_as_own_class
 from .pde_cache import CACHE_ARGUMENTS, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
+from .generation_cta import PDEGenerationMixin, drop_compiled_calls
 from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
 from .patching_structure import (
     REFUSED,
@@ -391,6 +392,7 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
     config_class = patched_config_class(type(model.config))
     _register_recorded_outputs(model, model_class, config_class, spec)  # (builds the patched class once, on meta)
     model.config.cta_patch = spec
+    drop_compiled_calls(model)  # a compiled forward made before (or copied from another model) would skip the PDE
     _apply_patch(model, spec)
     model.config.__class__ = config_class
     model.__class__ = model_class
@@ -425,6 +427,7 @@ def unpatch_model(model):
     if not is_patched(model):
         raise ValueError("This model is not patched with CTA.")
     _remove_patch_modules(model)
+    drop_compiled_calls(model)
     config = model.config
     del config.cta_patch
     config.__dict__.pop("auto_map", None)
@@ -493,8 +496,17 @@ class CTAPatchedConfigMixin:
         return config
 
 
-class CTAPatchedModelMixin:
-    """Mixed into the model classes of patched models: builds the plain model, then applies ``config.cta_patch``."""
+class CTAPatchedModelMixin(PDEGenerationMixin):
+    """Mixed into the model classes of patched models: builds the plain model, then applies ``config.cta_patch``;
+    ``generate()`` keeps the PDE sites exact (``generation_cta``)."""
+
+    def pde_cache_sites(self):
+        """``[(site, cache layer, conv state)]`` of this model's causal PDE sites."""
+        for module in self.modules():
+            context = module.__dict__.get("_cta_context")
+            if context is not None:
+                return context.sites
+        return []
 
     def __init__(self, config, *args, **kwargs):
         spec = getattr(config, "cta_patch", None)

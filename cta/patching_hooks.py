@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from .pde_cache import check_pde_states, find_cache, missing_cache_error
+from .pde_cache import check_pde_states, fill_unused_pde_states, find_cache, missing_cache_error
+from .pde_packing import packed_rows
 
 
 class CheckpointWalls:
@@ -28,8 +29,9 @@ class CheckpointWalls:
     still alive, not yet recomputed, had other walls (two forwards, then one backward through both).
     """
 
-    def __init__(self, mask, previous: Optional["CheckpointWalls"]):
+    def __init__(self, mask, previous: Optional["CheckpointWalls"], packing=None):
         self.mask = mask
+        self.packing = packing  # ((position_ids, cu_seq_lens), {length: PackedRows or None}) of the forward
         self.padded = None
         self.recomputed = False
         self.in_graph = False  # held by the metadata of the forward's output node (set when the forward returns)
@@ -58,6 +60,20 @@ class CheckpointWalls:
             self.padded = not bool(mask.all())
         return mask[:, -length:] if self.padded else None
 
+    def walls(self, length: int):
+        mask = self.token_mask(length)
+        return mask, _packed_rows(self.packing, self.mask, length)
+
+
+def _packed_rows(packing, mask, length):
+    """The :class:`PackedRows` of a forward's ``length`` tokens (made once per forward and length), or None."""
+    if packing is None or length < 2:
+        return None
+    (position_ids, cu_seq_lens), made = packing
+    if length not in made:
+        made[length] = packed_rows(position_ids, mask, length, cu_seq_lens)
+    return made[length]
+
 
 def _same_mask(a, b) -> bool:
     if a is b:
@@ -74,9 +90,11 @@ class PatchContext:
     the forward raises) releases it. ``site_hooks`` holds every site object of the model, each with its hook handles.
     """
 
-    def __init__(self, mask_position: Optional[int], cache_position: Optional[int], sites, model_name: str):
+    def __init__(self, mask_position: Optional[int], cache_position: Optional[int], sites, model_name: str,
+                 position_ids_position: Optional[int] = None):
         self.mask_position = mask_position
         self.cache_position = cache_position
+        self.position_ids_position = position_ids_position
         self.sites = sites  # (site, cache layer, conv state) of every causal PDE site
         self.model_name = model_name
         self.active = False  # inside the base model's forward
@@ -84,6 +102,7 @@ class PatchContext:
         self.cache = None
         self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
         self._step_mask = None  # the [batch, 1] mask column of a one-token step, taken once per forward
+        self.packing = None  # ((position_ids, cu_seq_lens), {length: PackedRows or None}) of this forward
         self.checkpoint_walls = None  # CheckpointWalls of the latest forward run for training
         self.handles = []  # of the base model's hooks
         self.site_hooks = []  # LayerSite / OutputSite / ValueSite objects, each with its `handles`
@@ -103,9 +122,23 @@ class PatchContext:
         if cache is not None and self.sites:
             # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
             check_pde_states(cache, self.sites, self.model_name)
+        self.packing = self._packing(args, kwargs, cache)
         if module.training and torch.is_grad_enabled():
-            self.checkpoint_walls = CheckpointWalls(self.mask, self.checkpoint_walls)
+            self.checkpoint_walls = CheckpointWalls(self.mask, self.checkpoint_walls, self.packing)
         self.active = True
+
+    def _packing(self, args, kwargs, cache):
+        """What tells packed sequences apart in this forward (``position_ids`` restarting, or FlashAttention's
+        ``cu_seq_lens_q``), or None. Packed rows start a sequence: with a cache they cannot continue one."""
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None and self.position_ids_position is not None and len(args) > self.position_ids_position:
+            position_ids = args[self.position_ids_position]
+        cu_seq_lens = kwargs.get("cu_seq_lens_q")
+        if position_ids is None and cu_seq_lens is None:
+            return None
+        if cache is not None and torch.compiler.is_compiling():
+            return None  # traced decoding (one token per step): no packed rows, and no host check of the cache
+        return (position_ids, cu_seq_lens), {}
 
     def exit(self, module, args, kwargs, output):
         """The base model's forward hook (``always_call``: it also runs when the forward raises)."""
@@ -118,13 +151,35 @@ class PatchContext:
                 # this one may still be backpropagated (see CheckpointWalls).
                 grad_fn.metadata["cta_checkpoint_walls"] = walls
                 walls.in_graph = True
+        if self.active and self.cache is not None and self.sites and output is not None and (
+                not torch.compiler.is_compiling()):
+            hidden = output[0] if isinstance(output, (tuple, list)) or hasattr(output, "to_tuple") else output
+            if torch.is_tensor(hidden) and hidden.dim() == 3 and hidden.shape[1] > 1:  # a prefill or a chunk
+                fill_unused_pde_states(self.cache)
         self.active = False
-        self.mask = self.cache = self._padded = self._step_mask = None
+        self.mask = self.cache = self._padded = self._step_mask = self.packing = None
 
-    def token_mask(self, length: int, layer):
-        """The walls of the current ``length`` tokens: ``[batch, length]``, or None where nothing is padded."""
+    def walls(self, length: int, layer):
+        """The walls of the current ``length`` tokens: ``(padding mask [batch, length] or None, PackedRows or
+        None)``."""
         if not self.active:
-            return self._recomputation_mask(length, layer)
+            walls = self._recomputation_walls(layer)
+            return (None, None) if walls is None else walls.walls(length)
+        mask = self.token_mask(length)
+        if self.packing is None or length < 2:
+            return mask, None
+        packed = _packed_rows(self.packing, self.mask, length)
+        if packed is not None and self.cache is not None and not torch.compiler.is_compiling() and (
+                int(self.cache.get_seq_length()) > 0):  # (asked only where a row is packed)
+            raise ValueError(
+                f"{self.model_name}: `position_ids` restart inside a row (packed sequences) while the cache holds past "
+                "tokens; packed rows cannot continue a cache. Give each sequence its own row (or no cache)."
+            )
+        return mask, packed
+
+    def token_mask(self, length: int):
+        """The padding walls of the current ``length`` tokens: ``[batch, length]``, or None where nothing is
+        padded."""
         mask = self.mask
         if mask is None:
             return None
@@ -146,14 +201,14 @@ class PatchContext:
             self._padded = torch.compiler.is_compiling() or not bool(mask.all())
         return mask[:, -length:] if self._padded else None
 
-    def _recomputation_mask(self, length, layer):
+    def _recomputation_walls(self, layer):
         """Outside the model's forward: gradient checkpointing's recomputation of ``layer`` (the walls of the forward
         it recomputes), or a module called by itself (no walls)."""
         walls = self.checkpoint_walls
         if (walls is None or not torch.is_grad_enabled() or not layer.training
                 or not getattr(layer, "gradient_checkpointing", False)):
             return None
-        return walls.token_mask(length)
+        return walls
 
     def remove_hooks(self):
         for handle in self.handles:
@@ -235,12 +290,12 @@ class LayerSite(_Site):
         if not self.embedding:
             return None
         context = self.context
+        hidden = args[0] if args else kwargs["hidden_states"]
+        mask, packed = context.walls(hidden.shape[1], module)
+        refined = module.cta_embedding_pde(hidden, mask, cache, packed)
         if args:
-            hidden = args[0]
-            refined = module.cta_embedding_pde(hidden, context.token_mask(hidden.shape[1], module), cache)
             return (refined, *args[1:]), kwargs
-        hidden = kwargs["hidden_states"]
-        kwargs["hidden_states"] = module.cta_embedding_pde(hidden, context.token_mask(hidden.shape[1], module), cache)
+        kwargs["hidden_states"] = refined
         return args, kwargs
 
     def after(self, module, args, kwargs, output):
@@ -251,7 +306,8 @@ class LayerSite(_Site):
             cache = self._layer_cache(module, args, kwargs)
         plain = type(output) is torch.Tensor
         hidden = output if plain else _first_tensor(output)
-        refined = module.cta_block_output_pde(hidden, context.token_mask(hidden.shape[1], module), cache)
+        mask, packed = context.walls(hidden.shape[1], module)
+        refined = module.cta_block_output_pde(hidden, mask, cache, packed)
         return refined if plain else _replace_first(output, refined)
 
 
@@ -271,7 +327,8 @@ class OutputSite(_Site):
         hidden = output if plain else _first_tensor(output)
         # Looked up per call: PEFT's `modules_to_save` replaces the PDE module by its own wrapper.
         pde = getattr(module, self.pde_name)
-        refined = pde(hidden, context.token_mask(hidden.shape[1], self.layer), cache)
+        mask, packed = context.walls(hidden.shape[1], self.layer)
+        refined = pde(hidden, mask, cache, packed)
         return refined if plain else _replace_first(output, refined)
 
 
@@ -299,9 +356,9 @@ class ValueSite(_Site):
         context = self.context
         cache = context.cache if context.active else None
         pde = self.owner.cta_value_pde
-        mask = context.token_mask(output.shape[1], self.layer)
+        mask, packed = context.walls(output.shape[1], self.layer)
         if self.value_slice is None:
-            return pde(output, mask, cache)
+            return pde(output, mask, cache, packed)
         low, high = self.value_slice
-        refined = pde(output[..., low:high], mask, cache)
+        refined = pde(output[..., low:high], mask, cache, packed)
         return torch.cat([output[..., :low], refined, output[..., high:]], dim=-1)

@@ -2,9 +2,13 @@
 """The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
 
 A causal PDE site keeps, per cache layer, a conv state of transformers' hybrid cache layers (``conv_states`` /
-``has_previous_state`` / ``update_conv_state``): a contiguous fp32 ``[batch, steps, channels]`` buffer. A decode step
-that cannot find that state would refine the new token as if it started a sequence: wrong outputs without an error.
-Everything here raises instead.
+``has_previous_state`` / ``update_conv_state``): an fp32 ``[batch, steps, channels, 1]`` buffer whose last axis is the
+conv state's time axis with a kernel of one position, so its ``[batch, steps, channels]`` view is contiguous (the
+decode kernel updates it in place). Keeping time on the last axis is what lets transformers roll the state back:
+while a cache records its past (``activate_past_recording``: assisted and prompt-lookup decoding), a site appends one
+column per position and the cache's ``crop`` keeps the column of the last accepted token, as it does for the conv
+states of Mamba-like layers. A decode step that cannot find its state would refine the new token as if it started a
+sequence: wrong outputs without an error. Everything here raises instead.
 
 transformers renamed the cache argument of its models from ``past_key_values`` to ``cache`` (5.24; the old name is
 accepted, deprecated, until 5.40). Models read the cache under either name; what they pass on to transformers'
@@ -98,7 +102,36 @@ def cached_pde_state(cache, layer_idx: int, state_idx: int) -> Optional[torch.Te
         )
     if not layer.has_previous_state.get(state_idx, False):
         return None
-    return layer.conv_states[state_idx]
+    return layer.conv_states[state_idx][..., -1]  # the state after the last cached position
+
+
+def records_past(cache, layer_idx: int) -> bool:
+    """Whether the cache layer keeps every position's state until its next ``crop`` (transformers' past recording,
+    on while assisted or prompt-lookup decoding may reject draft tokens): a site then appends its states instead of
+    overwriting the last one."""
+    return bool(getattr(cache.layers[layer_idx], "record_past", False))
+
+
+def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor):
+    """Stores a site's states ``[batch, steps, channels, positions]`` (the state after each position of the current
+    tokens; only the last one unless the cache records its past) as its conv state, one position per column."""
+    cache.update_conv_state(states, layer_idx, state_idx=state_idx, conv_kernel_size=1)
+
+
+def fill_unused_pde_states(cache):
+    """Gives every conv state that no PDE site uses an empty one: the layers of a cache all get the model's largest
+    number of sites per layer, and transformers' ``crop`` (assisted decoding) walks every state of every layer. Call
+    it after a forward of several tokens (the prefill)."""
+    layers = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "is_conv_states_initialized")]
+    like = next((state for layer in layers for index, state in layer.conv_states.items()
+                 if layer.is_conv_states_initialized[index]), None)
+    if like is None:
+        return
+    for layer in layers:
+        for index, initialized in layer.is_conv_states_initialized.items():
+            if not initialized:
+                layer.lazy_initialization(conv_states=like.new_zeros(like.shape[0], 0, 0, 1), state_idx=index,
+                                          conv_kernel_size=1)
 
 
 def check_pde_states(cache, sites, model_name: str):
@@ -132,5 +165,6 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
-    "pde_sites", "pop_cache", "find_cache", "cached_pde_state", "check_pde_states", "missing_cache_error",
+    "pde_sites", "pop_cache", "find_cache", "cached_pde_state", "records_past", "store_pde_state", "fill_unused_pde_states", "check_pde_states",
+    "missing_cache_error",
 ]

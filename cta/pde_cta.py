@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .pde_cache import cached_pde_state
+from .pde_cache import cached_pde_state, records_past, store_pde_state
 from .pde_decode import causal_decode_map, pde_decode_update
-from .pde_reference import pde_decode_step_reference, pde_refine_reference
+from .pde_reference import causal_state_history, pde_decode_step_reference, pde_refine_reference
 from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names live here too)
     COEFFICIENT_BOUNDS,
     MAX_PDE_STEPS,
@@ -300,10 +300,15 @@ class PDERefinement(nn.Module):
             self.__dict__["_decode_map_cache"] = cached
         return cached[1]
 
-    def forward(self, hidden_states, attention_mask=None, cache=None):
+    def forward(self, hidden_states, attention_mask=None, cache=None, packed=None):
+        """Refines ``hidden_states`` ``[batch, seq, channels]``; ``attention_mask`` ``[batch, seq]`` (0: padding, a
+        wall), ``cache``: a transformers Cache holding this site's causal state, ``packed``: the
+        :class:`pde_packing.PackedRows` of rows that hold several sequences (a wall between them)."""
         if self.steps == 0:
             return hidden_states
-        state, differentiable = None, False
+        if packed is not None:
+            return self._packed_forward(hidden_states, cache, packed)
+        state, differentiable, history = None, False, False
         if cache is not None and self.causal:
             if self.layer_idx is None:
                 raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
@@ -312,7 +317,9 @@ class PDERefinement(nn.Module):
                 hidden_states.requires_grad or self.alpha.requires_grad
                 or (self.beta is not None and self.beta.requires_grad)
             )
-            if state is not None and hidden_states.shape[1] == 1 and not differentiable:
+            # A cache that may be rolled back (assisted decoding) keeps the state after every position.
+            history = records_past(cache, self.layer_idx)
+            if state is not None and hidden_states.shape[1] == 1 and not (differentiable or history):
                 # one decoded token (the decode kernel has no backward: under autograd the chunked path below)
                 return self._decode_step(hidden_states, state, attention_mask)
         if (cache is None or not self.causal) and _use_triton(self.backend, hidden_states):
@@ -323,15 +330,37 @@ class PDERefinement(nn.Module):
                 return refined
         alpha, beta = self.coefficients()
         kwargs = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta, causal=self.causal,
-                      attention_mask=attention_mask, backend=self.backend)
+                      attention_mask=attention_mask)
         if cache is None or not self.causal:
-            return pde_refine(hidden_states, **kwargs)
+            return pde_refine(hidden_states, backend=self.backend, **kwargs)
         if differentiable and state is not None:
             state = state.clone()  # autograd may save it, and the cache's buffer is overwritten below
-        out, final_state = pde_refine(hidden_states, initial_state=state, return_final_state=True, **kwargs)
-        # Stored as the layer's conv state with the channels as its last ("kernel") axis, so the buffer is the
-        # contiguous [batch, steps, channels] tensor the decode kernel updates in place.
-        # fp32 (fp64 for a float64 model: its cached decoding is then exact to fp64 rounding too).
-        state_dtype = torch.promote_types(hidden_states.dtype, torch.float32)
-        cache.update_conv_state(final_state.detach().to(state_dtype), self.layer_idx, state_idx=self.state_idx)
+        if history:  # (the reference: the fused kernels return the last state only)
+            kwargs.pop("causal")
+            out, states = causal_state_history(hidden_states, initial_state=state, **kwargs)
+        else:
+            out, final_state = pde_refine(hidden_states, initial_state=state, return_final_state=True,
+                                          backend=self.backend, **kwargs)
+            states = final_state.unsqueeze(-1)
+        self._store_states(cache, states, hidden_states.dtype)
         return out
+
+    def _store_states(self, cache, states, dtype):
+        """Stores ``[batch, steps, channels, positions]`` as this site's conv state: fp32 (fp64 for a float64 model:
+        its cached decoding is then exact to fp64 rounding too)."""
+        store_pde_state(cache, self.layer_idx, self.state_idx,
+                        states.detach().to(torch.promote_types(dtype, torch.float32)))
+
+    def _packed_forward(self, hidden_states, cache, packed):
+        """Rows holding several sequences: refined in the walled layout of ``packed``. With a cache (its first
+        chunk: the models refuse packed rows that continue one) the state is the last sequence's."""
+        slots = packed.pack(hidden_states)
+        if cache is None or not self.causal:
+            return packed.unpack(self(slots, packed.mask))
+        if records_past(cache, self.layer_idx):
+            alpha, beta = self.coefficients()
+            out, states = causal_state_history(slots, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
+                                               beta=beta, attention_mask=packed.mask)
+            self._store_states(cache, packed.unpack_states(states), hidden_states.dtype)
+            return packed.unpack(out)
+        return packed.unpack(self(slots, packed.mask, cache))

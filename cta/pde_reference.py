@@ -107,6 +107,23 @@ def pde_refine_reference(
     ``initial_state`` / the returned final state (causal only) are ``[batch, steps, channels]``: entry ``s`` is the
     value of the step-``s`` iterate at the position just before the first one (zeros = start of sequence / wall).
     """
+    return _reference(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
+                      attention_mask=attention_mask, initial_state=initial_state,
+                      return_final_state=return_final_state)
+
+
+def causal_state_history(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha, beta=None,
+                         attention_mask: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None):
+    """The causal :func:`pde_refine_reference` and the state after *every* position: ``(out, states)`` with
+    ``states`` ``[batch, steps, channels, seq]`` (column ``-1`` is the final state). What a cache that may be rolled
+    back to an earlier position keeps (assisted decoding)."""
+    return _reference(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
+                      attention_mask=attention_mask, initial_state=initial_state, return_final_state=True,
+                      return_state_history=True)
+
+
+def _reference(hidden_states, *, pde_type, steps, alpha, beta, causal, attention_mask, initial_state,
+               return_final_state, return_state_history=False):
     pde_type, alpha, beta = check_pde_arguments(
         hidden_states, pde_type, steps, alpha, beta, attention_mask, initial_state, causal
     )
@@ -126,7 +143,7 @@ def pde_refine_reference(
             initial_state = torch.zeros(batch, steps, channels, device=u.device, dtype=compute_dtype)
         left_valid = torch.nn.functional.pad(valid[:, :-1], (0, 0, 1, 0), value=1.0)
         for step in range(steps):
-            final_state.append(u[:, -1] * valid[:, -1])
+            final_state.append(u * valid if return_state_history else u[:, -1] * valid[:, -1])
             left = torch.cat([initial_state[:, step : step + 1].to(compute_dtype), u[:, :-1]], dim=1) * left_valid
             u, v = _causal_step(u, v, left, pde_type, alpha, beta, valid)
     else:
@@ -134,6 +151,10 @@ def pde_refine_reference(
         for step in range(steps):
             u, v = _bidirectional_step(u, v, pde_type, alpha, beta, open_edge, valid)
     out = u.to(hidden_states.dtype)
+    if return_state_history:
+        if not final_state:
+            return out, torch.zeros(batch, 0, channels, seq, device=u.device, dtype=compute_dtype)
+        return out, torch.stack(final_state, dim=1).transpose(2, 3)  # [batch, steps, channels, seq]
     if return_final_state:
         state = (
             torch.stack(final_state, dim=1)

@@ -375,3 +375,24 @@ def test_triton_backend_names_the_missing_requirement(monkeypatch):
     assert pde_cta.triton_missing_requirement(x) is None
     with pytest.raises(ValueError, match="float8_e4m3fn.*Triton backend takes"):
         pde_refine(x.to(torch.float8_e4m3fn), pde_type="diffusion", steps=1, alpha=0.1, backend="triton")
+
+
+@pytest.mark.parametrize("pde_type", PDE_TYPES)
+def test_state_history_holds_the_final_state_of_every_prefix(pde_type):
+    """What a rolled-back cache keeps: column p of the history is the final state of the tokens up to p."""
+    from cta.pde_reference import causal_state_history, pde_refine_reference
+
+    g = torch.Generator().manual_seed(3)
+    u, initial = torch.randn(2, 7, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+    mask = torch.ones(2, 7)
+    mask[1, :2] = 0
+    beta = 0.2 if pde_type in ("reaction_diffusion", "advection_diffusion") else None
+    kwargs = dict(pde_type=pde_type, steps=3, alpha=0.1, beta=beta)
+    out, states = causal_state_history(u, attention_mask=mask, initial_state=initial, **kwargs)
+    assert states.shape == (2, 3, 5, 7)
+    torch.testing.assert_close(out, pde_refine_reference(u, causal=True, attention_mask=mask, initial_state=initial,
+                                                         **kwargs))
+    for p in range(7):
+        _, final = pde_refine_reference(u[:, :p + 1], causal=True, attention_mask=mask[:, :p + 1],
+                                        initial_state=initial, return_final_state=True, **kwargs)
+        torch.testing.assert_close(states[..., p], final)

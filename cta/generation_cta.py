@@ -1,0 +1,122 @@
+# coding=utf-8
+"""``generate()`` for models with causal PDE sites (native ``CTAForCausalLM`` and patched decoders): what
+transformers' generation does that a PDE site must know about, each made exact or refused before a token is
+generated.
+
+* **Padding walls with a compileable cache.** For a StaticCache, ``prepare_inputs_for_generation`` turns the 2D padding
+  mask into 4D masks (one per layer type) for the compiled decode step. A PDE site reads its walls from the 2D mask:
+  the steps that hold several tokens (the prefill, a chunk, a verification of draft tokens, all run eagerly) keep it;
+  a one-token decode step keeps transformers' 4D masks (the new token is never padding; the walls of earlier
+  padding live in the PDE state).
+* **A compiled forward bound to another model.** ``get_compiled_call`` keeps ``torch.compile(self.__call__)`` on the
+  instance, and ``copy.deepcopy`` copies that attribute as it is: still bound to the original model (functions are
+  not copied). A patched copy would decode with the original's forward. Such a compiled forward is dropped before
+  transformers looks for it (:func:`drop_compiled_calls`), so it compiles what this model is.
+* **Caches that cannot hold a PDE state** (``cache_implementation="quantized"``, a cache built without the model's
+  config) are refused before the first step with an error naming the cache.
+* **Continuous batching** keeps no per-request conv state: refused.
+
+Assisted and prompt-lookup decoding crop the cache after rejected draft tokens: the PDE state follows transformers'
+own rollback of conv states (``pde_cache``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pde_cache import CACHE_ARGUMENTS
+
+
+def _bound_module(value):
+    """The module a (compiled, wrapped) bound method of ``value`` is bound to, following ``__wrapped__``; or None."""
+    for _ in range(8):  # (a few wrapper levels at most)
+        owner = getattr(value, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return owner
+        value = getattr(value, "__wrapped__", None)
+        if value is None:
+            return None
+    return None
+
+
+def drop_compiled_calls(model, foreign_only: bool = False) -> list:
+    """Removes from ``model``'s attributes every callable that wraps a bound method of a module (what
+    ``torch.compile(model.__call__)`` leaves), or with ``foreign_only`` only those bound to another module than
+    ``model``; returns their names. transformers compiles again on the next ``generate()``."""
+    dropped = []
+    for name, value in list(vars(model).items()):
+        if isinstance(value, torch.nn.Module) or not callable(value):
+            continue
+        owner = _bound_module(value)
+        if owner is not None and (owner is not model or not foreign_only):
+            delattr(model, name)
+            dropped.append(name)
+    return dropped
+
+
+def _cache_of(inputs: dict):
+    for name in CACHE_ARGUMENTS:
+        if inputs.get(name) is not None:
+            return inputs[name]
+    return None
+
+
+def check_cache_holds_pde_states(cache, sites, model_name: str):
+    """Raises unless every cache layer a causal PDE site of ``sites`` (``[(site, layer, state)]``) uses can hold a
+    conv state."""
+    layers = getattr(cache, "layers", None)
+    if cache is None or not sites:
+        return
+    for site, layer_idx, _ in sites:
+        layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+        if layer is None or not hasattr(layer, "conv_states"):
+            raise ValueError(
+                f"{model_name}: generate() was given a {type(cache).__name__} whose layer {layer_idx} "
+                f"({type(layer).__name__}) cannot hold the PDE state of {site!r}; a quantized cache "
+                "(cache_implementation='quantized') and caches built without the model's config cannot. Use "
+                "cache_implementation='dynamic', 'static', 'offloaded' or 'offloaded_static', or build the cache with "
+                "`DynamicCache(config=model.config)` / `StaticCache(config=model.config, ...)`."
+            )
+
+
+class PDEGenerationMixin:
+    """Mixed into the causal LM classes with PDE sites (before ``GenerationMixin``). ``pde_cache_sites()`` returns the
+    model's ``[(site, cache layer, conv state)]``."""
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        tokens = inputs.get("input_ids")
+        tokens = inputs.get("inputs_embeds") if tokens is None else tokens
+        if tokens is None or tokens.shape[1] == 1:
+            return inputs  # a decode step: as transformers prepared it
+        # A step of several tokens: the prefill (whose cache is checked here, before the first token) or a chunk.
+        check_cache_holds_pde_states(_cache_of(inputs), self.pde_cache_sites(), type(self).__name__)
+        mask = kwargs.get("attention_mask")
+        given = inputs.get("attention_mask")
+        if torch.is_tensor(mask) and mask.dim() == 2 and not (torch.is_tensor(given) and given.dim() == 2):
+            inputs["attention_mask"] = mask  # the padding walls (see the module docstring)
+        return inputs
+
+    def generate(self, *args, **kwargs):
+        config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
+        if (kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)) == "quantized":
+            raise ValueError(
+                f"{type(self).__name__}: cache_implementation='quantized' is refused: transformers' quantized cache "
+                "has key/value layers only, with no room for the PDE sites' conv states. Use 'dynamic', 'static', "
+                "'offloaded' or 'offloaded_static'."
+            )
+        return super().generate(*args, **kwargs)
+
+    def get_compiled_call(self, compile_config):
+        drop_compiled_calls(self, foreign_only=True)
+        return super().get_compiled_call(compile_config)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        raise ValueError(
+            f"{type(self).__name__}: continuous batching (generate_batch, cache_implementation='paged') keeps no "
+            "per-request conv state, so the PDE sites could not keep theirs; use generate() with "
+            "cache_implementation='dynamic' or 'static'."
+        )
+
+
+__all__ = ["PDEGenerationMixin", "check_cache_holds_pde_states", "drop_compiled_calls"]
