@@ -141,25 +141,37 @@ def pde_refine(
     return pde_refine_reference(hidden_states, **kwargs)
 
 
-# A one-token decode step is a state update (pde_decode.py): the fused Triton kernel in CUDA eager, plain torch ops
-# elsewhere. Under torch.compile it is traced as those plain ops, not as the Triton decode kernel's custom op:
-# inductor then fuses them (coefficient clamp, the S levels, the state write) with the residual add before it and the
-# norm after it, where the opaque op cost about three extra launches per site in a CUDA-graph step
-# (docs/decoding.md).
+# A one-token decode step is a state update (pde_decode.py): the fused Triton decode kernel on CUDA (eager: launched
+# directly; under torch.compile: the custom op `cta::pde_decode_token`, one kernel that declares its in-place write of
+# the state), plain torch ops elsewhere (docs/decoding.md).
 def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto",
                     coefficient_bounds=None):
     """One causal decode step, ``state`` updated in place: :func:`pde_decode_step_reference`'s semantics (the
     ground truth), computed as :func:`pde_decode.pde_decode_update` or by the Triton decode kernel."""
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask,
                   coefficient_bounds=coefficient_bounds)
-    if _use_triton(backend, hidden_states) and not torch.compiler.is_compiling():
+    triton = _use_triton(backend, hidden_states)
+    if triton and not torch.compiler.is_compiling():
         return _triton_module().pde_decode_step_triton(hidden_states, state, **kwargs)
     pde_type, alpha, beta, bounds = check_decode_arguments(
         hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds
     )
+    if triton and _traced_kernel_applies(state, steps):
+        device = hidden_states.device
+        beta = beta.to(device) if beta is not None else None
+        token_mask = token_mask.to(device) if token_mask is not None else None
+        return _triton_module().pde_decode_token_traced(hidden_states, state, alpha.to(device), beta, token_mask,
+                                                         pde_type, steps, bounds)
     alpha, beta = clamp_coefficients(alpha, beta, bounds)
     return pde_decode_update(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
                              token_mask=token_mask)
+
+
+def _traced_kernel_applies(state, steps) -> bool:
+    """Whether a traced decode step writes ``state`` with the Triton kernel (fp32, contiguous channels, steps the
+    kernels fuse); else with torch ops."""
+    return (state.dtype == torch.float32 and state.stride(-1) == 1
+            and steps <= _triton_module().MAX_FUSED_STEPS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,12 +280,19 @@ class PDERefinement(nn.Module):
         return alpha, beta
 
     def _decode_step(self, hidden_states, state, attention_mask):
-        """One token ``[batch, 1, channels]``: a state update. CUDA eager: the fused kernel on the raw parameters,
-        projected onto their bounds in the kernel (decode is host-bound: one launch per site and token). Elsewhere and
-        under torch.compile: a few plain torch ops (``pde_decode.pde_decode_update``)."""
+        """One token ``[batch, 1, channels]``: a state update (``state``: the contiguous fp32 ``[batch, S, channels]``
+        view of this site's cache buffer, updated in place; returns the refined token). CUDA eager: the fused kernel
+        on the raw parameters, projected onto their bounds in the kernel (decode is host-bound: one launch per site and
+        token). Under torch.compile on the Triton backend: the same kernel as one custom op that declares its in-place
+        write of the state (``triton_cta.pde_decode_token_traced``). Elsewhere: a few plain torch ops
+        (``pde_decode.pde_decode_update``)."""
         fused = state.dtype == torch.float32 and _use_triton(self.backend, hidden_states)
         if fused and not torch.compiler.is_compiling():
             return _triton_module().pde_decode_token_triton(
+                hidden_states, state, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
+            )
+        if fused and _traced_kernel_applies(state, self.steps):
+            return _triton_module().pde_decode_token_traced(
                 hidden_states, state, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
         decode_map = None

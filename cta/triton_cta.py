@@ -7,9 +7,10 @@ The kernels live in flat sibling files (transformers' remote-code loader copies 
 custom ops, and the public entry points :func:`pde_refine_triton` and :func:`pde_decode_step_triton`.
 
 * Forward, backward and decode are registered as torch custom ops (``cta::pde_refine_fwd``, ``cta::pde_refine_bwd``,
-  ``cta::pde_decode_step``) with fake implementations and autograd, so ``torch.compile`` traces through them without
-  graph breaks. Eager calls use a plain ``torch.autograd.Function`` over the same launches (or the launch alone
-  under ``no_grad``), which costs less host time per call than the custom-op dispatcher.
+  and the one-token step ``cta::pde_decode_token``, which declares its in-place write of the state) with fake
+  implementations and autograd, so ``torch.compile`` traces through them without graph breaks and a traced decode
+  step is one kernel per site. Eager calls use a plain ``torch.autograd.Function`` over the same launches (or the
+  launch alone under ``no_grad``), which costs less host time per call than the custom-op dispatcher.
 * Gradients flow to ``hidden_states``, ``alpha`` and ``beta`` through the kernels. When the gradient also involves
   the streamed state (an ``initial_state`` that requires grad, or a returned final state that the loss uses), the
   backward runs the PyTorch reference's autograd on the saved inputs: exact, and slower (rare in training: the
@@ -38,8 +39,8 @@ from .pde_spec import (
     clamp_coefficients,
 )
 
-__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton",
-           "pde_refine_module_triton", "pde_refine_triton"]
+__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_traced",
+           "pde_decode_token_triton", "pde_refine_module_triton", "pde_refine_triton"]
 
 _PDE_NAMES = {v: k for k, v in PDE_IDS.items()}
 
@@ -189,19 +190,28 @@ class _ProjectedPDERefineFunction(torch.autograd.Function):
         return dx, da, db, None, None
 
 
-def _pde_decode_impl(
-    x: torch.Tensor,
-    state: torch.Tensor,
-    alpha: torch.Tensor,
-    beta: Optional[torch.Tensor],
-    token_mask: Optional[torch.Tensor],
-    pde: int,
-    steps: int,
-) -> torch.Tensor:
-    return launch_decode(x, state, alpha, beta, token_mask, _PDE_NAMES[pde], steps)
+def _bounds_arg(bounds) -> list:
+    """``coefficient_bounds`` (``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` or None) as the decode ops
+    take them: a flat list of 0, 2 or 4 floats."""
+    if bounds is None:
+        return []
+    return [float(v) for pair in bounds if pair is not None for v in pair]
 
 
-def _pde_decode_fake(x, state, alpha, beta, token_mask, pde, steps):
+def _bounds_from_arg(flat) -> Optional[tuple]:
+    """The inverse of :func:`_bounds_arg` (a hashable tuple, as the launch cache keys it)."""
+    if not flat:
+        return None
+    return (tuple(flat[:2]), tuple(flat[2:4]) if len(flat) == 4 else None)
+
+
+def _pde_decode_token_impl(x: torch.Tensor, state: torch.Tensor, alpha: torch.Tensor, beta: Optional[torch.Tensor],
+                           token_mask: Optional[torch.Tensor], pde: int, steps: int, bounds: list[float]
+                           ) -> torch.Tensor:
+    return launch_decode(x, state, alpha, beta, token_mask, _PDE_NAMES[pde], steps, _bounds_from_arg(bounds))
+
+
+def _pde_decode_token_fake(x, state, alpha, beta, token_mask, pde, steps, bounds):
     return x.new_empty(x.shape)
 
 
@@ -213,12 +223,15 @@ if _REGISTER:
                                               schema=f"(Tensor gy, {_REFINE_OPERANDS}) -> (Tensor, Tensor, Tensor)")
     _pde_refine_bwd.register_fake(_pde_refine_bwd_fake)
     torch.library.register_autograd("cta::pde_refine_fwd", _kernel_backward, setup_context=_fwd_setup_context)
-    _pde_decode_op = torch.library.custom_op("cta::pde_decode_step", _pde_decode_impl, mutates_args=("state",))
-    _pde_decode_op.register_fake(_pde_decode_fake)
+    # The one-token decode step: returns the refined token and declares its in-place write of `state`, so that
+    # Inductor lets the kernel write the cache buffer itself (through a view of it too) instead of a copy of it.
+    _pde_decode_token_op = torch.library.custom_op("cta::pde_decode_token", _pde_decode_token_impl,
+                                                   mutates_args=("state",))
+    _pde_decode_token_op.register_fake(_pde_decode_token_fake)
 else:  # pragma: no cover - a second copy of this module shares the first copy's ops
     _pde_refine_fwd = torch.ops.cta.pde_refine_fwd
     _pde_refine_bwd = torch.ops.cta.pde_refine_bwd
-    _pde_decode_op = torch.ops.cta.pde_decode_step
+    _pde_decode_token_op = torch.ops.cta.pde_decode_token
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -329,9 +342,9 @@ def pde_decode_step_triton(
         return hidden_states.clone()
     if torch.compiler.is_compiling() and steps <= MAX_FUSED_STEPS and state.stride(-1) == 1:
         device = hidden_states.device
-        alpha, beta = clamp_coefficients(alpha, beta, bounds)  # traced: fused with what surrounds it
-        return _pde_decode_op(hidden_states, state, alpha.to(device), beta.to(device) if beta is not None else None,
-                              token_mask.to(device) if token_mask is not None else None, PDE_IDS[pde], steps)
+        beta = beta.to(device) if beta is not None else None
+        token_mask = token_mask.to(device) if token_mask is not None else None
+        return pde_decode_token_traced(hidden_states, state, alpha.to(device), beta, token_mask, pde, steps, bounds)
     return _decode_eager(hidden_states, state, alpha, beta, token_mask, pde, steps, bounds)
 
 
@@ -343,6 +356,17 @@ def pde_decode_token_triton(hidden_states, state, alpha, beta, token_mask, pde_t
     batch, _, channels = hidden_states.shape
     check_decode_state(state, batch, steps, channels)
     return _decode_eager(hidden_states, state, alpha, beta, token_mask, pde_type, steps, bounds)
+
+
+def pde_decode_token_traced(hidden_states, state, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
+    """The one-token step under ``torch.compile`` (``state`` an fp32 ``[batch, steps, channels]`` with contiguous
+    channels, ``steps <= MAX_FUSED_STEPS``; the caller checks): one kernel, the custom op ``cta::pde_decode_token``,
+    which reads the token and the state, clamps the raw coefficients into ``bounds`` and reads the token mask in its
+    own dtype, and writes the refined token and, in place, the new state. Nothing else in the traced graph reads the
+    state: its old values are read only by the kernel that overwrites them (a traced read of the state beside an
+    opaque write of it depends on Inductor keeping the read before the write; docs/decoding.md)."""
+    return _pde_decode_token_op(hidden_states, state, alpha, beta, token_mask, PDE_IDS[pde_type], steps,
+                                _bounds_arg(bounds))
 
 
 def _decode_eager(hidden_states, state, alpha, beta, token_mask, pde: str, steps: int, bounds):
