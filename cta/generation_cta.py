@@ -23,8 +23,15 @@ own rollback of conv states (``pde_cache``).
 from __future__ import annotations
 
 import torch
+import transformers
+from packaging import version
 
 from .pde_cache import CACHE_ARGUMENTS
+
+
+# The first transformers release that records the past of an assistant model's cache (so that `crop` can roll its
+# conv states back after rejected drafts).
+ASSISTANT_ROLLBACK_SINCE = version.parse("5.15.0")
 
 
 def _bound_module(value):
@@ -39,19 +46,26 @@ def _bound_module(value):
     return None
 
 
-def drop_compiled_calls(model, foreign_only: bool = False) -> list:
-    """Removes from ``model``'s attributes every callable that wraps a bound method of a module (what
-    ``torch.compile(model.__call__)`` leaves), or with ``foreign_only`` only those bound to another module than
-    ``model``; returns their names. transformers compiles again on the next ``generate()``."""
-    dropped = []
-    for name, value in list(vars(model).items()):
+def compiled_calls(model, foreign_only: bool = False) -> list:
+    """Names of ``model``'s attributes that wrap a bound method of a module (what ``torch.compile(model.__call__)``
+    leaves), or with ``foreign_only`` only those bound to another module than ``model``."""
+    names = []
+    for name, value in vars(model).items():
         if isinstance(value, torch.nn.Module) or not callable(value):
             continue
         owner = _bound_module(value)
         if owner is not None and (owner is not model or not foreign_only):
-            delattr(model, name)
-            dropped.append(name)
-    return dropped
+            names.append(name)
+    return names
+
+
+def drop_compiled_calls(model, foreign_only: bool = False) -> list:
+    """Removes :func:`compiled_calls` from ``model``; returns their names. transformers compiles again on the next
+    ``generate()``."""
+    names = compiled_calls(model, foreign_only)
+    for name in names:
+        delattr(model, name)
+    return names
 
 
 def _cache_of(inputs: dict):
@@ -105,6 +119,14 @@ class PDEGenerationMixin:
                 "has key/value layers only, with no room for the PDE sites' conv states. Use 'dynamic', 'static', "
                 "'offloaded' or 'offloaded_static'."
             )
+        if getattr(config, "is_assistant", False) and ASSISTANT_ROLLBACK_SINCE > version.parse(
+                transformers.__version__) and self.pde_cache_sites():
+            raise ValueError(
+                f"{type(self).__name__} as the assistant (draft) model of assisted decoding needs transformers >= "
+                f"{ASSISTANT_ROLLBACK_SINCE}: transformers {transformers.__version__} does not let an assistant's "
+                "cache roll its conv states back after rejected drafts. Upgrade transformers, or use this model as the "
+                "main model (prompt lookup and a plain assistant work)."
+            )
         return super().generate(*args, **kwargs)
 
     def get_compiled_call(self, compile_config):
@@ -119,4 +141,4 @@ class PDEGenerationMixin:
         )
 
 
-__all__ = ["PDEGenerationMixin", "check_cache_holds_pde_states", "drop_compiled_calls"]
+__all__ = ["PDEGenerationMixin", "check_cache_holds_pde_states", "compiled_calls", "drop_compiled_calls"]
