@@ -33,7 +33,9 @@ def _case(pde, per_channel, batch, steps, channels, seed):
     gen = torch.Generator().manual_seed(seed)
     width = channels if per_channel else 1
     alpha = torch.rand(width, generator=gen) * 1.2 - 0.2
-    beta = torch.rand(width, generator=gen) * 1.4 - 0.6 if pde in ("reaction_diffusion", "advection_diffusion") else None
+    beta = None
+    if pde in ("reaction_diffusion", "advection_diffusion"):
+        beta = torch.rand(width, generator=gen) * 1.4 - 0.6
     x = torch.randn(batch, 1, channels, generator=gen)
     buffer = torch.randn(batch, steps, channels, 1, generator=gen)
     to = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
@@ -107,7 +109,7 @@ def test_decode_op_through_inductor_between_an_add_and_a_norm(pde):
         normed = refined * torch.rsqrt(refined.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
         return refined, normed
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(step, fullgraph=True)
     cache, expected_state = buffer.clone(), buffer[..., -1].clone()
     gen = torch.Generator().manual_seed(4)
@@ -155,7 +157,7 @@ def test_compiled_decode_step_is_one_op_per_site(pde, per_channel):
             graphs.append(graph_module)
             return graph_module.forward
 
-        torch._dynamo.reset()
+        torch.compiler.reset()
         logits = decode(torch.compile(model.forward, fullgraph=True, backend=backend))
         assert 1 <= len(graphs) <= 2
         return logits, [node.target for node in graphs[-1].graph.nodes if node.op in ("call_function", "call_method")]

@@ -1,0 +1,283 @@
+"""``model.generate()`` of a patched Llama-shaped model against an unpatched copy: the decode overhead users see.
+
+    python benchmarks/bench_generate.py                        # compiled (static cache, CUDA graphs), batch 1 and 8
+    python benchmarks/bench_generate.py --modes eager,compiled --rounds 5
+    python benchmarks/bench_generate.py --variants auto,torch  # kernels per step of the package's step and of a variant
+
+A random-weight ``LlamaForCausalLM`` (8 layers x 4096 hidden, bf16, sdpa; seed 0) and an unpatched copy with the
+same weights; the patched one has a PDE site after every block (diffusion, 4 steps, ``init="paper"``). For each mode
+and batch: one untimed call each (compilation, CUDA-graph capture), then ``--rounds`` paired rounds, each calling
+``generate()`` once on each model, the order alternating (greedy, exactly ``--new-tokens`` tokens after a
+``--prompt``-token prompt). A streamer records when each token arrives; a call's step time is the median time between
+its decoded tokens. The overheads are medians over rounds of patched / unpatched - 1 (of the call's time, and of the
+step time), with the range over rounds.
+
+``compiled`` is ``cache_implementation="static"``: transformers compiles the one-token step (``torch.compile``,
+its default ``CompileConfig``: fullgraph, ``mode="reduce-overhead"``) and replays it as a CUDA graph. For it the
+script also counts the CUDA kernels of one decode step (``torch.compile(model.forward, fullgraph=True)`` through a
+``StaticCache``, default mode so that the profiler sees every kernel, batch of the first ``--batches``), unpatched
+and for each of ``--variants`` of the patched step (``auto``: the package's; ``torch``: the PDE recurrence as traced
+torch ops instead of the decode kernel's custom op), with their summed GPU time per step; and checks that each
+model's compiled tokens equal its eager ones (``--no-token-check`` skips that).
+
+Writes ``generate_<gpu>.json`` / ``.md`` (``--tag`` replaces ``<gpu>``) into ``--out``.
+"""
+
+import argparse
+import collections
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import transformers  # noqa: E402
+from results_io import write_result_files  # noqa: E402
+
+from cta.patching_cta import patch_model, pde_modules  # noqa: E402
+from cta.pde_cta import _use_triton  # noqa: E402
+
+VARIANTS = {"auto": "the package's step", "torch": "the PDE recurrence as traced torch ops"}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096, help="hidden size (heads of 128 channels, MLP 11008/4096 of it)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--steps", type=int, default=4, help="PDE steps per site")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--modes", default="compiled", help="'eager' (dynamic cache) and/or 'compiled' (static cache)")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=7, help="paired rounds per mode and batch")
+    p.add_argument("--variants", default="auto,torch",
+                   help=f"patched steps whose compiled kernels are counted ({', '.join(VARIANTS)}); the first is the "
+                        "one generate() times")
+    p.add_argument("--no-token-check", action="store_true", help="skip the compiled-vs-eager token check")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
+    p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")
+    return p.parse_args()
+
+
+DEVICE = torch.device("cuda")
+
+
+def sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def llama_model(layers, hidden, vocab, dtype, max_positions=4096):
+    """The random-weight Llama-shaped model of the model-level benchmarks (heads of 128 channels; seed 0)."""
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(round(11008 * hidden / 4096 / 64)) * 64,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=max_positions, tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with DEVICE:
+        return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+@contextlib.contextmanager
+def decode_step_variant(name):
+    """Within the block, a PDE site's one-token step is ``name`` (:data:`VARIANTS`): ``auto`` the package's;
+    ``torch`` its torch-ops path (the recurrence, which traces as plain ops) even where the decode kernel runs."""
+    if name == "auto":
+        yield
+        return
+    from cta.pde_cta import PDERefinement
+
+    real = PDERefinement._decode_step
+
+    def decode_step(self, hidden_states, state, attention_mask):
+        backend, self.backend = self.backend, "torch"
+        try:
+            return real(self, hidden_states, state, attention_mask)
+        finally:
+            self.backend = backend
+
+    PDERefinement._decode_step = decode_step
+    try:
+        yield
+    finally:
+        PDERefinement._decode_step = real
+
+
+def step_kernels(model, prompt, profiled=4):
+    """The CUDA kernels of one compiled decode step: (kernels per step, GPU µs per step, {kernel name: count per
+    step}), from ``profiled`` steps after 4 warm-up steps."""
+    from transformers import StaticCache
+
+    torch.compiler.reset()
+    step = torch.compile(model.forward, fullgraph=True)
+    with torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + 16)
+        token = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits.argmax(-1)
+
+        def run(i):
+            position = torch.tensor([prompt.shape[1] + i], device=prompt.device)
+            step(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position,
+                 position_ids=position[None].expand(prompt.shape[0], 1))
+
+        for i in range(4):
+            run(i)
+        sync()
+        if DEVICE.type != "cuda":  # (a smoke test: traced and run, nothing to count)
+            return 0.0, 0.0, {}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for i in range(4, 4 + profiled):
+                run(i)
+            sync()
+    torch.compiler.reset()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    counts = collections.Counter(e.name[:90] for e in kernels)
+    return (len(kernels) / profiled, sum(e.device_time for e in kernels) / profiled,
+            {name: n / profiled for name, n in counts.most_common()})
+
+
+class TokenClock:
+    """A ``generate()`` streamer (transformers' ``BaseStreamer`` interface) that records when each token arrives
+    (generate hands it the tokens on the host, so each arrival follows a synchronisation)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def median_step(self):
+        """The median time between decoded tokens (the first two puts are the prompt and the prefill's token)."""
+        return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
+
+
+def generate_rows(patched, unpatched, args, mode, batch, check_tokens):
+    """One mode and batch: paired rounds of generate() calls and, if asked, the compiled-vs-eager token check."""
+    prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
+                  min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+    if mode == "compiled":
+        kwargs["cache_implementation"] = "static"
+
+    @torch.no_grad()
+    def call(model, **extra):
+        clock = TokenClock()
+        sync()
+        start = time.perf_counter()
+        tokens = model.generate(prompt, streamer=clock, **{**kwargs, **extra})
+        sync()
+        return time.perf_counter() - start, clock.median_step(), tokens
+
+    models = {"unpatched": unpatched, "patched": patched}
+    first = {name: call(model) for name, model in models.items()}
+    row = dict(mode=mode, batch=batch, new_tokens=args.new_tokens,
+               first_call_s={name: value[0] for name, value in first.items()})
+    if check_tokens:
+        eager = {name: call(model, cache_implementation=None)[2] for name, model in models.items()}
+        row["tokens_equal_eager"] = {name: bool(torch.equal(first[name][2], eager[name])) for name in models}
+        row["tokens_matching_eager"] = {name: float((first[name][2] == eager[name]).float().mean()) for name in models}
+    calls, steps = [], []
+    for r in range(args.rounds):
+        order = ("unpatched", "patched") if r % 2 == 0 else ("patched", "unpatched")
+        pair = {name: call(models[name]) for name in order}
+        calls.append((pair["unpatched"][0], pair["patched"][0]))
+        steps.append((pair["unpatched"][1], pair["patched"][1]))
+    for key, pairs in (("call", calls), ("step", steps)):
+        ratios = [p / u for u, p in pairs]
+        row[f"{key}_rounds_s"] = pairs
+        row[f"{key}_overhead_percent"] = 100.0 * (statistics.median(ratios) - 1.0)
+        row[f"{key}_overhead_range_percent"] = [100.0 * (min(ratios) - 1.0), 100.0 * (max(ratios) - 1.0)]
+    row["unpatched_step_ms"] = 1e3 * statistics.median(u for u, _ in steps)
+    row["patched_step_ms"] = 1e3 * statistics.median(p for _, p in steps)
+    row["us_per_site_and_step"] = 1e6 * statistics.median(p - u for u, p in steps) / len(pde_modules(patched))
+    print(f"[{mode} batch {batch}] step {row['step_overhead_percent']:+.2f}% call {row['call_overhead_percent']:+.2f}%"
+          f" tokens equal eager: {row.get('tokens_equal_eager')}", flush=True)
+    return row
+
+
+def markdown(info, args):
+    lines = [
+        f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})", "",
+        f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block "
+        f"({info['pde_sites']} sites): diffusion, {args.steps} steps, backend `{info['backend_used']}`. Greedy, "
+        f"{args.new_tokens} new tokens after a {args.prompt}-token prompt. Step: the median time between a call's "
+        f"decoded tokens; overheads: median over {args.rounds} paired rounds of patched / unpatched - 1 (range over "
+        "rounds in brackets); µs per site: the median of patched - unpatched step time over the sites. Compiled: "
+        "`cache_implementation=\"static\"` (torch.compile, CUDA graphs); eager: the dynamic cache. "
+        f"transformers {info['transformers']}, torch {info['torch']}.", "",
+        "| mode | batch | unpatched ms/step | patched ms/step | decode-step overhead | call overhead | µs per site "
+        "| tokens = eager (unpatched / patched) |",
+        "|---|---|---|---|---|---|---|---|"]
+    for row in info["rows"]:
+        same = row.get("tokens_equal_eager")
+        same = f"{same['unpatched']} / {same['patched']}" if same else "not checked"
+        (low, high), (call_low, call_high) = row["step_overhead_range_percent"], row["call_overhead_range_percent"]
+        lines.append(f"| {row['mode']} | {row['batch']} | {row['unpatched_step_ms']:.3f} | {row['patched_step_ms']:.3f}"
+                     f" | {row['step_overhead_percent']:+.2f}% [{low:+.2f}, {high:+.2f}] | "
+                     f"{row['call_overhead_percent']:+.2f}% [{call_low:+.2f}, {call_high:+.2f}] | "
+                     f"{row['us_per_site_and_step']:.1f} | {same} |")
+    kernels = info.get("step_kernels")
+    if kernels:
+        base = kernels["unpatched"]
+        lines += ["", f"Kernels of one compiled decode step (batch {info['kernel_batch']}, "
+                      "`torch.compile(model.forward, fullgraph=True)`, default mode, profiled):", "",
+                  "| step | kernels per step | GPU µs per step | vs unpatched |", "|---|---|---|---|"]
+        for name, value in kernels.items():
+            label = "unpatched" if name == "unpatched" else f"patched: {VARIANTS[name]} (`{name}`)"
+            delta = "" if name == "unpatched" else (f"{value['kernels'] - base['kernels']:+.0f} kernels, "
+                                                    f"{100 * (value['gpu_us'] / max(base['gpu_us'], 1e-9) - 1):+.2f}% GPU time")
+            lines.append(f"| {label} | {value['kernels']:.0f} | {value['gpu_us']:.0f} | {delta} |")
+    return lines
+
+
+def main():
+    global DEVICE
+    args = parse_args()
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_generate.py times CUDA generation: it needs a GPU (or --device cpu for a smoke test).")
+    dtype = getattr(torch, args.dtype)
+    gpu = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"
+    unpatched = llama_model(args.layers, args.hidden, args.vocab, dtype)
+    patched = llama_model(args.layers, args.hidden, args.vocab, dtype)
+    patch_model(patched, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+    patched.to(DEVICE)
+    variants = args.variants.split(",")
+    info = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+            "triton": getattr(sys.modules.get("triton"), "__version__", None),
+            "pde_sites": len(pde_modules(patched)),
+            "backend_used": "triton" if _use_triton("auto", torch.zeros(1, 8, device=DEVICE, dtype=dtype)) else "torch",
+            "decode_step": variants[0], "rows": [],
+            "command": "python benchmarks/bench_generate.py " + " ".join(sys.argv[1:])}
+    stem = os.path.join(args.out, "generate_" + (args.tag or gpu.replace(" ", "_")))
+    batches = [int(b) for b in args.batches.split(",")]
+    if "compiled" in args.modes.split(","):
+        info["kernel_batch"] = batches[0]
+        prompt = torch.randint(0, args.vocab, (batches[0], args.prompt), generator=torch.Generator().manual_seed(4))
+        kernels = {}
+        for name in ("unpatched", *variants):
+            with decode_step_variant("auto" if name == "unpatched" else name):
+                count, gpu_us, names = step_kernels(unpatched if name == "unpatched" else patched, prompt.to(DEVICE))
+            kernels[name] = {"kernels": count, "gpu_us": gpu_us, "names": names}
+            print(f"[kernels] {name}: {count:.0f} kernels, {gpu_us:.0f} us GPU per step", flush=True)
+        info["step_kernels"] = kernels
+        write_result_files(stem, info, markdown(info, args))
+    with decode_step_variant(variants[0]):
+        for mode in args.modes.split(","):
+            for batch in batches:
+                info["rows"].append(generate_rows(patched, unpatched, args, mode, batch, not args.no_token_check))
+                write_result_files(stem, info, markdown(info, args))  # (after every row: a run may be cut short)
+
+
+if __name__ == "__main__":
+    main()
