@@ -13,7 +13,8 @@ generated.
   not copied). A patched copy would decode with the original's forward. Such a compiled forward is dropped before
   transformers looks for it (:func:`drop_compiled_calls`), so it compiles what this model is.
 * **Caches that cannot hold a PDE state** (``cache_implementation="quantized"``, a cache built without the model's
-  config) are refused before the first step with an error naming the cache.
+  config) and the offloaded static cache (whose prefetch fails when every layer holds a conv state) are refused before
+  the first step with an error naming the cache.
 * **Continuous batching** keeps no per-request conv state: refused.
 
 Assisted and prompt-lookup decoding crop the cache after rejected draft tokens: the PDE state follows transformers'
@@ -32,6 +33,15 @@ from .pde_cache import CACHE_ARGUMENTS
 # The first transformers release that records the past of an assistant model's cache (so that `crop` can roll its
 # conv states back after rejected drafts).
 ASSISTANT_ROLLBACK_SINCE = version.parse("5.15.0")
+# Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
+REFUSED_CACHES = {
+    "quantized": "transformers' quantized cache has key/value layers only, with no room for the PDE sites' conv "
+                 "states.",
+    # (transformers 5.14-5.24: its prefetch looks for a layer without conv states, and every layer of a PDE model's
+    # cache holds them: "ValueError: True is not in list" at the first token)
+    "offloaded_static": "transformers' offloaded static cache prefetches the next layer that holds no conv state, and "
+                        "every layer of this model's cache holds the PDE state (it fails at the first token).",
+}
 
 
 def _bound_module(value):
@@ -113,11 +123,11 @@ class PDEGenerationMixin:
 
     def generate(self, *args, **kwargs):
         config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
-        if (kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)) == "quantized":
+        implementation = kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)
+        if implementation in REFUSED_CACHES and self.pde_cache_sites():
             raise ValueError(
-                f"{type(self).__name__}: cache_implementation='quantized' is refused: transformers' quantized cache "
-                "has key/value layers only, with no room for the PDE sites' conv states. Use 'dynamic', 'static', "
-                "'offloaded' or 'offloaded_static'."
+                f"{type(self).__name__}: cache_implementation={implementation!r} is refused: "
+                f"{REFUSED_CACHES[implementation]} Use 'dynamic', 'static' or 'offloaded'."
             )
         if getattr(config, "is_assistant", False) and ASSISTANT_ROLLBACK_SINCE > version.parse(
                 transformers.__version__) and self.pde_cache_sites():

@@ -157,8 +157,9 @@ def test_caches_that_cannot_hold_the_pde_state_are_refused_up_front(kind):
         # name of its forward's parameter, `cache`, which those releases' generate() does not pass on)
         with pytest.raises(ValueError, match="cannot hold the PDE state"):
             model.generate(ids, attention_mask=mask, max_new_tokens=2, **{CACHE_ARGUMENT: plain})
-    with pytest.raises(ValueError, match="cache_implementation='quantized' is refused"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="quantized")
+    for implementation in ("quantized", "offloaded_static"):
+        with pytest.raises(ValueError, match=f"cache_implementation='{implementation}' is refused"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation=implementation)
     with pytest.raises(ValueError, match="continuous batching"):
         model.init_continuous_batching()
 

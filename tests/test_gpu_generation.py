@@ -94,7 +94,7 @@ def test_compiled_static_generation_of_a_copy_patched_after_the_base_compiled(pd
 
 
 @requires_cuda
-@pytest.mark.parametrize("implementation", ["offloaded", "offloaded_static"])
+@pytest.mark.parametrize("implementation", ["offloaded"])  # ("offloaded_static" is refused: test_generation_matrix)
 def test_offloaded_caches_are_exact(implementation):
     ids, mask = prompts(3)
     model = randomize(patch_model(base_model(3), pde_type="wave", pde_steps=4, placement=PLACEMENTS["all"],
