@@ -58,7 +58,7 @@ from torch import nn
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .checkpoint_conversion import SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, saved_as_own_class
-from .pde_cache import CACHE_ARGUMENTS, pde_sites
+from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, find_cache, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
 from .generation_cta import PDEGenerationMixin, drop_compiled_calls
 from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
@@ -112,9 +112,32 @@ def _base_model_type(config) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _cache_index(function):
+# The cache keyword of layers that still call it by an older name (GPT-NeoX, GPT-Neo, GPTBigCode, BLOOM, Falcon).
+_LAYER_CACHE_ALIASES = ("layer_past",)
+
+
+class _AliasedCacheLayerSite(LayerSite):
+    """A :class:`LayerSite` for a layer whose ``forward`` receives the cache as ``layer_past``: the hooks read it under
+    the name they know."""
+
+    def _layer_cache(self, module, args, kwargs):
+        for alias in _LAYER_CACHE_ALIASES:
+            if kwargs.get(alias) is not None and find_cache(kwargs) is None:
+                kwargs = {**kwargs, CACHE_ARGUMENT: kwargs[alias]}
+        return super()._layer_cache(module, args, kwargs)
+
+
+def _layer_site_class(layer):
+    try:
+        parameters = inspect.signature(type(layer).forward).parameters
+    except (TypeError, ValueError):
+        return LayerSite
+    return _AliasedCacheLayerSite if any(a in parameters for a in _LAYER_CACHE_ALIASES) else LayerSite
+
+
+def _cache_index(function, names=CACHE_ARGUMENTS):
     """Position of the cache among ``function``'s positional parameters, under either of its names."""
-    for name in CACHE_ARGUMENTS:
+    for name in names:
         index = _signature_index(function, name)
         if index is not None:
             return index
@@ -264,7 +287,9 @@ def _make_pde(spec, channels, layer_idx, state_idx, like: nn.Module):
         state_idx=state_idx,
     )
     param = next(iter(like.parameters()), None)
-    if param is not None and param.device.type != "meta":
+    own = next(iter(module.parameters()), None)
+    built_on_meta = own is not None and own.device.type == "meta"  # (under a meta-device construction: stays there)
+    if param is not None and param.device.type != "meta" and not built_on_meta:
         module.to(device=param.device)
     if param is not None and param.is_floating_point() and is_deepspeed_zero3_enabled():
         # Loaded under ZeRO-3, the model's parameters were cast to the engine's dtype: DeepSpeed partitions every
@@ -286,7 +311,7 @@ def _apply_patch(model, spec):
     before anything changes; should adding them fail anyway, what was added is removed again (and, for a model being
     patched in place, ``config.cta_patch``) before the error propagates."""
     plan = plan_patch(model, spec["placement"], _layer_indices(spec, model.config.num_hidden_layers))
-    if plan.base is not model and "_cta_context" in plan.base.__dict__:
+    if any("_cta_context" in module.__dict__ for module in model.modules()):
         # A generic head (LlamaForSequenceClassification, ...) builds its backbone with AutoModel.from_config: the
         # patched backbone class, which applied this same patch in its own constructor.
         return model
@@ -336,11 +361,12 @@ def _add_sites(model, spec, plan):
             _add_pde(layer, "embedding", _make_pde(spec, hidden, 0, states["embedding"], layer))
         if "block_output" in per_layer:
             _add_pde(layer, "block_output", _make_pde(spec, hidden, idx, states["block_output"], layer))
-        cache_position = _cache_index(type(layer).forward)
-        layer_site = LayerSite(context, layer, f"layer {idx}", spec["causal"],
-                               None if cache_position is None else cache_position - 1,
-                               embedding="embedding" in states, block_output="block_output" in per_layer,
-                               nested=bool(nested or value_sites), value_sites=value_sites)
+        cache_position = _cache_index(type(layer).forward, CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
+        site_class = _layer_site_class(layer)
+        layer_site = site_class(context, layer, f"layer {idx}", spec["causal"],
+                                None if cache_position is None else cache_position - 1,
+                                embedding="embedding" in states, block_output="block_output" in per_layer,
+                                nested=bool(nested or value_sites), value_sites=value_sites)
         context.site_hooks += [*value_sites, *nested, layer_site]
 
 

@@ -69,6 +69,12 @@ FUSED_VALUE = {
     "codegen": ("qkv_proj", lambda c: None),
 }
 
+# model_type -> {placement: why the structure's module is not the one to refine}.
+PLACEMENT_EXCEPTIONS = {
+    "opt": {"mlp_output": "OPT flattens batch and sequence before its feed-forward (fc2's output is [batch * seq, "
+                          "hidden], no sequence axis)"},
+}
+
 # model_type -> why patch_model refuses it (what the structure alone would not tell).
 REFUSED = {
     "mamba": "keeps its own recurrent (selective state-space) state in its cache",
@@ -77,6 +83,18 @@ REFUSED = {
     "rwkv": "keeps its own recurrent (RWKV time-mixing) state in its cache",
     "recurrent_gemma": "keeps its own recurrent (RG-LRU) state in its cache",
     "xlstm": "keeps its own recurrent (xLSTM) state in its cache",
+    "lfm2": "keeps its own short-convolution state in its cache",
+    "lfm2_moe": "keeps its own short-convolution state in its cache",
+    "hrm_text": "has two layer stacks (its hierarchical H and L modules), run several times per token",
+    "bert-generation": "its layers are BERT encoder layers (bidirectional attention) whatever the config says",
+    "longformer": "pads the input to a multiple of its attention window inside the model, so the padding walls "
+                  "would not line up with the given attention mask",
+    "funnel": "pools the sequence between its blocks (later layers see fewer positions than the input has)",
+    "reformer": "uses reversible layers with chunked LSH / local attention and no standard layer stack",
+    "xlnet": "uses two-stream relative attention with memories instead of a standard layer stack",
+    "blt": "has several layer stacks (byte-level local encoder, global transformer, local decoder)",
+    **{t: "its layers are not a transformers layer stack (an nn.ModuleList of GradientCheckpointingLayer)" for t in (
+        "albert", "cpmant", "ctrl", "flaubert", "ibert", "mpnet", "openai-gpt", "perceiver", "xlm")},
 }
 
 
@@ -100,7 +118,7 @@ class LayerTargets:
 
 @dataclasses.dataclass
 class PatchPlan:
-    base: nn.Module
+    base: nn.Module  # the module whose forward receives the model's inputs and calls the layers (holds the context)
     layers: nn.ModuleList
     layers_name: str
     causal: bool
@@ -132,17 +150,43 @@ def _out_features(module) -> Optional[int]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _type_refusal(model_type) -> Optional[str]:
+    if model_type in REFUSED:
+        return REFUSED[model_type]
+    if model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
+            model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        return ("not a text decoder or encoder (transformers lists no causal-LM or masked-LM head for it: vision, "
+                "audio, multimodal, sequence-to-sequence or task-specific)")
+    return None
+
+
+def model_type_refusal(model_type) -> Optional[str]:
+    """Why patch_model refuses every model of ``model_type`` (judged on its default config), or ``None``."""
+    reason = _type_refusal(model_type)
+    if reason is not None:
+        return reason
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config = CONFIG_MAPPING[model_type]()
+    except Exception as error:  # (a config that needs arguments)
+        return f"its config cannot be built without arguments ({type(error).__name__}), so it was not checked"
+    return config_refusal(config)
+
+
 def config_refusal(config) -> Optional[str]:
     """Why no model of ``config`` can be patched (``None``: the structure decides)."""
     model_type = base_model_type(config)
-    if model_type in REFUSED:
-        return REFUSED[model_type]
+    reason = _type_refusal(model_type)
+    if reason is not None:
+        return reason
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder (sequence-to-sequence) model: patch_model refines one layer stack"
-    if getattr(type(config), "sub_configs", None):
-        names = ", ".join(sorted(type(config).sub_configs))
-        return (f"a composite config (sub-configs {names}): patch the text model of its own model type, not the "
-                "multimodal wrapper")
+    composite = [name for name in getattr(type(config), "sub_configs", None) or {}
+                 if name in ("encoder", "decoder") or any(k in name for k in ("text", "vision", "audio", "speech"))]
+    if composite:
+        return (f"a composite config (sub-configs {', '.join(sorted(composite))}): patch the text model of its own "
+                "model type, not the multimodal wrapper")
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -196,7 +240,27 @@ def find_layer_stack(model):
             f"GradientCheckpointingLayer / `_no_split_modules` layers) in its base model and found {what}."
         )
     name, layers = found[0]
-    return base, layers, name
+    return _input_owner(base, name), layers, name
+
+
+def _takes_model_inputs(module) -> bool:
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "attention_mask" in parameters and ("input_ids" in parameters or "inputs_embeds" in parameters)
+
+
+def _input_owner(base, layers_name):
+    """The innermost module between the base model and its layer stack whose forward takes the model's inputs
+    (``input_ids`` and the 2D ``attention_mask``): where the padding walls and the cache are read. Usually the base
+    model itself; OPT's heads call ``model.decoder`` directly, past the base model's forward."""
+    owner, module = base, base
+    for part in layers_name.split(".")[:-1]:
+        module = getattr(module, part)
+        if _takes_model_inputs(module):
+            owner = module
+    return owner
 
 
 def _children_named(module, names):
@@ -323,6 +387,9 @@ def layer_targets(layer, config) -> LayerTargets:
         targets.mlp_output = layer.fc2  # OPT-style layers: fc1 / fc2 directly on the layer
     else:
         targets.reasons["mlp_output"] = "no MLP / mixture-of-experts block found (" + ", ".join(MLP_NAMES) + ", fc2)"
+    for placement, reason in PLACEMENT_EXCEPTIONS.get(model_type, {}).items():
+        setattr(targets, placement, None)
+        targets.reasons[placement] = reason
     return targets
 
 
@@ -395,4 +462,4 @@ def supported_placements(model) -> list:
     return supported
 
 
-__all__ = ["FUSED_VALUE", "REFUSED", "plan_patch", "supported_placements", "config_refusal", "find_layer_stack"]
+__all__ = ["FUSED_VALUE", "REFUSED", "PLACEMENT_EXCEPTIONS", "plan_patch", "model_type_refusal", "supported_placements", "config_refusal", "find_layer_stack"]
