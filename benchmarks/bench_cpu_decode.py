@@ -28,14 +28,48 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
-from bench_patched_model import bootstrap_median, llama_model, paired_decode  # noqa: E402
-from cpu_site_host_time import substitute_decode_step  # noqa: E402
+from bench_patched_model import llama_model  # noqa: E402
+from results_io import bootstrap_median, paired_decode  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
+from cta.pde_cta import PDERefinement  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 STEP_LABEL = {"real": "the package's", "identity": "identity (structure only)",
               "floor": "floor: cat + mm + state write"}
+
+
+@contextlib.contextmanager
+def substitute_decode_step(mode: str):
+    """Within the block, a PDE site's one-token step is replaced (prefill stays real: it stores the state the
+    continuation check asks for): ``identity`` returns the token (what remains is the structure: hooks, lookups,
+    module calls); ``floor`` runs the fewest eager torch ops a linear scheme's update with scalar coefficients needs
+    (one concatenation, one matrix product, the state write; the decode map formed once and never re-checked;
+    batch 1), a lower bound of any eager torch implementation of the step."""
+    from cta.pde_cache import cached_pde_state
+    from cta.pde_decode import causal_decode_map
+
+    real = PDERefinement.forward
+    maps = {}
+
+    def substitute(self, h, attention_mask=None, cache=None, *args, **kwargs):
+        if h.shape[1] != 1:
+            return real(self, h, attention_mask, cache, *args, **kwargs)
+        if mode == "identity":
+            return h
+        state = cached_pde_state(cache, self.layer_idx, self.state_idx)
+        if self not in maps:
+            alpha, beta = self.coefficients()
+            maps[self] = causal_decode_map(self.pde_type, self.steps, alpha.detach(), beta, state.dtype)[..., 0]
+        levels = torch.mm(maps[self], torch.cat([h[0], state[0]]))
+        state[0].copy_(levels[:-1])
+        return levels[-1:].unsqueeze(0)
+
+    PDERefinement.forward = substitute
+    try:
+        yield
+    finally:
+        PDERefinement.forward = real
 
 
 def parse_args():
@@ -53,7 +87,7 @@ def parse_args():
     p.add_argument("--bounds", action="store_true",
                    help="also time diffusion with the one-token step replaced by the identity (the structure's "
                         "cost alone) and by the fewest torch ops of a linear update (the floor of any eager torch "
-                        "step; cpu_site_host_time.substitute_decode_step)")
+                        "step; substitute_decode_step)")
     p.add_argument("--out", default=RESULTS)
     return p.parse_args()
 

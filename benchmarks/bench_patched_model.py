@@ -29,10 +29,11 @@ Timings are medians over ``--repeats`` runs after warm-up (CUDA synchronised wal
 
     python benchmarks/bench_patched_model.py                 # the full measurement (~5 min on an H100)
     python benchmarks/bench_patched_model.py --layers 2 --hidden 1024 --lengths 512,1024 --device cpu  # smoke test
+
+``model.generate()`` (eager and compiled) is measured by ``bench_generate.py``.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -41,9 +42,12 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
+
+from results_io import bootstrap_median, paired_decode  # noqa: E402  (beside this script)
 
 from cta.patching_cta import is_patched, patch_model, pde_modules, unpatch_model  # noqa: E402
 from cta.pde_cta import _use_triton, pde_refine, triton_available  # noqa: E402
@@ -70,26 +74,6 @@ def parse_args():
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
-    p.add_argument("--generate", action="store_true",
-                   help="only model.generate() (what users call), eager and compiled, patched vs an unpatched copy: "
-                        "generate_<gpu>.json / .md (see measure_generate)")
-    p.add_argument("--generate-batches", default="1,8", help="with --generate: batch sizes")
-    p.add_argument("--eager-decode", default="auto", choices=("auto", "torch", "identity"),
-                   help="with --generate: 'torch' runs the one-token step of a CUDA eager decode as plain torch ops "
-                        "(pde_decode.pde_decode_update, the recurrence) instead of the fused Triton kernel, prefill "
-                        "unchanged; 'identity' returns the token unchanged (what remains is the structure: hooks, "
-                        "lookups, module calls; a bound, not a result). Results go to generate_<gpu>_<mode>_decode.* "
-                        "(compare with the default in one session)")
-    p.add_argument("--compiled-state-write", default="levels", choices=("levels", "stack", "index_copy"),
-                   help="experiment: how a traced decode step writes a site's state (the package's per-level writes, "
-                        "one stacked copy, one index_copy_); files get _<choice>_state (docs/decoding.md)")
-    p.add_argument("--generate-tokens", type=int, default=256, help="with --generate: new tokens per call")
-    p.add_argument("--generate-modes", default="eager,compiled",
-                   help="with --generate: 'eager' (dynamic cache) and/or 'compiled' (cache_implementation='static': "
-                        "transformers compiles the decode step, CUDA graphs)")
-    p.add_argument("--compiled-step-kernels", action="store_true",
-                   help="only the CUDA kernels of one compiled decode step (StaticCache, torch.compile default mode, "
-                        "torch.profiler), unpatched then patched: compiled_step_kernels_<gpu>.txt")
     return p.parse_args()
 
 
@@ -198,47 +182,6 @@ def paired_rounds(model, args, device):
     return times
 
 
-def bootstrap_median(values, resamples=2000, seed=0):
-    """A 95% interval of the median of ``values`` (percentile bootstrap)."""
-    import random
-
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples)]
-
-
-def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, device, mask=False):
-    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding: both models prefill ``prompt``, then each token
-    is decoded by one model and then the other (the order alternating), each step synchronised and timed by itself,
-    as ``generate()`` synchronises once per token. Host speed drifts over seconds; two steps a few milliseconds apart
-    see the same host. Passes of ``tokens`` tokens from the prompt, after one untimed pass: every cache length then
-    has been seen before (sdpa's cuDNN backend builds a plan per new length, which costs tens of milliseconds the
-    first time). ``mask``: pass an all-ones attention mask with every step, as ``generate()`` does."""
-    passes = 1 + -(-pairs_wanted // tokens)
-    ones = torch.ones(prompt.shape[0], prompt.shape[1] + tokens, dtype=torch.long, device=prompt.device)
-    pairs = []
-    with torch.no_grad():
-        for p in range(passes):
-            states = {}
-            for name, model in (("unpatched", unpatched), ("patched", patched)):
-                out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-                states[name] = [model, out.past_key_values, out.logits[:, -1:].argmax(-1)]
-            for t in range(tokens):
-                step = {}
-                for name in ("unpatched", "patched") if t % 2 == 0 else ("patched", "unpatched"):
-                    model, cache, token = states[name]
-                    step_mask = ones[:, : prompt.shape[1] + t + 1] if mask else None
-                    sync(device)
-                    start = time.perf_counter()
-                    out = model(input_ids=token, past_key_values=cache, use_cache=True, attention_mask=step_mask)
-                    states[name][2] = out.logits[:, -1:].argmax(-1)
-                    sync(device)
-                    step[name] = time.perf_counter() - start
-                if p > 0:
-                    pairs.append((step["unpatched"], step["patched"]))
-    return pairs[:pairs_wanted]
-
-
 def measure(model, args, device, label):
     """One pass over the workloads (medians of ``--repeats`` runs; training and decoding: half as many, at least
     3), their memory peaks, and the exactness of cached decoding."""
@@ -280,231 +223,6 @@ def llama_model(layers, hidden, intermediate, vocab, device, dtype, max_position
         return transformers.LlamaForCausalLM(config).to(dtype).eval()
 
 
-def compiled_step_kernels(model, args, device, path):
-    """Counts the CUDA kernels of one batch-1 decode step compiled with ``torch.compile(model.forward,
-    fullgraph=True)`` (default mode: no CUDA graph, so the profiler sees every kernel) through a ``StaticCache``,
-    unpatched then patched, and their summed GPU time per step; writes the table to ``path``."""
-    import collections
-
-    from transformers import StaticCache
-
-    prompt = torch.randint(0, args.vocab, (1, args.decode_prefill), generator=torch.Generator().manual_seed(4))
-    prompt = prompt.to(device)
-    lines = [f"# Kernels of one compiled decode step ({args.layers}x{args.hidden} Llama, batch 1, StaticCache, "
-             f"torch.compile(model.forward, fullgraph=True); 4 steps profiled). Command: python "
-             f"benchmarks/bench_patched_model.py {' '.join(sys.argv[1:])}", ""]
-    for label in ("unpatched", "patched"):
-        if label == "patched":
-            patch(model, args, device)
-        torch._dynamo.reset()
-        step = torch.compile(model.forward, fullgraph=True)
-        with torch.no_grad():
-            cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + 16)
-            token = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1:]
-            token = token.argmax(-1)
-
-            def run(i):
-                position = torch.tensor([prompt.shape[1] + i], device=device)
-                step(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position,
-                     position_ids=position[None])
-
-            for i in range(4):
-                run(i)
-            sync(device)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for i in range(4, 8):
-                    run(i)
-                sync(device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        counts = collections.Counter(e.name[:90] for e in kernels)
-        lines.append(f"## {label}: {len(kernels) / 4:.0f} kernels per step, "
-                     f"{sum(e.device_time for e in kernels) / 4:.0f} us GPU per step")
-        lines += [f"{n / 4:5.1f}  {name}" for name, n in counts.most_common(40)]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-
-class _TokenClock:
-    """A ``generate()`` streamer that records when each new token arrives (transformers' ``BaseStreamer`` interface;
-    generate hands it the tokens on the host, so each arrival follows a synchronisation)."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-    def median_step(self):
-        """The median time between consecutive decoded tokens (the first two puts are the prompt and the
-        prefill's token)."""
-        steps = [b - a for a, b in zip(self.times[1:], self.times[2:])]
-        return statistics.median(steps)
-
-
-@contextlib.contextmanager
-def stacked_state_writes(mode):
-    """Within the block, a traced decode step writes a site's new state as one copy of the stacked levels (``stack``)
-    or one ``index_copy_`` of them (``index_copy``): the ``--compiled-state-write`` experiment."""
-    from cta import pde_decode
-
-    real = pde_decode._write_state
-
-    def write_state(state, levels, valid):
-        if not (levels and torch.compiler.is_compiling()):
-            return real(state, levels, valid)
-        stacked = torch.cat(levels, dim=1)
-        stacked = stacked if valid is None else stacked * valid
-        if mode == "stack":
-            state.copy_(stacked)
-        else:
-            state.index_copy_(1, torch.arange(len(levels), device=state.device), stacked)
-
-    pde_decode._write_state = write_state
-    try:
-        yield
-    finally:
-        pde_decode._write_state = real
-
-
-@contextlib.contextmanager
-def decode_step_variant(name):
-    """Within the block, a PDE site's one-token step is ``name``: ``auto`` the package's; ``torch`` its torch-ops
-    path (as on the CPU and under torch.compile) even where the Triton decode kernel could run; ``identity`` the token
-    returned unchanged (what remains is the structure: hooks, lookups, module calls). Prefill and training keep their
-    kernels."""
-    if name == "identity":
-        from cpu_site_host_time import substitute_decode_step
-
-        with substitute_decode_step("identity"):
-            yield
-        return
-    if name == "auto":
-        yield
-        return
-    from cta.pde_cta import PDERefinement
-
-    real = PDERefinement._decode_step
-
-    def decode_step(self, hidden_states, state, attention_mask):
-        backend, self.backend = self.backend, "torch"
-        try:
-            return real(self, hidden_states, state, attention_mask)
-        finally:
-            self.backend = backend
-
-    PDERefinement._decode_step = decode_step
-    try:
-        yield
-    finally:
-        PDERefinement._decode_step = real
-
-
-def measure_generate(patched, unpatched, args, device, on_row=None):
-    """``model.generate()`` timed patched and unpatched: for each mode and batch size, ``--rounds`` paired rounds
-    (each round calls generate once on each model, the order alternating; greedy, exactly ``--generate-tokens`` new
-    tokens after a ``--decode-prefill``-token prompt), after one untimed call each (compilation and CUDA-graph capture
-    in the compiled mode). The overhead is the median over rounds of patched / unpatched - 1 of the call's time.
-    ``compiled``: ``cache_implementation="static"``, with which transformers compiles the one-token step
-    (``torch.compile``, its default ``CompileConfig``) and replays it as a CUDA graph. Each call also records the
-    median time between its decoded tokens (a streamer): on a noisy host a few slow tokens move a whole call's time,
-    not that median (``step_overhead_percent``: the median over rounds of patched / unpatched of it)."""
-    results = []
-    for mode in args.generate_modes.split(","):
-        for batch in [int(b) for b in args.generate_batches.split(",")]:
-            prompt = torch.randint(0, args.vocab, (batch, args.decode_prefill),
-                                   generator=torch.Generator(device="cpu").manual_seed(3)).to(device)
-            kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.generate_tokens,
-                          min_new_tokens=args.generate_tokens, do_sample=False, pad_token_id=0)
-            if mode == "compiled":
-                kwargs["cache_implementation"] = "static"
-
-            @torch.no_grad()
-            def call(model):
-                """(seconds of the call, median seconds of its decode steps)."""
-                clock = _TokenClock()
-                sync(device)
-                start = time.perf_counter()
-                model.generate(prompt, streamer=clock, **kwargs)
-                sync(device)
-                return time.perf_counter() - start, clock.median_step()
-
-            for name, model in (("unpatched", unpatched), ("patched", patched)):
-                seconds, _ = call(model)
-                print(f"[generate {mode} batch {batch}] {name}: first call {seconds:.1f}s", flush=True)
-            pairs, steps = [], []
-            for r in range(args.rounds):
-                order = ("unpatched", "patched") if r % 2 == 0 else ("patched", "unpatched")
-                pair = {name: call(unpatched if name == "unpatched" else patched) for name in order}
-                pairs.append((pair["unpatched"][0], pair["patched"][0]))
-                steps.append((pair["unpatched"][1], pair["patched"][1]))
-            ratios = [p / u for u, p in pairs]
-            step_ratios = [p / u for u, p in steps]
-            row = dict(mode=mode, batch=batch, new_tokens=args.generate_tokens, rounds_s=pairs,
-                       rounds_median_step_s=steps,
-                       overhead_percent=100.0 * (statistics.median(ratios) - 1.0),
-                       overhead_range_percent=[100.0 * (min(ratios) - 1.0), 100.0 * (max(ratios) - 1.0)],
-                       step_overhead_percent=100.0 * (statistics.median(step_ratios) - 1.0),
-                       step_overhead_range_percent=[100.0 * (min(step_ratios) - 1.0),
-                                                    100.0 * (max(step_ratios) - 1.0)],
-                       unpatched_tokens_per_s=batch * args.generate_tokens / statistics.median(u for u, _ in pairs),
-                       patched_tokens_per_s=batch * args.generate_tokens / statistics.median(p for _, p in pairs),
-                       target_percent=8.0 if mode == "eager" else 3.0)
-            # What one PDE site adds to a decode step (host-bound at these sizes: mostly host time).
-            row["extra_us_per_site"] = 1e6 * statistics.median(p - u for u, p in steps) / len(pde_modules(patched))
-            results.append(row)
-            if on_row is not None:  # (written after every row: a long compiled run may be cut short)
-                on_row(results)
-            print(f"[generate {mode} batch {batch}] overhead {row['overhead_percent']:+.2f}% "
-                  f"(rounds {row['overhead_range_percent'][0]:+.2f}..{row['overhead_range_percent'][1]:+.2f}%), "
-                  f"per decode step {row['step_overhead_percent']:+.2f}%", flush=True)
-    return results
-
-
-EAGER_DECODE_NOTE = {"auto": "", "torch": " (the one-token step as torch ops: --eager-decode torch)",
-                     "identity": " (the one-token step replaced by the identity, --eager-decode identity: the "
-                                 "structure's cost alone, a bound)"}
-
-
-def write_generate(results, info, args, tag):
-    stem = os.path.join(args.out, f"generate_{tag}")
-    info = dict(info, generate=results, command="python benchmarks/bench_patched_model.py " + " ".join(sys.argv[1:]))
-    with open(stem + ".json", "w") as f:
-        json.dump(info, f, indent=1)
-    lines = [
-        f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})",
-        "",
-        f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block: diffusion, "
-        f"{args.steps} steps, backend `{info['patch']['backend_used']}`"
-        f"{EAGER_DECODE_NOTE[args.eager_decode]}. "
-        f"Greedy, {args.generate_tokens} new tokens "
-        f"after a {args.decode_prefill}-token prompt. Call overhead: median over {args.rounds} paired rounds of "
-        "patched / unpatched time of the generate() call; decode-step overhead: the same of each call's median time "
-        "between decoded tokens (ranges over rounds in brackets); µs per site and step: the median over rounds of "
-        "the patched - unpatched median step time, divided by the PDE sites. Eager: the default dynamic cache; compiled: "
-        "`cache_implementation=\"static\"` (transformers compiles the decode step and replays it as a CUDA graph). "
-        f"transformers {info['transformers']}, torch {info['torch']}.",
-        "",
-        "| mode | batch | unpatched tokens/s | patched tokens/s | call overhead | decode-step overhead | µs per site "
-        "and step | target |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in results:
-        low, high = row["overhead_range_percent"]
-        step_low, step_high = row["step_overhead_range_percent"]
-        lines.append(f"| {row['mode']} | {row['batch']} | {row['unpatched_tokens_per_s']:.1f} | "
-                     f"{row['patched_tokens_per_s']:.1f} | {row['overhead_percent']:+.2f}% [{low:+.2f}, {high:+.2f}] "
-                     f"| {row['step_overhead_percent']:+.2f}% [{step_low:+.2f}, {step_high:+.2f}] "
-                     f"| {row['extra_us_per_site']:.1f} | <= {row['target_percent']:.0f}% |")
-    lines += ["", f"Reproduce: `{info['command']}`", ""]
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines))
-    print("\n".join(lines))
-
-
 def main():
     args = parse_args()
     device = torch.device(args.device)
@@ -529,28 +247,6 @@ def main():
     info["patch"]["triton_available"] = triton_available()
     info["patch"]["backend_used"] = "triton" if _use_triton(args.backend, probe) else "torch"
     print(json.dumps(info, indent=1), flush=True)
-    substitutions = contextlib.ExitStack()  # (held for the rest of this process)
-    if args.compiled_state_write != "levels":
-        substitutions.enter_context(stacked_state_writes(args.compiled_state_write))
-        tag += f"_{args.compiled_state_write}_state"
-        info["patch"]["compiled_state_write"] = args.compiled_state_write
-    if args.compiled_step_kernels:
-        if device.type != "cuda":
-            raise SystemExit("--compiled-step-kernels profiles CUDA kernels: it needs --device cuda.")
-        os.makedirs(args.out, exist_ok=True)
-        return compiled_step_kernels(model, args, device, os.path.join(args.out, f"compiled_step_kernels_{tag}.txt"))
-    if args.generate:  # an unpatched copy (same seed, same weights) beside the patched model
-        info["patch"]["eager_decode"] = args.eager_decode
-        substitutions.enter_context(decode_step_variant(args.eager_decode))
-        if args.eager_decode != "auto":
-            tag += f"_{args.eager_decode}_decode"
-        unpatched = llama_model(args.layers, hidden, intermediate, args.vocab, device, dtype)
-        unpatched.config._attn_implementation = "sdpa"
-        patch(model, args, device)
-        os.makedirs(args.out, exist_ok=True)
-        measure_generate(model, unpatched, args, device, on_row=lambda rows: write_generate(rows, info, args, tag))
-        return
-
     # copy roof and one standalone PDE site on a [1, 16k, hidden] hidden state
     x = torch.randn(1, max(int(v) for v in args.lengths.split(",")), hidden, device=device, dtype=dtype)
     y = torch.empty_like(x)

@@ -1,9 +1,12 @@
 """What the benchmarks share: the check that a GPU is there (kernels compiled, not interpreted), the kernel launch
-they time, and the writing of a result's ``.json`` / ``.md`` pair."""
+they time, the writing of a result's ``.json`` / ``.md`` pair, per-token paired decoding and the bootstrap interval
+of a median."""
 
 import json
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -47,3 +50,49 @@ def write_result_files(stem: str, info: dict, lines) -> None:
     with open(stem + ".md", "w") as f:
         f.write(text)
     print(text)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bootstrap_median(values, resamples=2000, seed=0):
+    """A 95% interval of the median of ``values`` (percentile bootstrap)."""
+    import random
+
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples)]
+
+
+def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, device, mask=False):
+    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding: both models prefill ``prompt``, then each token
+    is decoded by one model and then the other (the order alternating), each step synchronised and timed by itself,
+    as ``generate()`` synchronises once per token. Host speed drifts over seconds; two steps a few milliseconds apart
+    see the same host. Passes of ``tokens`` tokens from the prompt, after one untimed pass: every cache length then
+    has been seen before (sdpa's cuDNN backend builds a plan per new length, which costs tens of milliseconds the
+    first time). ``mask``: pass an all-ones attention mask with every step, as ``generate()`` does."""
+    passes = 1 + -(-pairs_wanted // tokens)
+    ones = torch.ones(prompt.shape[0], prompt.shape[1] + tokens, dtype=torch.long, device=prompt.device)
+    pairs = []
+    with torch.no_grad():
+        for p in range(passes):
+            states = {}
+            for name, model in (("unpatched", unpatched), ("patched", patched)):
+                out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+                states[name] = [model, out.past_key_values, out.logits[:, -1:].argmax(-1)]
+            for t in range(tokens):
+                step = {}
+                for name in ("unpatched", "patched") if t % 2 == 0 else ("patched", "unpatched"):
+                    model, cache, token = states[name]
+                    step_mask = ones[:, : prompt.shape[1] + t + 1] if mask else None
+                    _sync(device)
+                    start = time.perf_counter()
+                    out = model(input_ids=token, past_key_values=cache, use_cache=True, attention_mask=step_mask)
+                    states[name][2] = out.logits[:, -1:].argmax(-1)
+                    _sync(device)
+                    step[name] = time.perf_counter() - start
+                if p > 0:
+                    pairs.append((step["unpatched"], step["patched"]))
+    return pairs[:pairs_wanted]

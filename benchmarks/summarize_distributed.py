@@ -29,7 +29,7 @@ import re
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (bench_patched_model, beside this script)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # (results_io, beside this script)
 LOSS_RTOL = 0.01
 LOSS_ATOL = 0.01
 OVERHEAD_TARGET = 0.05
@@ -81,7 +81,7 @@ def paired_overhead_ci(record):
     """Bootstrap 95% interval of the median per-pair ratio (on / off - 1) of a paired-rounds record, its first two
     rounds left out as ``bench_distributed`` does: single steps on a shared host scatter by tens of percent, so the
     median of many pairs and its interval are what can be compared with the target."""
-    from bench_patched_model import bootstrap_median
+    from results_io import bootstrap_median
 
     ratios = [a / b - 1 for a, b in zip(record["paired_step_seconds_on"], record["paired_step_seconds_off"])][2:]
     return list(bootstrap_median(ratios, resamples=10000))
