@@ -645,3 +645,60 @@ def test_pde_modules_take_the_models_dtype_under_deepspeed_zero3(zero3, monkeypa
     patch_model(model, pde_type="diffusion", pde_steps=2, placement="block_output")
     dtypes = {p.dtype for _, module in pde_modules(model) for p in module.parameters()}
     assert dtypes == ({torch.bfloat16} if zero3 else {torch.float32})
+
+
+@pytest.mark.parametrize("head", ["LlamaForSequenceClassification", "Qwen2ForTokenClassification",
+                                  "LlamaForQuestionAnswering", "MistralForSequenceClassification"])
+def test_generic_heads_patch_once_and_reload(tmp_path, head):
+    """transformers' generic heads build their backbone with ``AutoModel.from_config``; the patched type is
+    registered with AutoModel, so the backbone patches itself in the head's constructor. patch_model used to patch
+    the same layers again, after changing the model ("already has a cta_block_output_pde"), and the saved folder
+    failed to load with the same error."""
+    family = head.split("For")[0]
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    torch.manual_seed(0)
+    model = getattr(transformers, head)(config).eval()
+    ids, mask = batch()
+    reference = model(input_ids=ids, attention_mask=mask)[0]
+    patch_model(model, pde_steps=2, placement=list(PATCH_PLACEMENTS))
+    assert len(pde_modules(model)) == 1 + 4 * 2
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask)[0], reference, atol=1e-5, rtol=0)
+    randomize_pde(model)
+    expected = model(input_ids=ids, attention_mask=mask)[0]
+    model.save_pretrained(tmp_path)
+    reloaded = load_patched(tmp_path).eval()
+    assert type(reloaded) is type(model) and len(pde_modules(reloaded)) == len(pde_modules(model))
+    torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask)[0], expected, atol=1e-6, rtol=0)
+    unpatch_model(reloaded)
+    assert not any(type(m).__name__.startswith("CTAPatched") for m in reloaded.modules())
+
+
+def test_a_failing_patch_leaves_the_model_untouched(monkeypatch):
+    """An error while the PDE sites are added (here: the model's third PDE module) removes what was added: the model keeps
+    its class, config, modules and outputs, and can be patched afterwards."""
+    import cta.patching_cta as patching
+
+    model = tiny_model("llama")
+    ids, mask = batch()
+    before, names = logits(model, ids, mask), [n for n, _ in model.named_modules()]
+    real, calls = patching._make_pde, []
+
+    def failing(*args, **kwargs):
+        if next(args[-1].parameters()).device.type != "meta":  # (not the class's one-off build on the meta device)
+            calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(patching, "_make_pde", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        patch_model(model, pde_steps=2, placement=list(PATCH_PLACEMENTS))
+    assert type(model) is transformers.LlamaForCausalLM and type(model.config) is transformers.LlamaConfig
+    assert not hasattr(model.config, "cta_patch") and [n for n, _ in model.named_modules()] == names
+    assert not any("_cta_context" in m.__dict__ for m in model.modules())
+    torch.testing.assert_close(logits(model, ids, mask), before, atol=0, rtol=0)
+    monkeypatch.setattr(patching, "_make_pde", real)
+    patch_model(model, pde_steps=2, placement=list(PATCH_PLACEMENTS))
+    torch.testing.assert_close(logits(model, ids, mask), before, atol=1e-5, rtol=0)
