@@ -326,7 +326,6 @@ def _apply_patch(model, spec):
 
 
 def _add_sites(model, spec, plan):
-    config = model.config
     base, layers = plan.base, plan.layers
     num_layers = len(layers)
     mask_position = _signature_index(base.forward, "attention_mask")
@@ -337,37 +336,45 @@ def _add_sites(model, spec, plan):
                        base.register_forward_hook(context.exit, with_kwargs=True, always_call=True)]
     if spec["pde_steps"] == 0:
         return
-    hidden = config.hidden_size
     selected = _layer_indices(spec, num_layers)
-    placements = spec["placement"]
     for idx in range(num_layers):
         states = pde_state_indices(spec, idx, num_layers)
         if not states:
             continue
-        layer = layers[idx]
-        targets = plan.targets[idx]
-        per_layer = placements if idx in selected else []
-        nested, value_sites = [], []
-        if "value" in per_layer:
-            value = targets.value
-            _add_pde(value.owner, "value", _make_pde(spec, value.channels, idx, states["value"], layer))
-            value_sites.append(ValueSite(context, layer, value.owner, value.attr, value.value_slice))
-        for placement in ("attention_output", "mlp_output"):
-            if placement in per_layer:
-                module = getattr(targets, placement)
-                _add_pde(module, placement, _make_pde(spec, hidden, idx, states[placement], layer))
-                nested.append(OutputSite(context, layer, module, f"cta_{placement}_pde"))
-        if "embedding" in states:
-            _add_pde(layer, "embedding", _make_pde(spec, hidden, 0, states["embedding"], layer))
-        if "block_output" in per_layer:
-            _add_pde(layer, "block_output", _make_pde(spec, hidden, idx, states["block_output"], layer))
-        cache_position = _cache_index(type(layer).forward, CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
-        site_class = _layer_site_class(layer)
-        layer_site = site_class(context, layer, f"layer {idx}", spec["causal"],
-                                None if cache_position is None else cache_position - 1,
-                                embedding="embedding" in states, block_output="block_output" in per_layer,
-                                nested=bool(nested or value_sites), value_sites=value_sites)
-        context.site_hooks += [*value_sites, *nested, layer_site]
+        created = []  # sites whose hooks are registered but not yet in context.site_hooks
+        try:
+            _add_layer_sites(context, spec, model.config.hidden_size, layers[idx], idx, plan.targets[idx], states,
+                             spec["placement"] if idx in selected else [], created)
+        except BaseException:
+            for site in created:
+                site.remove()
+            raise
+
+
+def _add_layer_sites(context, spec, hidden, layer, idx, targets, states, per_layer, created):
+    nested, value_sites = [], []
+    if "value" in per_layer:
+        value = targets.value
+        _add_pde(value.owner, "value", _make_pde(spec, value.channels, idx, states["value"], layer))
+        value_sites.append(ValueSite(context, layer, value.owner, value.attr, value.value_slice))
+        created.extend(value_sites)
+    for placement in ("attention_output", "mlp_output"):
+        if placement in per_layer:
+            module = getattr(targets, placement)
+            _add_pde(module, placement, _make_pde(spec, hidden, idx, states[placement], layer))
+            nested.append(OutputSite(context, layer, module, f"cta_{placement}_pde"))
+            created.append(nested[-1])
+    if "embedding" in states:
+        _add_pde(layer, "embedding", _make_pde(spec, hidden, 0, states["embedding"], layer))
+    if "block_output" in per_layer:
+        _add_pde(layer, "block_output", _make_pde(spec, hidden, idx, states["block_output"], layer))
+    cache_position = _cache_index(type(layer).forward, CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
+    site_class = _layer_site_class(layer)
+    layer_site = site_class(context, layer, f"layer {idx}", spec["causal"],
+                            None if cache_position is None else cache_position - 1,
+                            embedding="embedding" in states, block_output="block_output" in per_layer,
+                            nested=bool(nested or value_sites), value_sites=value_sites)
+    context.site_hooks += [*value_sites, *nested, layer_site]
 
 
 def _remove_patch_modules(model):
