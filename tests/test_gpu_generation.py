@@ -2,7 +2,8 @@
 unpatched base, on a deepcopy patched afterwards, and on a copy of a patched model that compiled, for every PDE type,
 with and without left padding in one batch, 48 new tokens, against `use_cache=False`; offloaded caches likewise.
 
-`CTA_GPU_RESULTS=<file.json>` writes what each case measured (the committed `results/gpu_generation_<gpu>.json`)."""
+`CTA_GPU_RESULTS=<file.json>` writes what each case measured, and its markdown table beside it (the committed
+`results/generation/gpu_generation_*.json` / `.md`, shown in docs/generation.md)."""
 
 import copy
 import json
@@ -107,11 +108,30 @@ def test_offloaded_caches_are_exact(implementation):
     check(f"native, cache_implementation={implementation}", native, ids, mask, cache_implementation=implementation)
 
 
+def summary_markdown(result: dict) -> str:
+    """The markdown table of a result file (what docs/generation.md shows)."""
+    meta, cases = result["meta"], result["cases"]
+    lines = [f"Compiled static-cache `generate()` on CUDA against `use_cache=False`: {meta['gpu']}, torch {meta['torch']}, "
+             f"transformers {meta['transformers']}, {meta['dtype']}, {meta['new_tokens']} new tokens, a left-padded and "
+             f"an unpadded row (`{meta['command']}`).", "",
+             "| case | compiled | tokens equal | max logit difference |", "|---|---|---|---|"]
+    lines += [f"| {c['case']} | {'yes' if c['compiled'] else 'no'} | {'yes' if c['tokens_equal'] else '**no**'} | "
+              f"{c['max_logit_difference']:.1e} |" for c in cases]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(path: str, result: dict):
+    """``path`` (.json) and the same name with .md."""
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=1)
+    with open(os.path.splitext(path)[0] + ".md", "w") as handle:
+        handle.write(summary_markdown(result))
+
+
 def teardown_module(module):
     path = os.environ.get("CTA_GPU_RESULTS")
     if path and RESULTS:
         meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
                     new_tokens=NEW_TOKENS, dtype="float32", reference="use_cache=False",
-                    command="CTA_TEST_GPU=1 CTA_GPU_RESULTS=<file> python -m pytest tests/test_gpu_generation.py")
-        with open(path, "w") as handle:
-            json.dump(dict(meta=meta, cases=RESULTS), handle, indent=1)
+                    command="CTA_TEST_GPU=1 CTA_GPU_RESULTS=<file.json> python -m pytest tests/test_gpu_generation.py")
+        write_results(path, dict(meta=meta, cases=RESULTS))
