@@ -246,3 +246,14 @@ def test_every_model_type_is_covered_or_refused_with_a_reason():
     unaccounted = [t for t in sorted(CONFIG_MAPPING_NAMES)
                    if t not in ZOO and t not in NOT_CHECKED and not model_type_refusal(t)]
     assert not unaccounted, f"model types neither covered by the zoo nor refused with a reason: {unaccounted}"
+
+
+def test_readme_table_of_architectures_is_generated_from_the_code():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "scripts" / "supported_architectures.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
