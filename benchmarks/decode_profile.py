@@ -2,6 +2,7 @@
 
     python benchmarks/decode_profile.py pairs [--batch 1] [--pairs 512] [--rounds 15]   # per-token pairs, by step
     python benchmarks/decode_profile.py launch [--batch 1] [--calls 2000]              # host time down to the launch
+    python benchmarks/decode_profile.py compiled-host [--batch 1] [--tokens 256]      # a compiled step's host time
 
 ``pairs``: the Llama-shaped model of ``bench_patched_model.py`` (8 x 4096, bf16, sdpa; diffusion, 4 steps after every
 block, ``init="paper"``) beside an unpatched copy with the same weights. For each variant of the patched model's
@@ -17,7 +18,12 @@ torch op on the token (for scale); an empty ``@triton.jit`` kernel (the floor of
 kernel through ``kernel[grid](...)`` with its arguments prepared once; ``kernels_launch.launch_decode``;
 ``PDERefinement._decode_step`` as a patched model calls it. Writes ``decode_launch_cost_<gpu>_batch<N>.json`` / ``.md``.
 
-The compiled decode step (kernels per step, generate() with a static cache) is ``bench_generate.py``'s.
+``compiled-host``: ``generate(cache_implementation="static")`` (compiled, CUDA graphs) of both models, warmed up,
+then one call of each under ``cProfile``: the Python functions whose own time per decoded token differs most
+between the patched and the unpatched call (host time: a CUDA-graph step waits for the host, then for the GPU).
+Writes ``compiled_host_profile_<gpu>_batch<N>.txt``.
+
+The compiled decode step's kernels and generate() overheads are ``bench_generate.py``'s.
 """
 
 import argparse
@@ -234,11 +240,70 @@ def run_launch(argv):
     write_result_files(stem, info, lines)
 
 
+def run_compiled_host(argv):
+    import cProfile
+    import pstats
+
+    p = argparse.ArgumentParser(prog="decode_profile.py compiled-host", description="a compiled step's host time")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    models = {name: llama_model(args.layers, args.hidden, 11008 * args.hidden // 4096, 32000, device, torch.bfloat16)
+              for name in ("unpatched", "patched")}
+    patch_model(models["patched"], pde_type="diffusion", pde_steps=4, placement="block_output", init="paper")
+    prompt = torch.randint(0, 32000, (args.batch, args.prompt), generator=torch.Generator().manual_seed(5)).to(device)
+    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.tokens, min_new_tokens=args.tokens,
+                  do_sample=False, pad_token_id=0, cache_implementation="static")
+    own, wall = {}, {}
+    with torch.no_grad():
+        for name, model in models.items():
+            for _ in range(2):
+                model.generate(prompt, **kwargs)
+        for name, model in models.items():
+            profiler = cProfile.Profile()
+            sync(device)
+            start = time.perf_counter()
+            profiler.runcall(model.generate, prompt, **kwargs)
+            sync(device)
+            wall[name] = (time.perf_counter() - start) / args.tokens
+            stats = pstats.Stats(profiler).stats
+            own[name] = {f"{func[2]} ({os.path.basename(func[0])}:{func[1]})": (v[1], v[2])
+                         for func, v in stats.items()}
+    keys = set(own["unpatched"]) | set(own["patched"])
+    rows = sorted(((1e6 * (own["patched"].get(k, (0, 0.0))[1] - own["unpatched"].get(k, (0, 0.0))[1]) / args.tokens,
+                    own["patched"].get(k, (0, 0))[0] - own["unpatched"].get(k, (0, 0))[0], k) for k in keys),
+                  reverse=True)
+    gpu = torch.cuda.get_device_name(device)
+    lines = [f"# python benchmarks/decode_profile.py compiled-host {' '.join(argv)}",
+             f"# {gpu}, torch {torch.__version__}, transformers {transformers.__version__}; batch {args.batch}, "
+             f"{args.tokens} tokens; generate(cache_implementation='static') under cProfile (its own overhead "
+             "included)",
+             f"# wall per token under cProfile: unpatched {1e6 * wall['unpatched']:.0f} us, patched "
+             f"{1e6 * wall['patched']:.0f} us",
+             "# own-time difference per token (patched - unpatched, us), call-count difference, function"]
+    lines += [f"{us:9.2f} {calls:+8d}  {key}" for us, calls, key in rows[:args.top]]
+    lines += ["# ...", *[f"{us:9.2f} {calls:+8d}  {key}" for us, calls, key in rows[-5:]]]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"compiled_host_profile_{gpu.replace(' ', '_')}_batch{args.batch}.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+COMMANDS = {"pairs": run_pairs, "launch": run_launch, "compiled-host": run_compiled_host}
+
+
 def main():
-    if len(sys.argv) < 2 or sys.argv[1] not in ("pairs", "launch"):
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
         print(__doc__)
         raise SystemExit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
-    (run_pairs if sys.argv[1] == "pairs" else run_launch)(sys.argv[2:])
+    COMMANDS[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":
