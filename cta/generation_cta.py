@@ -114,9 +114,19 @@ class PDEGenerationMixin:
         if tokens is None or tokens.shape[1] == 1:
             return inputs  # a decode step: as transformers prepared it
         # A step of several tokens: the prefill (whose cache is checked here, before the first token) or a chunk.
-        check_cache_holds_pde_states(_cache_of(inputs), self.pde_cache_sites(), type(self).__name__)
+        cache, sites = _cache_of(inputs), self.pde_cache_sites()
+        check_cache_holds_pde_states(cache, sites, type(self).__name__)
         mask = kwargs.get("attention_mask")
         given = inputs.get("attention_mask")
+        if (sites and getattr(cache, "is_compileable", False) and hasattr(self, "create_masks_for_generate")
+                and torch.is_tensor(given) and given.dim() == 2):
+            # The model builds its own 2D generation mask for a static cache (BLOOM's ALiBi reads it), sized by the
+            # cache's length, which transformers' hybrid static layers do not report (their get_max_length is -1).
+            raise ValueError(
+                f"{type(self).__name__}: this architecture builds its own 2D attention mask for a static cache "
+                "(create_masks_for_generate), which cannot be sized for a cache whose layers hold the PDE state; "
+                "use cache_implementation='dynamic' (the default)."
+            )
         if torch.is_tensor(mask) and mask.dim() == 2 and not (torch.is_tensor(given) and given.dim() == 2):
             inputs["attention_mask"] = mask  # the padding walls (see the module docstring)
         return inputs
