@@ -58,7 +58,7 @@ from torch import nn
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .checkpoint_conversion import SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, saved_as_own_class
-from .pde_cache import CACHE_ARGUMENT, CACHE_ARGUMENTS, find_cache, pde_sites
+from .pde_cache import CACHE_ARGUMENTS, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
 from .generation_cta import PDEGenerationMixin, drop_compiled_calls
 from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
@@ -114,25 +114,6 @@ def _base_model_type(config) -> str:
 
 # The cache keyword of layers that still call it by an older name (GPT-NeoX, GPT-Neo, GPTBigCode, BLOOM, Falcon).
 _LAYER_CACHE_ALIASES = ("layer_past",)
-
-
-class _AliasedCacheLayerSite(LayerSite):
-    """A :class:`LayerSite` for a layer whose ``forward`` receives the cache as ``layer_past``: the hooks read it under
-    the name they know."""
-
-    def _layer_cache(self, module, args, kwargs):
-        for alias in _LAYER_CACHE_ALIASES:
-            if kwargs.get(alias) is not None and find_cache(kwargs) is None:
-                kwargs = {**kwargs, CACHE_ARGUMENT: kwargs[alias]}
-        return super()._layer_cache(module, args, kwargs)
-
-
-def _layer_site_class(layer):
-    try:
-        parameters = inspect.signature(type(layer).forward).parameters
-    except (TypeError, ValueError):
-        return LayerSite
-    return _AliasedCacheLayerSite if any(a in parameters for a in _LAYER_CACHE_ALIASES) else LayerSite
 
 
 def _cache_index(function, names=CACHE_ARGUMENTS):
@@ -369,11 +350,11 @@ def _add_layer_sites(context, spec, hidden, layer, idx, targets, states, per_lay
     if "block_output" in per_layer:
         _add_pde(layer, "block_output", _make_pde(spec, hidden, idx, states["block_output"], layer))
     cache_position = _cache_index(type(layer).forward, CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
-    site_class = _layer_site_class(layer)
-    layer_site = site_class(context, layer, f"layer {idx}", spec["causal"],
-                            None if cache_position is None else cache_position - 1,
-                            embedding="embedding" in states, block_output="block_output" in per_layer,
-                            nested=bool(nested or value_sites), value_sites=value_sites)
+    layer_site = LayerSite(context, layer, f"layer {idx}", spec["causal"],
+                           None if cache_position is None else cache_position - 1,
+                           embedding="embedding" in states, block_output="block_output" in per_layer,
+                           nested=bool(nested or value_sites), value_sites=value_sites,
+                           cache_names=CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
     context.site_hooks += [*value_sites, *nested, layer_site]
 
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .pde_cache import check_pde_states, fill_unused_pde_states, find_cache, missing_cache_error
+from .pde_cache import CACHE_ARGUMENTS, check_pde_states, fill_unused_pde_states, find_cache, missing_cache_error
 from .pde_packing import packed_rows
 
 
@@ -252,9 +252,10 @@ class LayerSite(_Site):
     publishes the layer's cache to the sites nested in it and points the value sites at the current projection."""
 
     def __init__(self, context, layer, name: str, causal: bool, cache_position, embedding: bool, block_output: bool,
-                 nested: bool, value_sites=()):
+                 nested: bool, value_sites=(), cache_names=CACHE_ARGUMENTS):
         super().__init__(context, layer)
         self.name = name
+        self.cache_names = tuple(cache_names)  # the keywords the layer may receive the cache under
         self.causal = causal
         self.cache_position = cache_position
         self.embedding = embedding
@@ -270,7 +271,7 @@ class LayerSite(_Site):
     def _layer_cache(self, module, args, kwargs):
         """The cache this layer received; published for its nested sites. A layer that receives none although the
         model was called with one raises (its sites would refine statelessly)."""
-        cache = find_cache(kwargs)
+        cache = find_cache(kwargs, self.cache_names)
         if cache is None and self.cache_position is not None and len(args) > self.cache_position:
             cache = args[self.cache_position]
         context = self.context

@@ -80,10 +80,13 @@ def pop_cache(kwargs: dict, cache=None):
     return given[0] if given else None
 
 
-def find_cache(kwargs: dict):
+def find_cache(kwargs: dict, names=None):
     """The cache in a forward's keyword arguments, without removing it: under the installed release's name first
-    (older releases pass an unknown ``cache=`` on untouched in ``**kwargs`` beside the ``past_key_values`` in use)."""
-    for name in _CACHE_LOOKUP_ORDER:  # (a constant: this runs once per PDE-bearing layer and decoded token)
+    (older releases pass an unknown ``cache=`` on untouched in ``**kwargs`` beside the ``past_key_values`` in use),
+    then under the other ``names`` a layer may take it as (GPT-NeoX's and BLOOM's layers: ``layer_past``)."""
+    order = _CACHE_LOOKUP_ORDER if names is None or names == CACHE_ARGUMENTS else (
+        *_CACHE_LOOKUP_ORDER, *(name for name in names if name not in _CACHE_LOOKUP_ORDER))
+    for name in order:  # (a constant tuple for most layers: this runs once per PDE-bearing layer and decoded token)
         cache = kwargs.get(name)
         if cache is not None:
             return cache

@@ -14,8 +14,6 @@ import json
 
 import pytest
 import torch
-import transformers
-from transformers.models.auto import modeling_auto
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from cta.patching_cta import load_patched, patch_model, pde_modules, pde_modules_to_save, supported_placements
