@@ -23,6 +23,8 @@ own rollback of conv states (``pde_cache``).
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import transformers
 from packaging import version
@@ -33,6 +35,8 @@ from .pde_cache import CACHE_ARGUMENTS
 # The first transformers release that records the past of an assistant model's cache (so that `crop` can roll its
 # conv states back after rejected drafts).
 ASSISTANT_ROLLBACK_SINCE = version.parse("5.15.0")
+# Inside a generate() of this model (or its assistant's): see PDEGenerationMixin.is_remote_code.
+_GENERATING = contextvars.ContextVar("cta_generating", default=False)
 # Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
 REFUSED_CACHES = {
     "quantized": "transformers' quantized cache has key/value layers only, with no room for the PDE sites' conv "
@@ -147,7 +151,19 @@ class PDEGenerationMixin:
                 "cache roll its conv states back after rejected drafts. Upgrade transformers, or use this model as the "
                 "main model (prompt lookup and a plain assistant work)."
             )
-        return super().generate(*args, **kwargs)
+        token = _GENERATING.set(True)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            _GENERATING.reset(token)
+
+    @classmethod
+    def is_remote_code(cls) -> bool:
+        """transformers' answer (True: these classes are registered with the Auto classes, so that ``save_pretrained``
+        writes their code files), except inside ``generate()``: there it asks once per token, to hand
+        ``cache_position`` to remote code whose forward takes it, at the cost of two ``inspect.signature`` calls of the
+        forward per token (a few percent of a compiled decode step); these forwards take no ``cache_position``."""
+        return False if _GENERATING.get() else super().is_remote_code()
 
     def get_compiled_call(self, compile_config):
         drop_compiled_calls(self, foreign_only=True)

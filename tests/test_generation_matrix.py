@@ -14,23 +14,10 @@ from cta import PDE_TYPES
 from cta.generation_cta import drop_compiled_calls
 from cta.pde_cache import CACHE_ARGUMENT
 from cta.patching_cta import patch_model, unpatch_model
+from pde_testing import randomize_pde
 
 VOCAB = 64
 ALL_PATCH_PLACEMENTS = ["embedding", "value", "attention_output", "mlp_output", "block_output"]
-
-
-def randomize_pde(model, seed=0):
-    """Every coefficient at a random point of its stable interval (a bug cannot hide behind 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, cta.PDERefinement):
-                low, high = module.alpha_bounds
-                module.alpha.copy_(low + (high - low) * torch.rand(module.alpha.shape, generator=g))
-                if module.beta is not None:
-                    low, high = module.beta_bounds
-                    module.beta.copy_(low + (high - low) * torch.rand(module.beta.shape, generator=g))
-    return model
 
 
 def decoder(kind, pde_type="diffusion", placement="block_output", steps=3, seed=0):

@@ -18,6 +18,7 @@ import cta
 from cta import PDE_TYPES
 from cta.generation_cta import compiled_calls
 from cta.patching_cta import patch_model
+from pde_testing import randomize_pde as randomize
 
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -32,19 +33,6 @@ def base_model(seed):
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)  # no pad_token_id, as Llama's own config
     return LlamaForCausalLM(config).cuda().eval()
-
-
-def randomize(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, cta.PDERefinement):
-                for name, bounds in (("alpha", module.alpha_bounds), ("beta", module.beta_bounds)):
-                    param = getattr(module, name)
-                    if param is not None:
-                        low, high = bounds
-                        param.copy_(low + (high - low) * torch.rand(param.shape, generator=g).to(param.device))
-    return model
 
 
 def prompts(seed):

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 import cta
 from cta import PDE_TYPES, CTAConfig, CTAForCausalLM, CTAForSequenceClassification, CTAModel
 from cta.pde_cache import CACHE_ARGUMENT
+from pde_testing import randomize_pde
 
 DECODER_PLACEMENTS = ["embedding", "value", "attention_output", "mlp_output", "block_output", "attention_matrix"]
 
@@ -31,20 +32,6 @@ def tiny_encoder_config(**kwargs):
     )
     defaults.update(kwargs)
     return CTAConfig.paper_encoder(**defaults)
-
-
-def randomize_pde(model, seed=0):
-    """Moves every PDE coefficient to a random value inside its bounds (so tests do not depend on the init)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, cta.PDERefinement):
-                low, high = module.alpha_bounds
-                module.alpha.copy_(low + (high - low) * torch.rand(module.alpha.shape, generator=generator))
-                if module.beta is not None:
-                    low, high = module.beta_bounds
-                    module.beta.copy_(low + (high - low) * torch.rand(module.beta.shape, generator=generator))
-    return model
 
 
 def set_pde_steps(model, steps):
@@ -211,8 +198,6 @@ def test_generation_with_cache_is_exact(pde_type, placement):
 
 def test_plain_dynamic_cache_gets_a_clear_error():
     model = make_lm("diffusion", "block_output")
-    from transformers.cache_utils import DynamicLayer
-
     cache = DynamicCache()
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
         model(torch.randint(0, 61, (1, 4)), past_key_values=cache, use_cache=True)

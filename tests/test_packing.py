@@ -11,22 +11,10 @@ import cta
 from cta import PDE_TYPES
 from cta.patching_cta import patch_model
 from cta.pde_packing import PackedRows, sequence_starts
+from pde_testing import randomize_pde
 
 VOCAB = 64
 LENGTHS = (5, 3, 7)
-
-
-def randomize_pde(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, cta.PDERefinement):
-                low, high = module.alpha_bounds
-                module.alpha.copy_(low + (high - low) * torch.rand(module.alpha.shape, generator=g))
-                if module.beta is not None:
-                    low, high = module.beta_bounds
-                    module.beta.copy_(low + (high - low) * torch.rand(module.beta.shape, generator=g))
-    return model
 
 
 def model_of(kind, pde_type="diffusion", backend="torch", seed=0):

@@ -4,7 +4,6 @@ import copy
 import json
 import os
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from cta.patching_cta import (
 )
 from remote_code_env import run_in_clean_env
 from shared_data import STORIES260K
+from pde_testing import randomize_pde as randomize_interior
 
 STORIES = STORIES260K  # (shipped in examples/demo_data: tests/shared_data.py)
 
@@ -75,15 +75,7 @@ def logits(model, ids, mask, **kwargs):
 
 
 def randomize_pde(model, seed=0):
-    """Moves every coefficient to a random point inside its stable interval (so a bug cannot hide behind 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, module in pde_modules(model):
-            low, high = module.alpha_bounds
-            module.alpha.copy_(low + (high - low) * (0.2 + 0.6 * torch.rand(module.alpha.shape, generator=g)))
-            if module.beta is not None:
-                low, high = module.beta_bounds
-                module.beta.copy_(low + (high - low) * (0.2 + 0.6 * torch.rand(module.beta.shape, generator=g)))
+    return randomize_interior(model, seed, margin=0.2)
 
 
 # ------------------------------------------------------------------------------------------------------------------
