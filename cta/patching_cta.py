@@ -112,8 +112,10 @@ def _base_model_type(config) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-# The cache keyword of layers that still call it by an older name (GPT-NeoX, GPT-Neo, GPTBigCode, BLOOM, Falcon).
-_LAYER_CACHE_ALIASES = ("layer_past",)
+# The cache keywords of layers that still call it by an older name: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode,
+# BLOOM, Falcon), ``past_key_value`` (AFMoE's layers in transformers 5.14; 5.17 and later pass
+# ``past_key_values``).
+_LAYER_CACHE_ALIASES = ("layer_past", "past_key_value")
 
 
 def _cache_index(function, names=CACHE_ARGUMENTS):

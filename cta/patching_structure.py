@@ -22,8 +22,9 @@ anything; every refusal is a ``ValueError`` raised here, naming the placement, t
   cannot share it: Mamba, Jamba, Falcon-H1, LFM2, Qwen3-Next, RecurrentGemma, RWKV, ...), composite (multimodal) and
   encoder-decoder configs, and the types listed in :data:`REFUSED` with their reason.
 
-The per-architecture knowledge is :data:`FUSED_VALUE` and :data:`REFUSED`: one line per architecture, like PEFT's
-default LoRA target table.
+The per-architecture knowledge is :data:`FUSED_VALUE`, :data:`PLACEMENT_EXCEPTIONS`, :data:`REFUSED` and
+:data:`REFUSED_BEFORE` (refused on the transformers releases whose own model code cannot work): one line per
+architecture, like PEFT's default LoRA target table.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import dataclasses
 import inspect
 from typing import Optional
 
+import transformers
+from packaging import version
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.auto import modeling_auto
@@ -98,6 +101,16 @@ REFUSED = {
 }
 
 
+# model_type -> (the first transformers release whose model code works, why patch_model refuses it on earlier ones):
+# refusals whose cause is the installed release, not the architecture (version-gated).
+REFUSED_BEFORE = {
+    "doge": ("5.18.0", "its attention in this transformers release attends to future tokens under SDPA, the default "
+                       "(Doge's dynamic mask replaces the causal mask that transformers leaves out for unpadded input; "
+                       "huggingface/transformers#48748, fixed in 5.18), so the causal PDE stencil and cached decoding "
+                       "cannot match the model; upgrade transformers to 5.18 or later"),
+}
+
+
 @dataclasses.dataclass
 class ValueTarget:
     owner: nn.Module  # the module whose attribute is the projection (the PDE module becomes its submodule)
@@ -150,9 +163,22 @@ def _out_features(module) -> Optional[int]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def release_refusal(model_type) -> Optional[str]:
+    """Why patch_model refuses ``model_type`` on the installed transformers release only (:data:`REFUSED_BEFORE`),
+    or ``None``."""
+    if model_type in REFUSED_BEFORE:
+        since, reason = REFUSED_BEFORE[model_type]
+        if version.parse(transformers.__version__) < version.parse(since):
+            return f"{reason} (installed: transformers {transformers.__version__})"
+    return None
+
+
 def _type_refusal(model_type) -> Optional[str]:
     if model_type in REFUSED:
         return REFUSED[model_type]
+    reason = release_refusal(model_type)
+    if reason is not None:
+        return reason
     if model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
             model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
         return ("not a text decoder or encoder (transformers lists no causal-LM or masked-LM head for it: vision, "
@@ -194,9 +220,16 @@ def config_refusal(config) -> Optional[str]:
     except Exception:  # a config without the fields transformers reads: the structure decides
         return None
     others = sorted(set(layer_types) - set(ATTENTION_CACHE_TYPES))
-    if others:
+    if [t for t in others if t != "dummy"]:
         return (f"its cache layers of type {others} keep their own recurrent / convolution / compressed state, "
                 "which the PDE state cannot share (only full and sliding-window attention layers can hold it)")
+    # Layers with no cache layer of their own: transformers gives them a 'dummy' one, or (older releases, e.g. 5.14)
+    # leaves them out of the cache, which then has fewer layers than the model (Gemma 3n's KV-shared layers).
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if others or (isinstance(num_layers, int) and len(layer_types) < num_layers):
+        return ("some of its layers have no cache layer of their own (they reuse another layer's keys and values, "
+                "e.g. num_kv_shared_layers, or have no attention), so the PDE state of those layers has no cache "
+                "layer to live in")
     return None
 
 
@@ -462,4 +495,4 @@ def supported_placements(model) -> list:
     return supported
 
 
-__all__ = ["FUSED_VALUE", "REFUSED", "PLACEMENT_EXCEPTIONS", "plan_patch", "model_type_refusal", "supported_placements", "config_refusal", "find_layer_stack"]
+__all__ = ["FUSED_VALUE", "REFUSED", "REFUSED_BEFORE", "PLACEMENT_EXCEPTIONS", "plan_patch", "model_type_refusal", "release_refusal", "supported_placements", "config_refusal", "find_layer_stack"]

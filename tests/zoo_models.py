@@ -2,12 +2,16 @@
 
 ``ZOO`` maps each covered model type to what its config needs beyond :data:`TINY` (``None``: nothing): its own names
 for the sizes, a smaller expert count, a rotary dimension that fits a 16-wide head. Decoders are built with their
-causal-LM head, encoders with their masked-LM head.
+causal-LM head, encoders with their masked-LM head. ``ZOO`` / ``DECODERS`` / ``ENCODERS`` depend on the installed
+transformers (the types it ships and does not refuse); ``ALL_ZOO`` / ``ALL_DECODERS`` / ``ALL_ENCODERS`` do not.
 """
 
 import torch
 import transformers
 from transformers.models.auto import modeling_auto
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from cta.patching_structure import release_refusal
 
 VOCAB = 128
 TINY = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -52,11 +56,24 @@ ENCODERS = {
 }
 ISSUE_ENCODERS = dict(ENCODERS)  # the 7 encoders issue 41 names
 ENCODERS.update(MORE_ENCODERS)
+
+# Version-dependent lists. The tables above (ALL_DECODERS, ALL_ENCODERS, ALL_ZOO) are every type the zoo checks on the
+# newest supported transformers. DECODERS, ENCODERS and ZOO keep the types the installed release ships (the lowest
+# supported one, 5.14, lacks e.g. apertus1p5_text, exaone, granite_swa, gte, internlm3) and whose model code there
+# patch_model does not refuse (cta.patching_structure.REFUSED_BEFORE: e.g. doge before 5.18); the zoo asserts that
+# those are refused (tests/test_zoo.py). ISSUE_ENCODERS is not filtered: every supported release ships the 7 encoders
+# issue 41 names, and the zoo asserts that they stay in ENCODERS.
+ALL_DECODERS, ALL_ENCODERS = dict(DECODERS), dict(ENCODERS)
+ALL_ZOO = {**ALL_DECODERS, **ALL_ENCODERS}
+SHIPPED = set(CONFIG_MAPPING_NAMES)  # the installed release's model types
+RELEASE_REFUSED = {t: release_refusal(t) for t in ALL_ZOO if t in SHIPPED and release_refusal(t) is not None}
+DECODERS = {t: extra for t, extra in ALL_DECODERS.items() if t in SHIPPED and t not in RELEASE_REFUSED}
+ENCODERS = {t: extra for t, extra in ALL_ENCODERS.items() if t in SHIPPED and t not in RELEASE_REFUSED}
 ZOO = {**DECODERS, **ENCODERS}
 
 
 def tiny_config(model_type):
-    extra = ZOO[model_type] or {}
+    extra = ALL_ZOO[model_type] or {}
     kwargs = {**TINY, **extra}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
@@ -68,7 +85,7 @@ def tiny_model(model_type, head=None, seed=0):
     for encoders), eval mode, fp32."""
     config = tiny_config(model_type)
     if head is None:
-        head = "AutoModelForCausalLM" if model_type in DECODERS else "AutoModelForMaskedLM"
+        head = "AutoModelForCausalLM" if model_type in ALL_DECODERS else "AutoModelForMaskedLM"
     torch.manual_seed(seed)
     model = getattr(transformers, head).from_config(config, dtype=torch.float32)
     return model.eval()
