@@ -37,6 +37,8 @@ from .pde_cache import CACHE_ARGUMENTS
 ASSISTANT_ROLLBACK_SINCE = version.parse("5.15.0")
 # Inside a generate() of this model (or its assistant's): see PDEGenerationMixin.is_remote_code.
 _GENERATING = contextvars.ContextVar("cta_generating", default=False)
+# The cache implementations that build a static (compileable) cache.
+STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
 # Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
 REFUSED_CACHES = {
     "quantized": "transformers' quantized cache has key/value layers only, with no room for the PDE sites' conv "
@@ -143,6 +145,10 @@ class PDEGenerationMixin:
                 f"{type(self).__name__}: cache_implementation={implementation!r} is refused: "
                 f"{REFUSED_CACHES[implementation]} Use 'dynamic', 'static' or 'offloaded'."
             )
+        static = implementation in STATIC_CACHES or getattr(_cache_of(kwargs), "is_compileable", False)
+        if static and self.pde_cache_sites() and self.pde_static_cache_refusal() is not None:
+            raise ValueError(f"{type(self).__name__}: a static cache is refused: {self.pde_static_cache_refusal()} "
+                             "Use cache_implementation='dynamic' (the default).")
         if getattr(config, "is_assistant", False) and ASSISTANT_ROLLBACK_SINCE > version.parse(
                 transformers.__version__) and self.pde_cache_sites():
             raise ValueError(
@@ -156,6 +162,10 @@ class PDEGenerationMixin:
             return super().generate(*args, **kwargs)
         finally:
             _GENERATING.reset(token)
+
+    def pde_static_cache_refusal(self):
+        """Why this model cannot decode through a static cache, or None."""
+        return None
 
     @classmethod
     def is_remote_code(cls) -> bool:

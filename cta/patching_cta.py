@@ -64,6 +64,7 @@ from .generation_cta import PDEGenerationMixin, drop_compiled_calls
 from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
 from .patching_structure import (
     REFUSED,
+    STATIC_CACHE_2D_MASK,
     architecture_name,
     base_model_type,
     config_is_decoder,
@@ -515,6 +516,12 @@ class CTAPatchedConfigMixin:
 class CTAPatchedModelMixin(PDEGenerationMixin):
     """Mixed into the model classes of patched models: builds the plain model, then applies ``config.cta_patch``;
     ``generate()`` keeps the PDE sites exact (``generation_cta``)."""
+
+    def pde_static_cache_refusal(self):
+        if base_model_type(self.config) in STATIC_CACHE_2D_MASK:
+            return (f"{base_model_type(self.config)} builds its own 2D attention mask for a static cache, sized by the "
+                    "cache's length, which a cache whose layers hold the PDE state does not report.")
+        return None
 
     def pde_cache_sites(self):
         """``[(site, cache layer, conv state)]`` of this model's causal PDE sites."""

@@ -21,6 +21,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 from cta.patching_cta import load_patched, patch_model, pde_modules, pde_modules_to_save, supported_placements
 from cta.patching_structure import REFUSED_BEFORE, model_type_refusal
+from pde_testing import randomize_pde as randomize_interior
 from remote_code_env import run_in_clean_env
 from zoo_models import (ALL_DECODERS, ALL_ENCODERS, DECODERS, ENCODERS, ISSUE_ENCODERS, RELEASE_REFUSED, VOCAB, ZOO,
                         head_classes, tiny_model)
@@ -33,15 +34,7 @@ STATIC_REFUSED = {"bloom"}
 
 
 def randomize_pde(model, seed=0):
-    """Every coefficient at a random point inside its stable interval (a bug cannot hide behind 0)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, module in pde_modules(model):
-            low, high = module.alpha_bounds
-            module.alpha.copy_(low + (high - low) * (0.2 + 0.6 * torch.rand(module.alpha.shape, generator=g)))
-            if module.beta is not None:
-                low, high = module.beta_bounds
-                module.beta.copy_(low + (high - low) * (0.2 + 0.6 * torch.rand(module.beta.shape, generator=g)))
+    return randomize_interior(model, seed, margin=0.2)
 
 
 def inputs(model_type, length=8, pad=3):
@@ -111,7 +104,7 @@ def test_zoo_static_cache_left_padding(model_type):
     model = patched(model_type)
     ids, mask = inputs(model_type)
     if model_type in STATIC_REFUSED:
-        with pytest.raises(ValueError, match="builds its own 2D attention mask"):
+        with pytest.raises(ValueError, match="a static cache is refused: bloom builds its own 2D attention mask"):
             greedy(model, ids, mask, cache_implementation="static", disable_compile=True)
         return
     static = greedy(model, ids, mask, cache_implementation="static", disable_compile=True)
