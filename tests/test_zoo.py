@@ -5,9 +5,10 @@ greedy tokens, DynamicCache and StaticCache, with and without left padding), the
 not installed), LoRA by PEFT's target names for the base model plus ``pde_modules_to_save``, and every head of the
 family. Plus a walk over every model type the installed transformers ships: covered here, or refused with a reason.
 
-Every covered type gets every check except LoRA and the heads, which run on :data:`HEAVY` (one family per structural
-variant: separate / fused / missing value projection, generic heads, MoE, OPT's decoder-only call, `layer_past`
-layers, the 7 encoders), to keep the zoo within about 3 minutes on 2 CPU cores.
+Every covered type gets every check but one: the reload where cta is not installed (a subprocess) runs on
+:data:`REMOTE` (structural variants: separate and fused value projections, OPT's decoder-only call, `layer_past`
+layers, encoders; a causal / masked LM and a generic sequence-classification head each), to keep the zoo within a
+few minutes on 2 CPU cores.
 """
 
 import json
@@ -26,8 +27,6 @@ from remote_code_env import run_in_clean_env
 from zoo_models import (ALL_DECODERS, ALL_ENCODERS, DECODERS, ENCODERS, ISSUE_ENCODERS, RELEASE_REFUSED, VOCAB, ZOO,
                         head_classes, tiny_model)
 
-HEAVY = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe", "gpt2", "gpt_neox", "falcon",
-         "opt", "bloom", "deepseek_v3", *ISSUE_ENCODERS]
 # StaticCache refused before the first token: these build their own 2D generation mask for a static cache (BLOOM's
 # ALiBi), which cannot be sized for a cache whose layers hold the PDE state (generation_cta).
 STATIC_REFUSED = {"bloom"}
@@ -119,14 +118,20 @@ def lora_targets(model_type, model):
     targets = [t for t in TARGETS.get(model_type, ()) if t in present]  # (DeepSeek-V3 with q_lora_rank: no q_proj)
     if targets:
         return targets
-    from cta.patching_structure import find_layer_stack, layer_targets
+    from cta.patching_structure import find_layer_stack
 
+    from transformers.pytorch_utils import Conv1D
+
+    # No PEFT default for this type: every plain linear layer of a block, by name (as a user would write them), but
+    # those that hold a PDE site (a Linear that is the attention / MLP output of BioGPT-like blocks: PEFT refuses a
+    # saved module inside a LoRA layer) and subclasses (MoE routers that return tuples).
     _, layers, _ = find_layer_stack(model)
-    value = layer_targets(layers[0], model.config).value
-    return [value.attr] if value is not None else ["o_proj"]
+    return sorted({name.rsplit(".", 1)[-1] for name, module in layers[0].named_modules()
+                   if type(module) in (torch.nn.Linear, Conv1D) and not any(
+                       child.startswith("cta_") for child, _ in module.named_children())})
 
 
-@pytest.mark.parametrize("model_type", HEAVY)
+@pytest.mark.parametrize("model_type", sorted(ZOO))
 def test_zoo_lora_trains_and_reloads(model_type, tmp_path):
     pytest.importorskip("peft")
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -156,14 +161,14 @@ def test_zoo_lora_trains_and_reloads(model_type, tmp_path):
     torch.testing.assert_close(outputs(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("model_type", HEAVY)
+@pytest.mark.parametrize("model_type", sorted(ZOO))
 def test_zoo_every_head(model_type, tmp_path):
     """Base model, causal LM / masked LM, sequence and token classification, QA: identity keeps the outputs, the
     patched head saves and reloads as itself (transformers' generic heads build their backbone with AutoModel: it
     must be patched once, not twice)."""
     ids, mask = inputs(model_type)
     heads = head_classes(model_type)
-    assert "AutoModel" in heads and len(heads) >= 3, heads
+    assert len(heads) >= 2 or model_type == "trocr", heads  # (TrOCR ships its causal-LM head alone)
     for auto, name in heads.items():
         plain = tiny_model(model_type, head=auto)
         assert type(plain).__name__ == name
