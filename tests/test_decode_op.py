@@ -3,12 +3,10 @@ kernel, which reads the token and the state and writes the refined token and, in
 PyTorch recurrence (``pde_decode_step_reference``, the ground truth), eagerly, through ``torch.library.opcheck``,
 through Inductor on a view of a ``[batch, steps, channels, 1]`` cache buffer between an add and a norm, and in a
 patched model's compiled decode step (one op per PDE site, nothing else of the PDE traced). On CPU the kernel runs
-through Triton's interpreter (``TRITON_INTERPRET=1``, set below before triton is imported); with ``CTA_TEST_GPU=1``
+through Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/triton_testing.py before triton is imported); with ``CTA_TEST_GPU=1``
 the same tests run on CUDA."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("CTA_TEST_GPU") else "1")
+from triton_testing import DEVICE, needs_kernels  # (first: sets up Triton's interpreter before triton is imported)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -19,12 +17,6 @@ from cta.pde_cta import PDE_TYPES  # noqa: E402
 from cta.pde_reference import pde_decode_step_reference  # noqa: E402
 from cta.pde_spec import PDE_IDS, coefficient_bounds  # noqa: E402
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if ON_GPU else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not (ON_GPU or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported"
-)
 
 
 def _case(pde, per_channel, batch, steps, channels, seed):

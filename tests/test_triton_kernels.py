@@ -1,6 +1,6 @@
 """Parity of the Triton kernels (cta/triton_cta.py, cta/kernels_*.py) with the PyTorch reference (cta/pde_reference.py).
 
-On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set below, before triton is
+On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` is set by tests/triton_testing.py, before triton is
 imported), on a small sample of the shape / option cross product so that this file stays around a minute on 2 cores
 (the streaming kernels walk the sequence row by row, which the interpreter executes op by op); ``CTA_RUN_SLOW=1``
 runs the larger sample (100 cases, sequences up to 1000, 16 steps) and more hypothesis examples. Tests marked ``gpu``
@@ -26,7 +26,7 @@ import random
 
 import numpy as np
 
-os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("CTA_TEST_GPU") else "1")
+from triton_testing import DEVICE, ON_GPU, gpu, needs_kernels  # (first: sets up Triton's interpreter before triton is imported)
 
 import pytest
 import torch
@@ -38,15 +38,8 @@ from cta.pde_spec import PDE_IDS  # noqa: E402
 from cta.triton_cta import is_available, pde_decode_step_triton, pde_refine_triton  # noqa: E402
 
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if ON_GPU else "cpu"
-gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU with TRITON_INTERPRET unset (CTA_TEST_GPU=1)")
 RUN_SLOW = bool(os.environ.get("CTA_RUN_SLOW"))
 slow = pytest.mark.skipif(not RUN_SLOW, reason="slow: set CTA_RUN_SLOW=1")
-needs_kernels = pytest.mark.skipif(
-    not (ON_GPU or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported"
-)
 
 SEQS = (1, 2, 3, 5, 63, 130, 1000)
 CHANNELS = (1, 60, 129)

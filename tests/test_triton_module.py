@@ -1,12 +1,10 @@
 """PDERefinement on the Triton kernels against the same module on the PyTorch reference: its one-token decode step
 (the update kernel, through a real hybrid cache) and its stateless training call (one autograd node that projects
 the raw coefficients). On CPU the kernels run through Triton's interpreter (``TRITON_INTERPRET=1``, set below before
-triton is imported); tests marked for the GPU run them on CUDA with ``CTA_TEST_GPU=1``. Tolerances as in
+triton is imported: tests/triton_testing.py); tests marked for the GPU run them on CUDA with ``CTA_TEST_GPU=1``. Tolerances as in
 ``test_triton_kernels.py``."""
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "0" if os.environ.get("CTA_TEST_GPU") else "1")
+from triton_testing import DEVICE, needs_kernels  # (first: sets up Triton's interpreter before triton is imported)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -14,13 +12,6 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from cta.pde_cta import PDE_TYPES  # noqa: E402
-
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-DEVICE = "cuda" if ON_GPU else "cpu"
-needs_kernels = pytest.mark.skipif(
-    not (ON_GPU or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported"
-)
 
 
 def _decode_module_pair(channels, pde, steps):
