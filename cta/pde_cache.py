@@ -168,6 +168,7 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
-    "pde_sites", "pop_cache", "find_cache", "cached_pde_state", "records_past", "store_pde_state", "fill_unused_pde_states", "check_pde_states",
+    "pde_sites", "pop_cache", "find_cache", "cached_pde_state", "records_past", "store_pde_state",
+    "fill_unused_pde_states", "check_pde_states",
     "missing_cache_error",
 ]

@@ -3,8 +3,8 @@ kernel, which reads the token and the state and writes the refined token and, in
 PyTorch recurrence (``pde_decode_step_reference``, the ground truth), eagerly, through ``torch.library.opcheck``,
 through Inductor on a view of a ``[batch, steps, channels, 1]`` cache buffer between an add and a norm, and in a
 patched model's compiled decode step (one op per PDE site, nothing else of the PDE traced). On CPU the kernel runs
-through Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/triton_testing.py before triton is imported); with ``CTA_TEST_GPU=1``
-the same tests run on CUDA."""
+through Triton's interpreter (``TRITON_INTERPRET=1``, set by tests/triton_testing.py before triton is imported);
+with ``CTA_TEST_GPU=1`` the same tests run on CUDA."""
 
 from triton_testing import DEVICE, needs_kernels  # (first: sets up Triton's interpreter before triton is imported)
 

@@ -99,9 +99,9 @@ def test_offloaded_caches_are_exact(implementation):
 def summary_markdown(result: dict) -> str:
     """The markdown table of a result file (what docs/generation.md shows)."""
     meta, cases = result["meta"], result["cases"]
-    lines = [f"Compiled static-cache `generate()` on CUDA against `use_cache=False`: {meta['gpu']}, torch {meta['torch']}, "
-             f"transformers {meta['transformers']}, {meta['dtype']}, {meta['new_tokens']} new tokens, a left-padded and "
-             f"an unpadded row (`{meta['command']}`).", "",
+    lines = [f"Compiled static-cache `generate()` on CUDA against `use_cache=False`: {meta['gpu']}, "
+             f"torch {meta['torch']}, transformers {meta['transformers']}, {meta['dtype']}, {meta['new_tokens']} new "
+             f"tokens, a left-padded and an unpadded row (`{meta['command']}`).", "",
              "| case | compiled | tokens equal | max logit difference |", "|---|---|---|---|"]
     lines += [f"| {c['case']} | {'yes' if c['compiled'] else 'no'} | {'yes' if c['tokens_equal'] else '**no**'} | "
               f"{c['max_logit_difference']:.1e} |" for c in cases]

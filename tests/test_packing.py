@@ -100,8 +100,8 @@ def test_packed_gradients_equal_the_sum_over_sequences(kind, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_packed_encoder_site_and_flash_attention_keywords(backend):
-    """A bidirectional (encoder) site keeps walls between packed sequences, with padding in the row too; FlashAttention's
-    `cu_seq_lens_q` alone (no `position_ids`) marks the same walls."""
+    """A bidirectional (encoder) site keeps walls between packed sequences, with padding in the row too;
+    FlashAttention's `cu_seq_lens_q` alone (no `position_ids`) marks the same walls."""
     pytest.importorskip("triton")
     site = model_of("native_encoder", "advection_diffusion", backend=backend).embedding_pde
     total = sum(LENGTHS)
