@@ -94,9 +94,9 @@ def _cache_of(inputs: dict):
 def check_cache_holds_pde_states(cache, sites, model_name: str):
     """Raises unless every cache layer a causal PDE site of ``sites`` (``[(site, layer, state)]``) uses can hold a
     conv state."""
-    layers = getattr(cache, "layers", None)
     if cache is None or not sites:
         return
+    layers = getattr(cache, "layers", None)
     for site, layer_idx, _ in sites:
         layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
         if layer is None or not hasattr(layer, "conv_states"):
@@ -104,7 +104,7 @@ def check_cache_holds_pde_states(cache, sites, model_name: str):
                 f"{model_name}: generate() was given a {type(cache).__name__} whose layer {layer_idx} "
                 f"({type(layer).__name__}) cannot hold the PDE state of {site!r}; a quantized cache "
                 "(cache_implementation='quantized') and caches built without the model's config cannot. Use "
-                "cache_implementation='dynamic', 'static', 'offloaded' or 'offloaded_static', or build the cache with "
+                "cache_implementation='dynamic', 'static' or 'offloaded', or build the cache with "
                 "`DynamicCache(config=model.config)` / `StaticCache(config=model.config, ...)`."
             )
 
@@ -138,30 +138,36 @@ class PDEGenerationMixin:
         return inputs
 
     def generate(self, *args, **kwargs):
+        if self.pde_cache_sites():
+            self._refuse_unservable_generation(kwargs)
+        token = _GENERATING.set(True)
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            _GENERATING.reset(token)
+
+    def _refuse_unservable_generation(self, kwargs):
+        """Raises, before anything runs, where ``generate(**kwargs)`` would need what the PDE state cannot have."""
         config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
         implementation = kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)
-        if implementation in REFUSED_CACHES and self.pde_cache_sites():
+        if implementation in REFUSED_CACHES:
             raise ValueError(
                 f"{type(self).__name__}: cache_implementation={implementation!r} is refused: "
                 f"{REFUSED_CACHES[implementation]} Use 'dynamic', 'static' or 'offloaded'."
             )
         static = implementation in STATIC_CACHES or getattr(_cache_of(kwargs), "is_compileable", False)
-        if static and self.pde_cache_sites() and self.pde_static_cache_refusal() is not None:
-            raise ValueError(f"{type(self).__name__}: a static cache is refused: {self.pde_static_cache_refusal()} "
+        refusal = self.pde_static_cache_refusal() if static else None
+        if refusal is not None:
+            raise ValueError(f"{type(self).__name__}: a static cache is refused: {refusal} "
                              "Use cache_implementation='dynamic' (the default).")
         if getattr(config, "is_assistant", False) and ASSISTANT_ROLLBACK_SINCE > version.parse(
-                transformers.__version__) and self.pde_cache_sites():
+                transformers.__version__):
             raise ValueError(
                 f"{type(self).__name__} as the assistant (draft) model of assisted decoding needs transformers >= "
                 f"{ASSISTANT_ROLLBACK_SINCE}: transformers {transformers.__version__} does not let an assistant's "
                 "cache roll its conv states back after rejected drafts. Upgrade transformers, or use this model as the "
                 "main model (prompt lookup and a plain assistant work)."
             )
-        token = _GENERATING.set(True)
-        try:
-            return super().generate(*args, **kwargs)
-        finally:
-            _GENERATING.reset(token)
 
     def pde_static_cache_refusal(self):
         """Why this model cannot decode through a static cache, or None."""

@@ -451,12 +451,7 @@ class CTAModel(CTAPreTrainedModel):
         packed = None
         if position_ids is not None or kwargs.get("cu_seq_lens_q") is not None:
             if not (cache is not None and torch.compiler.is_compiling()):
-                packed = packed_rows(position_ids, token_mask, seq_len, kwargs.get("cu_seq_lens_q"))
-            if packed is not None and past_seen > 0:
-                raise ValueError(
-                    "`position_ids` restart inside a row (packed sequences) while the cache holds past tokens; packed "
-                    "rows cannot continue a cache. Give each sequence its own row (or no cache)."
-                )
+                packed = packed_rows(position_ids, token_mask, seq_len, kwargs.get("cu_seq_lens_q"), cache)
         if position_ids is None:
             if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]

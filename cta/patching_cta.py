@@ -314,7 +314,8 @@ def _add_sites(model, spec, plan):
     num_layers = len(layers)
     mask_position = _signature_index(base.forward, "attention_mask")
     sites = pde_sites(num_layers, lambda i: pde_state_indices(spec, i, num_layers)) if spec["causal"] else []
-    context = PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__)
+    context = PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__,
+                           _signature_index(base.forward, "position_ids"))
     base._cta_context = context
     context.handles = [base.register_forward_pre_hook(context.enter, with_kwargs=True),
                        base.register_forward_hook(context.exit, with_kwargs=True, always_call=True)]

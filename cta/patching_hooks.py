@@ -16,7 +16,14 @@ from typing import Optional
 
 import torch
 
-from .pde_cache import CACHE_ARGUMENTS, check_pde_states, fill_unused_pde_states, find_cache, missing_cache_error
+from .pde_cache import (
+    CACHE_ARGUMENTS,
+    cache_lookup_order,
+    check_pde_states,
+    fill_unused_pde_states,
+    find_cache,
+    missing_cache_error,
+)
 from .pde_packing import packed_rows
 
 
@@ -65,13 +72,13 @@ class CheckpointWalls:
         return mask, _packed_rows(self.packing, self.mask, length)
 
 
-def _packed_rows(packing, mask, length):
+def _packed_rows(packing, mask, length, cache=None):
     """The :class:`PackedRows` of a forward's ``length`` tokens (made once per forward and length), or None."""
     if packing is None or length < 2:
         return None
     (position_ids, cu_seq_lens), made = packing
     if length not in made:
-        made[length] = packed_rows(position_ids, mask, length, cu_seq_lens)
+        made[length] = packed_rows(position_ids, mask, length, cu_seq_lens, cache)
     return made[length]
 
 
@@ -165,17 +172,7 @@ class PatchContext:
         if not self.active:
             walls = self._recomputation_walls(layer)
             return (None, None) if walls is None else walls.walls(length)
-        mask = self.token_mask(length)
-        if self.packing is None or length < 2:
-            return mask, None
-        packed = _packed_rows(self.packing, self.mask, length)
-        if packed is not None and self.cache is not None and not torch.compiler.is_compiling() and (
-                int(self.cache.get_seq_length()) > 0):  # (asked only where a row is packed)
-            raise ValueError(
-                f"{self.model_name}: `position_ids` restart inside a row (packed sequences) while the cache holds past "
-                "tokens; packed rows cannot continue a cache. Give each sequence its own row (or no cache)."
-            )
-        return mask, packed
+        return self.token_mask(length), _packed_rows(self.packing, self.mask, length, self.cache)
 
     def token_mask(self, length: int):
         """The padding walls of the current ``length`` tokens: ``[batch, length]``, or None where nothing is
@@ -255,7 +252,7 @@ class LayerSite(_Site):
                  nested: bool, value_sites=(), cache_names=CACHE_ARGUMENTS):
         super().__init__(context, layer)
         self.name = name
-        self.cache_names = tuple(cache_names)  # the keywords the layer may receive the cache under
+        self.cache_keywords = cache_lookup_order(cache_names)  # the keywords the layer may receive the cache under
         self.causal = causal
         self.cache_position = cache_position
         self.embedding = embedding
@@ -271,7 +268,7 @@ class LayerSite(_Site):
     def _layer_cache(self, module, args, kwargs):
         """The cache this layer received; published for its nested sites. A layer that receives none although the
         model was called with one raises (its sites would refine statelessly)."""
-        cache = find_cache(kwargs, self.cache_names)
+        cache = find_cache(kwargs, self.cache_keywords)
         if cache is None and self.cache_position is not None and len(args) > self.cache_position:
             cache = args[self.cache_position]
         context = self.context

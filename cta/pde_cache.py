@@ -80,13 +80,17 @@ def pop_cache(kwargs: dict, cache=None):
     return given[0] if given else None
 
 
-def find_cache(kwargs: dict, names=None):
-    """The cache in a forward's keyword arguments, without removing it: under the installed release's name first
-    (older releases pass an unknown ``cache=`` on untouched in ``**kwargs`` beside the ``past_key_values`` in use),
-    then under the other ``names`` a layer may take it as (GPT-NeoX's and BLOOM's layers: ``layer_past``)."""
-    order = _CACHE_LOOKUP_ORDER if names is None or names == CACHE_ARGUMENTS else (
-        *_CACHE_LOOKUP_ORDER, *(name for name in names if name not in _CACHE_LOOKUP_ORDER))
-    for name in order:  # (a constant tuple for most layers: this runs once per PDE-bearing layer and decoded token)
+def cache_lookup_order(names=CACHE_ARGUMENTS) -> tuple:
+    """The keywords :func:`find_cache` tries, in order: the installed release's name first, then the other ``names``
+    a layer may take the cache as (GPT-NeoX's and BLOOM's layers: ``layer_past``). Made once per site."""
+    return tuple(dict.fromkeys((*_CACHE_LOOKUP_ORDER, *names)))
+
+
+def find_cache(kwargs: dict, order=_CACHE_LOOKUP_ORDER):
+    """The cache in a forward's keyword arguments, without removing it, under the first keyword of ``order`` that
+    holds one (older releases pass an unknown ``cache=`` on untouched in ``**kwargs`` beside the ``past_key_values``
+    in use)."""
+    for name in order:  # (a constant tuple: this runs once per PDE-bearing layer and decoded token)
         cache = kwargs.get(name)
         if cache is not None:
             return cache
@@ -168,7 +172,7 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
-    "pde_sites", "pop_cache", "find_cache", "cached_pde_state", "records_past", "store_pde_state",
+    "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "cached_pde_state", "records_past", "store_pde_state",
     "fill_unused_pde_states", "check_pde_states",
     "missing_cache_error",
 ]

@@ -78,10 +78,19 @@ class PackedRows:
         return states.gather(3, self.index[:, None, None, :].expand(batch, steps, channels, -1))
 
 
-def packed_rows(position_ids, token_mask, length: int, cu_seq_lens=None) -> Optional[PackedRows]:
-    """The :class:`PackedRows` of the current ``length`` tokens, or None where every row holds one sequence."""
+def packed_rows(position_ids, token_mask, length: int, cu_seq_lens=None, cache=None) -> Optional[PackedRows]:
+    """The :class:`PackedRows` of the current ``length`` tokens, or None where every row holds one sequence. Packed
+    rows start their sequences: with a ``cache`` that holds past tokens they raise (asked only where a row is
+    packed, and not under ``torch.compile``)."""
     starts = sequence_starts(position_ids, token_mask, length, cu_seq_lens)
-    return None if starts is None else PackedRows(starts, token_mask)
+    if starts is None:
+        return None
+    if cache is not None and not torch.compiler.is_compiling() and int(cache.get_seq_length()) > 0:
+        raise ValueError(
+            "`position_ids` restart inside a row (packed sequences) while the cache holds past tokens; packed rows "
+            "cannot continue a cache. Give each sequence its own row (or no cache)."
+        )
+    return PackedRows(starts, token_mask)
 
 
 __all__ = ["PackedRows", "packed_rows", "sequence_starts"]
