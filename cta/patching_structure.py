@@ -338,24 +338,14 @@ def _output_module(module):
     return module
 
 
-def _value_projections(layer):
-    """``[(owner, attribute)]`` of the layer's separate value projections (cross-attention excluded)."""
+def _projections(layer, names):
+    """``[(path, owner, attribute)]`` of the layer's self-attention projections named one of ``names`` (separate
+    value projections, or fused qkv ones; cross-attention excluded)."""
     found = []
     for path, module in layer.named_modules():
         if "cross" in path or "encoder_attn" in path:
             continue
-        for name, child in _children_named(module, VALUE_NAMES):
-            if _out_features(child) is not None:
-                found.append((path, module, name))
-    return found
-
-
-def _fused_projections(layer):
-    found = []
-    for path, module in layer.named_modules():
-        if "cross" in path or "encoder_attn" in path:
-            continue
-        for name, child in _children_named(module, FUSED_QKV_NAMES):
+        for name, child in _children_named(module, names):
             if _out_features(child) is not None:
                 found.append((path, module, name))
     return found
@@ -371,8 +361,8 @@ def layer_targets(layer, config) -> LayerTargets:
     targets = LayerTargets()
     model_type = base_model_type(config)
     attention = None
-    separate = _value_projections(layer)
-    fused = _fused_projections(layer)
+    separate = _projections(layer, VALUE_NAMES)
+    fused = _projections(layer, FUSED_QKV_NAMES)
     if len(separate) == 1:
         path, owner, attr = separate[0]
         channels = _out_features(getattr(owner, attr))
