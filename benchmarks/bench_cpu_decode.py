@@ -44,9 +44,9 @@ def substitute_decode_step(mode: str):
     """Within the block, a PDE site's one-token step is replaced (prefill stays real: it stores the state the
     continuation check asks for): ``identity`` returns the token (what remains is the structure: hooks, lookups,
     module calls); ``floor`` runs the fewest eager torch ops a linear scheme's update with scalar coefficients needs
-    (one concatenation, one matrix product, the state write; the decode map formed once and never re-checked;
-    batch 1), a lower bound of any eager torch implementation of the step."""
-    from cta.pde_cache import cached_pde_state
+    (one concatenation, one matrix product, the writes of the state's per-step buffers; the decode map formed once and
+    never re-checked; batch 1), a lower bound of any eager torch implementation of the step."""
+    from cta.pde_cache import cached_pde_levels
     from cta.pde_decode import causal_decode_map
 
     real = PDERefinement.forward
@@ -57,12 +57,13 @@ def substitute_decode_step(mode: str):
             return real(self, h, attention_mask, cache, *args, **kwargs)
         if mode == "identity":
             return h
-        state = cached_pde_state(cache, self.layer_idx, self.state_idx)
+        stored = cached_pde_levels(cache, self.layer_idx, self.state_idx, self.steps)  # [1, 1, channels] each
         if self not in maps:
             alpha, beta = self.coefficients()
-            maps[self] = causal_decode_map(self.pde_type, self.steps, alpha.detach(), beta, state.dtype)[..., 0]
-        levels = torch.mm(maps[self], torch.cat([h[0], state[0]]))
-        state[0].copy_(levels[:-1])
+            maps[self] = causal_decode_map(self.pde_type, self.steps, alpha.detach(), beta, stored[0].dtype)[..., 0]
+        levels = torch.mm(maps[self], torch.cat([h[0], *(level[0] for level in stored)]))
+        for buffer, level in zip(stored, levels):
+            buffer[0, 0].copy_(level)
         return levels[-1:].unsqueeze(0)
 
     PDERefinement.forward = substitute

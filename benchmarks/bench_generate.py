@@ -2,7 +2,7 @@
 
     python benchmarks/bench_generate.py                        # compiled (static cache, CUDA graphs), batch 1 and 8
     python benchmarks/bench_generate.py --modes eager,compiled --rounds 5
-    python benchmarks/bench_generate.py --variants auto,torch  # kernels per step of the package's step and of a variant
+    python benchmarks/bench_generate.py --variants auto,identity  # kernels per step of the step and of a bound
 
 A random-weight ``LlamaForCausalLM`` (8 layers x 4096 hidden, bf16, sdpa; seed 0) and an unpatched copy with the
 same weights; the patched one has a PDE site after every block (diffusion, 4 steps, ``init="paper"``). For each mode
@@ -16,9 +16,10 @@ step time), with the range over rounds.
 its default ``CompileConfig``: fullgraph, ``mode="reduce-overhead"``) and replays it as a CUDA graph. For it the
 script also counts the CUDA kernels of one decode step (``torch.compile(model.forward, fullgraph=True)`` through a
 ``StaticCache``, default mode so that the profiler sees every kernel, batch of the first ``--batches``), unpatched
-and for each of ``--variants`` of the patched step (``auto``: the package's; ``torch``: the PDE recurrence as traced
-torch ops instead of the decode kernel's custom op), with their summed GPU time per step; and checks that each
-model's compiled tokens equal its eager ones (``--no-token-check`` skips that).
+and for each of ``--variants`` of the patched step (``auto``: the package's, which a compiled step traces as torch ops
+that Inductor fuses into the norm after the site; ``identity``: the token returned unchanged, the hooks alone), with
+their summed GPU time per step; and checks that each model's compiled tokens equal its eager ones
+(``--no-token-check`` skips that).
 
 Writes ``generate_<gpu>.json`` / ``.md`` (``--tag`` replaces ``<gpu>``) into ``--out``.
 """
@@ -42,7 +43,8 @@ from results_io import write_result_files  # noqa: E402
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 from cta.pde_cta import _use_triton  # noqa: E402
 
-VARIANTS = {"auto": "the package's step", "torch": "the PDE recurrence as traced torch ops"}
+VARIANTS = {"auto": "the package's step", "torch": "the torch-ops step (eager: instead of the decode kernel)",
+            "identity": "the identity (the hooks alone)"}
 
 
 def parse_args():
@@ -57,7 +59,7 @@ def parse_args():
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=7, help="paired rounds per mode and batch")
-    p.add_argument("--variants", default="auto,torch",
+    p.add_argument("--variants", default="auto,identity",
                    help=f"patched steps whose compiled kernels are counted ({', '.join(VARIANTS)}); the first is the "
                         "one generate() times")
     p.add_argument("--no-token-check", action="store_true", help="skip the compiled-vs-eager token check")
@@ -89,7 +91,8 @@ def llama_model(layers, hidden, vocab, dtype, max_positions=4096):
 @contextlib.contextmanager
 def decode_step_variant(name):
     """Within the block, a PDE site's one-token step is ``name`` (:data:`VARIANTS`): ``auto`` the package's;
-    ``torch`` its torch-ops path (the recurrence, which traces as plain ops) even where the decode kernel runs."""
+    ``torch`` its torch-ops path even where the eager decode kernel runs; ``identity`` the token unchanged (prefill
+    stays real: it stores the state the continuation check asks for)."""
     if name == "auto":
         yield
         return
@@ -98,6 +101,8 @@ def decode_step_variant(name):
     real = PDERefinement._decode_step
 
     def decode_step(self, hidden_states, state, attention_mask):
+        if name == "identity":
+            return hidden_states
         backend, self.backend = self.backend, "torch"
         try:
             return real(self, hidden_states, state, attention_mask)

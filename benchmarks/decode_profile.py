@@ -27,7 +27,6 @@ The compiled decode step's kernels and generate() overheads are ``bench_generate
 """
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -51,20 +50,10 @@ VARIANTS = {"package": "the package's step", "torch": "plain torch ops (the recu
             "identity": "the identity (structure alone)"}
 
 
-@contextlib.contextmanager
 def step_variant(name):
-    """Within the block, the patched model's one-token step is :data:`VARIANTS` ``name``; ``identity`` returns the
-    token unchanged (prefill stays real: it stores the state the continuation check asks for)."""
-    if name != "identity":
-        with decode_step_variant("auto" if name == "package" else name):
-            yield
-        return
-    real = PDERefinement._decode_step
-    PDERefinement._decode_step = lambda self, hidden_states, state, attention_mask: hidden_states
-    try:
-        yield
-    finally:
-        PDERefinement._decode_step = real
+    """Within the block, the patched model's one-token step is :data:`VARIANTS` ``name`` (``bench_generate``'s
+    variants: ``identity`` returns the token unchanged)."""
+    return decode_step_variant("auto" if name == "package" else name)
 
 
 def sync(device):
@@ -183,6 +172,7 @@ def per_call_us(fn, calls, repeats, sync):
 def run_launch(argv):
     import triton
 
+    from cta.kernels_config import MAX_FUSED_STEPS
     from cta.kernels_launch import DECODE_WARPS, _coef_arg, _decode_launch, launch_decode
 
     p = argparse.ArgumentParser(prog="decode_profile.py launch", description="host time down to the launch")
@@ -201,16 +191,17 @@ def run_launch(argv):
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     site = PDERefinement(args.channels, pde_type="diffusion", steps=args.steps, causal=True).to(device)
     x = torch.randn(args.batch, 1, args.channels, device=device, dtype=torch.bfloat16)
-    state = torch.zeros(args.batch, args.steps, args.channels, device=device)
+    levels = [torch.zeros(args.batch, 1, args.channels, device=device) for _ in range(args.steps)]  # a cache's
     mask = torch.ones(args.batch, 9, dtype=torch.long, device=device)[:, -1:]  # an attention mask's last column
     bounds = site.bounds
     launch, consts = _decode_launch("diffusion", args.steps, args.batch, args.channels, True, False, False, bounds)
     y = torch.empty_like(x)
     a, _ = _coef_arg(site.alpha.detach(), x)
+    pointers = (*levels, *(levels[0],) * (MAX_FUSED_STEPS - args.steps))
 
     def prepared():
-        launch(x, y, state, mask, a, x, args.channels, x.stride(0), state.stride(0), state.stride(1), mask.stride(0),
-               *consts, num_warps=DECODE_WARPS)
+        launch(x, y, mask, a, x, args.channels, x.stride(0), levels[0].stride(0), mask.stride(0), *pointers, *consts,
+               num_warps=DECODE_WARPS)
 
     rows, empty = {}, empty_kernel()
     with torch.no_grad():
@@ -218,9 +209,9 @@ def run_launch(argv):
             ("one torch op (torch.add(x, 1))", lambda: torch.add(x, 1)),
             ("empty Triton kernel, kernel[grid](ptr)", lambda: empty[(1,)](x)),
             ("decode kernel, kernel[grid](...) with prepared arguments", prepared),
-            ("kernels_launch.launch_decode", lambda: launch_decode(x, state, site.alpha, None, mask, "diffusion",
+            ("kernels_launch.launch_decode", lambda: launch_decode(x, levels, site.alpha, None, mask, "diffusion",
                                                                    args.steps, bounds)),
-            ("PDERefinement._decode_step", lambda: site._decode_step(x, state, mask)),
+            ("PDERefinement._decode_step", lambda: site._decode_step(x, levels, mask)),
         ]
         for label, fn in cases:
             rows[label] = per_call_us(fn, args.calls, args.repeats, sync)

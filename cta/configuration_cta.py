@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-from .pde_cache import STATE_PLACEMENTS, pde_state_indices
+from .pde_cache import STATE_PLACEMENTS, conv_states_per_layer, pde_state_indices
 from .pde_cta import MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, coefficient_bounds, normalize_pde_type
 
 
@@ -259,7 +259,8 @@ class CTAConfig(PretrainedConfig):
         return self.pde_placements if active else []
 
     def pde_state_indices(self, layer_idx: int) -> dict:
-        """Cache conv-state index of every causal PDE site in block ``layer_idx`` (placement -> index).
+        """The first cache conv-state index of every causal PDE site in block ``layer_idx`` (placement -> index; a
+        site owns one conv state per step).
 
         The embedding site stores its state in layer 0 after that layer's own sites. ``attention_matrix`` needs no
         state: each query row is evolved on its own.
@@ -269,7 +270,7 @@ class CTAConfig(PretrainedConfig):
 
     def update_cache_layout(self):
         """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state."""
-        counts = [len(self.pde_state_indices(i)) for i in range(self.num_hidden_layers)]
+        counts = [conv_states_per_layer(self.pde_state_indices(i), self.pde_steps) for i in range(self.num_hidden_layers)]
         stateful = self.is_causal and any(counts)
         attention = "sliding_attention" if self.sliding_window is not None else "full_attention"
         hybrid = "hybrid_sliding" if self.sliding_window is not None else "hybrid"

@@ -324,8 +324,46 @@ if HAS_TRITON:
         tl.store(DST + cols, total, mask=cmask)
 
     @triton.jit
+    def _level_pointer(s: tl.constexpr, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15):
+        """The pointer of level ``s`` (a separate buffer per step: see ``pde_cache``), chosen at compile time."""
+        if s == 0:
+            p = L0
+        elif s == 1:
+            p = L1
+        elif s == 2:
+            p = L2
+        elif s == 3:
+            p = L3
+        elif s == 4:
+            p = L4
+        elif s == 5:
+            p = L5
+        elif s == 6:
+            p = L6
+        elif s == 7:
+            p = L7
+        elif s == 8:
+            p = L8
+        elif s == 9:
+            p = L9
+        elif s == 10:
+            p = L10
+        elif s == 11:
+            p = L11
+        elif s == 12:
+            p = L12
+        elif s == 13:
+            p = L13
+        elif s == 14:
+            p = L14
+        else:
+            p = L15
+        return p
+
+    @triton.jit
     def _pde_decode_kernel(
-        X, Y, S, TM, A, Bc, C, sxb, ssb, ssl, stm,
+        X, Y, TM, A, Bc, C, sxb, slb, stm,
+        L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15,
         PDE: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr,
         A_VEC: tl.constexpr, B_VEC: tl.constexpr, BLOCK_C: tl.constexpr,
         CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
@@ -344,8 +382,8 @@ if HAS_TRITON:
         if CLAMP:  # the learnable module's projection onto the stable bounds (no clamp launch per token)
             a = tl.minimum(tl.maximum(a, A_LO), A_HI)
             b = tl.minimum(tl.maximum(b, B_LO), B_HI)
-        for s in range(STEPS):
-            sp = S + b64 * ssb + s * ssl + cols
+        for s in tl.static_range(STEPS):  # level s: its own buffer, `slb` apart between sequences
+            sp = _level_pointer(s, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15) + b64 * slb + cols
             left = tl.load(sp, mask=cmask, other=0.0)
             tl.store(sp, u * vl, mask=cmask)
             u, v = _causal_update(u, v, left - u, vl, a, b, PDE)

@@ -16,6 +16,7 @@ import torch
 
 from .kernels_config import (
     FIR_POINTER_STEPS,
+    MAX_FUSED_STEPS,
     cdiv,
     coef_grad_groups,
     is_linear,
@@ -250,24 +251,32 @@ def _decode_launch(pde, steps, batch, channels, has_mask, a_vec, b_vec, bounds):
     return _pde_decode_kernel[(cdiv(channels, block_c), batch)], consts
 
 
-def launch_decode(x, state, alpha, beta, token_mask, pde: str, steps: int, bounds=None) -> torch.Tensor:
+def launch_decode(x, levels, alpha, beta, token_mask, pde: str, steps: int, bounds=None) -> torch.Tensor:
     """One new token ``x`` ``[batch, channels]`` (or ``[batch, 1, channels]``): returns the refined token in ``x``'s
-    shape and updates ``state`` (fp32 ``[batch, steps, channels]``, contiguous channels) in place. ``token_mask``: one
-    entry per sequence, any dtype and shape (e.g. the ``[batch, 1]`` column of an attention mask). ``bounds``:
+    shape and updates the state in place: ``levels``, its ``steps`` (at most ``MAX_FUSED_STEPS``) fp32 buffers, each
+    ``[batch, 1, channels]`` (or ``[batch, channels]``) with contiguous channels and the same stride between
+    sequences (separate conv states of a cache, or the views of one ``[batch, steps, channels]`` state). ``token_mask``:
+    one entry per sequence, any dtype and shape (e.g. the ``[batch, 1]`` column of an attention mask). ``bounds``:
     ``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` the kernel clamps the coefficients into first, or
     None."""
     x = _channels_contiguous(x)
     y = x.new_empty(x.shape)
     if y.numel() == 0:
         return y
-    if state.stride(-1) != 1:
-        raise ValueError("`state` must have contiguous channels (stride 1 along its last dimension).")
+    if len(levels) != steps or steps > MAX_FUSED_STEPS:
+        raise ValueError(f"The decode kernel takes one state buffer per step (1..{MAX_FUSED_STEPS}); got {len(levels)} "
+                         f"for {steps} steps.")
+    level_stride = levels[0].stride(0)
+    if any(level.stride(-1) != 1 or level.stride(0) != level_stride for level in levels):
+        raise ValueError("The state buffers must have contiguous channels (stride 1 along their last dimension) and "
+                         "one stride between sequences.")
     device = x.device
     a, a_vec = _coef_arg(alpha if alpha.device == device else alpha.to(device), x)
     b, b_vec = _coef_arg(beta if beta is None or beta.device == device else beta.to(device), x)
     tm, tm_stride = _token_mask_arg(token_mask, x)
     channels = x.shape[-1]
     launch, consts = _decode_launch(pde, steps, x.shape[0], channels, token_mask is not None, a_vec, b_vec, bounds)
-    launch(x, y, state, tm, a, b, channels, x.stride(0), state.stride(0), state.stride(1), tm_stride, *consts,
+    pointers = (*levels, *(levels[0],) * (MAX_FUSED_STEPS - steps))  # (the unused ones are never read)
+    launch(x, y, tm, a, b, channels, x.stride(0), level_stride, tm_stride, *pointers, *consts,
            num_warps=DECODE_WARPS)
     return y

@@ -1,13 +1,16 @@
 # coding=utf-8
 """The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
 
-A causal PDE site keeps, per cache layer, a conv state of transformers' hybrid cache layers (``conv_states`` /
-``has_previous_state`` / ``update_conv_state``): an fp32 ``[batch, steps, channels, 1]`` buffer whose last axis is the
-conv state's time axis with a kernel of one position, so its ``[batch, steps, channels]`` view is contiguous (the
-decode kernel updates it in place). Keeping time on the last axis is what lets transformers roll the state back:
-while a cache records its past (``activate_past_recording``: assisted and prompt-lookup decoding), a site appends one
-column per position and the cache's ``crop`` keeps the column of the last accepted token, as it does for the conv
-states of Mamba-like layers. A decode step that cannot find its state would refine the new token as if it started a
+A causal PDE site keeps its state in transformers' hybrid cache layers (``conv_states`` / ``has_previous_state`` /
+``update_conv_state``): one conv state per step ``s`` of the scheme, an fp32 ``[batch, 1, channels, 1]`` buffer holding
+the step-``s`` iterate at the last position (its last axis is the conv state's time axis, with a kernel of one
+position). Site ``k`` of a layer owns the conv states ``k * steps .. k * steps + steps - 1``. One buffer per step, not
+one ``[batch, steps, channels]`` buffer: a compiled decode step writes each of them at the index it reads it, so
+Inductor fuses the whole site, state writes included, into the kernel of the norm that follows (a single buffer is
+read at one step and written at another: a kernel of its own and a copy into the cache). Keeping time on the last axis
+is what lets transformers roll the state back: while a cache records its past (``activate_past_recording``: assisted
+and prompt-lookup decoding), a site appends one column per position and the cache's ``crop`` keeps the column of the
+last accepted token, as it does for the conv states of Mamba-like layers. A decode step that cannot find its state would refine the new token as if it started a
 sequence: wrong outputs without an error. Everything here raises instead.
 
 transformers renamed the cache argument of its models from ``past_key_values`` to ``cache`` (5.24; the old name is
@@ -50,16 +53,20 @@ STATE_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
 
 
 def pde_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
-    """Cache conv-state index of every causal PDE site of one layer (placement -> index): its per-layer sites in
-    :data:`STATE_PLACEMENTS` order, then, in layer 0, the ``embedding`` site."""
-    indices = {}
+    """The first cache conv-state index of every causal PDE site of one layer (placement -> index; a site owns
+    ``pde_steps`` consecutive states, one per step): its per-layer sites in :data:`STATE_PLACEMENTS` order, then, in
+    layer 0, the ``embedding`` site."""
+    sites = []
     if pde_steps > 0 and layer_has_pde:
-        for name in STATE_PLACEMENTS:
-            if name in placements:
-                indices[name] = len(indices)
+        sites = [name for name in STATE_PLACEMENTS if name in placements]
     if pde_steps > 0 and layer_idx == 0 and "embedding" in placements:
-        indices["embedding"] = len(indices)
-    return indices
+        sites.append("embedding")
+    return {name: number * pde_steps for number, name in enumerate(sites)}
+
+
+def conv_states_per_layer(state_indices: dict, pde_steps: int) -> int:
+    """How many conv states the cache layer of one layer's :func:`pde_state_indices` holds (one per site and step)."""
+    return len(state_indices) * pde_steps
 
 
 def pde_sites(num_layers: int, state_indices) -> list:
@@ -97,8 +104,10 @@ def find_cache(kwargs: dict, order=_CACHE_LOOKUP_ORDER):
     return None
 
 
-def cached_pde_state(cache, layer_idx: int, state_idx: int) -> Optional[torch.Tensor]:
-    """The causal PDE state ``[batch, steps, channels]`` stored in a transformers Cache, or None before prefill."""
+def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Optional[tuple]:
+    """The causal PDE state stored in a transformers Cache: its ``steps`` levels, each the ``[batch, 1, channels]``
+    view of its conv state at the last cached position (written in place by a decode step), or None before
+    prefill."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
     if layer is None or not hasattr(layer, "conv_states"):
@@ -109,7 +118,7 @@ def cached_pde_state(cache, layer_idx: int, state_idx: int) -> Optional[torch.Te
         )
     if not layer.has_previous_state.get(state_idx, False):
         return None
-    return layer.conv_states[state_idx][..., -1]  # the state after the last cached position
+    return tuple(layer.conv_states[state_idx + step][..., -1] for step in range(steps))
 
 
 def records_past(cache, layer_idx: int) -> bool:
@@ -121,8 +130,10 @@ def records_past(cache, layer_idx: int) -> bool:
 
 def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor):
     """Stores a site's states ``[batch, steps, channels, positions]`` (the state after each position of the current
-    tokens; only the last one unless the cache records its past) as its conv state, one position per column."""
-    cache.update_conv_state(states, layer_idx, state_idx=state_idx, conv_kernel_size=1)
+    tokens; only the last one unless the cache records its past) as its conv states ``state_idx ..``, one per step,
+    one position per column."""
+    for step in range(states.shape[1]):
+        cache.update_conv_state(states[:, step:step + 1], layer_idx, state_idx=state_idx + step, conv_kernel_size=1)
 
 
 def fill_unused_pde_states(cache):
@@ -146,7 +157,7 @@ def check_pde_states(cache, sites, model_name: str):
     ``cache`` whenever the cache already holds past tokens (a continuation step). Call it before the step runs."""
     if cache is None or not sites or torch.compiler.is_compiling():
         return  # traced: the eager calls before (prefill) checked the same cache
-    missing = [site for site in sites if cached_pde_state(cache, site[1], site[2]) is None]
+    missing = [site for site in sites if cached_pde_levels(cache, site[1], site[2], 1) is None]
     if not missing:
         return  # host-side lookups only: no device synchronisation on a decode step
     past_length = int(cache.get_seq_length())  # a first chunk has no state yet; asked only then (a static cache syncs)
@@ -172,7 +183,7 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
-    "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "cached_pde_state", "records_past", "store_pde_state",
+    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "cached_pde_levels", "records_past", "store_pde_state",
     "fill_unused_pde_states", "check_pde_states",
     "missing_cache_error",
 ]

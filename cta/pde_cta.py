@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .pde_cache import cached_pde_state, records_past, store_pde_state
+from .kernels_config import MAX_FUSED_STEPS
+from .pde_cache import cached_pde_levels, records_past, store_pde_state
 from .pde_decode import causal_decode_map, pde_decode_update
 from .pde_reference import causal_state_history, pde_decode_step_reference, pde_refine_reference
 from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names live here too)
@@ -141,37 +142,23 @@ def pde_refine(
     return pde_refine_reference(hidden_states, **kwargs)
 
 
-# A one-token decode step is a state update (pde_decode.py): the fused Triton decode kernel on CUDA (eager: launched
-# directly; under torch.compile: the custom op `cta::pde_decode_token`, one kernel that declares its in-place write of
-# the state), plain torch ops elsewhere (docs/decoding.md).
+# A one-token decode step is a state update (pde_decode.py): the fused Triton decode kernel on CUDA eager, plain torch
+# ops elsewhere and under torch.compile, where Inductor fuses them, state writes included, with the norm that follows
+# (docs/decoding.md).
 def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto",
                     coefficient_bounds=None):
     """One causal decode step, ``state`` updated in place: :func:`pde_decode_step_reference`'s semantics (the
     ground truth), computed as :func:`pde_decode.pde_decode_update` or by the Triton decode kernel."""
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask,
                   coefficient_bounds=coefficient_bounds)
-    triton = _use_triton(backend, hidden_states)
-    if triton and not torch.compiler.is_compiling():
+    if _use_triton(backend, hidden_states) and not torch.compiler.is_compiling():
         return _triton_module().pde_decode_step_triton(hidden_states, state, **kwargs)
     pde_type, alpha, beta, bounds = check_decode_arguments(
         hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds
     )
-    if triton and _traced_kernel_applies(state, steps):
-        device = hidden_states.device
-        beta = beta.to(device) if beta is not None else None
-        token_mask = token_mask.to(device) if token_mask is not None else None
-        return _triton_module().pde_decode_token_traced(hidden_states, state, alpha.to(device), beta, token_mask,
-                                                         pde_type, steps, bounds)
     alpha, beta = clamp_coefficients(alpha, beta, bounds)
     return pde_decode_update(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
                              token_mask=token_mask)
-
-
-def _traced_kernel_applies(state, steps) -> bool:
-    """Whether a traced decode step writes ``state`` with the Triton kernel (fp32, contiguous channels, steps the
-    kernels fuse); else with torch ops."""
-    return (state.dtype == torch.float32 and state.stride(-1) == 1
-            and steps <= _triton_module().MAX_FUSED_STEPS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,9 +205,9 @@ class PDERefinement(nn.Module):
     Parameters ``alpha`` (and ``beta`` for reaction/advection) are scalars or per-channel vectors; the scheme always
     uses them projected onto the stable interval of :data:`COEFFICIENT_BOUNDS` (see :func:`project_coefficient`).
     For causal refinement with a transformers ``Cache`` the streaming state of this site is stored as the conv
-    state ``state_idx`` of cache layer ``layer_idx`` (a contiguous fp32 ``[batch, steps, channels]`` buffer), so
-    that decoding one token at a time (in place, one kernel) or prefilling in chunks gives exactly the
-    full-sequence result.
+    states ``state_idx .. state_idx + steps - 1`` of cache layer ``layer_idx`` (one fp32 ``[batch, 1, channels]``
+    buffer per step), so that decoding one token at a time (in place, one kernel) or prefilling in chunks gives
+    exactly the full-sequence result.
     """
 
     def __init__(
@@ -279,34 +266,29 @@ class PDERefinement(nn.Module):
         beta = project_coefficient(self.beta, self.beta_bounds) if self.beta is not None else None
         return alpha, beta
 
-    def _decode_step(self, hidden_states, state, attention_mask):
-        """One token ``[batch, 1, channels]``: a state update (``state``: the contiguous fp32 ``[batch, S, channels]``
-        view of this site's cache buffer, updated in place; returns the refined token). CUDA eager: the fused kernel
-        on the raw parameters, projected onto their bounds in the kernel (decode is host-bound: one launch per site and
-        token). Under torch.compile on the Triton backend: the same kernel as one custom op that declares its in-place
-        write of the state (``triton_cta.pde_decode_token_traced``). Elsewhere: a few plain torch ops
-        (``pde_decode.pde_decode_update``)."""
-        fused = state.dtype == torch.float32 and _use_triton(self.backend, hidden_states)
-        if fused and not torch.compiler.is_compiling():
+    def _decode_step(self, hidden_states, levels, attention_mask):
+        """One token ``[batch, 1, channels]``: a state update (``levels``: this site's cached state, one fp32
+        ``[batch, 1, channels]`` buffer per step, updated in place; returns the refined token). CUDA eager: the fused
+        kernel on the raw parameters, projected onto their bounds in the kernel (decode is host-bound: one launch per
+        site and token). Elsewhere and under torch.compile: a few plain torch ops (``pde_decode.pde_decode_update``),
+        which Inductor fuses with the norm that follows."""
+        if (levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS and not torch.compiler.is_compiling()
+                and _use_triton(self.backend, hidden_states)):
             return _triton_module().pde_decode_token_triton(
-                hidden_states, state, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
-            )
-        if fused and _traced_kernel_applies(state, self.steps):
-            return _triton_module().pde_decode_token_traced(
-                hidden_states, state, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
+                hidden_states, levels, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
         decode_map = None
-        if state.device.type == "cpu" and self.alpha.numel() == 1 and not torch.compiler.is_compiling():
+        if levels[0].device.type == "cpu" and self.alpha.numel() == 1 and not torch.compiler.is_compiling():
             # On the CPU, reading a value costs no device synchronisation: scalar coefficients are projected as
             # Python floats and the linear map is kept while they keep their values (formed again after a training
             # step). (A step mask of ones was dropped by the patched model's hooks, once per token.)
             alpha = min(max(self.alpha.item(), self.alpha_bounds[0]), self.alpha_bounds[1])
             beta = None if self.beta is None else min(max(self.beta.item(), self.beta_bounds[0]), self.beta_bounds[1])
             if self.pde_type != "reaction_diffusion":
-                decode_map = self._scalar_decode_map(alpha, beta, state.dtype)
+                decode_map = self._scalar_decode_map(alpha, beta, levels[0].dtype)
         else:
             alpha, beta = self.coefficients()
-        return pde_decode_update(hidden_states, state, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
+        return pde_decode_update(hidden_states, levels, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
                                  beta=beta, token_mask=attention_mask, decode_map=decode_map)
 
     def _scalar_decode_map(self, alpha: float, beta, dtype):
@@ -331,16 +313,18 @@ class PDERefinement(nn.Module):
         if cache is not None and self.causal:
             if self.layer_idx is None:
                 raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
-            state = cached_pde_state(cache, self.layer_idx, self.state_idx)
+            levels = cached_pde_levels(cache, self.layer_idx, self.state_idx, self.steps)
             differentiable = torch.is_grad_enabled() and (
                 hidden_states.requires_grad or self.alpha.requires_grad
                 or (self.beta is not None and self.beta.requires_grad)
             )
             # A cache that may be rolled back (assisted decoding) keeps the state after every position.
             history = records_past(cache, self.layer_idx)
-            if state is not None and hidden_states.shape[1] == 1 and not (differentiable or history):
+            if levels is not None and hidden_states.shape[1] == 1 and not (differentiable or history):
                 # one decoded token (the decode kernel has no backward: under autograd the chunked path below)
-                return self._decode_step(hidden_states, state, attention_mask)
+                return self._decode_step(hidden_states, levels, attention_mask)
+            # ([batch, steps, channels], a copy: autograd may save it, and the cache's buffers are overwritten below)
+            state = None if levels is None else torch.cat(levels, dim=1)
         if (cache is None or not self.causal) and _use_triton(self.backend, hidden_states):
             refined = _triton_module().pde_refine_module_triton(
                 hidden_states, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.causal,
@@ -352,8 +336,6 @@ class PDERefinement(nn.Module):
                       attention_mask=attention_mask)
         if cache is None or not self.causal:
             return pde_refine(hidden_states, backend=self.backend, **kwargs)
-        if differentiable and state is not None:
-            state = state.clone()  # autograd may save it, and the cache's buffer is overwritten below
         if history:  # (the reference: the fused kernels return the last state only)
             kwargs.pop("causal")
             out, states = causal_state_history(hidden_states, initial_state=state, **kwargs)

@@ -8,9 +8,10 @@ position (what :func:`pde_reference.pde_refine_reference` returns as its final s
 levels ``u_0 = x, u_1, ..., u_S`` of the causal schemes are
 
 * computed by the scheme's own recurrence on the token (the reference's causal step, ``S`` pointwise steps on
-  ``[batch, 1, channels]`` tensors, the stored values read as views), and the state written back one level at a
-  time under ``torch.compile``: everything stays in the token's iteration space, so Inductor fuses the whole site,
-  state writes included, into the kernel of the norm that follows it (no kernel of its own);
+  ``[batch, 1, channels]`` tensors, the stored values read as views), and each level written back to its own buffer
+  (a model's cache keeps one per step): under ``torch.compile`` everything stays in the token's iteration space and
+  each buffer is written where it is read, so Inductor fuses the whole site, state writes included, into the kernel of
+  the norm that follows it (no kernel of its own);
 * or, for the linear schemes (diffusion, advection-diffusion, wave), as ``u_s = p_s * x + sum_r W[s, r] *
   state[r]``: a fixed linear map of the token and the ``S`` stored values whose matrix (:func:`causal_decode_map`)
   depends on the coefficients alone. The CPU keeps that matrix while a site's scalar coefficients keep their
@@ -46,13 +47,14 @@ def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Opti
     return torch.stack(_linear_levels(token, basis[1:], pde_type, alpha, beta))
 
 
-def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_type: str, steps: int,
+def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int,
                       alpha: torch.Tensor, beta: Optional[torch.Tensor] = None,
                       token_mask: Optional[torch.Tensor] = None, decode_map: Optional[torch.Tensor] = None
                       ) -> torch.Tensor:
     """Refines one token (``[batch, channels]``, or ``[batch, 1, channels]`` as a model's layer gives it) and updates
-    ``state`` ``[batch, steps, channels]`` in place (fp32, or fp64 for float64 models: the dtype it computes in);
-    returns the refined token in the input's shape and dtype.
+    the state in place: ``state`` ``[batch, steps, channels]``, or its levels, a sequence of ``steps`` buffers
+    ``[batch, 1, channels]`` (a model's cache keeps one per step: ``pde_cache``). fp32, or fp64 for float64 models:
+    the dtype it computes in. Returns the refined token in the input's shape and dtype.
 
     ``pde_type`` normalised, ``alpha`` / ``beta`` the coefficients the scheme uses (already inside their bounds: 0-d,
     1-element or ``[channels]`` tensors, or Python floats); ``token_mask``: one entry per sequence (0: padding).
@@ -61,22 +63,23 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
     (:func:`pde_cta.pde_decode_step` checks them; :class:`PDERefinement` holds valid ones).
     """
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
-    x = hidden_states if hidden_states.dtype == state.dtype else hidden_states.to(state.dtype)  # fp32 (fp64 models)
+    stored = state.split(1, dim=1) if torch.is_tensor(state) else state  # [batch, 1, channels] each
+    dtype = stored[0].dtype
+    x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)  # fp32 (fp64 models)
     if x.dim() == 2:
         x = x.unsqueeze(1)  # [batch, 1, channels]: broadcasts against the levels
-    valid = None if token_mask is None else token_mask.reshape(-1, 1, 1).to(state.dtype)
+    valid = None if token_mask is None else token_mask.reshape(-1, 1, 1).to(dtype)
     if decode_map is not None and pde_type != "reaction_diffusion":
         # the caller's map (the CPU's, for scalar coefficients: one concatenation and one small matrix product)
-        inputs = torch.cat([x, state], dim=1)  # [batch, S+1, channels]
+        inputs = torch.cat([x, *stored], dim=1)  # [batch, S+1, channels]
         if decode_map.dim() == 2:
             levels = torch.matmul(decode_map, inputs)
         else:  # per channel: [S+1, S+1, channels]
             levels = (decode_map * inputs.unsqueeze(1)).sum(2)
-        refined, new_state = levels.narrow(1, steps, 1), levels.narrow(1, 0, steps)
-        state.copy_(new_state if valid is None else new_state * valid)
+        refined = levels.narrow(1, steps, 1)
+        _write_state(state, levels.narrow(1, 0, steps).split(1, dim=1), valid)
     else:
         # the scheme's recurrence on the token, pointwise on [batch, 1, channels] (the stored values read as views)
-        stored = state.split(1, dim=1)
         if pde_type == "reaction_diffusion":
             levels = _reaction_levels(x, stored, alpha, beta)
         else:
@@ -89,14 +92,15 @@ def pde_decode_update(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_t
 
 
 def _write_state(state, levels, valid):
-    """``state`` ``[batch, S, channels]`` := the levels ``u_0 .. u_{S-1}`` (zeros for padded sequences)."""
+    """The state (a ``[batch, S, channels]`` tensor or its ``S`` level buffers) := the levels ``u_0 .. u_{S-1}``
+    (zeros for padded sequences)."""
     if not levels:
         return
-    if torch.compiler.is_compiling():
-        # One [batch, 1, channels] write per level: the iteration space of the token's own ops, so that Inductor
-        # stores the state from the kernel that refines the token (a [batch, S, channels] copy is a kernel of its own).
-        for index, level in enumerate(levels):
-            state.narrow(1, index, 1).copy_(level if valid is None else level * valid)
+    if not torch.is_tensor(state):
+        # One [batch, 1, channels] write per buffer, at the index it was read: under torch.compile Inductor stores
+        # the state from the kernel that refines the token (docs/decoding.md).
+        for buffer, level in zip(state, levels):
+            buffer.copy_(level if valid is None else level * valid)
     elif valid is None:
         torch.cat(levels, dim=1, out=state)
     else:

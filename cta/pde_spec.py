@@ -188,6 +188,20 @@ def check_decode_state(state, batch: int, steps: int, channels: int) -> None:
         )
 
 
+def check_decode_levels(levels, batch: int, steps: int, channels: int) -> None:
+    """Raises unless ``levels`` are the ``steps`` fp32 ``[batch, 1, channels]`` buffers of a cached state (one per
+    step) that a decode step reads and writes."""
+    if (not isinstance(levels, (tuple, list)) or len(levels) != steps
+            or any(not torch.is_tensor(level) or level.shape != (batch, 1, channels) or level.dtype not in _STATE_DTYPES
+                   for level in levels)):
+        got = [(tuple(level.shape), level.dtype) if torch.is_tensor(level) else type(level) for level in levels] \
+            if isinstance(levels, (tuple, list)) else type(levels)
+        raise ValueError(
+            f"The cached PDE state must be {steps} float32 (or float64) tensors of shape [batch, 1, channels] = "
+            f"[{batch}, 1, {channels}], one per step; got {got}."
+        )
+
+
 def check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds=None):
     """Validates the arguments of :func:`pde_decode_step`; returns ``(pde_type, alpha, beta, coefficient_bounds)``
     normalised as :func:`check_pde_arguments` does."""

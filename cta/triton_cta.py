@@ -6,10 +6,11 @@ The kernels live in flat sibling files (transformers' remote-code loader copies 
 ``kernels_config`` (launch configurations), ``kernels_launch`` (the launches). This module adds autograd and the
 custom ops, and the public entry points :func:`pde_refine_triton` and :func:`pde_decode_step_triton`.
 
-* Forward, backward and decode are registered as torch custom ops (``cta::pde_refine_fwd``, ``cta::pde_refine_bwd``,
-  and the one-token step ``cta::pde_decode_token``, which declares its in-place write of the state) with fake
-  implementations and autograd, so ``torch.compile`` traces through them without graph breaks and a traced decode
-  step is one kernel per site. Eager calls use a plain ``torch.autograd.Function`` over the same launches (or the
+* Forward and backward are registered as torch custom ops (``cta::pde_refine_fwd``, ``cta::pde_refine_bwd``) with
+  fake implementations and autograd, so ``torch.compile`` traces through them without graph breaks. A traced
+  one-token decode step is the recurrence as torch ops instead (``pde_decode``): Inductor fuses it, state writes
+  included, into the kernel of the norm that follows, where an opaque op would be a kernel of its own and leave the
+  residual add before it one too. Eager calls use a plain ``torch.autograd.Function`` over the same launches (or the
   launch alone under ``no_grad``), which costs less host time per call than the custom-op dispatcher.
 * Gradients flow to ``hidden_states``, ``alpha`` and ``beta`` through the kernels. When the gradient also involves
   the streamed state (an ``initial_state`` that requires grad, or a returned final state that the loss uses), the
@@ -29,18 +30,19 @@ import torch
 from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
 from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, launch_forward
+from .pde_decode import pde_decode_update
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import (
     PDE_IDS,
     check_attention_mask,
     check_decode_arguments,
-    check_decode_state,
+    check_decode_levels,
     check_pde_arguments,
     clamp_coefficients,
 )
 
-__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_traced",
-           "pde_decode_token_triton", "pde_refine_module_triton", "pde_refine_triton"]
+__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton",
+           "pde_refine_module_triton", "pde_refine_triton"]
 
 _PDE_NAMES = {v: k for k, v in PDE_IDS.items()}
 
@@ -190,31 +192,6 @@ class _ProjectedPDERefineFunction(torch.autograd.Function):
         return dx, da, db, None, None
 
 
-def _bounds_arg(bounds) -> list:
-    """``coefficient_bounds`` (``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` or None) as the decode ops
-    take them: a flat list of 0, 2 or 4 floats."""
-    if bounds is None:
-        return []
-    return [float(v) for pair in bounds if pair is not None for v in pair]
-
-
-def _bounds_from_arg(flat) -> Optional[tuple]:
-    """The inverse of :func:`_bounds_arg` (a hashable tuple, as the launch cache keys it)."""
-    if not flat:
-        return None
-    return (tuple(flat[:2]), tuple(flat[2:4]) if len(flat) == 4 else None)
-
-
-def _pde_decode_token_impl(x: torch.Tensor, state: torch.Tensor, alpha: torch.Tensor, beta: Optional[torch.Tensor],
-                           token_mask: Optional[torch.Tensor], pde: int, steps: int, bounds: list[float]
-                           ) -> torch.Tensor:
-    return launch_decode(x, state, alpha, beta, token_mask, _PDE_NAMES[pde], steps, _bounds_from_arg(bounds))
-
-
-def _pde_decode_token_fake(x, state, alpha, beta, token_mask, pde, steps, bounds):
-    return x.new_empty(x.shape)
-
-
 if _REGISTER:
     _pde_refine_fwd = torch.library.custom_op("cta::pde_refine_fwd", _pde_refine_fwd_impl, mutates_args=(),
                                               schema=f"({_REFINE_OPERANDS}, bool want_final) -> (Tensor, Tensor)")
@@ -223,15 +200,9 @@ if _REGISTER:
                                               schema=f"(Tensor gy, {_REFINE_OPERANDS}) -> (Tensor, Tensor, Tensor)")
     _pde_refine_bwd.register_fake(_pde_refine_bwd_fake)
     torch.library.register_autograd("cta::pde_refine_fwd", _kernel_backward, setup_context=_fwd_setup_context)
-    # The one-token decode step: returns the refined token and declares its in-place write of `state`, so that
-    # Inductor lets the kernel write the cache buffer itself (through a view of it too) instead of a copy of it.
-    _pde_decode_token_op = torch.library.custom_op("cta::pde_decode_token", _pde_decode_token_impl,
-                                                   mutates_args=("state",))
-    _pde_decode_token_op.register_fake(_pde_decode_token_fake)
 else:  # pragma: no cover - a second copy of this module shares the first copy's ops
     _pde_refine_fwd = torch.ops.cta.pde_refine_fwd
     _pde_refine_bwd = torch.ops.cta.pde_refine_bwd
-    _pde_decode_token_op = torch.ops.cta.pde_decode_token
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -332,7 +303,8 @@ def pde_decode_step_triton(
 ):
     """One-token causal decode step; updates ``state`` ``[batch, steps, channels]`` (fp32) in place. Same signature
     and semantics as :func:`pde_reference.pde_decode_step_reference`; ``coefficient_bounds`` are applied in the
-    kernel."""
+    kernel. Under ``torch.compile``: the recurrence as torch ops (:func:`pde_decode.pde_decode_update`), which
+    Inductor fuses with the ops around it."""
     if not is_available():
         raise RuntimeError("pde_decode_step_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
     pde, alpha, beta, bounds = check_decode_arguments(
@@ -340,43 +312,22 @@ def pde_decode_step_triton(
     )
     if steps == 0:
         return hidden_states.clone()
-    if torch.compiler.is_compiling() and steps <= MAX_FUSED_STEPS and state.stride(-1) == 1:
-        device = hidden_states.device
-        beta = beta.to(device) if beta is not None else None
-        token_mask = token_mask.to(device) if token_mask is not None else None
-        return pde_decode_token_traced(hidden_states, state, alpha.to(device), beta, token_mask, pde, steps, bounds)
-    return _decode_eager(hidden_states, state, alpha, beta, token_mask, pde, steps, bounds)
+    if torch.compiler.is_compiling():
+        alpha, beta = clamp_coefficients(alpha, beta, bounds)
+        return pde_decode_update(hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
+                                 token_mask=token_mask)
+    if steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
+        return pde_decode_step_reference(hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
+                                         token_mask=token_mask, coefficient_bounds=bounds)
+    return launch_decode(hidden_states, state.split(1, dim=1), alpha, beta, token_mask, pde, steps, bounds)
 
 
-def pde_decode_token_triton(hidden_states, state, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
-    """:class:`PDERefinement`'s eager decode step on ``hidden_states`` ``[batch, 1, channels]``: the launch of
+def pde_decode_token_triton(hidden_states, levels, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
+    """:class:`PDERefinement`'s eager decode step on ``hidden_states`` ``[batch, 1, channels]`` and its state's
+    ``levels`` (``steps <= MAX_FUSED_STEPS`` fp32 ``[batch, 1, channels]`` conv-state views of a cache): the launch of
     :func:`pde_decode_step_triton` without its argument checks, which the module's own type, steps and coefficients
     passed when it was built; only the state a cache hands over is checked (a wrong shape would be read out of
     bounds)."""
     batch, _, channels = hidden_states.shape
-    check_decode_state(state, batch, steps, channels)
-    return _decode_eager(hidden_states, state, alpha, beta, token_mask, pde_type, steps, bounds)
-
-
-def pde_decode_token_traced(hidden_states, state, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
-    """The one-token step under ``torch.compile`` (``state`` an fp32 ``[batch, steps, channels]`` with contiguous
-    channels, ``steps <= MAX_FUSED_STEPS``; the caller checks): one kernel, the custom op ``cta::pde_decode_token``,
-    which reads the token and the state, clamps the raw coefficients into ``bounds`` and reads the token mask in its
-    own dtype, and writes the refined token and, in place, the new state. Nothing else in the traced graph reads the
-    state: its old values are read only by the kernel that overwrites them (a traced read of the state beside an
-    opaque write of it depends on Inductor keeping the read before the write; docs/decoding.md)."""
-    return _pde_decode_token_op(hidden_states, state, alpha, beta, token_mask, PDE_IDS[pde_type], steps,
-                                _bounds_arg(bounds))
-
-
-def _decode_eager(hidden_states, state, alpha, beta, token_mask, pde: str, steps: int, bounds):
-    """A checked eager decode step on ``[batch, channels]`` or ``[batch, 1, channels]`` tokens: the kernel, or the
-    reference beyond ``MAX_FUSED_STEPS`` steps or for a state with strided channels. Eager decode is latency-bound:
-    the custom-op dispatcher costs ~150 us per call on an H200, the launch ~10 us; the launch moves the coefficients
-    and the mask to the token's device itself, and clamps the coefficients."""
-    if steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
-        out = pde_decode_step_reference(hidden_states.reshape(state.shape[0], state.shape[2]), state, pde_type=pde,
-                                        steps=steps, alpha=alpha, beta=beta, token_mask=token_mask,
-                                        coefficient_bounds=bounds)
-        return out.reshape(hidden_states.shape)
-    return launch_decode(hidden_states, state, alpha, beta, token_mask, pde, steps, bounds)
+    check_decode_levels(levels, batch, steps, channels)
+    return launch_decode(hidden_states, levels, alpha, beta, token_mask, pde_type, steps, bounds)

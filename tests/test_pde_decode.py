@@ -63,9 +63,9 @@ def test_token_by_token_equals_the_sequence(pde_type):
         x = torch.randn(2, 9, 6, generator=g).to(dtype)
         expected = pde_refine_reference(x, pde_type=pde_type, steps=4, alpha=module.alpha, beta=module.beta,
                                         causal=True)
-        state = torch.zeros(2, 4, 6)
+        levels = tuple(torch.zeros(2, 1, 6) for _ in range(4))  # one buffer per step, as a cache keeps them
         with torch.no_grad():
-            tokens = [module._decode_step(x[:, i:i + 1], state, torch.ones(2, 1)) for i in range(x.shape[1])]
+            tokens = [module._decode_step(x[:, i:i + 1], levels, torch.ones(2, 1)) for i in range(x.shape[1])]
         torch.testing.assert_close(torch.cat(tokens, 1), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
@@ -78,9 +78,9 @@ def test_kept_map_follows_the_coefficients():
     for value in (0.1, 0.3, 2.0):  # 2.0: projected onto the bound (1.0 for causal diffusion)
         with torch.no_grad():
             module.alpha.fill_(value)
-            state, expected_state = torch.ones(1, 3, 4), torch.ones(1, 3, 4)
-            out = module._decode_step(x, state, None)
+            levels, expected_state = tuple(torch.ones(1, 1, 4) for _ in range(3)), torch.ones(1, 3, 4)
+            out = module._decode_step(x, levels, None)
         expected = pde_decode_step_reference(x[:, 0], expected_state, pde_type="diffusion", steps=3,
                                              alpha=module.alpha, coefficient_bounds=module.bounds)
         torch.testing.assert_close(out[:, 0], expected)
-        torch.testing.assert_close(state, expected_state)
+        torch.testing.assert_close(torch.cat(levels, 1), expected_state)

@@ -179,7 +179,7 @@ def test_a_cache_without_a_sites_state_raises(pretrained):
         with torch.no_grad():
             out = model(input_ids=ids, attention_mask=mask, use_cache=True)
             cache = getattr(out, CACHE_ARGUMENT)
-            cache.layers[2].has_previous_state[1] = False  # the mlp_output state of layer 2
+            cache.layers[2].has_previous_state[2] = False  # the mlp_output state of layer 2 (2 steps: 2 per site)
             step = dict(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1), use_cache=True)
             with pytest.raises(ValueError, match=r"no PDE state for the site 'mlp_output of layer 2'"):
                 model(**step, **{CACHE_ARGUMENT: cache})

@@ -21,7 +21,7 @@ def _decode_module_pair(channels, pde, steps):
 
     from cta.pde_cta import PDERefinement
 
-    config = LlamaConfig(num_hidden_layers=1, layer_types=["hybrid"], number_of_conv_states=1,
+    config = LlamaConfig(num_hidden_layers=1, layer_types=["hybrid"], number_of_conv_states=steps,  # one per step
                          hidden_size=64, num_attention_heads=1)
     modules = {}
     for backend in ("triton", "torch"):
@@ -29,6 +29,12 @@ def _decode_module_pair(channels, pde, steps):
         modules[backend] = PDERefinement(channels, pde, steps, causal=True, alpha=0.1, per_channel=True,
                                          backend=backend, layer_idx=0).to(DEVICE)
     return config, modules
+
+
+def _state(cache):
+    """A site's cached state ``[batch, steps, channels, 1]``: its conv states (one per step) side by side."""
+    layer = cache.layers[0]
+    return torch.cat([layer.conv_states[index] for index in sorted(layer.conv_states)], 1)
 
 
 @needs_kernels
@@ -55,8 +61,7 @@ def test_module_decode_matches_reference_module(pde):
             for b, m in modules.items():
                 outs[b].append(m(x[:, t:t + 1], mask[:, t:t + 1], caches[b]))
             torch.testing.assert_close(outs["triton"][-1], outs["torch"][-1], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(caches["triton"].layers[0].conv_states[0],
-                                       caches["torch"].layers[0].conv_states[0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(_state(caches["triton"]), _state(caches["torch"]), rtol=1e-5, atol=1e-6)
     # up to the update, prefill + decode equals the full-sequence pass
     torch.testing.assert_close(torch.cat(outs["triton"], 1)[:, :23], full[:, :23], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(torch.cat(outs["triton"], 1)[:, 23:], full[:, 23:], atol=1e-3)  # the update mattered
@@ -71,8 +76,8 @@ def test_module_decode_refuses_a_state_of_another_shape():
     config, modules = _decode_module_pair(24, "diffusion", 2)
     cache = DynamicCache(config=config)
     with torch.no_grad():
-        modules["triton"](torch.randn(2, 5, 24, device=DEVICE), None, cache)  # prefill: a [2, 2, 24] state
-        with pytest.raises(ValueError, match=r"\[batch, steps, channels\] = \[3, 2, 24\]"):
+        modules["triton"](torch.randn(2, 5, 24, device=DEVICE), None, cache)  # prefill: 2 states [2, 1, 24, 1]
+        with pytest.raises(ValueError, match=r"2 float32 .* \[batch, 1, channels\] = \[3, 1, 24\]"):
             modules["triton"](torch.randn(3, 1, 24, device=DEVICE), None, cache)
 
 
@@ -105,8 +110,7 @@ def test_module_decode_follows_every_change(pde):
             token = x[:, t:t + 1] if strided else x[:, t:t + 1].contiguous()
             outs = {b: m(token, None, caches[b]) for b, m in modules.items()}
             torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(caches["triton"].layers[0].conv_states[0],
-                                       caches["torch"].layers[0].conv_states[0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(_state(caches["triton"]), _state(caches["torch"]), rtol=1e-5, atol=1e-6)
 
     with torch.no_grad():
         generation(2, 5, edit=lambda m: m.alpha.mul_(0.5))  # in-place update (what an optimizer does)
