@@ -18,8 +18,8 @@ script also counts the CUDA kernels of one decode step (``torch.compile(model.fo
 ``StaticCache``, default mode so that the profiler sees every kernel, batch of the first ``--batches``), unpatched
 and for each of ``--variants`` of the patched step (``auto``: the package's, which a compiled step traces as torch ops
 that Inductor fuses into the norm after the site; ``identity``: the token returned unchanged, the hooks alone), with
-their summed GPU time per step; and checks that each model's compiled tokens equal its eager ones
-(``--no-token-check`` skips that).
+their summed GPU time per step. Last, it checks that each model's compiled static-cache tokens and logits equal
+``use_cache=False`` ones, in float32 (``--check-tokens``).
 
 Writes ``generate_<gpu>.json`` / ``.md`` (``--tag`` replaces ``<gpu>``) into ``--out``.
 """
@@ -62,7 +62,9 @@ def parse_args():
     p.add_argument("--variants", default="auto,identity",
                    help=f"patched steps whose compiled kernels are counted ({', '.join(VARIANTS)}); the first is the "
                         "one generate() times")
-    p.add_argument("--no-token-check", action="store_true", help="skip the compiled-vs-eager token check")
+    p.add_argument("--check-tokens", type=int, default=32,
+                   help="new tokens of the float32 exactness check, run last (compiled static cache vs use_cache=False; "
+                        "0 skips it)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")
@@ -166,8 +168,8 @@ class TokenClock:
         return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
 
 
-def generate_rows(patched, unpatched, args, mode, batch, check_tokens):
-    """One mode and batch: paired rounds of generate() calls and, if asked, the compiled-vs-eager token check."""
+def generate_rows(patched, unpatched, args, mode, batch):
+    """One mode and batch: paired rounds of generate() calls."""
     prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
                   min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
@@ -187,10 +189,6 @@ def generate_rows(patched, unpatched, args, mode, batch, check_tokens):
     first = {name: call(model) for name, model in models.items()}
     row = dict(mode=mode, batch=batch, new_tokens=args.new_tokens,
                first_call_s={name: value[0] for name, value in first.items()})
-    if check_tokens:
-        eager = {name: call(model, cache_implementation=None)[2] for name, model in models.items()}
-        row["tokens_equal_eager"] = {name: bool(torch.equal(first[name][2], eager[name])) for name in models}
-        row["tokens_matching_eager"] = {name: float((first[name][2] == eager[name]).float().mean()) for name in models}
     calls, steps = [], []
     for r in range(args.rounds):
         order = ("unpatched", "patched") if r % 2 == 0 else ("patched", "unpatched")
@@ -205,9 +203,32 @@ def generate_rows(patched, unpatched, args, mode, batch, check_tokens):
     row["unpatched_step_ms"] = 1e3 * statistics.median(u for u, _ in steps)
     row["patched_step_ms"] = 1e3 * statistics.median(p for _, p in steps)
     row["us_per_site_and_step"] = 1e6 * statistics.median(p - u for u, p in steps) / len(pde_modules(patched))
-    print(f"[{mode} batch {batch}] step {row['step_overhead_percent']:+.2f}% call {row['call_overhead_percent']:+.2f}%"
-          f" tokens equal eager: {row.get('tokens_equal_eager')}", flush=True)
+    print(f"[{mode} batch {batch}] step {row['step_overhead_percent']:+.2f}% call {row['call_overhead_percent']:+.2f}%",
+          flush=True)
     return row
+
+
+@torch.no_grad()
+def exactness(patched, unpatched, args):
+    """Compiled static-cache ``generate()`` against ``use_cache=False``, in float32 (in bf16, Inductor's fused
+    kernels round differently from eager ones: the unpatched model's own compiled tokens part from its eager ones),
+    batch 2 with one row left-padded, ``--check-tokens`` new tokens after 64 prompt tokens: per model, whether the
+    tokens are equal and the largest logit difference. Converts both models to float32 (run it last)."""
+    prompt = torch.randint(1, args.vocab, (2, 64), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    mask = torch.ones_like(prompt)
+    prompt[1, :9], mask[1, :9] = 0, 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=args.check_tokens, min_new_tokens=args.check_tokens,
+                  do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    rows = {}
+    for name, model in (("unpatched", unpatched), ("patched", patched)):
+        model.float()
+        compiled = model.generate(prompt, cache_implementation="static", **kwargs)
+        uncached = model.generate(prompt, use_cache=False, **kwargs)
+        difference = (torch.stack(compiled.logits, 1) - torch.stack(uncached.logits, 1)).abs().max()
+        rows[name] = {"tokens_equal": bool(torch.equal(compiled.sequences, uncached.sequences)),
+                      "max_logit_difference": float(difference)}
+        print(f"[exactness] {name}: {rows[name]}", flush=True)
+    return rows
 
 
 def markdown(info, args):
@@ -220,17 +241,20 @@ def markdown(info, args):
         "rounds in brackets); µs per site: the median of patched - unpatched step time over the sites. Compiled: "
         "`cache_implementation=\"static\"` (torch.compile, CUDA graphs); eager: the dynamic cache. "
         f"transformers {info['transformers']}, torch {info['torch']}.", "",
-        "| mode | batch | unpatched ms/step | patched ms/step | decode-step overhead | call overhead | µs per site "
-        "| tokens = eager (unpatched / patched) |",
-        "|---|---|---|---|---|---|---|---|"]
+        "| mode | batch | unpatched ms/step | patched ms/step | decode-step overhead | call overhead | µs per site |",
+        "|---|---|---|---|---|---|---|"]
     for row in info["rows"]:
-        same = row.get("tokens_equal_eager")
-        same = f"{same['unpatched']} / {same['patched']}" if same else "not checked"
         (low, high), (call_low, call_high) = row["step_overhead_range_percent"], row["call_overhead_range_percent"]
         lines.append(f"| {row['mode']} | {row['batch']} | {row['unpatched_step_ms']:.3f} | {row['patched_step_ms']:.3f}"
                      f" | {row['step_overhead_percent']:+.2f}% [{low:+.2f}, {high:+.2f}] | "
                      f"{row['call_overhead_percent']:+.2f}% [{call_low:+.2f}, {call_high:+.2f}] | "
-                     f"{row['us_per_site_and_step']:.1f} | {same} |")
+                     f"{row['us_per_site_and_step']:.1f} |")
+    exact = info.get("exactness")
+    if exact:
+        lines += ["", f"Exactness, the same models in float32 (batch 2, one row left-padded, {args.check_tokens} new "
+                      "tokens after 64 prompt tokens): compiled static-cache `generate()` against `use_cache=False`: "
+                  + "; ".join(f"{name}: tokens equal {value['tokens_equal']}, largest logit difference "
+                              f"{value['max_logit_difference']:.1e}" for name, value in exact.items()) + "."]
     kernels = info.get("step_kernels")
     if kernels:
         base = kernels["unpatched"]
@@ -280,8 +304,11 @@ def main():
     with decode_step_variant(variants[0]):
         for mode in args.modes.split(","):
             for batch in batches:
-                info["rows"].append(generate_rows(patched, unpatched, args, mode, batch, not args.no_token_check))
+                info["rows"].append(generate_rows(patched, unpatched, args, mode, batch))
                 write_result_files(stem, info, markdown(info, args))  # (after every row: a run may be cut short)
+    if args.check_tokens:
+        info["exactness"] = exactness(patched, unpatched, args)
+        write_result_files(stem, info, markdown(info, args))
 
 
 if __name__ == "__main__":

@@ -197,7 +197,7 @@ def run_launch(argv):
     launch, consts = _decode_launch("diffusion", args.steps, args.batch, args.channels, True, False, False, bounds)
     y = torch.empty_like(x)
     a, _ = _coef_arg(site.alpha.detach(), x)
-    pointers = (*levels, *(levels[0],) * (MAX_FUSED_STEPS - args.steps))
+    pointers = (*levels, *(None,) * (MAX_FUSED_STEPS - args.steps))
 
     def prepared():
         launch(x, y, mask, a, x, args.channels, x.stride(0), levels[0].stride(0), mask.stride(0), *pointers, *consts,

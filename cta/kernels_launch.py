@@ -276,7 +276,7 @@ def launch_decode(x, levels, alpha, beta, token_mask, pde: str, steps: int, boun
     tm, tm_stride = _token_mask_arg(token_mask, x)
     channels = x.shape[-1]
     launch, consts = _decode_launch(pde, steps, x.shape[0], channels, token_mask is not None, a_vec, b_vec, bounds)
-    pointers = (*levels, *(levels[0],) * (MAX_FUSED_STEPS - steps))  # (the unused ones are never read)
+    pointers = (*levels, *(None,) * (MAX_FUSED_STEPS - steps))  # (None: compile-time constants, no launch cost)
     launch(x, y, tm, a, b, channels, x.stride(0), level_stride, tm_stride, *pointers, *consts,
            num_warps=DECODE_WARPS)
     return y
