@@ -63,8 +63,8 @@ def parse_args():
                    help=f"patched steps whose compiled kernels are counted ({', '.join(VARIANTS)}); the first is the "
                         "one generate() times")
     p.add_argument("--check-tokens", type=int, default=32,
-                   help="new tokens of the float32 exactness check, run last (compiled static cache vs use_cache=False; "
-                        "0 skips it)")
+                   help="new tokens of the float32 exactness check, run last (compiled static cache vs "
+                        "use_cache=False; 0 skips it)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")

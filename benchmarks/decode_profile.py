@@ -1,8 +1,8 @@
-"""Where an eager decode step's PDE time goes (CUDA): the investigations behind docs/decoding.md's eager findings.
+"""Where a decode step's PDE time goes (CUDA): the investigations behind docs/decoding.md's findings.
 
     python benchmarks/decode_profile.py pairs [--batch 1] [--pairs 512] [--rounds 15]   # per-token pairs, by step
     python benchmarks/decode_profile.py launch [--batch 1] [--calls 2000]              # host time down to the launch
-    python benchmarks/decode_profile.py compiled-host [--batch 1] [--tokens 256]      # a compiled step's host time
+    python benchmarks/decode_profile.py compiled-host [--rounds 15]                     # a compiled step's host time
 
 ``pairs``: the Llama-shaped model of ``bench_patched_model.py`` (8 x 4096, bf16, sdpa; diffusion, 4 steps after every
 block, ``init="paper"``) beside an unpatched copy with the same weights. For each variant of the patched model's
@@ -18,10 +18,10 @@ torch op on the token (for scale); an empty ``@triton.jit`` kernel (the floor of
 kernel through ``kernel[grid](...)`` with its arguments prepared once; ``kernels_launch.launch_decode``;
 ``PDERefinement._decode_step`` as a patched model calls it. Writes ``decode_launch_cost_<gpu>_batch<N>.json`` / ``.md``.
 
-``compiled-host``: ``generate(cache_implementation="static")`` (compiled, CUDA graphs) of both models, warmed up,
-then one call of each under ``cProfile``: the Python functions whose own time per decoded token differs most
-between the patched and the unpatched call (host time: a CUDA-graph step waits for the host, then for the GPU).
-Writes ``compiled_host_profile_<gpu>_batch<N>.txt``.
+``compiled-host``: the host time a patched model adds to a compiled decode step (``generate()`` with a static
+cache, CUDA graphs) of a small model whose GPU time is negligible: unpatched, patched with 1 and 4 steps per site,
+and 4 steps with the step replaced by the identity (the hooks and cache lookups alone), in rounds that time every
+row. Writes ``compiled_host_<gpu>.json`` / ``.md``.
 
 The compiled decode step's kernels and generate() overheads are ``bench_generate.py``'s.
 """
@@ -222,8 +222,8 @@ def run_launch(argv):
                 command="python benchmarks/decode_profile.py " + " ".join(sys.argv[1:]))
     stem = os.path.join(args.out, f"decode_launch_cost_{gpu.replace(' ', '_')}_batch{args.batch}")
     lines = [f"# Host time of one eager decode step, down to the launch ({gpu})", "",
-             f"Token [{args.batch}, 1, {args.channels}] bf16, state [{args.batch}, {args.steps}, {args.channels}] "
-             "fp32, "
+             f"Token [{args.batch}, 1, {args.channels}] bf16, state {args.steps} fp32 buffers "
+             f"[{args.batch}, 1, {args.channels}] (a cache's, one per step), "
              f"diffusion, the mask column of an attention mask; {args.calls} calls back to back, median over "
              f"{args.repeats} loops. torch {info['torch']}, triton {info['triton']}.", "",
              "| call | µs per call |", "|---|---|"]
@@ -232,59 +232,61 @@ def run_launch(argv):
 
 
 def run_compiled_host(argv):
-    import cProfile
-    import pstats
-
-    p = argparse.ArgumentParser(prog="decode_profile.py compiled-host", description="a compiled step's host time")
+    p = argparse.ArgumentParser(prog="decode_profile.py compiled-host",
+                                description="the host time a patched model adds to a compiled decode step")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--hidden", type=int, default=256, help="small: the GPU time of a step is negligible")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per generate() call")
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_profile.py compiled-host times CUDA-graph decode steps: it needs a GPU.")
     device = torch.device("cuda")
-    models = {name: llama_model(args.layers, args.hidden, 11008 * args.hidden // 4096, 32000, device, torch.bfloat16)
-              for name in ("unpatched", "patched")}
-    patch_model(models["patched"], pde_type="diffusion", pde_steps=4, placement="block_output", init="paper")
-    prompt = torch.randint(0, 32000, (args.batch, args.prompt), generator=torch.Generator().manual_seed(5)).to(device)
-    kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                  do_sample=False, pad_token_id=0, cache_implementation="static")
-    own, wall = {}, {}
-    with torch.no_grad():
-        for name, model in models.items():
-            for _ in range(2):
-                model.generate(prompt, **kwargs)
-        for name, model in models.items():
-            profiler = cProfile.Profile()
-            sync(device)
-            start = time.perf_counter()
-            profiler.runcall(model.generate, prompt, **kwargs)
-            sync(device)
-            wall[name] = (time.perf_counter() - start) / args.tokens
-            stats = pstats.Stats(profiler).stats
-            own[name] = {f"{func[2]} ({os.path.basename(func[0])}:{func[1]})": (v[1], v[2])
-                         for func, v in stats.items()}
-    keys = set(own["unpatched"]) | set(own["patched"])
-    rows = sorted(((1e6 * (own["patched"].get(k, (0, 0.0))[1] - own["unpatched"].get(k, (0, 0.0))[1]) / args.tokens,
-                    own["patched"].get(k, (0, 0))[0] - own["unpatched"].get(k, (0, 0))[0], k) for k in keys),
-                  reverse=True)
+    unpatched = llama_model(args.layers, args.hidden, 2 * args.hidden, 256, device, torch.bfloat16)
+    models = {"unpatched": unpatched}
+    for steps in (1, 4):
+        models[f"{steps} step{'s' if steps > 1 else ''}"] = patched = llama_model(
+            args.layers, args.hidden, 2 * args.hidden, 256, device, torch.bfloat16)
+        patch_model(patched, pde_type="diffusion", pde_steps=steps, placement="block_output", init="paper")
+        patched.to(device)
+    prompt = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3)).to(device)
+
+    def step_time(model, tokens):
+        clock = TokenClock()
+        with torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
+                           min_new_tokens=tokens, do_sample=False, pad_token_id=0, cache_implementation="static",
+                           streamer=clock)
+        return clock.median_step()
+
+    cases = {**{name: (model, "package") for name, model in models.items()},
+             "4 steps, the identity step": (models["4 steps"], "identity")}
+    for model, variant in cases.values():  # compiled, CUDA graphs recorded
+        with step_variant(variant):
+            step_time(model, 8), step_time(model, 8)
+    times = {name: [] for name in cases}
+    for _ in range(args.rounds):
+        for name, (model, variant) in cases.items():
+            with step_variant(variant):
+                times[name].append(step_time(model, args.tokens))
+    rows = {name: {"step_us": 1e6 * statistics.median(values),
+                   "added_us": 1e6 * statistics.median(v - u for v, u in zip(values, times["unpatched"]))}
+            for name, values in times.items()}
     gpu = torch.cuda.get_device_name(device)
-    lines = [f"# python benchmarks/decode_profile.py compiled-host {' '.join(argv)}",
-             f"# {gpu}, torch {torch.__version__}, transformers {transformers.__version__}; batch {args.batch}, "
-             f"{args.tokens} tokens; generate(cache_implementation='static') under cProfile (its own overhead "
-             "included)",
-             f"# wall per token under cProfile: unpatched {1e6 * wall['unpatched']:.0f} us, patched "
-             f"{1e6 * wall['patched']:.0f} us",
-             "# own-time difference per token (patched - unpatched, us), call-count difference, function"]
-    lines += [f"{us:9.2f} {calls:+8d}  {key}" for us, calls, key in rows[:args.top]]
-    lines += ["# ...", *[f"{us:9.2f} {calls:+8d}  {key}" for us, calls, key in rows[-5:]]]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"compiled_host_profile_{gpu.replace(' ', '_')}_batch{args.batch}.txt")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    info = dict(device=gpu, torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
+                hidden=args.hidden, tokens=args.tokens, rounds=args.rounds, rows=rows, step_seconds=times,
+                command="python benchmarks/decode_profile.py compiled-host " + " ".join(argv))
+    lines = [f"# Host time a patched model adds to a compiled decode step ({gpu})", "",
+             f"A small Llama ({args.layers} layers x {args.hidden} hidden, bf16: the GPU time of a step is "
+             "negligible, so the step time is host time), `generate(cache_implementation=\"static\")` (compiled, "
+             f"CUDA graphs), batch 1, {args.tokens} new tokens; PDE after every block (diffusion). Step: the median "
+             f"time between decoded tokens, median over {args.rounds} rounds (each times every row); added: the "
+             f"median over rounds of the row's step minus the unpatched step. transformers {info['transformers']}, "
+             f"torch {info['torch']}.", "",
+             "| model | µs per step | added µs per step |", "|---|---|---|"]
+    lines += [f"| {name} | {row['step_us']:.1f} | {row['added_us']:+.1f} |" for name, row in rows.items()]
+    write_result_files(os.path.join(args.out, f"compiled_host_{gpu.replace(' ', '_')}"), info, lines)
 
 
 COMMANDS = {"pairs": run_pairs, "launch": run_launch, "compiled-host": run_compiled_host}

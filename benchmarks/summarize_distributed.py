@@ -207,7 +207,10 @@ def render_md(summary):
               "processes (compare the unpatched `full` and `lora` rows of one engine), so a step-time ratio between "
               "two such phases is not a measurement of the PDE: the paired rounds are (their files: `paired_source` in "
               "distributed.json). At 4 x 1024 tokens per GPU a sharded step waits on the host (compare FSDP2's step "
-              "time at twice the tokens per GPU, in the table above), so what a site adds there is its host time (`benchmarks/train_site_time.py`; results in benchmarks/results/), which the "
+              "time at twice the tokens per GPU, in the table above), so what a site adds there is its host time "
+              "(`benchmarks/train_site_time.py`: "
+              "[`train_site_time_NVIDIA_H200.json`](../benchmarks/results/train_site_time_NVIDIA_H200.json), "
+              "[`..._profile.txt`](../benchmarks/results/train_site_time_NVIDIA_H200_profile.txt)), which the "
               "one-GPU step hides. "
               "DeepSpeed's bf16 mode keeps the weights themselves in bf16 (the reference and FSDP2 keep fp32 weights), "
               "which moves the fast-falling unpatched full fine-tune out of the tolerance band in its middle steps."]

@@ -27,7 +27,7 @@ GPU = "NVIDIA_H200"  # the kernel sweep
 # The model-level files of the current code (public decode path): prefill, training step and generate(); the H200's
 # patched_model file predates the removal of the private decode fast path (commit 3cc1b57).
 MODEL_GPU = "NVIDIA_H100_80GB_HBM3"
-GENERATE_GPU = "NVIDIA_H200"  # the generate() run of the current decode path (benchmarks/results/generate_<gpu>.json)
+GENERATE_GPU = "NVIDIA_H100_80GB_HBM3"  # (the 25-round run; the 9-round H200 run: generate_NVIDIA_H200.md)
 COMPILED_TARGET = 4.0  # SPEC §6: compiled generate() per decode step
 MISSING = "—"
 
