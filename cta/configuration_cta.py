@@ -270,7 +270,8 @@ class CTAConfig(PretrainedConfig):
 
     def update_cache_layout(self):
         """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state."""
-        counts = [conv_states_per_layer(self.pde_state_indices(i), self.pde_steps) for i in range(self.num_hidden_layers)]
+        counts = [conv_states_per_layer(self.pde_state_indices(i), self.pde_steps)
+                  for i in range(self.num_hidden_layers)]
         stateful = self.is_causal and any(counts)
         attention = "sliding_attention" if self.sliding_window is not None else "full_attention"
         hybrid = "hybrid_sliding" if self.sliding_window is not None else "hybrid"

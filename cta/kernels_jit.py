@@ -383,7 +383,8 @@ if HAS_TRITON:
             a = tl.minimum(tl.maximum(a, A_LO), A_HI)
             b = tl.minimum(tl.maximum(b, B_LO), B_HI)
         for s in tl.static_range(STEPS):  # level s: its own buffer, `slb` apart between sequences
-            sp = _level_pointer(s, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15) + b64 * slb + cols
+            level = _level_pointer(s, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15)
+            sp = level + b64 * slb + cols
             left = tl.load(sp, mask=cmask, other=0.0)
             tl.store(sp, u * vl, mask=cmask)
             u, v = _causal_update(u, v, left - u, vl, a, b, PDE)

@@ -238,7 +238,8 @@ def _cache_view(config):
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     num_layers = config.num_hidden_layers
-    counts = [conv_states_per_layer(pde_state_indices(spec, i, num_layers), spec["pde_steps"]) for i in range(num_layers)]
+    counts = [conv_states_per_layer(pde_state_indices(spec, i, num_layers), spec["pde_steps"])
+              for i in range(num_layers)]
     if not any(counts):
         return None
     base_types, _ = get_layer_types_and_kwargs(config)

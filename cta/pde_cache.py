@@ -10,8 +10,9 @@ Inductor fuses the whole site, state writes included, into the kernel of the nor
 read at one step and written at another: a kernel of its own and a copy into the cache). Keeping time on the last axis
 is what lets transformers roll the state back: while a cache records its past (``activate_past_recording``: assisted
 and prompt-lookup decoding), a site appends one column per position and the cache's ``crop`` keeps the column of the
-last accepted token, as it does for the conv states of Mamba-like layers. A decode step that cannot find its state would refine the new token as if it started a
-sequence: wrong outputs without an error. Everything here raises instead.
+last accepted token, as it does for the conv states of Mamba-like layers. A decode step that cannot find its state
+would refine the new token as if it started a sequence: wrong outputs without an error. Everything here raises
+instead.
 
 transformers renamed the cache argument of its models from ``past_key_values`` to ``cache`` (5.24; the old name is
 accepted, deprecated, until 5.40). Models read the cache under either name; what they pass on to transformers'
@@ -183,7 +184,8 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
-    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "cached_pde_levels", "records_past", "store_pde_state",
+    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "cached_pde_levels",
+    "records_past", "store_pde_state",
     "fill_unused_pde_states", "check_pde_states",
     "missing_cache_error",
 ]
