@@ -105,10 +105,8 @@ def find_cache(kwargs: dict, order=_CACHE_LOOKUP_ORDER):
     return None
 
 
-def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Optional[tuple]:
-    """The causal PDE state stored in a transformers Cache: its ``steps`` levels, each the ``[batch, 1, channels]``
-    view of its conv state at the last cached position (written in place by a decode step), or None before
-    prefill."""
+def _state_layer(cache, layer_idx: int):
+    """The cache layer that holds the PDE states of layer ``layer_idx``; raises unless it can hold conv states."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
     if layer is None or not hasattr(layer, "conv_states"):
@@ -117,9 +115,24 @@ def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Opti
             "build it with `transformers.DynamicCache(config=model.config)` or let `generate()` create it. "
             f"Got {type(cache).__name__} with layer {layer_idx} of type {type(layer).__name__}."
         )
+    return layer
+
+
+def has_pde_state(cache, layer_idx: int, state_idx: int) -> bool:
+    """Whether the cache holds the PDE state of the site whose first conv state is ``state_idx`` (stored after the
+    site's first forward with this cache)."""
+    return bool(_state_layer(cache, layer_idx).has_previous_state.get(state_idx, False))
+
+
+def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Optional[list]:
+    """The causal PDE state stored in a transformers Cache: its ``steps`` levels, each the ``[batch, 1, channels]``
+    view of its conv state at the last cached position (written in place by a decode step), or None before
+    prefill."""
+    layer = _state_layer(cache, layer_idx)
     if not layer.has_previous_state.get(state_idx, False):
         return None
-    return tuple(layer.conv_states[state_idx + step][..., -1] for step in range(steps))
+    states = layer.conv_states
+    return [states[index][..., -1] for index in range(state_idx, state_idx + steps)]
 
 
 def records_past(cache, layer_idx: int) -> bool:
@@ -158,7 +171,7 @@ def check_pde_states(cache, sites, model_name: str):
     ``cache`` whenever the cache already holds past tokens (a continuation step). Call it before the step runs."""
     if cache is None or not sites or torch.compiler.is_compiling():
         return  # traced: the eager calls before (prefill) checked the same cache
-    missing = [site for site in sites if cached_pde_levels(cache, site[1], site[2], 1) is None]
+    missing = [site for site in sites if not has_pde_state(cache, site[1], site[2])]
     if not missing:
         return  # host-side lookups only: no device synchronisation on a decode step
     past_length = int(cache.get_seq_length())  # a first chunk has no state yet; asked only then (a static cache syncs)
@@ -184,7 +197,7 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
-    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "cached_pde_levels",
+    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "has_pde_state", "cached_pde_levels",
     "records_past", "store_pde_state",
     "fill_unused_pde_states", "check_pde_states",
     "missing_cache_error",

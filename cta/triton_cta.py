@@ -30,7 +30,6 @@ import torch
 from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
 from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, launch_forward
-from .pde_decode import pde_decode_update
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import (
     PDE_IDS,
@@ -303,8 +302,7 @@ def pde_decode_step_triton(
 ):
     """One-token causal decode step; updates ``state`` ``[batch, steps, channels]`` (fp32) in place. Same signature
     and semantics as :func:`pde_reference.pde_decode_step_reference`; ``coefficient_bounds`` are applied in the
-    kernel. Under ``torch.compile``: the recurrence as torch ops (:func:`pde_decode.pde_decode_update`), which
-    Inductor fuses with the ops around it."""
+    kernel. Under ``torch.compile`` (and beyond ``MAX_FUSED_STEPS`` steps): the reference, traced as torch ops."""
     if not is_available():
         raise RuntimeError("pde_decode_step_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
     pde, alpha, beta, bounds = check_decode_arguments(
@@ -312,11 +310,7 @@ def pde_decode_step_triton(
     )
     if steps == 0:
         return hidden_states.clone()
-    if torch.compiler.is_compiling():
-        alpha, beta = clamp_coefficients(alpha, beta, bounds)
-        return pde_decode_update(hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
-                                 token_mask=token_mask)
-    if steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
+    if torch.compiler.is_compiling() or steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
         return pde_decode_step_reference(hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
                                          token_mask=token_mask, coefficient_bounds=bounds)
     return launch_decode(hidden_states, state.split(1, dim=1), alpha, beta, token_mask, pde, steps, bounds)
