@@ -126,8 +126,10 @@ class PatchContext:
         if cache is None and self.cache_position is not None and len(args) > self.cache_position:
             cache = args[self.cache_position]
         self.cache = cache
-        if cache is not None and self.sites:
+        if cache is not None and not torch.compiler.is_compiling() and self.sites:
             # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
+            # Traced, the eager calls before (the prefill) checked the same cache; reading the list of sites would
+            # make every call of the compiled step check each of its entries.
             check_pde_states(cache, self.sites, self.model_name)
         self.packing = self._packing(args, kwargs, cache)
         if module.training and torch.is_grad_enabled():
@@ -137,14 +139,14 @@ class PatchContext:
     def _packing(self, args, kwargs, cache):
         """What tells packed sequences apart in this forward (``position_ids`` restarting, or FlashAttention's
         ``cu_seq_lens_q``), or None. Packed rows start a sequence: with a cache they cannot continue one."""
+        if cache is not None and torch.compiler.is_compiling():
+            return None  # traced decoding (one token per step): no packed rows, and no host check of the cache
         position_ids = kwargs.get("position_ids")
         if position_ids is None and self.position_ids_position is not None and len(args) > self.position_ids_position:
             position_ids = args[self.position_ids_position]
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
         if position_ids is None and cu_seq_lens is None:
             return None
-        if cache is not None and torch.compiler.is_compiling():
-            return None  # traced decoding (one token per step): no packed rows, and no host check of the cache
         return (position_ids, cu_seq_lens), {}
 
     def exit(self, module, args, kwargs, output):
@@ -158,8 +160,8 @@ class PatchContext:
                 # this one may still be backpropagated (see CheckpointWalls).
                 grad_fn.metadata["cta_checkpoint_walls"] = walls
                 walls.in_graph = True
-        if self.active and self.cache is not None and self.sites and output is not None and (
-                not torch.compiler.is_compiling()):
+        if self.active and self.cache is not None and not torch.compiler.is_compiling() and self.sites and (
+                output is not None):
             hidden = output[0] if isinstance(output, (tuple, list)) or hasattr(output, "to_tuple") else output
             if torch.is_tensor(hidden) and hidden.dim() == 3 and hidden.shape[1] > 1:  # a prefill or a chunk
                 fill_unused_pde_states(self.cache)
