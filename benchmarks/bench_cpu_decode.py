@@ -1,14 +1,17 @@
 """CPU decode cost of CTA patching (SPEC §6: a decoded token costs <= 10% more than unpatched on CPU, torch backend).
 
-A tiny random-weight Llama (default 8 layers x 64 hidden, fp32, sdpa, one thread) decodes greedily, patched with a
+A random-weight Llama of SmolLM2-135M's size (the spec's model: 30 layers x 576 hidden, MLP 1536, vocabulary 49152;
+hidden // 128 heads as the model-level benchmarks build them; fp32, sdpa, one thread) decodes greedily, patched with a
 PDE site after every block (``init="paper"``, 4 steps, backend ``torch``) beside an unpatched copy with the same
 weights; every token is decoded by one model and then the other, back to back, each step timed by itself
 (``bench_patched_model.paired_decode``, an all-ones attention mask with each step as ``generate()`` passes). The
 overhead is the median over token pairs of patched / unpatched - 1 (a bootstrap 95% interval beside it); the host
 time per site is the median per-token difference divided by the number of PDE sites.
 
-    python benchmarks/bench_cpu_decode.py                          # diffusion and reaction-diffusion (~1 min)
-    python benchmarks/bench_cpu_decode.py --pde-types wave --pairs 2000
+    python benchmarks/bench_cpu_decode.py                          # diffusion and reaction-diffusion (~3 min)
+    python benchmarks/bench_cpu_decode.py --layers 8 --hidden 64 --intermediate 172 --vocab 512  # a tiny Llama:
+                                                                   # the site against the least layer time
+    python benchmarks/bench_cpu_decode.py --pde-types wave --pairs 1000
     python benchmarks/bench_cpu_decode.py --bounds                 # + the structure's cost and the ops' floor
 
 Writes ``benchmarks/results/cpu_decode.json`` / ``.md``.
@@ -75,15 +78,15 @@ def substitute_decode_step(mode: str):
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--intermediate", type=int, default=172)
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--hidden", type=int, default=576)
+    p.add_argument("--intermediate", type=int, default=1536)
+    p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--steps", type=int, default=4, help="PDE steps per site")
     p.add_argument("--pde-types", default="diffusion,reaction_diffusion", help="comma-separated PDE types")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens before decoding")
     p.add_argument("--tokens", type=int, default=200, help="tokens per decoding pass")
-    p.add_argument("--pairs", type=int, default=1000, help="timed token pairs per PDE type")
+    p.add_argument("--pairs", type=int, default=300, help="timed token pairs per PDE type")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--bounds", action="store_true",
                    help="also time diffusion with the one-token step replaced by the identity (the structure's "
@@ -131,7 +134,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cpu_decode.json"), "w") as f:
         json.dump(info, f, indent=1)
-    lines = [f"# CPU decode: patched tiny Llama vs an unpatched copy ({info['cpu']}, {args.threads} thread)", "",
+    lines = [f"# CPU decode: patched Llama vs an unpatched copy ({info['cpu']}, {args.threads} thread)", "",
              f"{args.layers} layers x {args.hidden} hidden, fp32, sdpa; PDE after every block, {args.steps} steps, "
              f"`init=\"paper\"`, backend `torch`. Per-token pairs (each token decoded by both models back to back); "
              f"overhead: median of patched / unpatched - 1 [bootstrap 95%]. torch {info['torch']}, transformers "

@@ -10,12 +10,13 @@ and batch: one untimed call each (compilation, CUDA-graph capture), then ``--rou
 ``generate()`` once on each model, the order alternating (greedy, exactly ``--new-tokens`` tokens after a
 ``--prompt``-token prompt). A streamer records when each token arrives; a call's step time is the median time between
 its decoded tokens. The overheads are medians over rounds of patched / unpatched - 1 (of the call's time, and of the
-step time), with the range over rounds.
+step time), with a bootstrap 95% interval of the step overhead's median and the range over rounds (single calls on a
+shared host scatter by about 10%: the interval, not one round, is what compares with a target).
 
 ``compiled`` is ``cache_implementation="static"``: transformers compiles the one-token step (``torch.compile``,
 its default ``CompileConfig``: fullgraph, ``mode="reduce-overhead"``) and replays it as a CUDA graph. For it the
 script also counts the CUDA kernels of one decode step (``torch.compile(model.forward, fullgraph=True)`` through a
-``StaticCache``, default mode so that the profiler sees every kernel, batch of the first ``--batches``), unpatched
+``StaticCache``, default mode so that the profiler sees every kernel, at each of ``--batches``), unpatched
 and for each of ``--variants`` of the patched step (``auto``: the package's, which a compiled step traces as torch ops
 that Inductor fuses into the norm after the site; ``identity``: the token returned unchanged, the hooks alone), with
 their summed GPU time per step. Last, it checks that each model's compiled static-cache tokens and logits equal
@@ -38,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
-from results_io import write_result_files  # noqa: E402
+from results_io import bootstrap_median, write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 from cta.pde_cta import _use_triton  # noqa: E402
@@ -200,6 +201,8 @@ def generate_rows(patched, unpatched, args, mode, batch):
         row[f"{key}_rounds_s"] = pairs
         row[f"{key}_overhead_percent"] = 100.0 * (statistics.median(ratios) - 1.0)
         row[f"{key}_overhead_range_percent"] = [100.0 * (min(ratios) - 1.0), 100.0 * (max(ratios) - 1.0)]
+    row["step_overhead_interval_percent"] = [100.0 * bound for bound in
+                                             bootstrap_median([p / u - 1.0 for u, p in steps], resamples=10000)]
     row["unpatched_step_ms"] = 1e3 * statistics.median(u for u, _ in steps)
     row["patched_step_ms"] = 1e3 * statistics.median(p for _, p in steps)
     row["us_per_site_and_step"] = 1e6 * statistics.median(p - u for u, p in steps) / len(pde_modules(patched))
@@ -237,17 +240,21 @@ def markdown(info, args):
         f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block "
         f"({info['pde_sites']} sites): diffusion, {args.steps} steps, backend `{info['backend_used']}`. Greedy, "
         f"{args.new_tokens} new tokens after a {args.prompt}-token prompt. Step: the median time between a call's "
-        f"decoded tokens; overheads: median over {args.rounds} paired rounds of patched / unpatched - 1 (range over "
-        "rounds in brackets); µs per site: the median of patched - unpatched step time over the sites. Compiled: "
+        f"decoded tokens; overheads: median over {args.rounds} paired rounds of patched / unpatched - 1 (the step "
+        "overhead's bootstrap 95% interval, then the range over rounds); µs per site: the median of patched - "
+        "unpatched step time over the sites. Compiled: "
         "`cache_implementation=\"static\"` (torch.compile, CUDA graphs); eager: the dynamic cache. "
         f"transformers {info['transformers']}, torch {info['torch']}.", "",
-        "| mode | batch | unpatched ms/step | patched ms/step | decode-step overhead | call overhead | µs per site |",
+        "| mode | batch | unpatched ms/step | patched ms/step | decode-step overhead [95% interval] (range) | "
+        "call overhead (range) | µs per site |",
         "|---|---|---|---|---|---|---|"]
     for row in info["rows"]:
         (low, high), (call_low, call_high) = row["step_overhead_range_percent"], row["call_overhead_range_percent"]
+        ci_low, ci_high = row["step_overhead_interval_percent"]
         lines.append(f"| {row['mode']} | {row['batch']} | {row['unpatched_step_ms']:.3f} | {row['patched_step_ms']:.3f}"
-                     f" | {row['step_overhead_percent']:+.2f}% [{low:+.2f}, {high:+.2f}] | "
-                     f"{row['call_overhead_percent']:+.2f}% [{call_low:+.2f}, {call_high:+.2f}] | "
+                     f" | **{row['step_overhead_percent']:+.2f}%** [{ci_low:+.2f}, {ci_high:+.2f}] ({low:+.2f} .. "
+                     f"{high:+.2f}) | "
+                     f"{row['call_overhead_percent']:+.2f}% ({call_low:+.2f} .. {call_high:+.2f}) | "
                      f"{row['us_per_site_and_step']:.1f} |")
     exact = info.get("exactness")
     if exact:
@@ -255,17 +262,19 @@ def markdown(info, args):
                       "tokens after 64 prompt tokens): compiled static-cache `generate()` against `use_cache=False`: "
                   + "; ".join(f"{name}: tokens equal {value['tokens_equal']}, largest logit difference "
                               f"{value['max_logit_difference']:.1e}" for name, value in exact.items()) + "."]
-    kernels = info.get("step_kernels")
-    if kernels:
-        base = kernels["unpatched"]
-        lines += ["", f"Kernels of one compiled decode step (batch {info['kernel_batch']}, "
-                      "`torch.compile(model.forward, fullgraph=True)`, default mode, profiled):", "",
-                  "| step | kernels per step | GPU µs per step | vs unpatched |", "|---|---|---|---|"]
-        for name, value in kernels.items():
-            label = "unpatched" if name == "unpatched" else f"patched: {VARIANTS[name]} (`{name}`)"
-            delta = "" if name == "unpatched" else (f"{value['kernels'] - base['kernels']:+.0f} kernels, "
-                                                    f"{100 * (value['gpu_us'] / max(base['gpu_us'], 1e-9) - 1):+.2f}% GPU time")
-            lines.append(f"| {label} | {value['kernels']:.0f} | {value['gpu_us']:.0f} | {delta} |")
+    per_batch = info.get("step_kernels")
+    if per_batch:
+        lines += ["", "Kernels of one compiled decode step (`torch.compile(model.forward, fullgraph=True)`, default "
+                      "mode, profiled):", "",
+                  "| batch | step | kernels per step | GPU µs per step | vs unpatched |", "|---|---|---|---|---|"]
+        for batch, kernels in per_batch.items():
+            base = kernels["unpatched"]
+            for name, value in kernels.items():
+                label = "unpatched" if name == "unpatched" else f"patched: {VARIANTS[name]} (`{name}`)"
+                delta = "" if name == "unpatched" else (
+                    f"{value['kernels'] - base['kernels']:+.0f} kernels, "
+                    f"{100 * (value['gpu_us'] / max(base['gpu_us'], 1e-9) - 1):+.2f}% GPU time")
+                lines.append(f"| {batch} | {label} | {value['kernels']:.0f} | {value['gpu_us']:.0f} | {delta} |")
     return lines
 
 
@@ -291,16 +300,17 @@ def main():
     stem = os.path.join(args.out, "generate_" + (args.tag or gpu.replace(" ", "_")))
     batches = [int(b) for b in args.batches.split(",")]
     if "compiled" in args.modes.split(","):
-        info["kernel_batch"] = batches[0]
-        prompt = torch.randint(0, args.vocab, (batches[0], args.prompt), generator=torch.Generator().manual_seed(4))
-        kernels = {}
-        for name in ("unpatched", *variants):
-            with decode_step_variant("auto" if name == "unpatched" else name):
-                count, gpu_us, names = step_kernels(unpatched if name == "unpatched" else patched, prompt.to(DEVICE))
-            kernels[name] = {"kernels": count, "gpu_us": gpu_us, "names": names}
-            print(f"[kernels] {name}: {count:.0f} kernels, {gpu_us:.0f} us GPU per step", flush=True)
-        info["step_kernels"] = kernels
-        write_result_files(stem, info, markdown(info, args))
+        info["step_kernels"] = {}  # {batch: {unpatched / variant: kernels, GPU µs and kernel names per step}}
+        for batch in batches:
+            prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(4))
+            kernels = info["step_kernels"][str(batch)] = {}
+            for name in ("unpatched", *variants):
+                with decode_step_variant("auto" if name == "unpatched" else name):
+                    count, gpu_us, names = step_kernels(unpatched if name == "unpatched" else patched,
+                                                        prompt.to(DEVICE))
+                kernels[name] = {"kernels": count, "gpu_us": gpu_us, "names": names}
+                print(f"[kernels] batch {batch} {name}: {count:.0f} kernels, {gpu_us:.0f} us GPU per step", flush=True)
+            write_result_files(stem, info, markdown(info, args))
     with decode_step_variant(variants[0]):
         for mode in args.modes.split(","):
             for batch in batches:

@@ -3,6 +3,7 @@
     python benchmarks/decode_profile.py pairs [--batch 1] [--pairs 512] [--rounds 15]   # per-token pairs, by step
     python benchmarks/decode_profile.py launch [--batch 1] [--calls 2000]              # host time down to the launch
     python benchmarks/decode_profile.py compiled-host [--rounds 15]                     # a compiled step's host time
+    python benchmarks/decode_profile.py dynamo-host [--loops 15]                        # ... Dynamo's part, by piece
 
 ``pairs``: the Llama-shaped model of ``bench_patched_model.py`` (8 x 4096, bf16, sdpa; diffusion, 4 steps after every
 block, ``init="paper"``) beside an unpatched copy with the same weights. For each variant of the patched model's
@@ -21,7 +22,16 @@ kernel through ``kernel[grid](...)`` with its arguments prepared once; ``kernels
 ``compiled-host``: the host time a patched model adds to a compiled decode step (``generate()`` with a static
 cache, CUDA graphs) of a small model whose GPU time is negligible: unpatched, patched with 1 and 4 steps per site,
 and 4 steps with the step replaced by the identity (the hooks and cache lookups alone), in rounds that time every
-row. Writes ``compiled_host_<gpu>.json`` / ``.md``.
+row; then one profiled call per row for Dynamo's guard evaluation per step. Writes ``compiled_host_<gpu>.json`` /
+``.md``.
+
+``dynamo-host`` (CPU): what Dynamo itself does per call of a compiled decode step (``torch.compile(model.forward,
+fullgraph=True)`` through a ``StaticCache``, a backend that returns the graph's first outputs, so a call is guard
+evaluation, input gathering and the replay of side effects), for the patched model taken apart: its classes and cache
+alone (hooks removed), the base model's hooks alone, the layer hooks as no-ops, both, the site without its PDE
+(``PDERefinement.forward`` returning the token), the full site with 1 and 4 steps; each with and without guard
+evaluation (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), the least over ``--loops`` loops, the median
+over ``--processes`` fresh processes. Writes ``dynamo_host_cpu.json`` / ``.md``.
 
 The compiled decode step's kernels and generate() overheads are ``bench_generate.py``'s.
 """
@@ -30,6 +40,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -156,7 +167,7 @@ def empty_kernel():
     return _empty_kernel
 
 
-def per_call_us(fn, calls, repeats, sync):
+def per_call_us(fn, calls, repeats, sync, reduce=statistics.median):
     fn()
     sync()
     times = []
@@ -166,7 +177,7 @@ def per_call_us(fn, calls, repeats, sync):
             fn()
         times.append((time.perf_counter() - start) / calls)
         sync()
-    return 1e6 * statistics.median(times)
+    return 1e6 * reduce(times)
 
 
 def run_launch(argv):
@@ -273,6 +284,11 @@ def run_compiled_host(argv):
     rows = {name: {"step_us": 1e6 * statistics.median(values),
                    "added_us": 1e6 * statistics.median(v - u for v, u in zip(values, times["unpatched"]))}
             for name, values in times.items()}
+    for name, (model, variant) in cases.items():  # Dynamo's guard evaluation per step (the profiler's own event)
+        with step_variant(variant), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step_time(model, args.tokens)
+        lookups = [e for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
+        rows[name]["guard_us"] = sum(e.cpu_time_total for e in lookups) / max(len(lookups), 1)
     gpu = torch.cuda.get_device_name(device)
     info = dict(device=gpu, torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
                 hidden=args.hidden, tokens=args.tokens, rounds=args.rounds, rows=rows, step_seconds=times,
@@ -282,14 +298,106 @@ def run_compiled_host(argv):
              "negligible, so the step time is host time), `generate(cache_implementation=\"static\")` (compiled, "
              f"CUDA graphs), batch 1, {args.tokens} new tokens; PDE after every block (diffusion). Step: the median "
              f"time between decoded tokens, median over {args.rounds} rounds (each times every row); added: the "
-             f"median over rounds of the row's step minus the unpatched step. transformers {info['transformers']}, "
-             f"torch {info['torch']}.", "",
-             "| model | µs per step | added µs per step |", "|---|---|---|"]
-    lines += [f"| {name} | {row['step_us']:.1f} | {row['added_us']:+.1f} |" for name, row in rows.items()]
+             f"median over rounds of the row's step minus the unpatched step; guards: the profiler's \"TorchDynamo "
+             "Cache Lookup\" per compiled call (guard evaluation), one profiled call per row. transformers "
+             f"{info['transformers']}, torch {info['torch']}.", "",
+             "| model | µs per step | added µs per step | guard evaluation µs per step |", "|---|---|---|---|"]
+    lines += [f"| {name} | {row['step_us']:.1f} | {row['added_us']:+.1f} | {row['guard_us']:.1f} |"
+              for name, row in rows.items()]
     write_result_files(os.path.join(args.out, f"compiled_host_{gpu.replace(' ', '_')}"), info, lines)
 
 
-COMMANDS = {"pairs": run_pairs, "launch": run_launch, "compiled-host": run_compiled_host}
+def run_dynamo_host(argv):
+    p = argparse.ArgumentParser(prog="decode_profile.py dynamo-host",
+                                description="Dynamo's host time per compiled decode step, piece by piece (CPU)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--calls", type=int, default=500, help="calls per loop")
+    p.add_argument("--loops", type=int, default=15, help="loops per row (the least is kept)")
+    p.add_argument("--processes", type=int, default=3,
+                   help="fresh processes per row (the median is kept: guard evaluation's time moves with where a "
+                        "process put the guarded objects, by up to 20 µs between processes)")
+    p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # (one row, in a fresh process: prints its JSON)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    from transformers import StaticCache
+
+    from cta import patching_hooks
+
+    def call_us(steps, variant):
+        model = llama_model(args.layers, args.hidden, 2 * args.hidden, 256, torch.device("cpu"), torch.float32)
+        if steps:
+            patch_model(model, pde_type="diffusion", pde_steps=steps, placement="block_output", init="paper")
+            context = model.model._cta_context  # (PatchContext: the base hooks' handles, the sites with theirs)
+            for handle in context.handles if variant in ("classes", "layer no-op") else ():
+                handle.remove()
+            for site in context.site_hooks if variant in ("classes", "base") else ():
+                site.remove()
+        prompt = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3))
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        outputs = {}
+
+        def backend(graph, inputs):  # the graph runs once; every later call returns its outputs
+            outputs["value"] = graph(*inputs)
+            return lambda *_: outputs["value"]
+
+        rows = {}
+        with torch.no_grad():
+            model(prompt, past_key_values=cache, use_cache=True)
+            step = torch.compile(model.forward, fullgraph=True, backend=backend)
+            kwargs = dict(input_ids=prompt[:, :1], past_key_values=cache, use_cache=True,
+                          position_ids=torch.tensor([[32]]))
+            for skip in (False, True):
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
+                    rows["without guards" if skip else "with guards"] = per_call_us(
+                        lambda: step(**kwargs), args.calls, args.loops, lambda: None, reduce=min)
+        torch.compiler.reset()
+        return rows
+
+    cases = {"unpatched": (0, None), "patched classes and cache, no hooks": (4, "classes"),
+             "the base model's hooks alone": (4, "base"), "the layer hooks as no-ops alone": (4, "layer no-op"),
+             "both hooks, the layer hooks as no-ops": (4, "no-op"), "the site without its PDE": (4, "no PDE"),
+             "the full site, 1 step": (1, None), "the full site, 4 steps": (4, None)}
+    if args.only is not None:  # (a fresh process of its own: the substitutes below die with it)
+        steps, variant = cases[args.only]
+        if variant in ("layer no-op", "no-op"):
+            patching_hooks.LayerSite.after = lambda self, module, args, kwargs, output: output
+        if variant == "no PDE":
+            PDERefinement.forward = lambda self, hidden_states, *rest, **kw: hidden_states
+        print("ROW " + json.dumps(call_us(steps, variant)), flush=True)
+        return
+    rows, options = {}, ["--layers", str(args.layers), "--hidden", str(args.hidden), "--calls", str(args.calls),
+                         "--loops", str(args.loops)]
+    for name in cases:
+        runs = []
+        for _ in range(args.processes):
+            command = [sys.executable, os.path.abspath(__file__), "dynamo-host", "--only", name, *options]
+            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            runs.append(json.loads(output.split("ROW ", 1)[1]))
+        rows[name] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        rows[name]["processes"] = runs
+        print(f"{name}: {rows[name]['with guards']:.1f} / {rows[name]['without guards']:.1f} us", flush=True)
+    base = rows["unpatched"]
+    info = dict(torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
+                hidden=args.hidden, calls=args.calls, loops=args.loops, us_per_call=rows,
+                command="python benchmarks/decode_profile.py dynamo-host " + " ".join(argv))
+    lines = ["# Dynamo's host time per call of a compiled decode step, piece by piece (CPU)", "",
+             f"A Llama of {args.layers} layers x {args.hidden} hidden (fp32, CPU), `torch.compile(model.forward, "
+             "fullgraph=True)` through a StaticCache with a backend that returns the graph's outputs, so a call is "
+             "Dynamo's own work: guard evaluation, gathering the graph's inputs, replaying side effects (no CUDA-graph "
+             "wrapper, no kernels). PDE after every block (diffusion). µs per call: the least over "
+             f"{args.loops} loops of {args.calls} calls in one process, the median over {args.processes} fresh "
+             "processes (guard evaluation's time moves between processes by up to 20 µs). "
+             f"transformers {info['transformers']}, torch {info['torch']}.",
+             "", "| model | µs per call | added | without guard evaluation | added |", "|---|---|---|---|---|"]
+    for name, row in rows.items():
+        lines.append(f"| {name} | {row['with guards']:.1f} | {row['with guards'] - base['with guards']:+.1f} | "
+                     f"{row['without guards']:.1f} | {row['without guards'] - base['without guards']:+.1f} |")
+    write_result_files(os.path.join(args.out, "dynamo_host_cpu"), info, lines)
+
+
+COMMANDS = {"pairs": run_pairs, "launch": run_launch, "compiled-host": run_compiled_host,
+            "dynamo-host": run_dynamo_host}
 
 
 def main():

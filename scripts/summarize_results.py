@@ -27,7 +27,7 @@ GPU = "NVIDIA_H200"  # the kernel sweep
 # The model-level files of the current code (public decode path): prefill, training step and generate(); the H200's
 # patched_model file predates the removal of the private decode fast path (commit 3cc1b57).
 MODEL_GPU = "NVIDIA_H100_80GB_HBM3"
-GENERATE_GPU = "NVIDIA_H100_80GB_HBM3"  # (the 25-round run; the 9-round H200 run: generate_NVIDIA_H200.md)
+GENERATE_GPU = "NVIDIA_H100_80GB_HBM3"  # (the 50-round run; an earlier 9-round H200 run: generate_NVIDIA_H200.md)
 COMPILED_TARGET = 4.0  # SPEC §6: compiled generate() per decode step
 MISSING = "—"
 
@@ -180,17 +180,18 @@ def overhead_line():
     if generate:  # (benchmarks/bench_generate.py: rows per mode and batch; the spec's target is the compiled one's)
         rows = {(r["mode"], r["batch"]): r for r in generate["rows"]}
         for mode in ("eager", "compiled"):
-            cells = [f"batch {batch} {row['step_overhead_percent']:+.2f}%"
+            cells = [f"batch {batch} {row['step_overhead_percent']:+.2f}%" + (
+                         " [95% interval {:+.2f}, {:+.2f}]".format(*row["step_overhead_interval_percent"])
+                         if "step_overhead_interval_percent" in row else "")
                      for (row_mode, batch), row in sorted(rows.items()) if row_mode == mode]
             if cells:
                 target = f"; target <= {COMPILED_TARGET:.0f}%" if mode == "compiled" else ""
                 items.append(f"{mode} `generate()` per decode step on the {generate['gpu']} ({', '.join(cells)}"
                              f"{target})")
-        kernels = generate.get("step_kernels")
-        if kernels:
+        for batch, kernels in (generate.get("step_kernels") or {}).items():  # {batch: {unpatched / variant: ...}}
             base, patched = kernels["unpatched"], kernels[generate["decode_step"]]
-            items.append(f"compiled decode step {base['kernels']:.0f} -> {patched['kernels']:.0f} kernels, GPU time "
-                         f"{100 * (patched['gpu_us'] / base['gpu_us'] - 1):+.2f}%")
+            items.append(f"compiled decode step at batch {batch} {base['kernels']:.0f} -> {patched['kernels']:.0f} "
+                         f"kernels, GPU time {100 * (patched['gpu_us'] / base['gpu_us'] - 1):+.2f}%")
     else:
         items.append(f"`generate()` decode {MISSING}")
     return [f"- **Patched-model overhead** ({m['layers']} layers x {m['hidden']} hidden Llama-shaped model, "
