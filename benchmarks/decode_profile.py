@@ -1,4 +1,4 @@
-"""Where a decode step's PDE time goes (CUDA): the investigations behind docs/decoding.md's findings.
+"""Where a decode step's PDE time goes (CUDA; Dynamo's share on the CPU): the findings of docs/decoding.md.
 
     python benchmarks/decode_profile.py pairs [--batch 1] [--pairs 512] [--rounds 15]   # per-token pairs, by step
     python benchmarks/decode_profile.py launch [--batch 1] [--calls 2000]              # host time down to the launch
