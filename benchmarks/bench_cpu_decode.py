@@ -60,13 +60,13 @@ def substitute_decode_step(mode: str):
             return real(self, h, attention_mask, cache, *args, **kwargs)
         if mode == "identity":
             return h
-        stored = cached_pde_levels(cache, self.layer_idx, self.state_idx, self.steps)  # [1, 1, channels] each
+        stored = cached_pde_levels(cache, self.layer_idx, self.state_idx, self.steps)  # [1, 1, channels, 1] each
         if self not in maps:
             alpha, beta = self.coefficients()
             maps[self] = causal_decode_map(self.pde_type, self.steps, alpha.detach(), beta, stored[0].dtype)[..., 0]
-        levels = torch.mm(maps[self], torch.cat([h[0], *(level[0] for level in stored)]))
+        levels = torch.mm(maps[self], torch.cat([h[0], *(level[0, :, :, 0] for level in stored)]))
         for buffer, level in zip(stored, levels):
-            buffer[0, 0].copy_(level)
+            buffer[0, 0, :, 0].copy_(level)
         return levels[-1:].unsqueeze(0)
 
     PDERefinement.forward = substitute

@@ -125,14 +125,15 @@ def has_pde_state(cache, layer_idx: int, state_idx: int) -> bool:
 
 
 def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Optional[list]:
-    """The causal PDE state stored in a transformers Cache: its ``steps`` levels, each the ``[batch, 1, channels]``
-    view of its conv state at the last cached position (written in place by a decode step), or None before
-    prefill."""
+    """The causal PDE state stored in a transformers Cache: its ``steps`` levels, each its conv state itself,
+    ``[batch, 1, channels, positions]`` with the level at the last position (``positions`` is 1 unless the cache
+    records its past), written in place by a decode step; or None before prefill. (The conv states themselves, not
+    views: an eager decode step hands them to its kernel as they are, one view less per step and token.)"""
     layer = _state_layer(cache, layer_idx)
     if not layer.has_previous_state.get(state_idx, False):
         return None
     states = layer.conv_states
-    return [states[index][..., -1] for index in range(state_idx, state_idx + steps)]
+    return [states[index] for index in range(state_idx, state_idx + steps)]
 
 
 def records_past(cache, layer_idx: int) -> bool:

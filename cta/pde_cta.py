@@ -267,13 +267,15 @@ class PDERefinement(nn.Module):
         return alpha, beta
 
     def _decode_step(self, hidden_states, levels, attention_mask):
-        """One token ``[batch, 1, channels]``: a state update (``levels``: this site's cached state, one fp32
-        ``[batch, 1, channels]`` buffer per step, updated in place; returns the refined token). CUDA eager: the fused
-        kernel on the raw parameters, projected onto their bounds in the kernel (decode is host-bound: one launch per
-        site and token). Elsewhere and under torch.compile: a few plain torch ops (``pde_decode.pde_decode_update``),
-        which Inductor fuses with the norm that follows."""
+        """One token ``[batch, 1, channels]``: a state update (``levels``: this site's cached state, one fp32 conv
+        state ``[batch, 1, channels, positions]`` per step, updated in place; returns the refined token). CUDA eager:
+        the fused kernel on the raw parameters, projected onto their bounds in the kernel (decode is host-bound: one
+        launch per site and token). Elsewhere and under torch.compile: a few plain torch ops
+        (``pde_decode.pde_decode_update``), which Inductor fuses with the norm that follows."""
         if (levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS and not torch.compiler.is_compiling()
                 and _use_triton(self.backend, hidden_states)):
+            if levels[0].shape[-1] != 1:  # (a cache that kept several positions: the kernel takes the last one's)
+                levels = [level[..., -1] for level in levels]
             return _triton_module().pde_decode_token_triton(
                 hidden_states, levels, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
@@ -324,7 +326,7 @@ class PDERefinement(nn.Module):
                 # one decoded token (the decode kernel has no backward: under autograd the chunked path below)
                 return self._decode_step(hidden_states, levels, attention_mask)
             # ([batch, steps, channels], a copy: autograd may save it, and the cache's buffers are overwritten below)
-            state = None if levels is None else torch.cat(levels, dim=1)
+            state = None if levels is None else torch.cat([level[..., -1] for level in levels], dim=1)
         if (cache is None or not self.causal) and _use_triton(self.backend, hidden_states):
             refined = _triton_module().pde_refine_module_triton(
                 hidden_states, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.causal,

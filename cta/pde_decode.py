@@ -53,7 +53,8 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
                       ) -> torch.Tensor:
     """Refines one token (``[batch, channels]``, or ``[batch, 1, channels]`` as a model's layer gives it) and updates
     the state in place: ``state`` ``[batch, steps, channels]``, or its levels, a sequence of ``steps`` buffers
-    ``[batch, 1, channels]`` (a model's cache keeps one per step: ``pde_cache``). fp32, or fp64 for float64 models:
+    ``[batch, 1, channels]`` or the ``[batch, 1, channels, positions]`` conv states holding them at their last
+    position (a model's cache keeps one per step: ``pde_cache``). fp32, or fp64 for float64 models:
     the dtype it computes in. Returns the refined token in the input's shape and dtype.
 
     ``pde_type`` normalised, ``alpha`` / ``beta`` the coefficients the scheme uses (already inside their bounds: 0-d,
@@ -63,7 +64,10 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
     (:func:`pde_cta.pde_decode_step` checks them; :class:`PDERefinement` holds valid ones).
     """
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
-    stored = state.split(1, dim=1) if torch.is_tensor(state) else state  # [batch, 1, channels] each
+    if torch.is_tensor(state):
+        stored = state.split(1, dim=1)  # [batch, 1, channels] each
+    else:  # a cache's conv states ([batch, 1, channels, positions]: the level at the last position) or their views
+        stored = [level[..., -1] if level.dim() == 4 else level for level in state]
     dtype = stored[0].dtype
     x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)  # fp32 (fp64 models)
     if x.dim() == 2:
@@ -77,7 +81,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
         else:  # per channel: [S+1, S+1, channels]
             levels = (decode_map * inputs.unsqueeze(1)).sum(2)
         refined = levels.narrow(1, steps, 1)
-        _write_state(state, levels.narrow(1, 0, steps).split(1, dim=1), valid)
+        _write_state(state if torch.is_tensor(state) else stored, levels.narrow(1, 0, steps).split(1, dim=1), valid)
     else:
         # the scheme's recurrence on the token, pointwise on [batch, 1, channels] (the stored values read as views)
         if pde_type == "reaction_diffusion":
@@ -85,7 +89,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
         else:
             levels = _linear_levels(x, stored, pde_type, alpha, beta)
         refined = levels[steps]
-        _write_state(state, levels[:steps], valid)
+        _write_state(state if torch.is_tensor(state) else stored, levels[:steps], valid)
     if valid is not None:
         refined = torch.lerp(x, refined, valid)  # exactly x where valid is 0 and refined where it is 1: one op
     return _as_input(refined, hidden_states)

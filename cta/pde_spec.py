@@ -190,9 +190,10 @@ def check_decode_state(state, batch: int, steps: int, channels: int) -> None:
 
 def check_decode_levels(levels, batch: int, steps: int, channels: int) -> None:
     """Raises unless ``levels`` are the ``steps`` fp32 ``[batch, 1, channels]`` buffers of a cached state (one per
-    step) that a decode step reads and writes."""
+    step; or the ``[batch, 1, channels, 1]`` conv states that hold them) that a decode step reads and writes."""
+    shapes = ((batch, 1, channels), (batch, 1, channels, 1))
     if (not isinstance(levels, (tuple, list)) or len(levels) != steps
-            or any(not torch.is_tensor(level) or level.shape != (batch, 1, channels) or level.dtype not in _STATE_DTYPES
+            or any(not torch.is_tensor(level) or tuple(level.shape) not in shapes or level.dtype not in _STATE_DTYPES
                    for level in levels)):
         got = [(tuple(level.shape), level.dtype) if torch.is_tensor(level) else type(level) for level in levels] \
             if isinstance(levels, (tuple, list)) else type(levels)
