@@ -254,8 +254,9 @@ def _decode_launch(pde, steps, batch, channels, has_mask, a_vec, b_vec, bounds):
 def launch_decode(x, levels, alpha, beta, token_mask, pde: str, steps: int, bounds=None) -> torch.Tensor:
     """One new token ``x`` ``[batch, channels]`` (or ``[batch, 1, channels]``): returns the refined token in ``x``'s
     shape and updates the state in place: ``levels``, its ``steps`` (at most ``MAX_FUSED_STEPS``) fp32 buffers, each
-    ``[batch, 1, channels]`` (or ``[batch, channels]``) with contiguous channels and the same stride between
-    sequences (separate conv states of a cache, or the views of one ``[batch, steps, channels]`` state). ``token_mask``:
+    ``[batch, 1, channels]`` (or ``[batch, channels]``, or a cache's ``[batch, 1, channels, 1]`` conv state) with
+    contiguous channels and the same stride between sequences (separate conv states of a cache, or the views of one
+    ``[batch, steps, channels]`` state). ``token_mask``:
     one entry per sequence, any dtype and shape (e.g. the ``[batch, 1]`` column of an attention mask). ``bounds``:
     ``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` the kernel clamps the coefficients into first, or
     None."""

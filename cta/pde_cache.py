@@ -198,8 +198,7 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
-    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "has_pde_state", "cached_pde_levels",
-    "records_past", "store_pde_state",
-    "fill_unused_pde_states", "check_pde_states",
+    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "has_pde_state",
+    "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "check_pde_states",
     "missing_cache_error",
 ]

@@ -65,9 +65,10 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
     """
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
     if torch.is_tensor(state):
-        stored = state.split(1, dim=1)  # [batch, 1, channels] each
+        stored, target = state.split(1, dim=1), state  # [batch, 1, channels] each; written back as one tensor
     else:  # a cache's conv states ([batch, 1, channels, positions]: the level at the last position) or their views
         stored = [level[..., -1] if level.dim() == 4 else level for level in state]
+        target = stored  # written back buffer by buffer
     dtype = stored[0].dtype
     x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)  # fp32 (fp64 models)
     if x.dim() == 2:
@@ -81,7 +82,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
         else:  # per channel: [S+1, S+1, channels]
             levels = (decode_map * inputs.unsqueeze(1)).sum(2)
         refined = levels.narrow(1, steps, 1)
-        _write_state(state if torch.is_tensor(state) else stored, levels.narrow(1, 0, steps).split(1, dim=1), valid)
+        _write_state(target, levels.narrow(1, 0, steps).split(1, dim=1), valid)
     else:
         # the scheme's recurrence on the token, pointwise on [batch, 1, channels] (the stored values read as views)
         if pde_type == "reaction_diffusion":
@@ -89,7 +90,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
         else:
             levels = _linear_levels(x, stored, pde_type, alpha, beta)
         refined = levels[steps]
-        _write_state(state if torch.is_tensor(state) else stored, levels[:steps], valid)
+        _write_state(target, levels[:steps], valid)
     if valid is not None:
         refined = torch.lerp(x, refined, valid)  # exactly x where valid is 0 and refined where it is 1: one op
     return _as_input(refined, hidden_states)

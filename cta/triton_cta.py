@@ -319,10 +319,9 @@ def pde_decode_step_triton(
 def pde_decode_token_triton(hidden_states, levels, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
     """:class:`PDERefinement`'s eager decode step on ``hidden_states`` ``[batch, 1, channels]`` and its state's
     ``levels`` (``steps <= MAX_FUSED_STEPS`` fp32 ``[batch, 1, channels, 1]`` conv states of a cache, or views
-    ``[batch, 1, channels]`` of them): the launch of
-    :func:`pde_decode_step_triton` without its argument checks, which the module's own type, steps and coefficients
-    passed when it was built; only the state a cache hands over is checked (a wrong shape would be read out of
-    bounds)."""
+    ``[batch, 1, channels]`` of them): the launch of :func:`pde_decode_step_triton` without its argument checks, which
+    the module's own type, steps and coefficients passed when it was built; only the state a cache hands over is
+    checked (a wrong shape would be read out of bounds)."""
     batch, _, channels = hidden_states.shape
     check_decode_levels(levels, batch, steps, channels)
     return launch_decode(hidden_states, levels, alpha, beta, token_mask, pde_type, steps, bounds)
