@@ -96,3 +96,12 @@ def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, device, mask
                 if p > 0:
                     pairs.append((step["unpatched"], step["patched"]))
     return pairs[:pairs_wanted]
+
+
+def run_command(doc: str, commands: dict):
+    """A multi-mode script's ``main``: runs ``commands[sys.argv[1]]`` on the remaining arguments, else prints ``doc``
+    (exit 0 for ``-h`` / ``--help``, 2 otherwise)."""
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(doc)
+        raise SystemExit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
+    commands[sys.argv[1]](sys.argv[2:])
