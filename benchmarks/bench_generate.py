@@ -22,7 +22,9 @@ that Inductor fuses into the norm after the site; ``identity``: the token return
 their summed GPU time per step. Last, it checks that each model's compiled static-cache tokens and logits equal
 ``use_cache=False`` ones, in float32 (``--check-tokens``).
 
-Writes ``generate_<gpu>.json`` / ``.md`` (``--tag`` replaces ``<gpu>``) into ``--out``.
+``--floor`` times the floor instead of the package (:func:`subclass_layers`: no hooks, walls or checks, a bound)
+and writes ``generate_<gpu>_floor.*``. Writes ``generate_<gpu>.json`` / ``.md`` (``--tag`` replaces ``<gpu>``) into
+``--out``.
 """
 
 import argparse
@@ -42,10 +44,40 @@ import transformers  # noqa: E402
 from results_io import bootstrap_median, write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
+from cta.pde_cache import find_cache  # noqa: E402
 from cta.pde_cta import _use_triton  # noqa: E402
+from cta.pde_decode import pde_decode_update  # noqa: E402
 
 VARIANTS = {"auto": "the package's step", "torch": "the torch-ops step (eager: instead of the decode kernel)",
             "identity": "the identity (the hooks alone)"}
+
+
+def _floor_forward(self, *args, **kwargs):
+    hidden = super(type(self), self).forward(*args, **kwargs)
+    pde, cache = self.cta_block_output_pde, find_cache(kwargs)
+    if not torch.compiler.is_compiling():  # (the prefill: stores the states)
+        return pde(hidden, None, cache, None)
+    states = cache.layers[pde.layer_idx].conv_states
+    return pde_decode_update(hidden, [states[i] for i in range(pde.steps)], pde_type=pde.pde_type, steps=pde.steps,
+                             alpha=pde.alpha.clamp(*pde.alpha_bounds))
+
+
+def subclass_layers(model, floor=True):
+    """Removes a patched model's hooks and gives each decoder layer a subclass whose forward calls its class's and,
+    with ``floor``, refines the output itself from the site's coefficient and the cache's states alone (no walls, no
+    checks, no hooks): what any design keeping one state buffer per step must still read, a lower bound."""
+    model.model._cta_context.remove_hooks()
+    plain = lambda self, *args, **kwargs: super(type(self), self).forward(*args, **kwargs)  # noqa: E731
+    for layer in model.model.layers:
+        layer.__class__ = type(type(layer).__name__, (type(layer),), {"forward": _floor_forward if floor else plain})
+    return model
+
+
+FLOOR_NOTE = (
+    "**The floor, not the package:** the patched model's decoder layers are subclassed to refine their output from the "
+    "site's coefficient and the cache's step buffers alone (`--floor`: no hooks, no padding walls, no checks), a lower "
+    "bound of what a design keeping one state buffer per step costs. Without walls it parts from the package where a "
+    "row is padded; its exactness line compares the floor with itself.")
 
 
 def parse_args():
@@ -67,6 +99,10 @@ def parse_args():
                    help="new tokens of the float32 exactness check, run last (compiled static cache vs "
                         "use_cache=False; 0 skips it)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--floor", action="store_true",
+                   help="time the floor instead of the package: the patched model's decoder layers subclassed to "
+                        "refine their output from the coefficient and the cache's step buffers alone (no hooks, "
+                        "padding walls or checks: a bound, inexact with padding); files generate_<gpu>_floor.*")
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")
     return p.parse_args()
@@ -237,6 +273,7 @@ def exactness(patched, unpatched, args):
 def markdown(info, args):
     lines = [
         f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})", "",
+        *([FLOOR_NOTE, ""] if info["decode_step"] == "floor" else []),
         f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block "
         f"({info['pde_sites']} sites): diffusion, {args.steps} steps, backend `{info['backend_used']}`. Greedy, "
         f"{args.new_tokens} new tokens after a {args.prompt}-token prompt. Step: the median time between a call's "
@@ -270,7 +307,8 @@ def markdown(info, args):
         for batch, kernels in per_batch.items():
             base = kernels["unpatched"]
             for name, value in kernels.items():
-                label = "unpatched" if name == "unpatched" else f"patched: {VARIANTS[name]} (`{name}`)"
+                label = "unpatched" if name == "unpatched" else (
+                    "patched: the floor" if info["decode_step"] == "floor" else f"patched: {VARIANTS[name]} (`{name}`)")
                 delta = "" if name == "unpatched" else (
                     f"{value['kernels'] - base['kernels']:+.0f} kernels, "
                     f"{100 * (value['gpu_us'] / max(base['gpu_us'], 1e-9) - 1):+.2f}% GPU time")
@@ -291,13 +329,17 @@ def main():
     patch_model(patched, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
     patched.to(DEVICE)
     variants = args.variants.split(",")
+    if args.floor:
+        subclass_layers(patched)
+        variants = ["auto"]  # (the floor's step is its own: the substitutes of the package's step do not apply)
     info = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
             "triton": getattr(sys.modules.get("triton"), "__version__", None),
             "pde_sites": len(pde_modules(patched)),
             "backend_used": "triton" if _use_triton("auto", torch.zeros(1, 8, device=DEVICE, dtype=dtype)) else "torch",
-            "decode_step": variants[0], "rows": [],
+            "decode_step": "floor" if args.floor else variants[0], "rows": [],
             "command": "python benchmarks/bench_generate.py " + " ".join(sys.argv[1:])}
-    stem = os.path.join(args.out, "generate_" + (args.tag or gpu.replace(" ", "_")))
+    tag = args.tag or gpu.replace(" ", "_") + ("_floor" if args.floor else "")
+    stem = os.path.join(args.out, "generate_" + tag)
     batches = [int(b) for b in args.batches.split(",")]
     if "compiled" in args.modes.split(","):
         info["step_kernels"] = {}  # {batch: {unpatched / variant: kernels, GPU µs and kernel names per step}}

@@ -37,38 +37,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
-from bench_generate import TokenClock  # noqa: E402
+from bench_generate import TokenClock, subclass_layers  # noqa: E402
 from bench_patched_model import llama_model  # noqa: E402
 from decode_profile import per_call_us, step_variant  # noqa: E402
 from results_io import run_command, write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model  # noqa: E402
-from cta.pde_cache import find_cache  # noqa: E402
 from cta.pde_cta import PDERefinement  # noqa: E402
-from cta.pde_decode import pde_decode_update  # noqa: E402
 
 FLOOR = "4 steps, the floor (subclassed layers: no hooks, walls or checks)"
-
-
-def _floor_forward(self, *args, **kwargs):
-    hidden = super(type(self), self).forward(*args, **kwargs)
-    pde, cache = self.cta_block_output_pde, find_cache(kwargs)
-    if not torch.compiler.is_compiling():  # (the prefill: stores the states)
-        return pde(hidden, None, cache, None)
-    states = cache.layers[pde.layer_idx].conv_states
-    return pde_decode_update(hidden, [states[i] for i in range(pde.steps)], pde_type=pde.pde_type, steps=pde.steps,
-                             alpha=pde.alpha.clamp(*pde.alpha_bounds))
-
-
-def subclass_layers(model, floor=True):
-    """Removes a patched model's hooks and gives each decoder layer a subclass whose forward calls its class's and,
-    with ``floor``, refines the output itself from the site's coefficient and the cache's states alone (no walls, no
-    checks, no hooks): what any design keeping one state buffer per step must still read, a lower bound."""
-    model.model._cta_context.remove_hooks()
-    plain = lambda self, *args, **kwargs: super(type(self), self).forward(*args, **kwargs)  # noqa: E731
-    for layer in model.model.layers:
-        layer.__class__ = type(type(layer).__name__, (type(layer),), {"forward": _floor_forward if floor else plain})
-    return model
 
 
 def run_compiled_host(argv):
