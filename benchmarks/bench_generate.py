@@ -22,9 +22,9 @@ that Inductor fuses into the norm after the site; ``identity``: the token return
 their summed GPU time per step. Last, it checks that each model's compiled static-cache tokens and logits equal
 ``use_cache=False`` ones, in float32 (``--check-tokens``).
 
-``--floor`` times the floor instead of the package (:func:`subclass_layers`: no hooks, walls or checks, a bound)
-and writes ``generate_<gpu>_floor.*``. Writes ``generate_<gpu>.json`` / ``.md`` (``--tag`` replaces ``<gpu>``) into
-``--out``.
+``--floor`` also times the floor in the same rounds (:func:`subclass_layers`: no hooks, walls or checks, a bound)
+and counts its kernels; its files are ``generate_<gpu>_floor.*``. Writes ``generate_<gpu>.json`` / ``.md``
+(``--tag`` replaces ``<gpu>``) into ``--out``.
 """
 
 import argparse
@@ -74,10 +74,10 @@ def subclass_layers(model, floor=True):
 
 
 FLOOR_NOTE = (
-    "**The floor, not the package:** the patched model's decoder layers are subclassed to refine their output from the "
-    "site's coefficient and the cache's step buffers alone (`--floor`: no hooks, no padding walls, no checks), a lower "
-    "bound of what a design keeping one state buffer per step costs. Without walls it parts from the package where a "
-    "row is padded; its exactness line compares the floor with itself.")
+    "The floor, timed in the same rounds (`--floor`): a third copy whose decoder layers are subclassed to refine their "
+    "output from the site's coefficient and the cache's step buffers alone (no hooks, no padding walls, no checks), a "
+    "lower bound of what a design keeping one state buffer per step costs, not an exact model (without walls it parts "
+    "from the package where a row is padded).")
 
 
 def parse_args():
@@ -100,8 +100,8 @@ def parse_args():
                         "use_cache=False; 0 skips it)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--floor", action="store_true",
-                   help="time the floor instead of the package: the patched model's decoder layers subclassed to "
-                        "refine their output from the coefficient and the cache's step buffers alone (no hooks, "
+                   help="also time the floor in the same rounds: a patched copy whose decoder layers are subclassed "
+                        "to refine their output from the coefficient and the cache's step buffers alone (no hooks, "
                         "padding walls or checks: a bound, inexact with padding); files generate_<gpu>_floor.*")
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")
@@ -205,8 +205,26 @@ class TokenClock:
         return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
 
 
-def generate_rows(patched, unpatched, args, mode, batch):
-    """One mode and batch: paired rounds of generate() calls."""
+def _overheads(calls, steps, sites) -> dict:
+    """The overheads of one compared model from its rounds' ``(unpatched, model)`` call and step times."""
+    stats = {}
+    for key, pairs in (("call", calls), ("step", steps)):
+        ratios = [p / u for u, p in pairs]
+        stats[f"{key}_rounds_s"] = pairs
+        stats[f"{key}_overhead_percent"] = 100.0 * (statistics.median(ratios) - 1.0)
+        stats[f"{key}_overhead_range_percent"] = [100.0 * (min(ratios) - 1.0), 100.0 * (max(ratios) - 1.0)]
+    stats["step_overhead_interval_percent"] = [100.0 * bound for bound in
+                                               bootstrap_median([p / u - 1.0 for u, p in steps], resamples=10000)]
+    stats["unpatched_step_ms"] = 1e3 * statistics.median(u for u, _ in steps)
+    stats["patched_step_ms"] = 1e3 * statistics.median(p for _, p in steps)
+    stats["us_per_site_and_step"] = 1e6 * statistics.median(p - u for u, p in steps) / sites
+    return stats
+
+
+def generate_rows(models, args, mode, batch):
+    """One mode and batch: rounds of generate() calls, one per model of ``models`` (``unpatched``, ``patched`` and
+    maybe ``floor``) in an order that rotates between rounds; the patched model's overheads, and the floor's under
+    ``floor``."""
     prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     kwargs = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=args.new_tokens,
                   min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
@@ -222,28 +240,24 @@ def generate_rows(patched, unpatched, args, mode, batch):
         sync()
         return time.perf_counter() - start, clock.median_step(), tokens
 
-    models = {"unpatched": unpatched, "patched": patched}
     first = {name: call(model) for name, model in models.items()}
     row = dict(mode=mode, batch=batch, new_tokens=args.new_tokens,
                first_call_s={name: value[0] for name, value in first.items()})
-    calls, steps = [], []
+    names = list(models)
+    times = {name: [] for name in names}
     for r in range(args.rounds):
-        order = ("unpatched", "patched") if r % 2 == 0 else ("patched", "unpatched")
-        pair = {name: call(models[name]) for name in order}
-        calls.append((pair["unpatched"][0], pair["patched"][0]))
-        steps.append((pair["unpatched"][1], pair["patched"][1]))
-    for key, pairs in (("call", calls), ("step", steps)):
-        ratios = [p / u for u, p in pairs]
-        row[f"{key}_rounds_s"] = pairs
-        row[f"{key}_overhead_percent"] = 100.0 * (statistics.median(ratios) - 1.0)
-        row[f"{key}_overhead_range_percent"] = [100.0 * (min(ratios) - 1.0), 100.0 * (max(ratios) - 1.0)]
-    row["step_overhead_interval_percent"] = [100.0 * bound for bound in
-                                             bootstrap_median([p / u - 1.0 for u, p in steps], resamples=10000)]
-    row["unpatched_step_ms"] = 1e3 * statistics.median(u for u, _ in steps)
-    row["patched_step_ms"] = 1e3 * statistics.median(p for _, p in steps)
-    row["us_per_site_and_step"] = 1e6 * statistics.median(p - u for u, p in steps) / len(pde_modules(patched))
-    print(f"[{mode} batch {batch}] step {row['step_overhead_percent']:+.2f}% call {row['call_overhead_percent']:+.2f}%",
-          flush=True)
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(call(models[name])[:2])
+    sites = len(pde_modules(models["patched"]))
+    for name in names[1:]:
+        pairs = list(zip(times["unpatched"], times[name]))
+        stats = _overheads([(u[0], p[0]) for u, p in pairs], [(u[1], p[1]) for u, p in pairs], sites)
+        if name == "patched":
+            row.update(stats)
+        else:
+            row[name] = stats
+        print(f"[{mode} batch {batch}] {name}: step {stats['step_overhead_percent']:+.2f}% call "
+              f"{stats['call_overhead_percent']:+.2f}%", flush=True)
     return row
 
 
@@ -253,6 +267,7 @@ def exactness(patched, unpatched, args):
     kernels round differently from eager ones: the unpatched model's own compiled tokens part from its eager ones),
     batch 2 with one row left-padded, ``--check-tokens`` new tokens after 64 prompt tokens: per model, whether the
     tokens are equal and the largest logit difference. Converts both models to float32 (run it last)."""
+    torch.compiler.reset()  # (float32 compiles anew; the timed rounds' entries would count toward Dynamo's limit)
     prompt = torch.randint(1, args.vocab, (2, 64), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     mask = torch.ones_like(prompt)
     prompt[1, :9], mask[1, :9] = 0, 0
@@ -270,10 +285,22 @@ def exactness(patched, unpatched, args):
     return rows
 
 
+TABLE_HEADER = ("| mode | batch | unpatched ms/step | patched ms/step | decode-step overhead [95% interval] (range) | "
+                "call overhead (range) | µs per site |", "|---|---|---|---|---|---|---|")
+
+
+def _table_line(row, stats) -> str:
+    (low, high), (call_low, call_high) = stats["step_overhead_range_percent"], stats["call_overhead_range_percent"]
+    ci_low, ci_high = stats["step_overhead_interval_percent"]
+    return (f"| {row['mode']} | {row['batch']} | {stats['unpatched_step_ms']:.3f} | {stats['patched_step_ms']:.3f} | "
+            f"**{stats['step_overhead_percent']:+.2f}%** [{ci_low:+.2f}, {ci_high:+.2f}] ({low:+.2f} .. {high:+.2f}) | "
+            f"{stats['call_overhead_percent']:+.2f}% ({call_low:+.2f} .. {call_high:+.2f}) | "
+            f"{stats['us_per_site_and_step']:.1f} |")
+
+
 def markdown(info, args):
     lines = [
         f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})", "",
-        *([FLOOR_NOTE, ""] if info["decode_step"] == "floor" else []),
         f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block "
         f"({info['pde_sites']} sites): diffusion, {args.steps} steps, backend `{info['backend_used']}`. Greedy, "
         f"{args.new_tokens} new tokens after a {args.prompt}-token prompt. Step: the median time between a call's "
@@ -282,17 +309,11 @@ def markdown(info, args):
         "unpatched step time over the sites. Compiled: "
         "`cache_implementation=\"static\"` (torch.compile, CUDA graphs); eager: the dynamic cache. "
         f"transformers {info['transformers']}, torch {info['torch']}.", "",
-        "| mode | batch | unpatched ms/step | patched ms/step | decode-step overhead [95% interval] (range) | "
-        "call overhead (range) | µs per site |",
-        "|---|---|---|---|---|---|---|"]
-    for row in info["rows"]:
-        (low, high), (call_low, call_high) = row["step_overhead_range_percent"], row["call_overhead_range_percent"]
-        ci_low, ci_high = row["step_overhead_interval_percent"]
-        lines.append(f"| {row['mode']} | {row['batch']} | {row['unpatched_step_ms']:.3f} | {row['patched_step_ms']:.3f}"
-                     f" | **{row['step_overhead_percent']:+.2f}%** [{ci_low:+.2f}, {ci_high:+.2f}] ({low:+.2f} .. "
-                     f"{high:+.2f}) | "
-                     f"{row['call_overhead_percent']:+.2f}% ({call_low:+.2f} .. {call_high:+.2f}) | "
-                     f"{row['us_per_site_and_step']:.1f} |")
+        *TABLE_HEADER]
+    lines += [_table_line(row, row) for row in info["rows"]]
+    floors = [row for row in info["rows"] if "floor" in row]
+    if floors:
+        lines += ["", FLOOR_NOTE, "", *TABLE_HEADER, *(_table_line(row, row["floor"]) for row in floors)]
     exact = info.get("exactness")
     if exact:
         lines += ["", f"Exactness, the same models in float32 (batch 2, one row left-padded, {args.check_tokens} new "
@@ -307,8 +328,8 @@ def markdown(info, args):
         for batch, kernels in per_batch.items():
             base = kernels["unpatched"]
             for name, value in kernels.items():
-                label = "unpatched" if name == "unpatched" else (
-                    "patched: the floor" if info["decode_step"] == "floor" else f"patched: {VARIANTS[name]} (`{name}`)")
+                label = {"unpatched": "unpatched", "floor": "the floor"}.get(
+                    name, f"patched: {VARIANTS.get(name)} (`{name}`)")
                 delta = "" if name == "unpatched" else (
                     f"{value['kernels'] - base['kernels']:+.0f} kernels, "
                     f"{100 * (value['gpu_us'] / max(base['gpu_us'], 1e-9) - 1):+.2f}% GPU time")
@@ -329,17 +350,18 @@ def main():
     patch_model(patched, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
     patched.to(DEVICE)
     variants = args.variants.split(",")
-    if args.floor:
-        subclass_layers(patched)
-        variants = ["auto"]  # (the floor's step is its own: the substitutes of the package's step do not apply)
+    models = {"unpatched": unpatched, "patched": patched}
+    if args.floor:  # (the same weights: llama_model is seeded)
+        models["floor"] = floor = llama_model(args.layers, args.hidden, args.vocab, dtype)
+        patch_model(floor, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+        subclass_layers(floor.to(DEVICE))
     info = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
             "triton": getattr(sys.modules.get("triton"), "__version__", None),
             "pde_sites": len(pde_modules(patched)),
             "backend_used": "triton" if _use_triton("auto", torch.zeros(1, 8, device=DEVICE, dtype=dtype)) else "torch",
-            "decode_step": "floor" if args.floor else variants[0], "rows": [],
+            "decode_step": variants[0], "rows": [],
             "command": "python benchmarks/bench_generate.py " + " ".join(sys.argv[1:])}
-    tag = args.tag or gpu.replace(" ", "_") + ("_floor" if args.floor else "")
-    stem = os.path.join(args.out, "generate_" + tag)
+    stem = os.path.join(args.out, "generate_" + (args.tag or gpu.replace(" ", "_") + ("_floor" if args.floor else "")))
     batches = [int(b) for b in args.batches.split(",")]
     if "compiled" in args.modes.split(","):
         info["step_kernels"] = {}  # {batch: {unpatched / variant: kernels, GPU µs and kernel names per step}}
@@ -352,11 +374,14 @@ def main():
                                                         prompt.to(DEVICE))
                 kernels[name] = {"kernels": count, "gpu_us": gpu_us, "names": names}
                 print(f"[kernels] batch {batch} {name}: {count:.0f} kernels, {gpu_us:.0f} us GPU per step", flush=True)
+            if args.floor:
+                count, gpu_us, names = step_kernels(models["floor"], prompt.to(DEVICE))
+                kernels["floor"] = {"kernels": count, "gpu_us": gpu_us, "names": names}
             write_result_files(stem, info, markdown(info, args))
     with decode_step_variant(variants[0]):
         for mode in args.modes.split(","):
             for batch in batches:
-                info["rows"].append(generate_rows(patched, unpatched, args, mode, batch))
+                info["rows"].append(generate_rows(models, args, mode, batch))
                 write_result_files(stem, info, markdown(info, args))  # (after every row: a run may be cut short)
     if args.check_tokens:
         info["exactness"] = exactness(patched, unpatched, args)
