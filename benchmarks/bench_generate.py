@@ -24,12 +24,14 @@ their summed GPU time per step. Last, it checks that each model's compiled stati
 
 ``--floor`` also times the floor in the same rounds (:func:`subclass_layers`: no hooks, walls or checks, a bound)
 and counts its kernels; its files are ``generate_<gpu>_floor.*``. Writes ``generate_<gpu>.json`` / ``.md``
-(``--tag`` replaces ``<gpu>``) into ``--out``.
+(``--tag`` replaces ``<gpu>``) into ``--out``, and ``.png``: each round's step overhead beside the median, its interval
+and the 4% target (``--replot FILE.json`` draws it again from a result file).
 """
 
 import argparse
 import collections
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -41,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
-from results_io import bootstrap_median, write_result_files  # noqa: E402
+from results_io import bootstrap_median, plot_rounds, write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 from cta.pde_cache import find_cache  # noqa: E402
@@ -104,6 +106,8 @@ def parse_args():
                         "to refine their output from the coefficient and the cache's step buffers alone (no hooks, "
                         "padding walls or checks: a bound, inexact with padding); files generate_<gpu>_floor.*")
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only draw the plot (<file>.png) of an existing result file generate_<gpu>.json")
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")
     return p.parse_args()
 
@@ -337,9 +341,25 @@ def markdown(info, args):
     return lines
 
 
+def plot(info: dict, stem: str) -> None:
+    """``<stem>.png``: each row's per-round step overheads (and the floor's), its median and 95% interval, and the
+    4% target."""
+    series = {}
+    for row in info["rows"]:
+        for name, stats in (("", row), (" floor", row.get("floor"))):
+            if stats:
+                series[f"{row['mode']}{name}\nbatch {row['batch']}"] = (
+                    [100 * (p / u - 1) for u, p in stats["step_rounds_s"]], stats["step_overhead_percent"],
+                    stats["step_overhead_interval_percent"])
+    plot_rounds(stem + ".png", f"generate(): patched vs unpatched, per round\n{info['gpu']}", series, target=4)
+
+
 def main():
     global DEVICE
     args = parse_args()
+    if args.replot:  # (a plot of an existing result file)
+        with open(args.replot) as f:
+            return plot(json.load(f), os.path.splitext(args.replot)[0])
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_generate.py times CUDA generation: it needs a GPU (or --device cpu for a smoke test).")
@@ -383,6 +403,7 @@ def main():
             for batch in batches:
                 info["rows"].append(generate_rows(models, args, mode, batch))
                 write_result_files(stem, info, markdown(info, args))  # (after every row: a run may be cut short)
+    plot(info, stem)
     if args.check_tokens:
         info["exactness"] = exactness(patched, unpatched, args)
         write_result_files(stem, info, markdown(info, args))

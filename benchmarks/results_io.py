@@ -105,3 +105,34 @@ def run_command(doc: str, commands: dict):
         print(doc)
         raise SystemExit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
     commands[sys.argv[1]](sys.argv[2:])
+
+
+def plot_rounds(path: str, title: str, series: dict, target=None) -> None:
+    """A strip plot of per-round overheads (%): ``series`` maps a label to ``(rounds, median, [low, high])``, drawn as
+    the rounds' dots, the median and its 95% interval; ``target`` a dashed line. Writes ``path`` (PNG); without
+    matplotlib it says so and draws nothing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(2.4 + 1.5 * len(series), 3.8))
+    for i, (label, (rounds, median, (low, high))) in enumerate(series.items()):
+        jitter = [i + 0.25 * ((k * 0.618) % 1 - 0.5) for k in range(len(rounds))]
+        ax.scatter(jitter, rounds, s=8, alpha=0.45, color="tab:blue")
+        ax.errorbar([i], [median], yerr=[[median - low], [high - median]], fmt="o", color="k", capsize=6)
+        ax.annotate(f"{median:+.2f}%", (i + 0.18, median), fontsize=8, va="center")
+    if target is not None:
+        ax.axhline(target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target:g}%")
+        ax.legend(fontsize=8, loc="upper right")
+    ax.axhline(0, color="0.6", linewidth=0.8)
+    ax.set_xticks(range(len(series)), list(series), fontsize=8)
+    ax.set_xlim(-0.6, len(series) - 0.2)
+    ax.set_ylabel("decode-step overhead per round (%)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
