@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
-from results_io import bootstrap_median, plot_rounds, write_result_files  # noqa: E402
+from results_io import TokenClock, bootstrap_median, plot_rounds, write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 from cta.pde_cache import find_cache  # noqa: E402
@@ -189,24 +189,6 @@ def step_kernels(model, prompt, profiled=4):
     counts = collections.Counter(e.name[:90] for e in kernels)
     return (len(kernels) / profiled, sum(e.device_time for e in kernels) / profiled,
             {name: n / profiled for name, n in counts.most_common()})
-
-
-class TokenClock:
-    """A ``generate()`` streamer (transformers' ``BaseStreamer`` interface) that records when each token arrives
-    (generate hands it the tokens on the host, so each arrival follows a synchronisation)."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-    def median_step(self):
-        """The median time between decoded tokens (the first two puts are the prompt and the prefill's token)."""
-        return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
 
 
 def _overheads(calls, steps, sites) -> dict:

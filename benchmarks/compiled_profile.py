@@ -37,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
-from bench_generate import TokenClock, subclass_layers  # noqa: E402
+from bench_generate import subclass_layers  # noqa: E402
 from bench_patched_model import llama_model  # noqa: E402
 from decode_profile import per_call_us, step_variant  # noqa: E402
-from results_io import run_command, write_result_files  # noqa: E402
+from results_io import TokenClock, run_command, write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model  # noqa: E402
 from cta.pde_cta import PDERefinement  # noqa: E402

@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
-from bench_generate import TokenClock, decode_step_variant  # noqa: E402
+from bench_generate import decode_step_variant  # noqa: E402
 from bench_patched_model import llama_model  # noqa: E402
-from results_io import bootstrap_median, paired_decode, run_command, write_result_files  # noqa: E402
+from results_io import TokenClock, bootstrap_median, paired_decode, run_command, write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 from cta.pde_cta import PDERefinement  # noqa: E402

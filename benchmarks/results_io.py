@@ -1,6 +1,6 @@
 """What the benchmarks share: the check that a GPU is there (kernels compiled, not interpreted), the kernel launch
-they time, the writing of a result's ``.json`` / ``.md`` pair, per-token paired decoding and the bootstrap interval
-of a median."""
+they time, the writing of a result's ``.json`` / ``.md`` pair, per-token paired decoding, a ``generate()`` streamer
+that times its tokens, the bootstrap interval of a median and the plot of per-round overheads."""
 
 import json
 import os
@@ -50,6 +50,24 @@ def write_result_files(stem: str, info: dict, lines) -> None:
     with open(stem + ".md", "w") as f:
         f.write(text)
     print(text)
+
+
+class TokenClock:
+    """A ``generate()`` streamer (transformers' ``BaseStreamer`` interface) that records when each token arrives
+    (generate hands it the tokens on the host, so each arrival follows a synchronisation)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def median_step(self):
+        """The median time between decoded tokens (the first two puts are the prompt and the prefill's token)."""
+        return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
 
 
 def _sync(device):
