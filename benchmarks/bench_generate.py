@@ -347,16 +347,16 @@ def main():
         raise SystemExit("bench_generate.py times CUDA generation: it needs a GPU (or --device cpu for a smoke test).")
     dtype = getattr(torch, args.dtype)
     gpu = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu"
-    unpatched = llama_model(args.layers, args.hidden, args.vocab, dtype)
-    patched = llama_model(args.layers, args.hidden, args.vocab, dtype)
-    patch_model(patched, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
-    patched.to(DEVICE)
+    def patched_copy():  # (the unpatched model's weights: llama_model is seeded)
+        model = llama_model(args.layers, args.hidden, args.vocab, dtype)
+        patch_model(model, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
+        return model.to(DEVICE)
+
+    unpatched, patched = llama_model(args.layers, args.hidden, args.vocab, dtype), patched_copy()
     variants = args.variants.split(",")
     models = {"unpatched": unpatched, "patched": patched}
-    if args.floor:  # (the same weights: llama_model is seeded)
-        models["floor"] = floor = llama_model(args.layers, args.hidden, args.vocab, dtype)
-        patch_model(floor, pde_type="diffusion", pde_steps=args.steps, placement="block_output", init="paper")
-        subclass_layers(floor.to(DEVICE))
+    if args.floor:
+        models["floor"] = subclass_layers(patched_copy())
     info = {"gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
             "triton": getattr(sys.modules.get("triton"), "__version__", None),
             "pde_sites": len(pde_modules(patched)),
@@ -370,15 +370,12 @@ def main():
         for batch in batches:
             prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(4))
             kernels = info["step_kernels"][str(batch)] = {}
-            for name in ("unpatched", *variants):
-                with decode_step_variant("auto" if name == "unpatched" else name):
-                    count, gpu_us, names = step_kernels(unpatched if name == "unpatched" else patched,
-                                                        prompt.to(DEVICE))
+            for name in ("unpatched", *variants, *(["floor"] if args.floor else [])):
+                model = models.get(name, patched)  # (a variant is the patched model with its step substituted)
+                with decode_step_variant(name if name in VARIANTS else "auto"):
+                    count, gpu_us, names = step_kernels(model, prompt.to(DEVICE))
                 kernels[name] = {"kernels": count, "gpu_us": gpu_us, "names": names}
                 print(f"[kernels] batch {batch} {name}: {count:.0f} kernels, {gpu_us:.0f} us GPU per step", flush=True)
-            if args.floor:
-                count, gpu_us, names = step_kernels(models["floor"], prompt.to(DEVICE))
-                kernels["floor"] = {"kernels": count, "gpu_us": gpu_us, "names": names}
             write_result_files(stem, info, markdown(info, args))
     with decode_step_variant(variants[0]):
         for mode in args.modes.split(","):

@@ -69,33 +69,34 @@ def run_compiled_host(argv):
     subclass_layers(models[FLOOR])
     prompt = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3)).to(device)
 
-    def step_time(model, tokens, clock=None):
-        clock = clock or TokenClock()
+    def generate(model, tokens):
+        """(the median time between decoded tokens, the tokens)"""
+        clock = TokenClock()
         with torch.no_grad():
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                                  min_new_tokens=tokens, do_sample=False, pad_token_id=0, cache_implementation="static",
                                  streamer=clock)
-        return out if tokens == 8 else clock.median_step()
+        return clock.median_step(), out
 
     cases = {**{name: (model, "package") for name, model in models.items()},
              "4 steps, the identity step": (models["4 steps"], "identity")}
     warm = {}
     for name, (model, variant) in cases.items():  # compiled, CUDA graphs recorded
         with step_variant(variant):
-            step_time(model, 8), step_time(model, 8)
-            warm[name] = step_time(model, 8)
+            generate(model, 8), generate(model, 8)
+            warm[name] = generate(model, 8)[1]
     floor_exact = bool(torch.equal(warm[FLOOR], warm["4 steps"]))  # (the floor computes the package's tokens)
     times = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, (model, variant) in cases.items():
             with step_variant(variant):
-                times[name].append(step_time(model, args.tokens))
+                times[name].append(generate(model, args.tokens)[0])
     rows = {name: {"step_us": 1e6 * statistics.median(values),
                    "added_us": 1e6 * statistics.median(v - u for v, u in zip(values, times["unpatched"]))}
             for name, values in times.items()}
     for name, (model, variant) in cases.items():  # Dynamo's guard evaluation per step (the profiler's own event)
         with step_variant(variant), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            step_time(model, args.tokens)
+            generate(model, args.tokens)
         lookups = [e for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
         rows[name]["guard_us"] = sum(e.cpu_time_total for e in lookups) / max(len(lookups), 1)
     gpu = torch.cuda.get_device_name(device)
