@@ -23,9 +23,10 @@ their summed GPU time per step. Last, it checks that each model's compiled stati
 ``use_cache=False`` ones, in float32 (``--check-tokens``).
 
 ``--floor`` also times the floor in the same rounds (:func:`subclass_layers`: no hooks, walls or checks, a bound)
-and counts its kernels; its files are ``generate_<gpu>_floor.*``. Writes ``generate_<gpu>.json`` / ``.md``
+and counts its kernels, and compares the floor with the package round by round; its files are
+``generate_<gpu>_floor.*``. Writes ``generate_<gpu>.json`` / ``.md``
 (``--tag`` replaces ``<gpu>``) into ``--out``, and ``.png``: each round's step overhead beside the median, its interval
-and the 4% target (``--replot FILE.json`` draws it again from a result file).
+and the 4% target (``--replot FILE.json`` writes the markdown and the plot again from a result file).
 """
 
 import argparse
@@ -33,6 +34,7 @@ import collections
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -82,7 +84,7 @@ FLOOR_NOTE = (
     "from the package where a row is padded).")
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=4096, help="hidden size (heads of 128 channels, MLP 11008/4096 of it)")
@@ -107,9 +109,10 @@ def parse_args():
                         "padding walls or checks: a bound, inexact with padding); files generate_<gpu>_floor.*")
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
     p.add_argument("--replot", default=None, metavar="JSON",
-                   help="only draw the plot (<file>.png) of an existing result file generate_<gpu>.json")
+                   help="only rewrite the markdown and the plot (<file>.md, <file>.png) of an existing result file "
+                        "generate_<gpu>.json, with the options of the command recorded in it")
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 DEVICE = torch.device("cuda")
@@ -284,6 +287,15 @@ def _table_line(row, stats) -> str:
             f"{stats['us_per_site_and_step']:.1f} |")
 
 
+def _floor_vs_package(row) -> str:
+    """The floor's step time against the package's in the same rounds (both were paired with the same unpatched
+    call), as a markdown fragment."""
+    ratios = [f[1] / p[1] - 1.0 for p, f in zip(row["step_rounds_s"], row["floor"]["step_rounds_s"])]
+    low, high = bootstrap_median(ratios, resamples=10000)
+    return (f"{row['mode']} batch {row['batch']}: {100 * statistics.median(ratios):+.2f}% "
+            f"[{100 * low:+.2f}, {100 * high:+.2f}]")
+
+
 def markdown(info, args):
     lines = [
         f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})", "",
@@ -299,7 +311,9 @@ def markdown(info, args):
     lines += [_table_line(row, row) for row in info["rows"]]
     floors = [row for row in info["rows"] if "floor" in row]
     if floors:
-        lines += ["", FLOOR_NOTE, "", *TABLE_HEADER, *(_table_line(row, row["floor"]) for row in floors)]
+        lines += ["", FLOOR_NOTE, "", *TABLE_HEADER, *(_table_line(row, row["floor"]) for row in floors), "",
+                  "The floor against the package, round by round (floor / package step time - 1; median, bootstrap "
+                  "95% interval): " + "; ".join(_floor_vs_package(row) for row in floors) + "."]
     exact = info.get("exactness")
     if exact:
         lines += ["", f"Exactness, the same models in float32 (batch 2, one row left-padded, {args.check_tokens} new "
@@ -339,9 +353,12 @@ def plot(info: dict, stem: str) -> None:
 def main():
     global DEVICE
     args = parse_args()
-    if args.replot:  # (a plot of an existing result file)
+    if args.replot:  # (the markdown and plot of an existing result file, with the options it was run with)
         with open(args.replot) as f:
-            return plot(json.load(f), os.path.splitext(args.replot)[0])
+            info = json.load(f)
+        stem = os.path.splitext(args.replot)[0]
+        write_result_files(stem, info, markdown(info, parse_args(shlex.split(info["command"])[2:])))
+        return plot(info, stem)
     DEVICE = torch.device(args.device)
     if DEVICE.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_generate.py times CUDA generation: it needs a GPU (or --device cpu for a smoke test).")

@@ -3,6 +3,7 @@ docs/decoding.md on the compiled step.
 
     python benchmarks/compiled_profile.py compiled-host [--rounds 15]   # a compiled step's host time (GPU)
     python benchmarks/compiled_profile.py dynamo-host [--loops 15]      # ... Dynamo's part, by piece (CPU)
+    python benchmarks/compiled_profile.py inputs                        # a compiled call's cost per input (GPU)
 
 ``compiled-host``: the host time a patched model adds to a compiled decode step (``generate()`` with a static
 cache, CUDA graphs) of a small model whose GPU time is negligible: unpatched, patched with 1 and 4 steps per site,
@@ -20,6 +21,15 @@ hooked (:func:`subclass_layers`: calling their class's forward alone, and the fl
 evaluation (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``), the least over ``--loops`` loops, the median
 over ``--processes`` fresh processes. Writes ``dynamo_host_cpu.json`` / ``.md``.
 
+``inputs``: what one more tensor input costs a compiled, CUDA-graphed call (``torch.compile(mode="reduce-overhead",
+fullgraph=True)``) in torch alone, the cost that the step buffers of the PDE sites carry: a function (its own code
+object per model, :func:`own_code`) calling a module whose forward returns ``2 * x`` of a ``[1, --channels]`` token
+and either reads ``n`` registered buffers of that shape (summed into the output) or writes each in place
+(``b.mul_(0.5).add_(x)``), for each ``n`` of ``--counts``; host µs per call (calls queued without synchronising; the
+GPU work is a few pointwise kernels), the median over ``--repeats`` loops, all models timed in turn in each of
+``--rounds`` rounds; the slope in µs per input is fitted over the counts. Writes ``compiled_inputs_<gpu>.json`` /
+``.md``.
+
 The compiled decode step's kernels and generate() overheads are ``bench_generate.py``'s; an eager step's costs are
 ``decode_profile.py``'s.
 """
@@ -30,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import types
 
 import torch
 
@@ -212,5 +223,98 @@ def run_dynamo_host(argv):
     write_result_files(os.path.join(args.out, "dynamo_host_cpu"), info, lines)
 
 
+class BufferInputs(torch.nn.Module):
+    """``2 * x`` with ``count`` buffers of ``x``'s shape read (summed in) or, with ``written``, each updated in place:
+    as many graph inputs, static ones to CUDA graphs (a module's buffers), as the step buffers of PDE sites."""
+
+    def __init__(self, count, channels, written):
+        super().__init__()
+        self.written = written
+        for index in range(count):
+            self.register_buffer(f"state_{index}", torch.zeros(1, channels))
+
+    def forward(self, x):
+        out = 2 * x
+        for state in self.buffers():
+            if self.written:
+                state.mul_(0.5).add_(x)
+            else:
+                out = out + state
+        return out
+
+
+def _call_module(x):
+    return module(x)  # noqa: F821  (``module``: the global of each copy that own_code makes)
+
+
+def own_code(module, tag):
+    """A function calling ``module``, with a code object of its own: Dynamo keeps its compiled entries per code
+    object, so models compiled through one shared function (or through ``nn.Module.__call__``) would evaluate each
+    other's guards and reach the recompile limit after 8."""
+    code = _call_module.__code__.replace(co_name=f"call_{tag.replace(' ', '_')}")
+    return types.FunctionType(code, {"module": module, "__builtins__": __builtins__})
+
+
+def run_inputs(argv):
+    p = argparse.ArgumentParser(prog="compiled_profile.py inputs",
+                                description="what one more tensor input costs a compiled, CUDA-graphed call")
+    p.add_argument("--counts", default="0,8,16,32,64", help="inputs (registered buffers) per model")
+    p.add_argument("--channels", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=500, help="calls per timed loop")
+    p.add_argument("--repeats", type=int, default=5, help="timed loops per model and round (their median)")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--device", default="cuda", help="'cpu': a smoke test (no CUDA graphs)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("compiled_profile.py inputs times CUDA-graphed calls: it needs a GPU (or --device cpu).")
+    counts = [int(c) for c in args.counts.split(",")]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    x = torch.randn(1, args.channels, device=device)
+    calls = {}
+    for written in (False, True):
+        for count in counts:
+            key = ("written" if written else "read", count)
+            module = BufferInputs(count, args.channels, written).to(device)
+            compiled = torch.compile(own_code(module, f"{key[0]} {count}"), mode="reduce-overhead", fullgraph=True)
+            with torch.no_grad():
+                for _ in range(3):  # compile, record the CUDA graph, replay
+                    compiled(x)
+            calls[key] = compiled
+    times = {key: [] for key in calls}
+    with torch.no_grad():
+        for _ in range(args.rounds):
+            for key, compiled in calls.items():
+                times[key].append(per_call_us(lambda: compiled(x), args.calls, args.repeats, sync))
+    rows = {}
+    for kind in ("read", "written"):
+        us = [statistics.median(times[(kind, count)]) for count in counts]
+        mean_n, mean_us = statistics.mean(counts), statistics.mean(us)
+        slope = (sum((n - mean_n) * (u - mean_us) for n, u in zip(counts, us))
+                 / max(sum((n - mean_n) ** 2 for n in counts), 1e-9))
+        rows[kind] = {"us_per_call": dict(zip(map(str, counts), us)), "us_per_input": slope}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    info = dict(device=name, torch=torch.__version__, channels=args.channels, rounds=args.rounds, rows=rows,
+                us_per_round={f"{kind} {count}": values for (kind, count), values in times.items()},
+                command="python benchmarks/compiled_profile.py inputs " + " ".join(argv))
+    lines = [f"# What one more tensor input costs a compiled, CUDA-graphed call ({name})", "",
+             "`torch.compile(fn, mode=\"reduce-overhead\", fullgraph=True)` (CUDA graphs) of a function, a code "
+             f"object of its own per model, calling a module that returns `2 * x` (`[1, {args.channels}]`) and reads "
+             "n registered buffers of that shape (summed in) or writes each in place (`b.mul_(0.5).add_(x)`, as a PDE "
+             "site writes its step buffers): n more graph inputs, static ones. Host µs per call (calls queued "
+             f"without synchronising), the median of {args.repeats} loops of {args.calls} calls, the median over "
+             f"{args.rounds} rounds that time every model; µs per input: the least-squares slope over n. "
+             f"torch {info['torch']}.", "",
+             "| buffers | " + " | ".join(f"n = {n}" for n in counts) + " | µs per input |",
+             "|---|" + "---|" * (len(counts) + 1)]
+    lines += [f"| {kind} | " + " | ".join(f"{row['us_per_call'][str(n)]:.1f}" for n in counts)
+              + f" | {row['us_per_input']:.2f} |" for kind, row in rows.items()]
+    sites = rows["read"]["us_per_input"] * 8 + rows["written"]["us_per_input"] * 32
+    lines += ["", "At these slopes the inputs of `bench_generate.py`'s 8 PDE sites of 4 steps (8 coefficients read, "
+                  f"32 step buffers written) cost about {sites:.0f} µs per call."]
+    write_result_files(os.path.join(args.out, f"compiled_inputs_{name.replace(' ', '_')}"), info, lines)
+
+
 if __name__ == "__main__":
-    run_command(__doc__, {"compiled-host": run_compiled_host, "dynamo-host": run_dynamo_host})
+    run_command(__doc__, {"compiled-host": run_compiled_host, "dynamo-host": run_dynamo_host, "inputs": run_inputs})
