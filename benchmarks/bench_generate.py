@@ -22,11 +22,10 @@ that Inductor fuses into the norm after the site; ``identity``: the token return
 their summed GPU time per step. Last, it checks that each model's compiled static-cache tokens and logits equal
 ``use_cache=False`` ones, in float32 (``--check-tokens``).
 
-``--floor`` also times the floor in the same rounds (:func:`subclass_layers`: no hooks, walls or checks, a bound)
-and counts its kernels, and compares the floor with the package round by round; its files are
-``generate_<gpu>_floor.*``. Writes ``generate_<gpu>.json`` / ``.md``
-(``--tag`` replaces ``<gpu>``) into ``--out``, and ``.png``: each round's step overhead beside the median, its interval
-and the 4% target (``--replot FILE.json`` writes the markdown and the plot again from a result file).
+``--floor`` also times the floor in the same rounds (:func:`subclass_layers`: no hooks, walls or checks, a bound),
+counts its kernels and compares it with the package round by round (files ``generate_<gpu>_floor.*``). Writes
+``generate_<gpu>.json`` / ``.md`` / ``.png`` (``--tag`` replaces ``<gpu>``) into ``--out``; the plot: each round's
+step overhead, the median, its interval, the 4% target (``--replot FILE.json`` rewrites ``.md`` and ``.png``).
 """
 
 import argparse
@@ -45,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import transformers  # noqa: E402
+from bench_patched_model import llama_model as patched_model_llama  # noqa: E402
 from results_io import TokenClock, bootstrap_median, plot_rounds, write_result_files  # noqa: E402
 
 from cta.patching_cta import patch_model, pde_modules  # noqa: E402
@@ -123,15 +123,10 @@ def sync():
         torch.cuda.synchronize(DEVICE)
 
 
-def llama_model(layers, hidden, vocab, dtype, max_positions=4096):
-    """The random-weight Llama-shaped model of the model-level benchmarks (heads of 128 channels; seed 0)."""
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=int(round(11008 * hidden / 4096 / 64)) * 64,
-        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 128),
-        max_position_embeddings=max_positions, tie_word_embeddings=False, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    with DEVICE:
-        return transformers.LlamaForCausalLM(config).to(dtype).eval()
+def llama_model(layers, hidden, vocab, dtype):
+    """bench_patched_model's random-weight Llama-shaped model (seed 0), its MLP 11008/4096 of ``hidden``."""
+    intermediate = int(round(11008 * hidden / 4096 / 64)) * 64
+    return patched_model_llama(layers, hidden, intermediate, vocab, DEVICE, dtype, max_positions=4096)
 
 
 @contextlib.contextmanager
