@@ -5,12 +5,12 @@ docs/decoding.md on the compiled step.
     python benchmarks/compiled_profile.py dynamo-host [--loops 15]      # ... Dynamo's part, by piece (CPU)
     python benchmarks/compiled_profile.py inputs                        # a compiled call's cost per input (GPU)
 
-``compiled-host``: the host time a patched model adds to a compiled decode step (``generate()`` with a static
-cache, CUDA graphs) of a small model whose GPU time is negligible: unpatched, patched with 1 and 4 steps per site,
-4 steps through :func:`subclass_layers` (the floor: no hooks, walls or checks; its tokens are checked against the
-package's), and 4 steps with the step replaced by the identity (the hooks and cache lookups alone), in rounds that
-time every row; then one profiled call per row for Dynamo's guard evaluation per step. Writes
-``compiled_host_<gpu>.json`` / ``.md``.
+``compiled-host``: the host time a patched model adds to a compiled decode step (``generate()`` with a static cache,
+CUDA graphs) of a small model whose GPU time is negligible, per step and in the compiled call itself: unpatched,
+patched with 1 and 4 steps per site, 4 steps through :func:`subclass_layers` (the floor: no hooks, walls or checks;
+its tokens are checked against the package's), and 4 steps with the step replaced by the identity (the hooks and
+cache lookups alone), in rounds that time every row (the order rotating); then one profiled call per row for
+Dynamo's guard evaluation per step. Writes ``compiled_host_<gpu>.json`` / ``.md``.
 
 ``dynamo-host`` (CPU): what Dynamo itself does per call of a compiled decode step (``torch.compile(model.forward,
 fullgraph=True)`` through a ``StaticCache``, a backend that returns the graph's first outputs, so a call is guard
@@ -40,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 import types
 
 import torch
@@ -59,6 +60,26 @@ from cta.pde_cta import PDERefinement  # noqa: E402
 FLOOR = "4 steps, the floor (subclassed layers: no hooks, walls or checks)"
 
 
+def time_compiled_calls(model) -> list:
+    """Has ``model``'s compiled decode step (what transformers' ``get_compiled_call`` returns to ``generate()``)
+    append the host time of each call to the returned list."""
+    inside, compiled_call = [], model.get_compiled_call
+
+    def get_compiled_call(compile_config):
+        call = compiled_call(compile_config)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            output = call(*args, **kwargs)
+            inside.append(time.perf_counter() - start)
+            return output
+
+        return timed
+
+    model.get_compiled_call = get_compiled_call
+    return inside
+
+
 def run_compiled_host(argv):
     p = argparse.ArgumentParser(prog="compiled_profile.py compiled-host",
                                 description="the host time a patched model adds to a compiled decode step")
@@ -66,11 +87,12 @@ def run_compiled_host(argv):
     p.add_argument("--hidden", type=int, default=256, help="small: the GPU time of a step is negligible")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per generate() call")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--device", default="cuda", help="'cpu': a smoke test (no CUDA graphs, no guard profile)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("compiled_profile.py compiled-host times CUDA-graph decode steps: it needs a GPU.")
-    device = torch.device("cuda")
     unpatched = llama_model(args.layers, args.hidden, 2 * args.hidden, 256, device, torch.bfloat16)
     models = {"unpatched": unpatched}
     for steps, name in ((1, "1 step"), (4, "4 steps"), (4, FLOOR)):
@@ -80,14 +102,17 @@ def run_compiled_host(argv):
     subclass_layers(models[FLOOR])
     prompt = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3)).to(device)
 
+    calls = {id(model): time_compiled_calls(model) for model in models.values()}
+
     def generate(model, tokens):
-        """(the median time between decoded tokens, the tokens)"""
-        clock = TokenClock()
+        """(the median time between decoded tokens, the median host time of a compiled call, the tokens)"""
+        clock, inside = TokenClock(), calls[id(model)]
+        inside.clear()
         with torch.no_grad():
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
                                  min_new_tokens=tokens, do_sample=False, pad_token_id=0, cache_implementation="static",
                                  streamer=clock)
-        return clock.median_step(), out
+        return clock.median_step(), statistics.median(inside) if inside else float("nan"), out  # (CPU: not compiled)
 
     cases = {**{name: (model, "package") for name, model in models.items()},
              "4 steps, the identity step": (models["4 steps"], "identity")}
@@ -95,22 +120,28 @@ def run_compiled_host(argv):
     for name, (model, variant) in cases.items():  # compiled, CUDA graphs recorded
         with step_variant(variant):
             generate(model, 8), generate(model, 8)
-            warm[name] = generate(model, 8)[1]
+            warm[name] = generate(model, 8)[2]
     floor_exact = bool(torch.equal(warm[FLOOR], warm["4 steps"]))  # (the floor computes the package's tokens)
-    times = {name: [] for name in cases}
-    for _ in range(args.rounds):
-        for name, (model, variant) in cases.items():
+    times = {name: [] for name in cases}  # [(step, compiled call)] per round
+    names = list(cases)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:  # (the order rotates between rounds)
+            model, variant = cases[name]
             with step_variant(variant):
-                times[name].append(generate(model, args.tokens)[0])
-    rows = {name: {"step_us": 1e6 * statistics.median(values),
-                   "added_us": 1e6 * statistics.median(v - u for v, u in zip(values, times["unpatched"]))}
-            for name, values in times.items()}
+                times[name].append(generate(model, args.tokens)[:2])
+    rows = {}
+    for name, values in times.items():
+        pairs = list(zip(values, times["unpatched"]))
+        rows[name] = {"step_us": 1e6 * statistics.median(v[0] for v in values),
+                      "added_us": 1e6 * statistics.median(v[0] - u[0] for v, u in pairs),
+                      "call_us": 1e6 * statistics.median(v[1] for v in values),
+                      "added_call_us": 1e6 * statistics.median(v[1] - u[1] for v, u in pairs)}
     for name, (model, variant) in cases.items():  # Dynamo's guard evaluation per step (the profiler's own event)
         with step_variant(variant), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             generate(model, args.tokens)
         lookups = [e for e in prof.events() if e.name == "TorchDynamo Cache Lookup"]
         rows[name]["guard_us"] = sum(e.cpu_time_total for e in lookups) / max(len(lookups), 1)
-    gpu = torch.cuda.get_device_name(device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     info = dict(device=gpu, torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
                 hidden=args.hidden, tokens=args.tokens, rounds=args.rounds, rows=rows, step_seconds=times,
                 floor_tokens_equal_package=floor_exact,
@@ -119,13 +150,17 @@ def run_compiled_host(argv):
              f"A small Llama ({args.layers} layers x {args.hidden} hidden, bf16: the GPU time of a step is "
              "negligible, so the step time is host time), `generate(cache_implementation=\"static\")` (compiled, "
              f"CUDA graphs), batch 1, {args.tokens} new tokens; PDE after every block (diffusion). Step: the median "
-             f"time between decoded tokens, median over {args.rounds} rounds (each times every row); added: the "
-             f"median over rounds of the row's step minus the unpatched step; guards: the profiler's \"TorchDynamo "
-             "Cache Lookup\" per compiled call (guard evaluation), one profiled call per row. transformers "
+             f"time between decoded tokens, median over {args.rounds} rounds (each times every row, in an order that "
+             "rotates); compiled call: the median host time of the call of the compiled step itself (from "
+             "transformers' `get_compiled_call`: guards, Dynamo, AOTAutograd's wrappers, the CUDA-graph replay), the "
+             "rest of a step being `generate()`'s Python around it and the wait for the GPU; added: the median over "
+             "rounds of the row's value minus the unpatched one; guards: the profiler's \"TorchDynamo Cache Lookup\" "
+             "per compiled call (guard evaluation), one profiled call per row. transformers "
              f"{info['transformers']}, torch {info['torch']}.", "",
-             "| model | µs per step | added µs per step | guard evaluation µs per step |", "|---|---|---|---|"]
-    lines += [f"| {name} | {row['step_us']:.1f} | {row['added_us']:+.1f} | {row['guard_us']:.1f} |"
-              for name, row in rows.items()]
+             "| model | µs per step | added | µs per compiled call | added | guard evaluation µs per call |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {row['step_us']:.1f} | {row['added_us']:+.1f} | {row['call_us']:.1f} | "
+              f"{row['added_call_us']:+.1f} | {row['guard_us']:.1f} |" for name, row in rows.items()]
     lines += ["", f"The floor's tokens equal the package's (4 steps, same weights): {floor_exact}."]
     write_result_files(os.path.join(args.out, f"compiled_host_{gpu.replace(' ', '_')}"), info, lines)
 
