@@ -58,6 +58,16 @@ from cta.patching_cta import patch_model  # noqa: E402
 from cta.pde_cta import PDERefinement  # noqa: E402
 
 FLOOR = "4 steps, the floor (subclassed layers: no hooks, walls or checks)"
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def cuda_or_smoke(name: str, what: str) -> torch.device:
+    """``--device``: a CUDA device where there is one, or the CPU for a smoke test; exits when CUDA was asked for and
+    is missing."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"compiled_profile.py {what}: it needs a GPU (or --device cpu for a smoke test).")
+    return device
 
 
 def time_compiled_calls(model) -> list:
@@ -88,11 +98,9 @@ def run_compiled_host(argv):
     p.add_argument("--tokens", type=int, default=128, help="new tokens per generate() call")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test (no CUDA graphs, no guard profile)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("compiled_profile.py compiled-host times CUDA-graph decode steps: it needs a GPU.")
+    device = cuda_or_smoke(args.device, "compiled-host times CUDA-graph decode steps")
     unpatched = llama_model(args.layers, args.hidden, 2 * args.hidden, 256, device, torch.bfloat16)
     models = {"unpatched": unpatched}
     for steps, name in ((1, "1 step"), (4, "4 steps"), (4, FLOOR)):
@@ -176,7 +184,7 @@ def run_dynamo_host(argv):
                    help="fresh processes per row (the median is kept: guard evaluation's time moves with where a "
                         "process put the guarded objects, by up to 20 µs between processes)")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # (one row, in a fresh process: prints its JSON)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     from transformers import StaticCache
 
@@ -299,11 +307,9 @@ def run_inputs(argv):
     p.add_argument("--repeats", type=int, default=5, help="timed loops per model and round (their median)")
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test (no CUDA graphs)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("compiled_profile.py inputs times CUDA-graphed calls: it needs a GPU (or --device cpu).")
+    device = cuda_or_smoke(args.device, "inputs times CUDA-graphed calls")
     counts = [int(c) for c in args.counts.split(",")]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     x = torch.randn(1, args.channels, device=device)
