@@ -1,5 +1,9 @@
 from setuptools import find_packages, setup
 
+# Adapters that carry their patch (cta/peft_cta.py) need peft's generic state-dict saving of registered methods (0.21).
+# CI tests the newest release of this range and the lowest (.ci/run).
+PEFT = "peft>=0.21,<0.22"
+
 setup(
     name="cta",
     version="0.1.0",
@@ -22,9 +26,9 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.4"],
-        "examples": ["datasets>=3.0", "evaluate>=0.4", "matplotlib>=3.7", "scikit-learn>=1.3", "peft>=0.14"],
-        "peft": ["peft>=0.14"],
-        "test": ["pytest>=8", "hypothesis>=6", "triton>=3.4", "peft>=0.14", "datasets>=3.0", "evaluate>=0.4",
+        "examples": ["datasets>=3.0", "evaluate>=0.4", "matplotlib>=3.7", "scikit-learn>=1.3", PEFT],
+        "peft": [PEFT],
+        "test": ["pytest>=8", "hypothesis>=6", "triton>=3.4", PEFT, "datasets>=3.0", "evaluate>=0.4",
                  "matplotlib>=3.7", "scikit-learn>=1.3"],
     },
     entry_points={"console_scripts": ["cta-hub=cta.hub:main"]},

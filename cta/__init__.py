@@ -24,6 +24,16 @@ from .pde_cta import (
 
 __version__ = "0.1.0"
 
+try:  # PEFT is optional: with it, adapters of patched models carry their patch (`CTALoraConfig`)
+    from .peft_cta import CTALoraConfig, register_peft_type
+except ImportError as _peft_missing:
+    _PEFT_ERROR = str(_peft_missing)
+
+    def CTALoraConfig(*args, **kwargs):  # noqa: N802 (stands in for the class)
+        raise ImportError(f"cta.CTALoraConfig needs peft (`pip install 'cta[peft]'`): {_PEFT_ERROR}")
+else:
+    register_peft_type()
+
 AutoConfig.register("cta", CTAConfig, exist_ok=True)
 AutoModel.register(CTAConfig, CTAModel, exist_ok=True)
 AutoModelForCausalLM.register(CTAConfig, CTAForCausalLM, exist_ok=True)

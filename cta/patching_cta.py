@@ -411,12 +411,23 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
     model_class = patched_class(type(model))
     config_class = patched_config_class(type(model.config))
     _register_recorded_outputs(model, model_class, config_class, spec)  # (builds the patched class once, on meta)
+    _own_config(model)
     model.config.cta_patch = spec
     drop_compiled_calls(model)  # a compiled forward made before (or copied from another model) would skip the PDE
     _apply_patch(model, spec)
     model.config.__class__ = config_class
     model.__class__ = model_class
     return model
+
+
+def _own_config(model):
+    """Gives ``model`` (and each of its modules that shares its config) a config object of its own, so that the patch
+    leaves other models built from the same config object plain."""
+    shared = model.config
+    own = copy.deepcopy(shared)
+    for module in model.modules():
+        if getattr(module, "config", None) is shared:
+            module.config = own
 
 
 _RECORDING_CLASSES = set()
@@ -533,6 +544,31 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
             if context is not None:
                 return context.sites
         return []
+
+    @property
+    def peft_config(self):
+        """The PEFT adapter configs (set by PEFT on the model it adapts): only configs that record the patch
+        (``cta.CTALoraConfig``) are taken, since an adapter saved without it loads onto a plain base without its PDE."""
+        try:
+            return self.__dict__["_cta_peft_config"]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no PEFT adapter (`peft_config`)") from None
+
+    @peft_config.setter
+    def peft_config(self, configs):
+        for name, adapter in (configs or {}).items():
+            if not isinstance(getattr(adapter, "cta_patch", None), dict):
+                raise ValueError(
+                    f"PEFT adapter {name!r} ({type(adapter).__name__}) does not record this model's CTA patch: saved, "
+                    "it would load onto a plain base without its PDE, silently. Use `cta.CTALoraConfig` (LoraConfig's "
+                    "arguments; it records the patch, saves the PDE coefficients and re-applies the patch where it "
+                    "is loaded)."
+                )
+        self.__dict__["_cta_peft_config"] = configs
+
+    @peft_config.deleter
+    def peft_config(self):
+        self.__dict__.pop("_cta_peft_config", None)
 
     def __init__(self, config, *args, **kwargs):
         spec = getattr(config, "cta_patch", None)

@@ -24,9 +24,10 @@ Several GPUs (FSDP2 or DeepSpeed ZeRO-3; the configs are in ``examples/accelerat
 
 QLoRA (bitsandbytes, one GPU): ``--load_in_4bit`` loads the base in nf4 (bf16 compute), patches it after loading,
 runs ``peft.prepare_model_for_kbit_training`` (which freezes every parameter and upcasts the rest to fp32) and then
-adds LoRA with ``modules_to_save=cta.pde_modules_to_save(model)``, so the PDE coefficients train in fp32 next to
-LoRA. ``--save_models`` saves each trained model (the adapter for LoRA modes) under ``--output_dir`` and checks that
-it reloads onto a freshly loaded (and patched) base with the same logits.
+adds LoRA through ``cta.CTALoraConfig``, whose PDE coefficients train in fp32 next to LoRA. ``--save_models`` saves
+each trained model under ``--output_dir`` (the adapter for LoRA modes: with ``lora_pde`` it records the patch, so a
+receiver loads it onto the plain pretrained model with ``PeftModel.from_pretrained`` after ``import cta``) and checks
+that it reloads that way (PDE only: a patched checkpoint, ``cta.load_patched``) with the same logits.
 
 Writes ``<results_dir>/finetune_patched_llama.json`` and ``.md``. Any ``TrainingArguments`` flag works as well
 (``--learning_rate``, ``--per_device_train_batch_size``, ``--bf16``, ``--push_to_hub`` ...). With ``--push_to_hub``
@@ -61,7 +62,7 @@ from transformers import (  # noqa: E402
     default_data_collator,
 )
 
-from cta.patching_cta import mark_pde_trainable, patch_model, pde_modules, pde_modules_to_save  # noqa: E402
+from cta.patching_cta import mark_pde_trainable, patch_model, pde_modules  # noqa: E402
 
 MODES = ("lora", "lora_pde", "pde")
 
@@ -184,10 +185,10 @@ def build(model_args, script, mode, seed, training_args):
     if mode == "pde":
         mark_pde_trainable(model, freeze_others=True)
         return model
-    config = LoraConfig(
+    # LoRA + PDE: CTALoraConfig records the patch and saves the PDE coefficients with the adapter.
+    config = (cta.CTALoraConfig if mode == "lora_pde" else LoraConfig)(
         r=script.lora_r, lora_alpha=script.lora_alpha, lora_dropout=script.lora_dropout,
         target_modules=script.lora_target_modules.split(","), task_type="CAUSAL_LM",
-        modules_to_save=pde_modules_to_save(model) if mode == "lora_pde" else None,
     )
     # DeepSpeed partitions the trainable parameters of one dtype together: under ZeRO-3 the adapters keep the model's
     # dtype, like the PDE coefficients (PEFT would upcast bf16 adapters to fp32 and DeepSpeed would refuse the mix).
@@ -244,13 +245,14 @@ def coefficient_summary(model, trainer=None):
 
 
 def reload_check(model_args, script, mode, training_args, trained, saved_dir, valid):
-    """The saved model (adapter) on a freshly loaded and patched base gives the trained model's logits."""
+    """The saved model gives the trained model's logits loaded as a receiver loads it: the adapter onto the plain
+    pretrained model (a LoRA + PDE adapter applies its own patch), a PDE-only model with ``cta.load_patched``."""
     from peft import PeftModel
 
     if mode == "pde":
         fresh = cta.load_patched(saved_dir, dtype=torch.float32)
     else:
-        fresh = PeftModel.from_pretrained(load_base(model_args, script, mode, training_args), saved_dir)
+        fresh = PeftModel.from_pretrained(load_base(model_args, script, "lora", training_args), saved_dir)
     device = next(trained.parameters()).device
     if not script.load_in_4bit:  # a 4-bit model already sits on its GPU
         fresh.to(device)

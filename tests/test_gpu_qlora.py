@@ -34,7 +34,7 @@ def llama_dir(tmp_path_factory):
     return path
 
 
-def _patched_4bit_base(path):
+def _patched_4bit_base(path, patch=True):
     from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -42,20 +42,21 @@ def _patched_4bit_base(path):
                                       bnb_4bit_compute_dtype=torch.bfloat16)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.bfloat16,
                                                  device_map={"": 0})
-    cta.patch_model(model, **PATCH)
+    if patch:
+        cta.patch_model(model, **PATCH)
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 @requires_bnb
 def test_qlora_trains_pde_in_fp32_and_adapter_reloads(llama_dir, tmp_path):
     import bitsandbytes as bnb
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
 
     base = _patched_4bit_base(llama_dir)
     assert any(isinstance(m, bnb.nn.Linear4bit) for m in base.modules()), "the base did not load in 4 bits"
     assert any(isinstance(m, cta.PDERefinement) for m in base.modules()), "no PDE site on the 4-bit base"
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                        task_type="CAUSAL_LM", modules_to_save=cta.pde_modules_to_save(base))
+    config = cta.CTALoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                               task_type="CAUSAL_LM")
     model = get_peft_model(base, config)
     pde = {n: p for n, p in model.named_parameters() if "_pde." in n and "original_module" not in n}
     assert pde and all(p.requires_grad and p.dtype == torch.float32 for p in pde.values()), \
@@ -76,11 +77,14 @@ def test_qlora_trains_pde_in_fp32_and_adapter_reloads(llama_dir, tmp_path):
     assert all(not torch.equal(before[n], p.detach()) for n, p in pde.items()), "a PDE coefficient did not move"
 
     model.save_pretrained(tmp_path / "adapter")
-    reloaded = PeftModel.from_pretrained(_patched_4bit_base(llama_dir), tmp_path / "adapter")
-    model.eval(), reloaded.eval()
+    model.eval()
     with torch.no_grad():
-        expected, got = model(input_ids=ids).logits, reloaded(input_ids=ids).logits
-    assert torch.equal(got, expected), (got - expected).abs().max()
-    for name, param in reloaded.named_parameters():
-        if name in pde:
-            assert param.dtype == torch.float32 and torch.equal(param, pde[name]), name
+        expected = model(input_ids=ids).logits
+    for patch in (True, False):  # a patched 4-bit base, and the plain one (the adapter applies its patch)
+        reloaded = PeftModel.from_pretrained(_patched_4bit_base(llama_dir, patch), tmp_path / "adapter").eval()
+        with torch.no_grad():
+            got = reloaded(input_ids=ids).logits
+        assert torch.equal(got, expected), (patch, (got - expected).abs().max())
+        for name, param in reloaded.named_parameters():
+            if name in pde:
+                assert param.dtype == torch.float32 and torch.equal(param, pde[name]), (patch, name)

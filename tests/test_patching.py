@@ -10,13 +10,14 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, DynamicCache
 
+import cta
+
 from cta.patching_cta import (
     PATCH_PLACEMENTS,
     load_patched,
     mark_pde_trainable,
     patch_model,
     pde_modules,
-    pde_modules_to_save,
     pde_parameter_names,
     unpatch_model,
 )
@@ -517,11 +518,11 @@ def test_remote_code_reload_without_package(tmp_path):
 
 
 def lora_patched(model_factory):
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     model = patch_model(model_factory(), pde_steps=2, placement=["value", "block_output"])
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                        modules_to_save=pde_modules_to_save(model), init_lora_weights=True)
+    config = cta.CTALoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                               init_lora_weights=True)
     return get_peft_model(model, config)
 
 
@@ -553,11 +554,11 @@ def test_peft_lora_and_pde_train_together_save_reload_merge(tmp_path):
     assert any("_pde." in n for n in changed) and any("lora_B" in n for n in changed)
     expected = logits(peft_model, ids, mask)
 
-    # adapter save -> load onto a freshly patched base -> identical logits
+    # adapter save -> load onto a freshly patched base, and onto the plain base (the adapter patches it) -> identical
     peft_model.save_pretrained(tmp_path / "adapter")
-    fresh = patch_model(stories(), pde_steps=2, placement=["value", "block_output"])
-    reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
-    torch.testing.assert_close(logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
+    for fresh in (patch_model(stories(), pde_steps=2, placement=["value", "block_output"]), stories()):
+        reloaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+        torch.testing.assert_close(logits(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
 
     # merge_and_unload -> save -> reload patched -> identical logits
     merged = peft_model.merge_and_unload()

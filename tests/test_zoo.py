@@ -2,7 +2,7 @@
 against an independent expectation: the unpatched model (identity init), ``use_cache=False`` generation (cached
 greedy tokens, DynamicCache and StaticCache, with and without left padding), the same inputs with a changed future
 (no leak), the saved folder reloaded (``cta.load_patched``; a subset also with ``trust_remote_code=True`` where cta is
-not installed), LoRA by PEFT's target names for the base model plus ``pde_modules_to_save``, and every head of the
+not installed), LoRA by PEFT's target names for the base model through ``cta.CTALoraConfig``, and every head of the
 family. Plus a walk over every model type the installed transformers ships: covered here, or refused with a reason.
 
 Every covered type gets every check but one: the reload where cta is not installed (a subprocess) runs on
@@ -20,7 +20,8 @@ import transformers
 from packaging import version
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-from cta.patching_cta import load_patched, patch_model, pde_modules, pde_modules_to_save, supported_placements
+import cta
+from cta.patching_cta import load_patched, patch_model, pde_modules, supported_placements
 from cta.patching_structure import REFUSED_BEFORE, model_type_refusal
 from pde_testing import randomize_pde as randomize_interior
 from remote_code_env import run_in_clean_env
@@ -134,11 +135,10 @@ def lora_targets(model_type, model):
 @pytest.mark.parametrize("model_type", sorted(ZOO))
 def test_zoo_lora_trains_and_reloads(model_type, tmp_path):
     pytest.importorskip("peft")
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
 
     model = patched(model_type)
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(model_type, model), lora_dropout=0.0,
-                        modules_to_save=pde_modules_to_save(model))
+    config = cta.CTALoraConfig(r=4, lora_alpha=8, target_modules=lora_targets(model_type, model), lora_dropout=0.0)
     peft_model = get_peft_model(model, config)
     ids, mask = inputs(model_type)
     labels = ids.masked_fill(mask == 0, -100)
@@ -154,10 +154,7 @@ def test_zoo_lora_trains_and_reloads(model_type, tmp_path):
     assert any("lora_B" in n for n in changed) and any("_pde." in n for n in changed), sorted(changed)
     expected = outputs(peft_model, ids, mask)
     peft_model.save_pretrained(tmp_path)
-    fresh = tiny_model(model_type)
-    patch_model(fresh, pde_type="wave", pde_steps=2, placement=supported_placements(fresh), init="paper",
-                per_channel=True)
-    reloaded = PeftModel.from_pretrained(fresh, tmp_path).eval()
+    reloaded = PeftModel.from_pretrained(tiny_model(model_type), tmp_path).eval()  # the adapter patches the plain base
     torch.testing.assert_close(outputs(reloaded, ids, mask), expected, atol=1e-5, rtol=0)
 
 
