@@ -45,7 +45,8 @@ _PDE_COEFFICIENT = re.compile(r"_pde\.(alpha|beta)$")
 SAVES_CURRENT_NAMES = "_cta_saves_current_names"
 _SAFE_WEIGHTS = "model.safetensors"
 _SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
-_HUB_ARGUMENTS = ("subfolder", "revision", "token", "cache_dir", "local_files_only", "force_download")
+# The keywords of from_pretrained that say where a checkpoint is read from (what config and weights must share).
+HUB_ARGUMENTS = ("subfolder", "revision", "token", "cache_dir", "local_files_only", "force_download")
 
 
 def check_pde_weights_loaded(loading_info: dict, model_class: str, source) -> None:
@@ -158,7 +159,7 @@ def _renamed(key: str, key_mapping: dict) -> str:
 
 def _checkpoint_files(source, kwargs):
     """The safetensors files of a checkpoint folder or Hub repository (one file or an index's shards)."""
-    hub = {k: kwargs[k] for k in _HUB_ARGUMENTS if kwargs.get(k) is not None}
+    hub = {k: kwargs[k] for k in HUB_ARGUMENTS if kwargs.get(k) is not None}
     single = _resolve(source, _SAFE_WEIGHTS, hub)
     if single is not None:
         return [single]

@@ -57,7 +57,7 @@ import transformers
 from torch import nn
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from .checkpoint_conversion import SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, saved_as_own_class
+from .checkpoint_conversion import HUB_ARGUMENTS, SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, saved_as_own_class
 from .pde_cache import CACHE_ARGUMENTS, conv_states_per_layer, pde_sites
 from .pde_cache import pde_state_indices as state_indices_of_layer
 from .generation_cta import PDEGenerationMixin, drop_compiled_calls
@@ -733,13 +733,16 @@ def register_auto_classes():
         getattr(transformers, cls._auto_class).register(cls.config_class, cls, exist_ok=True)
 
 
+def _hub_arguments(kwargs):
+    return {k: v for k, v in kwargs.items() if k in HUB_ARGUMENTS and v is not None}
+
+
 def _prepare_family(path, kwargs):
     """Makes (and registers) the patched config class of the checkpoint at ``path``, so that ``AutoConfig`` reads it
     without remote code."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    hub = {k: v for k, v in kwargs.items() if k in ("revision", "token", "cache_dir", "local_files_only", "subfolder")}
-    config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path, **hub)
+    config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path, **_hub_arguments(kwargs))
     model_type = str(config_dict.get("model_type", ""))
     if model_type.startswith(PATCHED_MODEL_TYPE_PREFIX):
         base_type = model_type[len(PATCHED_MODEL_TYPE_PREFIX):]
@@ -750,7 +753,7 @@ def _prepare_family(path, kwargs):
 def load_patched(path, **kwargs):
     """Loads a checkpoint saved from a patched model (a folder or Hub id), as the class it was saved from."""
     _prepare_family(path, kwargs)
-    config = transformers.AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k in ("revision", "token", "cache_dir", "local_files_only")})
+    config = transformers.AutoConfig.from_pretrained(path, **_hub_arguments(kwargs))  # the weights' folder
     if not _is_patched_config(config):
         raise ValueError(f"{path!r} is not a CTA-patched checkpoint (its config has no `cta_patch`).")
     architectures = getattr(config, "architectures", None) or []

@@ -451,6 +451,18 @@ def test_save_reload_patched(tmp_path, arch):
         torch.testing.assert_close(logits(reloaded.eval(), ids, mask), expected, atol=1e-6, rtol=0)
 
 
+def test_load_patched_reads_config_and_weights_from_one_subfolder(tmp_path):
+    """`subfolder` applies to the config as to the weights (a repository whose root holds another model)."""
+    model = patch_model(tiny_model("llama"), pde_steps=2, placement="block_output")
+    randomize_pde(model)
+    ids, mask = batch()
+    model.save_pretrained(tmp_path / "patched")
+    tiny_model("llama", seed=1).save_pretrained(tmp_path)  # a plain model at the root
+    reloaded = load_patched(tmp_path, subfolder="patched")
+    assert type(reloaded) is type(model)
+    torch.testing.assert_close(logits(reloaded.eval(), ids, mask), logits(model, ids, mask), atol=1e-6, rtol=0)
+
+
 def test_missing_or_unexpected_pde_weights_are_errors(tmp_path):
     from safetensors.torch import load_file, save_file
 
