@@ -3,6 +3,7 @@
     cta-hub export MODEL_DIR OUT_DIR [--results all_results.json] [--tokenizer DIR] [--dataset imdb] ...
     cta-hub push OUT_DIR REPO_ID [--private] [--revision BRANCH] [--commit-message MSG] [--token TOKEN]
     cta-hub card MODEL_DIR [--results all_results.json]       # print the rendered README.md only
+    cta-hub export --adapter ADAPTER_DIR OUT_DIR [--base-model ORG/NAME] [--base-model-dir DIR]   # a CTA adapter
 
 ``export`` re-saves a native or patched (``cta.patch_model``) checkpoint with its code files, ``auto_map``,
 safetensors weights and tokenizer, writes a model card from the Jinja templates in ``hub_cards/`` (``model-index``
@@ -10,6 +11,7 @@ from the metrics JSON that ``Trainer.save_metrics`` writes), and checks that the
 ``trust_remote_code=True`` in a process where ``import cta`` fails. ``push`` uploads it with ``huggingface_hub.HfApi``.
 Trainer hooks (``examples/common.py``): :func:`write_model_card` and :func:`publish_trainer_model` (instead of
 ``trainer.push_to_hub()``, which would replace the card with Trainer's generic one and upload pickles).
+PEFT adapters of patched models (``cta.CTALoraConfig``): ``--adapter``, code in :mod:`cta.hub_adapter`.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineMod
 from huggingface_hub.utils import validate_repo_id
 from transformers.dynamic_module_utils import get_relative_import_files
 
+from . import hub_adapter
+from .hub_adapter import PICKLE_SUFFIXES, AdapterExportError, coefficient_text, templates_dir
+
 HUB_TAGS = ["custom_code", "continuous-time-attention", "pde", "cta"]
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 DEFAULT_LICENSE = "apache-2.0"
 PIPELINE_TAGS = {"AutoModelForSequenceClassification": "text-classification", "AutoModelForCausalLM": "text-generation",
                  "AutoModelForMaskedLM": "fill-mask", "AutoModelForTokenClassification": "token-classification",
@@ -110,7 +114,8 @@ def _hub_id_or_none(name) -> Optional[str]:
 
 def _read_config(model_dir: Path) -> dict:
     if not (model_dir / "config.json").is_file():
-        raise HubExportError(f"{model_dir} has no config.json: not a saved transformers checkpoint.")
+        hint = " It is a PEFT adapter folder: pass --adapter." if hub_adapter.is_adapter_folder(model_dir) else ""
+        raise HubExportError(f"{model_dir} has no config.json: not a saved transformers checkpoint.{hint}")
     return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
 
 
@@ -137,15 +142,6 @@ def _load_model(model_dir: Path, config: dict):
     return getattr(cta, architecture).from_pretrained(str(model_dir), dtype="auto")
 
 
-def _coefficient_text(t) -> str:
-    if t is None:
-        return "—"
-    t = t.detach().float().flatten()
-    if float(t.max() - t.min()) <= 1e-7:
-        return f"{t[0].item():.4g}" + (f" (all {t.numel()} channels)" if t.numel() > 1 else "")
-    return f"mean {t.mean().item():.4g} (min {t.min().item():.4g}, max {t.max().item():.4g})"
-
-
 def pde_summary(config: dict, model=None, max_sites: int = 24) -> dict:
     """The PDE settings of a native (``pde_*`` keys) or patched (``cta_patch``) config, plus learned coefficients."""
     from .pde_cta import PDERefinement, coefficient_bounds
@@ -165,20 +161,12 @@ def pde_summary(config: dict, model=None, max_sites: int = 24) -> dict:
         alpha_init=src.get("alpha"), beta_init=src.get("beta") if beta_bounds else None,
         alpha_bounds=list(alpha_bounds), beta_bounds=list(beta_bounds) if beta_bounds else None,
         num_sites=len(sites),
-        sites=[dict(name=n, alpha=_coefficient_text(m.coefficients()[0]), beta=_coefficient_text(m.coefficients()[1]))
+        sites=[dict(name=n, **{k: coefficient_text(c) or "—" for k, c in zip(("alpha", "beta"), m.coefficients())})
                for n, m in sites[:max_sites]],
     )
 
 
 # -- Model card -------------------------------------------------------------------------------------------------------
-
-
-def templates_dir() -> Path:
-    """``hub_cards/``: next to the package in a source checkout, else the installed package data ``cta.hub_cards``."""
-    checkout = Path(__file__).resolve().parent.parent / "hub_cards"
-    if (checkout / "cta_classifier.md").is_file():
-        return checkout
-    return Path(str(importlib.resources.files(__package__) / "hub_cards"))
 
 
 def render_model_card(model_dir, *, repo_id: Optional[str] = None, results=None, license: Optional[str] = None,
@@ -276,8 +264,17 @@ def verify_hub_folder(folder, *, reference_model=None, atol: float = 1e-4, timeo
     """Checks an exported folder; raises :class:`HubExportError` naming every problem. Static: ``auto_map`` loads
     the architecture, its modules and their relative imports are present, safetensors only, README.md. With
     ``reference_model``: the folder loads with ``trust_remote_code=True`` in a subprocess where ``import cta`` fails,
-    and its outputs on a padded batch match the reference's within ``atol`` (relative to their scale)."""
+    and its outputs on a padded batch match the reference's within ``atol`` (relative to their scale). An adapter
+    folder (``adapter_config.json``) gets the static checks of :func:`cta.hub_adapter.verify_adapter_folder`."""
     folder = Path(folder)
+    if hub_adapter.is_adapter_folder(folder):
+        if reference_model is not None:
+            raise HubExportError(f"{folder} is an adapter folder: check its load with "
+                                 "`cta.hub_adapter.verify_adapter_folder(folder, base_model_dir=...)`.")
+        try:
+            return hub_adapter.verify_adapter_folder(folder)
+        except AdapterExportError as err:
+            raise HubExportError(str(err)) from err
     config = _read_config(folder)
     auto_map, problems, code_files = config.get("auto_map") or {}, [], set()
     if _auto_class(config) not in auto_map:
@@ -371,8 +368,9 @@ def push_to_hub_folder(folder, repo_id: str, *, private: bool = False, revision:
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     if revision:
         api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+    kind = "adapter" if hub_adapter.is_adapter_folder(folder) else "model"
     info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), repo_type="model", revision=revision,
-                             commit_message=commit_message or f"Upload CTA model ({folder.name}) with cta-hub",
+                             commit_message=commit_message or f"Upload CTA {kind} ({folder.name}) with cta-hub",
                              create_pr=create_pr)
     return str(getattr(info, "commit_url", info))
 
@@ -421,36 +419,59 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cta-hub", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Export CTA checkpoints (native or patched) as self-contained Hugging Face Hub folders with a "
-                    "model card, verify them, and push them.",
+                    "model card, or CTA adapters (cta.CTALoraConfig, --adapter) as PEFT adapter folders with an "
+                    "adapter card; verify them, and push them.",
         epilog="examples:\n  cta-hub export runs/imdb-cta hub/imdb-cta --results runs/imdb-cta/all_results.json "
-               "--dataset imdb --repo-id me/imdb-cta\n  cta-hub push hub/imdb-cta me/imdb-cta --private")
+               "--dataset imdb --repo-id me/imdb-cta\n  cta-hub push hub/imdb-cta me/imdb-cta --private\n"
+               "  cta-hub export --adapter runs/llama-cta/adapter hub/llama-cta-adapter --base-model "
+               "meta-llama/Llama-3.2-1B --base-model-dir ~/models/Llama-3.2-1B")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{export,push,card}")
 
     def model_options(p):
-        p.add_argument("model_dir", metavar="MODEL_DIR", help="saved checkpoint (save_pretrained / Trainer output_dir)")
+        p.add_argument("model_dir", metavar="MODEL_DIR", help="saved checkpoint (save_pretrained / Trainer "
+                       "output_dir); with --adapter, a CTA adapter folder (PeftModel.save_pretrained)")
+        p.add_argument("--adapter", action="store_true",
+                       help="MODEL_DIR is a PEFT adapter of a patched model, saved with cta.CTALoraConfig (peft_type "
+                            "CTA_LORA): publish adapter_config.json + adapter_model.safetensors with an adapter card "
+                            "(library_name: peft, base_model) whose snippet loads it onto the plain base after "
+                            "`import cta`. A plain LoRA adapter is refused: it would load without its PDE")
         p.add_argument("--results", metavar="JSON", help="metrics JSON written by Trainer.save_metrics "
-                       "(all_results.json, eval_results.json...): its eval_*/test_* values fill the card's model-index")
+                       "(all_results.json, eval_results.json...): its eval_*/test_* values fill the card's model-index "
+                       "(not with --adapter)")
         p.add_argument("--dataset", action="append", dest="datasets", metavar="DATASET_ID",
                        help="Hub dataset id (or example task key: imdb, sst2, wikitext...) the model was trained and "
                             "evaluated on; repeatable, the first is the model-index's evaluation dataset")
         p.add_argument("--license", help=f"license id (default: {DEFAULT_LICENSE} for native models, 'other' for "
-                                         "patched ones, whose base model's license applies)")
+                                         "patched ones and adapters, whose base model's license applies)")
         p.add_argument("--language", action="append", help="language code of the training data (repeatable), e.g. en")
-        p.add_argument("--base-model", help="Hub id of the base model of a patched checkpoint (default: its "
-                                            "_name_or_path when that is a Hub id)")
+        p.add_argument("--base-model", help="Hub id of the base model of a patched checkpoint or an adapter "
+                                            "(default: its _name_or_path / base_model_name_or_path when that is a "
+                                            "Hub id; an adapter trained on a local folder needs it)")
         p.add_argument("--repo-id", help="repository id the card's usage snippet loads (default: the folder's name)")
         p.add_argument("--templates", metavar="DIR", help="folder with model-card templates named like hub_cards/")
+        p.add_argument("--pip-spec", default=hub_adapter.DEFAULT_PIP_SPEC, metavar="SPEC",
+                       help="with --adapter: what the card's `pip install` line installs, e.g. 'cta[peft] @ "
+                            f"git+https://github.com/ORG/cta' (default: {hub_adapter.DEFAULT_PIP_SPEC!r})")
 
-    p = sub.add_parser("export", help="write a self-contained Hub folder and verify it",
+    p = sub.add_parser("export", help="write a self-contained Hub folder (or an adapter's, --adapter) and verify it",
                        description="Write OUT_DIR (config.json with auto_map, flat code files, safetensors weights, "
                                    "tokenizer, README.md card), then check that it loads with trust_remote_code=True "
-                                   "without the cta package and gives the same outputs.")
+                                   "without the cta package and gives the same outputs. With --adapter: write the "
+                                   "adapter (adapter_config.json, adapter_model.safetensors, README.md adapter card), "
+                                   "then, given --base-model-dir, check that the plain base + the adapter loads after "
+                                   "`import cta` with the original adapter's logits and is refused without cta.")
     model_options(p)
     p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (flat; must be empty unless --overwrite)")
-    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer to save with the model (default: MODEL_DIR's, if any)")
+    p.add_argument("--tokenizer", metavar="DIR", help="tokenizer to save with the model (default: MODEL_DIR's, if "
+                                                      "any; not with --adapter: the base model's tokenizer is used)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty OUT_DIR")
+    p.add_argument("--base-model-dir", metavar="DIR",
+                   help="with --adapter: local folder of the plain base model, for the load checks (python -I "
+                        "subprocesses: base + exported adapter after `import cta` gives the original adapter's logits; "
+                        "without cta, PEFT refuses the adapter); without it those checks are skipped")
     p.add_argument("--no-verify-load", action="store_true",
-                   help="skip the load-and-compare check in a cta-free subprocess (static checks still run)")
+                   help="skip the load-and-compare check in a cta-free subprocess, or an adapter's load checks "
+                        "(static checks still run)")
     p.add_argument("--atol", type=float, default=1e-4, help="tolerance of that comparison (default: 1e-4)")
 
     p = sub.add_parser("push", help="upload an exported folder to the Hub",
@@ -464,9 +485,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token", help="Hub token with write access (default: HF_TOKEN or the saved login)")
     p.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing directly")
 
-    p = sub.add_parser("card", help="print the model card of a saved checkpoint (no export)")
+    p = sub.add_parser("card", help="print the model card of a saved checkpoint or adapter (--adapter; no export)")
     model_options(p)
     return parser
+
+
+def _adapter_main(args, card_args: dict) -> None:
+    """``export --adapter`` / ``card --adapter``."""
+    for option in ("results", "tokenizer"):
+        if getattr(args, option, None):
+            raise HubExportError(f"--{option} does not apply to --adapter (an adapter card has no model-index, and "
+                                 "the base model's tokenizer is used).")
+    card_args = dict(card_args, datasets=[d[0] for d in _datasets(card_args["datasets"])], pip_spec=args.pip_spec)
+    del card_args["results"]
+    if args.command == "card":
+        sys.stdout.write(str(hub_adapter.render_adapter_card(args.model_dir, **card_args)))
+        return
+    report = hub_adapter.export_adapter_for_hub(args.model_dir, args.out_dir, base_model_dir=args.base_model_dir,
+                                                overwrite=args.overwrite, verify_load=not args.no_verify_load,
+                                                atol=args.atol, **card_args)
+    print("\n".join(hub_adapter.report_lines(report)))
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -474,7 +512,11 @@ def main(argv: Optional[list] = None) -> int:
     card_args = {k: getattr(args, k, None) for k in ("results", "license", "datasets", "base_model", "language",
                                                      "repo_id", "templates")}
     try:
-        if args.command == "export":
+        if getattr(args, "adapter", False):
+            _adapter_main(args, card_args)
+        elif getattr(args, "base_model_dir", None):
+            raise HubExportError("--base-model-dir is for --adapter exports (the plain base model's local folder).")
+        elif args.command == "export":
             out = export_for_hub(args.model_dir, args.out_dir, tokenizer=args.tokenizer, overwrite=args.overwrite,
                                  verify_load=not args.no_verify_load, atol=args.atol, **card_args)
             print(f"Exported and verified {out}:")
@@ -486,7 +528,8 @@ def main(argv: Optional[list] = None) -> int:
             print(f"Pushed {args.out_dir} to {args.repo_id}: {url}")
         else:
             sys.stdout.write(str(render_model_card(args.model_dir, **card_args)))
-    except (HubExportError, HubPushError, HFValidationError, HfHubHTTPError, OfflineModeIsEnabled) as err:
+    except (HubExportError, HubPushError, AdapterExportError, HFValidationError, HfHubHTTPError,
+            OfflineModeIsEnabled) as err:
         print(f"cta-hub {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

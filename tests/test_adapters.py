@@ -194,4 +194,5 @@ def test_patch_model_leaves_other_models_of_the_config_alone(tmp_path):
     patch_model(second, **OTHER_SPEC)  # not "already patched"
     LlamaForCausalLM(config).save_pretrained(tmp_path / "third")
     saved = json.loads((tmp_path / "third" / "config.json").read_text())
-    assert saved["model_type"] == "llama" and "cta_patch" not in saved and saved["architectures"] == ["LlamaForCausalLM"]
+    assert saved["model_type"] == "llama" and "cta_patch" not in saved
+    assert saved["architectures"] == ["LlamaForCausalLM"]

@@ -1,0 +1,520 @@
+"""Publishing CTA adapters (``cta.CTALoraConfig``, PEFT type ``CTA_LORA``) on the Hugging Face Hub.
+
+    cta-hub export --adapter ADAPTER_DIR OUT_DIR [--base-model ORG/NAME] [--base-model-dir DIR] ...
+    cta-hub card --adapter ADAPTER_DIR [--base-model ORG/NAME]      # print the rendered README.md only
+    cta-hub push OUT_DIR REPO_ID                                    # the same command as for full checkpoints
+
+An adapter folder (``PeftModel.save_pretrained`` of a patched model) holds the LoRA weights and the PDE coefficients
+(``modules_to_save``); its ``adapter_config.json`` records the patch (``cta_patch``). :func:`export_adapter_for_hub`
+copies those two files (safetensors only; ``base_model_name_or_path`` set to the base model's Hub id, which
+``AutoPeftModelFor*`` loads), writes an adapter card (``hub_cards/adapter.md``: ``library_name: peft``,
+``base_model``, the patch and the coefficients per site) and, given the plain base model's local folder, checks in
+``python -I`` subprocesses that the exported adapter loads onto the plain base after ``import cta`` with the original
+adapter's logits, and that without ``cta`` PEFT refuses it (it never returns the base model without the PDE).
+
+The command line is ``cta.hub``'s (``cta-hub``), which imports this module; this module does not import ``cta.hub``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import jinja2
+from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+CTA_PEFT_TYPE = "CTA_LORA"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+ADAPTER_TAGS = ["cta", "pde", "continuous-time-attention"]
+DEFAULT_PIP_SPEC = "cta[peft]"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# PEFT task_type -> (transformers Auto class of the base, PEFT Auto class, Hub pipeline tag).
+TASKS = {
+    "CAUSAL_LM": ("AutoModelForCausalLM", "AutoPeftModelForCausalLM", "text-generation"),
+    "SEQ_CLS": ("AutoModelForSequenceClassification", "AutoPeftModelForSequenceClassification", "text-classification"),
+    "TOKEN_CLS": ("AutoModelForTokenClassification", "AutoPeftModelForTokenClassification", "token-classification"),
+    "QUESTION_ANS": ("AutoModelForQuestionAnswering", "AutoPeftModelForQuestionAnswering", "question-answering"),
+    "SEQ_2_SEQ_LM": ("AutoModelForSeq2SeqLM", "AutoPeftModelForSeq2SeqLM", "text2text-generation"),
+    "FEATURE_EXTRACTION": ("AutoModel", "AutoPeftModelForFeatureExtraction", "feature-extraction"),
+}
+_NO_TASK = ("AutoModel", "AutoPeftModel", None)
+# A PDE coefficient in the adapter's safetensors: `<prefix>.<module path>.cta_<placement>_pde.<alpha|beta>`.
+_PDE_KEY = re.compile(r"^(?P<site>(?:.*\.)?cta_\w+_pde)\.(?P<name>alpha|beta)$")
+_PEFT_PREFIX = "base_model.model."
+
+
+class AdapterExportError(RuntimeError):
+    """The folder is not a CTA adapter, cannot be exported, or an exported adapter folder failed verification."""
+
+
+# -- Reading an adapter -----------------------------------------------------------------------------------------------
+
+
+def is_adapter_folder(folder) -> bool:
+    """Whether ``folder`` is a PEFT adapter folder (``adapter_config.json``) rather than a full checkpoint."""
+    folder = Path(folder)
+    return (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file()
+
+
+def _not_an_adapter(folder: Path, argument: str) -> str:
+    if (folder / "config.json").is_file():
+        return (f"{argument} {folder} holds a full checkpoint (config.json), not a PEFT adapter: export it with "
+                "`cta-hub export` without --adapter.")
+    nested = sorted(p.parent.name for p in folder.glob(f"*/{ADAPTER_CONFIG}"))
+    if nested:
+        return f"{argument} {folder} holds adapters in subfolders {nested}: pass one of those folders."
+    return f"{argument} {folder} has no {ADAPTER_CONFIG}: not a folder written by `PeftModel.save_pretrained`."
+
+
+def read_adapter(adapter_dir, argument: str = "ADAPTER_DIR") -> dict:
+    """Reads a CTA adapter folder; raises :class:`AdapterExportError` naming what makes it something else (a plain
+    LoRA adapter, a full checkpoint, pickle weights, no PDE coefficients). Returns ``{"config": adapter_config,
+    "coefficients": {site: {"alpha": tensor, "beta": tensor}}, "lora_tensors": n, "pde_parameters": n,
+    "lora_parameters": n, "other_parameters": n}``; sites are module paths without PEFT's ``base_model.model.``.
+    ``argument``: how errors name the folder."""
+    from safetensors import safe_open
+
+    folder = Path(adapter_dir)
+    if not folder.is_dir():
+        raise AdapterExportError(f"{argument} {folder} is not a folder.")
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise AdapterExportError(_not_an_adapter(folder, argument))
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise AdapterExportError(f"Cannot read {folder / ADAPTER_CONFIG}: {err}") from None
+    peft_type = config.get("peft_type")
+    if peft_type != CTA_PEFT_TYPE:
+        kind = "a plain LoRA adapter" if peft_type == "LORA" else f"a {peft_type} adapter"
+        raise AdapterExportError(
+            f"{argument} {folder} is {kind} (peft_type {peft_type!r}), not a CTA adapter ({CTA_PEFT_TYPE!r}): it "
+            "records no CTA patch, so loaded onto the plain base model it would lose the PDE. Train the adapter with "
+            "`cta.CTALoraConfig` (LoraConfig's arguments) on the patched model.")
+    if not isinstance(config.get("cta_patch"), dict):
+        raise AdapterExportError(f"{folder / ADAPTER_CONFIG} has peft_type {CTA_PEFT_TYPE!r} but no `cta_patch` dict.")
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+        raise AdapterExportError(
+            f"{argument} {folder} has no {ADAPTER_WEIGHTS}" + (f" (only pickle weights {pickles}: save the adapter "
+                                                                 "with `safe_serialization=True`)" if pickles else "."))
+    coefficients, counts = {}, dict(lora_tensors=0, pde_parameters=0, lora_parameters=0, other_parameters=0)
+    with safe_open(str(weights), framework="pt") as f:
+        for key in f.keys():
+            match = _PDE_KEY.match(key)
+            if match:
+                tensor = f.get_tensor(key)
+                coefficients.setdefault(match["site"].removeprefix(_PEFT_PREFIX), {})[match["name"]] = tensor
+                counts["pde_parameters"] += tensor.numel()
+                continue
+            numel = math.prod(f.get_slice(key).get_shape())
+            lora = "lora_" in key
+            counts["lora_tensors"] += lora
+            counts["lora_parameters" if lora else "other_parameters"] += numel
+    if not coefficients:
+        raise AdapterExportError(f"{weights} holds no PDE coefficients (keys `...cta_<placement>_pde.alpha`): the PDE "
+                                 "modules were not among the adapter's modules_to_save.")
+    return dict(config=config, coefficients=dict(sorted(coefficients.items(), key=lambda kv: _natural(kv[0]))),
+                **counts)
+
+
+def _natural(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def base_model_id(config: dict, base_model: Optional[str] = None) -> str:
+    """The Hub id of the adapter's base model: ``base_model`` if given, else ``base_model_name_or_path`` when that
+    is a Hub id; a local path is refused, naming ``--base-model``."""
+    if base_model:
+        validate_repo_id(base_model)
+        return base_model
+    recorded = config.get("base_model_name_or_path")
+    try:
+        validate_repo_id(recorded)
+        local = recorded is None or os.path.exists(recorded)
+    except HFValidationError:
+        local = True
+    if local:
+        where = f"the local path {recorded!r}" if recorded else "no base model"
+        raise AdapterExportError(
+            f"adapter_config.json's base_model_name_or_path is {where}, not a Hub id: pass --base-model ORG/NAME (in "
+            "Python `base_model=`), the Hub id of the model the adapter was trained on; the card and "
+            "AutoPeftModel load the base from it.")
+    return recorded
+
+
+# -- Model card -------------------------------------------------------------------------------------------------------
+
+
+def templates_dir() -> Path:
+    """``hub_cards/``: next to the package in a source checkout, else the installed package data ``cta.hub_cards``."""
+    checkout = Path(__file__).resolve().parent.parent / "hub_cards"
+    if (checkout / "adapter.md").is_file():
+        return checkout
+    return Path(str(importlib.resources.files(__package__) / "hub_cards"))
+
+
+def coefficient_text(t) -> Optional[str]:
+    """A coefficient tensor for a card: its value (all channels alike) or mean, min and max; None for None."""
+    if t is None:
+        return None
+    t = t.detach().float().flatten()
+    if float(t.max() - t.min()) <= 1e-7:
+        return f"{t[0].item():.4g}" + (f" (all {t.numel()} channels)" if t.numel() > 1 else "")
+    return f"mean {t.mean().item():.4g} (min {t.min().item():.4g}, max {t.max().item():.4g})"
+
+
+def adapter_pde_summary(config: dict, coefficients: dict, max_sites: int = 24) -> dict:
+    """The patch (``config["cta_patch"]``) and the coefficients per site as saved (``values``) and as the scheme
+    uses them (``effective``: projected onto the stable interval), in the keys of ``cta.hub.pde_summary``."""
+    from .pde_spec import coefficient_bounds
+
+    patch = config["cta_patch"]
+    causal = bool(patch.get("causal"))
+    alpha_bounds, beta_bounds = coefficient_bounds(patch["pde_type"], causal)
+    placement = patch.get("placement", "block_output")
+    sites = []
+    for name, coeffs in coefficients.items():
+        site = dict(name=name)
+        for key, bounds in (("alpha", alpha_bounds), ("beta", beta_bounds)):
+            raw = coeffs.get(key)
+            effective = raw.float().clamp(*bounds) if raw is not None and bounds else raw
+            site.update({key: raw.float().flatten().tolist() if raw is not None else None,
+                         f"{key}_effective": effective.flatten().tolist() if effective is not None else None,
+                         f"{key}_text": coefficient_text(effective)})
+        sites.append(site)
+    return dict(
+        type=patch["pde_type"], steps=patch.get("pde_steps", 1), causal=causal,
+        placements=[placement] if isinstance(placement, str) else list(placement),
+        layers="all" if patch.get("layers") is None else ", ".join(map(str, patch["layers"])),
+        per_channel=bool(patch.get("per_channel")), backend=patch.get("backend", "auto"), init=patch.get("init"),
+        alpha_init=patch.get("alpha"), beta_init=patch.get("beta") if beta_bounds else None,
+        alpha_bounds=list(alpha_bounds), beta_bounds=list(beta_bounds) if beta_bounds else None,
+        num_sites=len(sites), sites=sites, shown_sites=sites[:max_sites],
+    )
+
+
+def _lora_summary(config: dict, info: dict) -> dict:
+    targets = config.get("target_modules")
+    has_lora = info["lora_tensors"] > 0
+    return dict(
+        has_lora=has_lora, r=config.get("r"), lora_alpha=config.get("lora_alpha"),
+        dropout=config.get("lora_dropout"), use_dora=bool(config.get("use_dora")),
+        use_rslora=bool(config.get("use_rslora")),
+        targets=", ".join(f"`{t}`" for t in (sorted(targets) if isinstance(targets, list) else [targets])),
+        modules_to_save=sorted(config.get("modules_to_save") or []),
+        cta_version=config.get("cta_version"), peft_version=config.get("peft_version"),
+        lora_parameters=f"{info['lora_parameters']:,}", pde_parameters=f"{info['pde_parameters']:,}",
+        other_parameters=f"{info['other_parameters']:,}" if info["other_parameters"] else None,
+    )
+
+
+def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_id: Optional[str] = None,
+                        license: Optional[str] = None, datasets=None, language=None, templates=None,
+                        title: Optional[str] = None, pip_spec: str = DEFAULT_PIP_SPEC) -> ModelCard:
+    """The README card (``huggingface_hub.ModelCard``) of the CTA adapter in ``adapter_dir``: PEFT adapter metadata
+    (``library_name: peft``, ``base_model``, tags ``base_model:adapter:<id>``...), the patch and the learned
+    coefficients per site, and a usage snippet that loads it onto the plain base after ``import cta``.
+
+    ``base_model``: the base model's Hub id (default: ``base_model_name_or_path`` when it is one); ``datasets``: Hub
+    dataset ids; ``pip_spec``: what the card's ``pip install`` line installs; ``templates``: a folder like
+    ``hub_cards/`` holding ``adapter.md``."""
+    adapter_dir = Path(adapter_dir)
+    info = read_adapter(adapter_dir)
+    config = info["config"]
+    validate_repo_id(repo_id)  # None passes
+    base_model = base_model_id(config, base_model)
+    repo_id = repo_id or adapter_dir.resolve().name
+    auto_class, peft_auto_class, task = TASKS.get(config.get("task_type"), _NO_TASK)
+    pde = adapter_pde_summary(config, info["coefficients"])
+    lora = _lora_summary(config, info)
+    datasets = [datasets] if isinstance(datasets, str) else list(datasets or [])
+    card_data = ModelCardData(
+        library_name="peft", base_model=base_model, pipeline_tag=task, license=license or "other",
+        tags=ADAPTER_TAGS + [f"pde-{pde['type'].replace('_', '-')}"] + (["lora"] if lora["has_lora"] else [])
+        + [f"base_model:adapter:{base_model}"],
+        language=language or None, datasets=datasets or None)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates or templates_dir())))
+    content = env.get_template("adapter.md").render(
+        card_data=card_data.to_yaml(), title=title or repo_id.split("/")[-1], repo_id=repo_id, base_model=base_model,
+        task=task, auto_class=auto_class, peft_auto_class=peft_auto_class, task_type=config.get("task_type"),
+        patch=config["cta_patch"], pde=pde, lora=lora, pip_spec=pip_spec, datasets=datasets,
+        example_text="The film was a quiet, patient delight." if task == "text-classification" else "Once upon a time",
+    )
+    return ModelCard(content)
+
+
+# -- Export and verification ------------------------------------------------------------------------------------------
+
+
+def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = None, base_model_dir=None,
+                           reference_model=None, repo_id: Optional[str] = None, license: Optional[str] = None,
+                           datasets=None, language=None, templates=None, title: Optional[str] = None,
+                           pip_spec: str = DEFAULT_PIP_SPEC, overwrite: bool = False, verify: bool = True,
+                           verify_load: bool = True, atol: float = 1e-4, timeout: int = 600) -> dict:
+    """Writes a Hub folder for the CTA adapter in ``adapter_dir`` (``PeftModel.save_pretrained`` of a model trained
+    with ``cta.CTALoraConfig``): ``adapter_config.json`` (``base_model_name_or_path``: the base model's Hub id),
+    ``adapter_model.safetensors`` and the card ``README.md``. Then :func:`verify_adapter_folder`: static checks, and
+    unless ``verify_load=False`` and given ``base_model_dir`` (the plain base model's local folder), the load checks,
+    comparing with ``reference_model`` (default: the original folder loaded onto ``base_model_dir`` here).
+
+    Returns the verification report with ``folder`` (``out_dir``) and ``base_model``; ``load_check`` says why the
+    load checks were skipped, if they were.
+    """
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    validate_repo_id(repo_id)  # None passes
+    if out_dir.resolve() == adapter_dir.resolve():
+        raise AdapterExportError("OUT_DIR must differ from ADAPTER_DIR.")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise AdapterExportError(f"OUT_DIR {out_dir} exists and is not empty (use --overwrite to replace it).")
+    info = read_adapter(adapter_dir)
+    base_model = base_model_id(info["config"], base_model)
+    if verify and verify_load and base_model_dir is not None:
+        _check_base_dir(base_model_dir)  # before writing anything
+    if out_dir.exists():
+        shutil.rmtree(out_dir)  # --overwrite
+    out_dir.mkdir(parents=True)
+    shutil.copyfile(adapter_dir / ADAPTER_WEIGHTS, out_dir / ADAPTER_WEIGHTS)
+    # AutoPeftModelFor*.from_pretrained(repo) loads the base from here: a Hub id, not the training machine's path.
+    config = dict(info["config"], base_model_name_or_path=base_model)
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    render_adapter_card(out_dir, base_model=base_model, repo_id=repo_id or out_dir.resolve().name, license=license,
+                        datasets=datasets, language=language, templates=templates, title=title,
+                        pip_spec=pip_spec).save(out_dir / "README.md")
+    report = dict(folder=out_dir, base_model=base_model)
+    if not verify:
+        return dict(report, load_check="skipped (verify=False)")
+    if not verify_load:
+        base_model_dir, reason = None, "skipped (--no-verify-load)"
+    else:
+        reason = ("skipped: pass --base-model-dir DIR (the plain base model's local folder) to load the adapter onto "
+                  "it with and without cta")
+    report.update(verify_adapter_folder(out_dir, base_model_dir=base_model_dir, reference_adapter=adapter_dir,
+                                        reference_model=reference_model, atol=atol, timeout=timeout))
+    report.setdefault("load_check", reason)
+    return report
+
+
+def verify_adapter_folder(folder, *, base_model_dir=None, reference_adapter=None, reference_model=None,
+                          atol: float = 1e-4, timeout: int = 600) -> dict:
+    """Checks an exported adapter folder; raises :class:`AdapterExportError` naming every problem.
+
+    Static: a CTA adapter (``read_adapter``), safetensors only, a README.md card with ``library_name: peft`` and a
+    ``base_model``. With ``base_model_dir`` (the plain base model's local folder), two ``python -I`` subprocesses
+    started in a temporary folder (``cta`` is the installed package, not a checkout on the path): after ``import cta``
+    the plain base + this adapter (``PeftModel.from_pretrained``) is patched, holds the saved coefficients, and its
+    logits on a padded batch match those of ``reference_model`` (default: ``reference_adapter``, else ``folder``,
+    loaded the same way in this process) within ``atol`` (relative to their scale); where ``import cta`` fails,
+    loading the adapter raises. Returns a report: ``files``, ``sites``, and with the load checks
+    ``max_abs_diff``, ``with_cta``, ``without_cta``.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterExportError(f"{folder} is not a folder.")
+    problems, info = [], None
+    try:
+        info = read_adapter(folder, argument="OUT_DIR")
+    except AdapterExportError as err:
+        problems.append(str(err))
+    files = sorted(p.name for p in folder.iterdir())
+    pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        problems.append(f"pickle files present (safetensors only): {pickles}")
+    if "README.md" not in files:
+        problems.append("README.md missing")
+    else:
+        data = ModelCard.load(str(folder / "README.md")).data
+        if data.library_name != "peft":
+            problems.append(f"README.md's metadata has library_name {data.library_name!r}, not 'peft'")
+        if not data.base_model:
+            problems.append("README.md's metadata has no base_model (the Hub lists adapters under their base model)")
+    if problems:
+        raise AdapterExportError(f"{folder} failed verification:\n- " + "\n- ".join(problems))
+    report = dict(files=files, sites=list(info["coefficients"]), peft_type=CTA_PEFT_TYPE,
+                  lora_tensors=info["lora_tensors"])
+    if base_model_dir is not None:
+        report.update(_verify_load(folder, info, Path(base_model_dir), reference_adapter, reference_model, atol,
+                                   timeout))
+    return report
+
+
+def _check_base_dir(base_model_dir) -> dict:
+    base_model_dir = Path(base_model_dir)
+    if not (base_model_dir / "config.json").is_file():
+        raise AdapterExportError(f"--base-model-dir {base_model_dir} has no config.json: pass the local folder of the "
+                                 "plain base model (save_pretrained) the adapter was trained on.")
+    config = json.loads((base_model_dir / "config.json").read_text(encoding="utf-8"))
+    if "cta_patch" in config:
+        raise AdapterExportError(f"--base-model-dir {base_model_dir} holds a patched checkpoint: pass the plain base "
+                                 "model, which the adapter patches (what the Hub's users load).")
+    return config
+
+
+_WITH_CTA_SCRIPT = r"""
+import json, sys
+import cta  # registers the CTA_LORA adapter type with PEFT: what the card tells users to do
+import torch, transformers
+from peft import PeftModel
+from safetensors.torch import load_file
+spec = json.load(open(sys.argv[1]))
+base = getattr(transformers, spec["auto"]).from_pretrained(spec["base"], dtype="auto")
+model = PeftModel.from_pretrained(base, spec["folder"]).eval()
+sites = set()
+for name, module in model.named_modules():
+    if isinstance(module, cta.PDERefinement):
+        sites.add(name.split(".modules_to_save.")[0].removesuffix(".original_module").removeprefix("base_model.model."))
+state, unequal = model.state_dict(), []
+for key, saved in load_file(spec["weights"]).items():
+    if key in spec["pde_keys"]:
+        site, name = key.rsplit(".", 1)
+        if not torch.equal(state[f"{site}.modules_to_save.default.{name}"], saved):
+            unequal.append(key)
+with torch.no_grad():
+    out = model(input_ids=torch.tensor(spec["ids"]), attention_mask=torch.tensor(spec["mask"]))
+torch.save((out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float(), spec["out"])
+json.dump(dict(cta=cta.__file__, cls=type(model.get_base_model()).__name__, sites=sorted(sites), unequal=unequal),
+          open(spec["report"], "w"))
+"""
+
+_WITHOUT_CTA_SCRIPT = r"""
+import importlib.abc, json, sys
+class BlockCTA(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "cta" or name.startswith("cta."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the adapter must be refused without cta)")
+sys.meta_path.insert(0, BlockCTA())
+import transformers
+from peft import PeftModel
+spec = json.load(open(sys.argv[1]))
+base = getattr(transformers, spec["auto"]).from_pretrained(spec["base"], dtype="auto")
+try:
+    model = PeftModel.from_pretrained(base, spec["folder"])
+except Exception as err:
+    print("REFUSED " + json.dumps(f"{type(err).__name__}: {err}"))
+    sys.exit(0)
+print("LOADED " + type(model.get_base_model()).__name__)
+sys.exit(3)
+"""
+
+
+def _batch(base_config: dict, causal: bool, task_type: Optional[str]):
+    import torch
+
+    vocab = base_config.get("vocab_size") or (base_config.get("text_config") or {}).get("vocab_size") or 100
+    ids = torch.randint(3, min(int(vocab), 1000), (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    (mask[1, :4] if causal else mask[1, -4:]).zero_()  # left padding for decoders, right padding for encoders
+    if task_type == "SEQ_CLS" and base_config.get("pad_token_id") is None:
+        ids, mask = ids[:1], mask[:1]  # decoders' classification heads refuse a padded batch without a pad token
+    return ids, mask
+
+
+def _reference_logits(reference_model, reference_adapter, base_dir: Path, auto: str, ids, mask):
+    import torch
+    import transformers
+
+    if reference_model is None:
+        from peft import PeftModel
+
+        base = getattr(transformers, auto).from_pretrained(str(base_dir), dtype="auto")
+        reference_model = PeftModel.from_pretrained(base, str(reference_adapter))
+    with torch.no_grad():
+        out = reference_model.eval()(input_ids=ids, attention_mask=mask)
+    return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()
+
+
+def _verify_load(folder: Path, info: dict, base_dir: Path, reference_adapter, reference_model, atol: float,
+                 timeout: int) -> dict:
+    import torch
+
+    config = info["config"]
+    auto = TASKS.get(config.get("task_type"), _NO_TASK)[0]
+    ids, mask = _batch(_check_base_dir(base_dir), bool(config["cta_patch"].get("causal")), config.get("task_type"))
+    with tempfile.TemporaryDirectory(prefix="cta-hub-adapter-verify-") as work:
+        spec = dict(folder=str(folder.resolve()), base=str(base_dir.resolve()), auto=auto, ids=ids.tolist(),
+                    mask=mask.tolist(), out=str(Path(work) / "out.pt"), report=str(Path(work) / "report.json"),
+                    weights=str((folder / ADAPTER_WEIGHTS).resolve()),
+                    pde_keys=[f"{_PEFT_PREFIX}{site}.{name}" for site, coeffs in info["coefficients"].items()
+                              for name in coeffs])
+        (Path(work) / "spec.json").write_text(json.dumps(spec))
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        # Both subprocesses run while the reference is computed here (each spends seconds importing torch & co).
+        procs = {name: subprocess.Popen([sys.executable, "-I", "-c", script, str(Path(work) / "spec.json")], cwd=work,
+                                        env=dict(env, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+                 for name, script in (("with", _WITH_CTA_SCRIPT), ("without", _WITHOUT_CTA_SCRIPT))}
+        try:
+            expected = _reference_logits(reference_model, reference_adapter or folder, base_dir, auto, ids, mask)
+            outputs = {name: (*proc.communicate(timeout=timeout), proc.returncode) for name, proc in procs.items()}
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        stdout, stderr, code = outputs["with"]
+        if code != 0:
+            raise AdapterExportError(f"{folder}: the plain base {base_dir} + the adapter does not load after "
+                                     f"`import cta` (python -I):\n{stdout[-3000:]}\n{stderr[-6000:]}")
+        got, loaded = torch.load(spec["out"]), json.loads(Path(spec["report"]).read_text())
+    stdout, stderr, code = outputs["without"]
+    refused = next((line[len("REFUSED "):] for line in stdout.splitlines() if line.startswith("REFUSED ")), None)
+    if code == 3:
+        raise AdapterExportError(f"{folder}: without cta, PEFT loaded the adapter onto the plain base "
+                                 f"({stdout.strip().split()[-1]}) instead of refusing it: the PDE would be dropped.")
+    if code != 0 or refused is None:
+        raise AdapterExportError(f"{folder}: the load check without cta failed before loading the adapter:\n"
+                                 f"{stdout[-3000:]}\n{stderr[-6000:]}")
+    problems = []
+    if sorted(loaded["sites"]) != sorted(info["coefficients"]):
+        problems.append(f"the loaded model's PDE sites {loaded['sites']} are not the adapter's "
+                        f"{list(info['coefficients'])}")
+    if loaded["unequal"]:
+        problems.append(f"coefficients not loaded as saved: {loaded['unequal']}")
+    diff = float("nan")
+    if got.shape != expected.shape:
+        problems.append(f"output shape {tuple(got.shape)} != the reference's {tuple(expected.shape)}")
+    else:
+        per_token = got.dim() >= 2 and tuple(got.shape[:2]) == tuple(mask.shape)
+        valid = mask.bool() if per_token else torch.ones((), dtype=torch.bool)
+        diff = (got - expected)[valid].abs().max().item()
+        if not diff <= atol * max(1.0, expected[valid].abs().max().item()):
+            problems.append(f"logits differ from the reference's by {diff:.3e} (atol {atol:g})")
+    if problems:
+        raise AdapterExportError(f"{folder} failed the load check with cta:\n- " + "\n- ".join(problems))
+    return dict(max_abs_diff=diff, with_cta=dict(cls=loaded["cls"], cta=loaded["cta"], sites=len(loaded["sites"])),
+                without_cta=json.loads(refused))
+
+
+def report_lines(report: dict) -> list:
+    """What ``cta-hub export --adapter`` prints about an export report (:func:`export_adapter_for_hub`)."""
+    folder = Path(report["folder"])
+    lines = [f"Exported the CTA adapter of {report['base_model']} to {folder}:"]
+    lines += [f"  {p.name:40s} {p.stat().st_size:>12,d} bytes" for p in sorted(folder.iterdir())]
+    if "sites" in report:
+        lines.append(f"Static checks passed: {CTA_PEFT_TYPE} adapter, {len(report['sites'])} PDE sites, "
+                     f"{report['lora_tensors']} LoRA tensors, safetensors only, card with library_name peft.")
+    if "max_abs_diff" in report:
+        loaded = report["with_cta"]
+        lines.append(f"Load with cta (python -I, plain base + adapter): {loaded['cls']} with {loaded['sites']} PDE "
+                     "sites as saved; logits match the original adapter's "
+                     f"(max abs diff {report['max_abs_diff']:.2e}).")
+        lines.append(f"Load without cta: refused, as it must be ({report['without_cta']}).")
+    else:
+        lines.append(f"Load checks {report['load_check']}.")
+    return lines
+
+
+__all__ = ["AdapterExportError", "PICKLE_SUFFIXES", "adapter_pde_summary", "base_model_id", "coefficient_text",
+           "export_adapter_for_hub", "templates_dir",
+           "is_adapter_folder", "read_adapter", "render_adapter_card", "report_lines", "verify_adapter_folder"]
