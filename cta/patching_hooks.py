@@ -22,7 +22,9 @@ from .pde_cache import (
     check_pde_states,
     fill_unused_pde_states,
     find_cache,
+    is_exporting,
     missing_cache_error,
+    refuse_export_with_cache,
 )
 from .pde_packing import packed_rows
 
@@ -131,6 +133,9 @@ class PatchContext:
             # Traced, the eager calls before (the prefill) checked the same cache; reading the list of sites would
             # make every call of the compiled step check each of its entries.
             check_pde_states(cache, self.sites, self.model_name)
+        elif cache is not None and is_exporting() and self.sites:
+            # torch.export (e.g. transformers' ExecuTorch recipe): the exported cache cannot carry the PDE states.
+            refuse_export_with_cache(self.model_name)
         self.packing = self._packing(args, kwargs, cache)
         if module.training and torch.is_grad_enabled():
             self.checkpoint_walls = CheckpointWalls(self.mask, self.checkpoint_walls, self.packing)

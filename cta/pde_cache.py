@@ -167,10 +167,44 @@ def fill_unused_pde_states(cache):
                                           conv_kernel_size=1)
 
 
+_torch_is_exporting = getattr(torch.compiler, "is_exporting", None)  # (public from torch 2.5)
+
+
+@torch.compiler.assume_constant_result
+def is_exporting() -> bool:
+    """Whether ``torch.export`` traces this call (strict or not); False under ``torch.compile``. Dynamo runs it while
+    tracing instead of tracing it (no guard): Dynamo folds ``torch.compiler.is_exporting()`` itself to True under
+    ``torch.compile`` too, up to recent releases."""
+    return bool(_torch_is_exporting is not None and _torch_is_exporting())
+
+
+def refuse_export_with_cache(model_name: str):
+    """Raises: ``torch.export`` traces a forward of a model with causal PDE sites that is given a cache (transformers'
+    ExecuTorch recipe ``TorchExportableModuleForDecoderOnlyLM``, or a cache passed in by hand)."""
+    message = (
+        f"{model_name}: cannot export a forward with a cache. Its causal PDE sites keep their state in the cache's "
+        "conv states, which the exported program's cache does not carry as mutable state (transformers' export "
+        "recipes, ExecuTorch's included, register only key/value buffers, and a hybrid cache layer creates its "
+        "states inside the traced forward): every decode step of the exported program would refine its token as if "
+        "it started the sequence, giving wrong logits without an error. What works: export the forward without a cache "
+        "(`use_cache=False`, no cache argument), or decode with `generate()`, eager or under `torch.compile`. "
+        f"(transformers {transformers.__version__}, torch {torch.__version__})"
+    )
+    # Not `raise`: under Dynamo (strict export, transformers' recipes' default) a raised exception surfaces as an
+    # "Observed exception" graph break with this message deep in its text; Dynamo folds `torch._assert` on a constant
+    # while tracing, and the AssertionError comes out as it is (non-strict export: the same error).
+    torch._assert(False, message)
+
+
 def check_pde_states(cache, sites, model_name: str):
     """Raises unless every causal PDE site of ``sites`` (``[(site name, layer_idx, state_idx)]``) finds its state in
-    ``cache`` whenever the cache already holds past tokens (a continuation step). Call it before the step runs."""
-    if cache is None or not sites or torch.compiler.is_compiling():
+    ``cache`` whenever the cache already holds past tokens (a continuation step), and while ``torch.export`` traces a
+    forward given a cache (:func:`refuse_export_with_cache`). Call it before the step runs."""
+    if cache is None or not sites:
+        return
+    if torch.compiler.is_compiling():
+        if is_exporting():
+            refuse_export_with_cache(model_name)
         return  # traced: the eager calls before (prefill) checked the same cache
     missing = [site for site in sites if not has_pde_state(cache, site[1], site[2])]
     if not missing:
@@ -199,6 +233,6 @@ def missing_cache_error(site: str) -> ValueError:
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
     "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "has_pde_state",
-    "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "check_pde_states",
-    "missing_cache_error",
+    "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
+    "refuse_export_with_cache", "check_pde_states", "missing_cache_error",
 ]
