@@ -99,6 +99,28 @@ class CTALoraConfig(LoraConfig):
         return super().save_pretrained(save_directory, **kwargs)
 
 
+def _refuse_load_adapter_without_modules_to_save():
+    """transformers before 5.18 loads no ``modules_to_save`` weights in ``model.load_adapter`` (it only warns of
+    them in its load report): there the PDE coefficients would keep their initial values. Raises when called from it.
+    """
+    import inspect
+
+    import transformers
+    from transformers.integrations import PeftAdapterMixin
+
+    if version.parse(transformers.__version__) >= version.parse("5.18"):
+        return
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code is not PeftAdapterMixin.load_adapter.__code__:
+        frame = frame.f_back
+    if frame is not None:
+        raise ValueError(
+            f"transformers {transformers.__version__}'s `model.load_adapter` does not load an adapter's "
+            "`modules_to_save`, which hold a CTA adapter's PDE coefficients (5.18 and later do): use "
+            "`peft.PeftModel.from_pretrained(model, adapter)` or upgrade transformers."
+        )
+
+
 def ensure_patched(model, config) -> None:
     """Makes ``model`` carry ``config``'s patch: records the patch of a patched model in a config that has none,
     patches a plain model with the recorded one, raises for a model patched with another; then lists the PDE modules
@@ -113,18 +135,20 @@ def ensure_patched(model, config) -> None:
             )
         config.cta_patch = dict(model.config.cta_patch)
         config.cta_version = __version__
-    elif not is_patched(model):
-        spec = config.cta_patch
-        patch_model(model, **{key: spec[key] for key in _PATCH_ARGUMENTS if key in spec})
-        if patch_summary(model.config.cta_patch) != patch_summary(spec):  # e.g. an encoder given a causal patch
-            raise ValueError(f"The adapter's patch ({_describe(spec)}) does not fit {type(model).__name__}: patched, "
-                             f"it gets ({_describe(model.config.cta_patch)}).")
-    elif patch_summary(model.config.cta_patch) != patch_summary(config.cta_patch):
-        raise ValueError(
-            f"The adapter was trained with the patch ({_describe(config.cta_patch)}) but {type(model).__name__} is "
-            f"patched with ({_describe(model.config.cta_patch)}); load it onto the plain base model (it applies its "
-            "own patch) or a base patched with the same spec."
-        )
+    else:
+        _refuse_load_adapter_without_modules_to_save()
+        if not is_patched(model):
+            spec = config.cta_patch
+            patch_model(model, **{key: spec[key] for key in _PATCH_ARGUMENTS if key in spec})
+            if patch_summary(model.config.cta_patch) != patch_summary(spec):  # e.g. an encoder given a causal patch
+                raise ValueError(f"The adapter's patch ({_describe(spec)}) does not fit {type(model).__name__}: "
+                                 f"patched, it gets ({_describe(model.config.cta_patch)}).")
+        elif patch_summary(model.config.cta_patch) != patch_summary(config.cta_patch):
+            raise ValueError(
+                f"The adapter was trained with the patch ({_describe(config.cta_patch)}) but {type(model).__name__} "
+                f"is patched with ({_describe(model.config.cta_patch)}); load it onto the plain base model (it applies "
+                "its own patch) or a base patched with the same spec."
+            )
     config.modules_to_save = sorted(set(config.modules_to_save or ()) | set(pde_modules_to_save(model))) or None
 
 
