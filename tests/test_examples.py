@@ -425,7 +425,9 @@ def test_finetune_patched_llama_on_user_files(tmp_path):
         ["--model_name_or_path", STORIES260K, "--train_file", str(tmp_path / "train.txt"), "--validation_file",
          str(tmp_path / "validation.txt"), "--block_size", "32", "--max_steps", "1", "--seeds", "0", "--modes",
          "lora_pde,pde", "--per_device_train_batch_size", "4", "--disable_tqdm", "true",
-         "--results_dir", str(tmp_path / "results"), "--output_dir", str(tmp_path / "out")])
+         "--results_dir", str(tmp_path / "results"), "--output_dir", str(tmp_path / "out"), "--save_models"])
+    # saved as a receiver loads them: the LoRA + PDE adapter onto the plain model, the PDE-only model patched
+    assert all(run["reload_max_abs_logit_diff"] < 1e-5 for run in result["runs"]), result["runs"]
     tokenizer = AutoTokenizer.from_pretrained(STORIES260K)
     tokens = sum(len(ids) + 1 for ids in tokenizer(stories)["input_ids"])  # each story: <s> ... </s>
     assert result["train_blocks"] == tokens // 32
