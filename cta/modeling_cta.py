@@ -415,7 +415,11 @@ class CTAModel(CTAPreTrainedModel):
         kwargs.pop("output_hidden_states", None)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
         causal = self.config.is_causal
-        use_cache = (use_cache if use_cache is not None else self.config.use_cache) and causal
+        if use_cache is None:
+            # Training decodes nothing from a cache; without one, packed rows are kept apart by transformers' masks
+            # (which skip packing detection when a cache is given) as well as by the PDE walls.
+            use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
+        use_cache = use_cache and causal
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
@@ -451,7 +455,7 @@ class CTAModel(CTAPreTrainedModel):
         packed = None
         if position_ids is not None or kwargs.get("cu_seq_lens_q") is not None:
             if not (cache is not None and torch.compiler.is_compiling()):
-                packed = packed_rows(position_ids, token_mask, seq_len, kwargs.get("cu_seq_lens_q"), cache)
+                packed = packed_rows(position_ids, token_mask, seq_len, kwargs.get("cu_seq_lens_q"), past_seen)
         if position_ids is None:
             if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]

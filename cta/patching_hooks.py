@@ -74,13 +74,13 @@ class CheckpointWalls:
         return mask, _packed_rows(self.packing, self.mask, length)
 
 
-def _packed_rows(packing, mask, length, cache=None):
+def _packed_rows(packing, mask, length):
     """The :class:`PackedRows` of a forward's ``length`` tokens (made once per forward and length), or None."""
     if packing is None or length < 2:
         return None
-    (position_ids, cu_seq_lens), made = packing
+    (position_ids, cu_seq_lens, past_length), made = packing
     if length not in made:
-        made[length] = packed_rows(position_ids, mask, length, cu_seq_lens, cache)
+        made[length] = packed_rows(position_ids, mask, length, cu_seq_lens, past_length)
     return made[length]
 
 
@@ -152,7 +152,11 @@ class PatchContext:
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
         if position_ids is None and cu_seq_lens is None:
             return None
-        return (position_ids, cu_seq_lens), {}
+        past_length = 0
+        if cache is not None and (not torch.is_tensor(position_ids) or position_ids.shape[-1] > 1):
+            # Read before the first layer appends this forward's tokens (a one-token step holds no packed row).
+            past_length = int(cache.get_seq_length())
+        return (position_ids, cu_seq_lens, past_length), {}
 
     def exit(self, module, args, kwargs, output):
         """The base model's forward hook (``always_call``: it also runs when the forward raises)."""
@@ -179,7 +183,7 @@ class PatchContext:
         if not self.active:
             walls = self._recomputation_walls(layer)
             return (None, None) if walls is None else walls.walls(length)
-        return self.token_mask(length), _packed_rows(self.packing, self.mask, length, self.cache)
+        return self.token_mask(length), _packed_rows(self.packing, self.mask, length)
 
     def token_mask(self, length: int):
         """The padding walls of the current ``length`` tokens: ``[batch, length]``, or None where nothing is

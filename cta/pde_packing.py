@@ -78,14 +78,14 @@ class PackedRows:
         return states.gather(3, self.index[:, None, None, :].expand(batch, steps, channels, -1))
 
 
-def packed_rows(position_ids, token_mask, length: int, cu_seq_lens=None, cache=None) -> Optional[PackedRows]:
+def packed_rows(position_ids, token_mask, length: int, cu_seq_lens=None, past_length: int = 0) -> Optional[PackedRows]:
     """The :class:`PackedRows` of the current ``length`` tokens, or None where every row holds one sequence. Packed
-    rows start their sequences: with a ``cache`` that holds past tokens they raise (asked only where a row is
-    packed, and not under ``torch.compile``)."""
+    rows start their sequences: where the cache held ``past_length`` tokens before this forward they raise (asked
+    only where a row is packed)."""
     starts = sequence_starts(position_ids, token_mask, length, cu_seq_lens)
     if starts is None:
         return None
-    if cache is not None and not torch.compiler.is_compiling() and int(cache.get_seq_length()) > 0:
+    if past_length > 0:
         raise ValueError(
             "`position_ids` restart inside a row (packed sequences) while the cache holds past tokens; packed rows "
             "cannot continue a cache. Give each sequence its own row (or no cache)."

@@ -17,9 +17,11 @@ VOCAB = 64
 LENGTHS = (5, 3, 7)
 
 
-def model_of(kind, pde_type="diffusion", backend="torch", seed=0):
+ALL_PLACEMENTS = ["embedding", "value", "attention_output", "mlp_output", "block_output"]
+
+
+def model_of(kind, pde_type="diffusion", backend="torch", seed=0, placements=ALL_PLACEMENTS):
     torch.manual_seed(seed)
-    placements = ["embedding", "value", "attention_output", "mlp_output", "block_output"]
     if kind == "native":
         config = cta.CTAConfig.modern_decoder(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -156,16 +158,38 @@ def test_trainer_step_on_packed_batches_equals_padded_batches(tmp_path):
         torch.testing.assert_close(flat[name], pad[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_native_training_keeps_packed_rows_apart_with_the_default_use_cache(checkpointing):
+    """In training the native model builds no cache unless asked (the config's default use_cache=True), so
+    transformers' masks keep packed rows apart as the PDE walls do: the gradients of a packed batch are those of
+    each sequence alone."""
+    model = model_of("native", "reaction_diffusion").train()
+    model.config.use_cache = True
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    seqs = sequences(2)
+    model(**packed_batch(seqs)).loss.backward()
+    packed = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    total = sum(model(input_ids=torch.tensor([s]), labels=torch.tensor([s])).loss * (len(s) - 1) for s in seqs)
+    (total / sum(len(s) - 1 for s in seqs)).backward()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("placements", [ALL_PLACEMENTS, ["block_output"]])
 @pytest.mark.parametrize("kind", ["patched", "native"])
-def test_packed_rows_cannot_continue_a_cache(kind):
-    """A packed row starts its sequences: a packed prefill of an empty cache runs, continuing a cache that holds past
+def test_packed_rows_cannot_continue_a_cache(kind, placements):
+    """A packed row starts its sequences: a packed prefill of an empty cache runs (also where the first site comes
+    after the first attention, which has appended this forward's tokens by then), continuing a cache that holds past
     tokens with one raises. (With a cache transformers' own attention does not separate packed rows: no comparison
     with each sequence alone here.)"""
     from transformers import DynamicCache
 
     from cta.pde_cache import CACHE_ARGUMENT
 
-    model = model_of(kind)
+    model = model_of(kind, placements=placements)
     batch = packed_batch(sequences(5))
     inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True,
                   **{CACHE_ARGUMENT: DynamicCache(config=model.config)})
