@@ -20,7 +20,7 @@ the other in the same run (each freed before the next):
 - ``full_pde``: full fine-tune, patched with ``cta.patch_model(pde_type="diffusion", pde_steps=4,
   placement="block_output", init="paper")`` (default scalar coefficients, non-zero so the PDE is active);
 - ``lora``: LoRA on the unpatched model (the timing baseline of the next);
-- ``lora_pde``: LoRA + PDE coefficients (``modules_to_save=cta.pde_modules_to_save(model)``);
+- ``lora_pde``: LoRA + PDE coefficients (``cta.CTALoraConfig``: the PDE modules among ``modules_to_save``);
 - ``native``: a ``cta.CTAForCausalLM`` (``CTAConfig.modern_decoder``, default coefficients) of the same shape.
 
 Every phase trains ``--steps`` steps on one fixed global batch of ``--global_batch`` sequences (each process gets
@@ -160,8 +160,9 @@ def build(phase, paths, args):
         from peft import LoraConfig, get_peft_model
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        config = LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM",
-                            modules_to_save=cta.pde_modules_to_save(model) if phase == "lora_pde" else None)
+        # LoRA + PDE: CTALoraConfig records the patch and saves the PDE coefficients with the adapter.
+        config = (cta.CTALoraConfig if phase == "lora_pde" else LoraConfig)(
+            r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
         # DeepSpeed partitions the trainable parameters of one dtype together: under ZeRO-3 the adapters keep the
         # model's dtype (bf16) like the PDE coefficients instead of PEFT's fp32 upcast; DeepSpeed's optimizer keeps
         # fp32 master copies of all of them.

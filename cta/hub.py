@@ -36,7 +36,7 @@ from huggingface_hub.utils import validate_repo_id
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from . import hub_adapter
-from .hub_adapter import PICKLE_SUFFIXES, AdapterExportError, coefficient_text, templates_dir
+from .hub_adapter import BLOCK_CTA, PICKLE_SUFFIXES, AdapterExportError, coefficient_text, templates_dir
 
 HUB_TAGS = ["custom_code", "continuous-time-attention", "pde", "cta"]
 DEFAULT_LICENSE = "apache-2.0"
@@ -299,13 +299,7 @@ def verify_hub_folder(folder, *, reference_model=None, atol: float = 1e-4, timeo
     return report
 
 
-_LOAD_SCRIPT = r"""
-import importlib.abc, json, sys
-class BlockCTA(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "cta" or name.startswith("cta."):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the export must load without cta)")
-sys.meta_path.insert(0, BlockCTA())
+_LOAD_SCRIPT = BLOCK_CTA + r"""
 import torch, transformers
 spec = json.load(open(sys.argv[1]))
 model = getattr(transformers, spec["auto"]).from_pretrained(spec["folder"], trust_remote_code=True, dtype="auto")

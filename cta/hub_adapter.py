@@ -387,13 +387,17 @@ json.dump(dict(cta=cta.__file__, cls=type(model.get_base_model()).__name__, site
           open(spec["report"], "w"))
 """
 
-_WITHOUT_CTA_SCRIPT = r"""
+# The start of a check script that must run where `cta` cannot be imported (as where it is not installed).
+BLOCK_CTA = r"""
 import importlib.abc, json, sys
 class BlockCTA(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "cta" or name.startswith("cta."):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked: the adapter must be refused without cta)")
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked: this check runs without cta)")
 sys.meta_path.insert(0, BlockCTA())
+"""
+
+_WITHOUT_CTA_SCRIPT = BLOCK_CTA + r"""
 import transformers
 from peft import PeftModel
 spec = json.load(open(sys.argv[1]))
@@ -515,6 +519,6 @@ def report_lines(report: dict) -> list:
     return lines
 
 
-__all__ = ["AdapterExportError", "PICKLE_SUFFIXES", "adapter_pde_summary", "base_model_id", "coefficient_text",
-           "export_adapter_for_hub", "templates_dir",
-           "is_adapter_folder", "read_adapter", "render_adapter_card", "report_lines", "verify_adapter_folder"]
+__all__ = ["AdapterExportError", "BLOCK_CTA", "PICKLE_SUFFIXES", "adapter_pde_summary", "base_model_id",
+           "coefficient_text", "export_adapter_for_hub", "is_adapter_folder", "read_adapter", "render_adapter_card",
+           "report_lines", "templates_dir", "verify_adapter_folder"]

@@ -1,38 +1,33 @@
 """Adapters of patched models carry their patch: every PEFT way of loading one gives the trained model exactly or
 raises (``cta/peft_cta.py``), and ``patch_model`` leaves other models of a shared config alone."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import transformers
 from packaging import version
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import cta
 from cta.patching_cta import is_patched, patch_model
 
 peft = pytest.importorskip("peft")
-from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model  # noqa: E402
 
-SPEC = dict(pde_type="diffusion", pde_steps=2, placement=["value", "block_output"])
-OTHER_SPEC = dict(pde_type="diffusion", pde_steps=4, placement=["value", "block_output"])
-KINDS = ("lora_pde", "pde_alone")
-BASES = ("plain", "same_spec", "other_spec")
-
-
-def tiny_config():
-    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def batch():
-    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding: the padding walls must load too
-    return ids, mask
+loads = _script("adapter_loads")  # the load matrix of docs/adapters.md (results/adapter_loads.md)
+SPEC, OTHER_SPEC, tiny_config, batch = loads.SPEC, loads.OTHER_SPEC, loads.tiny_config, loads.batch
 
 
 def logits(model, ids, mask):
@@ -44,92 +39,44 @@ def logits(model, ids, mask):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """The plain base, a base patched with the adapters' spec and one with another spec (saved checkpoints), and per
-    kind a trained adapter with its logits."""
+    kind a trained adapter with its logits (LoRA + PDE, PDE alone)."""
     root = tmp_path_factory.mktemp("adapters")
-    torch.manual_seed(0)
-    LlamaForCausalLM(tiny_config()).save_pretrained(root / "plain")
-    for name, spec in (("same_spec", SPEC), ("other_spec", OTHER_SPEC)):
-        patch_model(LlamaForCausalLM.from_pretrained(root / "plain"), **spec).save_pretrained(root / name)
-    ids, mask = batch()
-    expected = {}
-    for kind in KINDS:
-        model = patch_model(LlamaForCausalLM.from_pretrained(root / "plain"), **SPEC)
-        targets = ["q_proj", "v_proj"] if kind == "lora_pde" else []
-        peft_model = get_peft_model(model, cta.CTALoraConfig(r=4, target_modules=targets, task_type="CAUSAL_LM",
-                                                             lora_dropout=0.0))
-        optimizer = torch.optim.SGD([p for p in peft_model.parameters() if p.requires_grad], lr=0.5)
-        peft_model.train()
-        for _ in range(3):
-            peft_model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        trained = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
-        assert any("_pde." in n for n in trained) and (kind == "pde_alone") != any("lora_" in n for n in trained)
-        with torch.no_grad():  # coefficients far from the identity, so that a dropped PDE shows
-            for name, param in trained.items():
-                if "_pde." in name:
-                    param.fill_(2.0)
-        expected[kind] = logits(peft_model, ids, mask)
-        with torch.no_grad():
-            for name, param in trained.items():
-                if "_pde." in name:
-                    param.fill_(-30.0)  # projected coefficient ~0: the PDE off
-        assert (logits(peft_model, ids, mask) - expected[kind]).abs().max() > 1e-3, "the PDE does not change logits"
-        with torch.no_grad():
-            for name, param in trained.items():
-                if "_pde." in name:
-                    param.fill_(2.0)
-        peft_model.save_pretrained(root / kind)
-    return root, expected
+    trained = loads.make_adapters(root)
+    for kind, (expected, pde_off) in trained.items():
+        assert (expected - pde_off).abs().max() > 1e-3, f"{kind}: the PDE does not change the logits"
+    return root, {kind: expected for kind, (expected, _) in trained.items()}
 
 
-def base_model(root, base):
-    return AutoModelForCausalLM.from_pretrained(root / base)  # `import cta` registered the patched types
-
-
-def load_peft_model(root, kind, base):
-    return PeftModel.from_pretrained(base_model(root, base), root / kind)
-
-
-def load_auto_peft(root, kind, base, tmp_path):
-    folder = tmp_path / "adapter"
-    folder.mkdir()
-    for file in (root / kind).iterdir():
-        (folder / file.name).write_bytes(file.read_bytes())
-    config = json.loads((folder / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = str(root / base)
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return AutoPeftModelForCausalLM.from_pretrained(folder)
-
-
-def load_adapter_method(root, kind, base):
-    model = base_model(root, base)
-    model.load_adapter(str(root / kind))
-    return model
-
-
-LOADERS = {"PeftModel.from_pretrained": load_peft_model, "AutoPeftModelForCausalLM": load_auto_peft,
-           "model.load_adapter": load_adapter_method}
-
-
-@pytest.mark.parametrize("base", BASES)
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("loader", sorted(LOADERS))
-def test_every_load_path_is_exact_or_raises(folders, loader, kind, base, tmp_path):
+@pytest.mark.parametrize("base", loads.BASES)
+@pytest.mark.parametrize("kind", sorted(loads.KINDS))
+@pytest.mark.parametrize("loader", loads.LOADERS)
+def test_every_load_path_is_exact_or_raises(folders, loader, kind, base):
     root, expected = folders
-    args = (root, kind, base, tmp_path) if loader == "AutoPeftModelForCausalLM" else (root, kind, base)
     if loader == "model.load_adapter" and version.parse(transformers.__version__) < version.parse("5.18"):
         # (transformers before 5.18 loads no modules_to_save there: the coefficients would stay at their init)
         with pytest.raises(ValueError, match="does not load an adapter's `modules_to_save`"):
-            LOADERS[loader](*args)
+            loads.load(root, loader, kind, base)
         return
     if base == "other_spec":
         with pytest.raises(ValueError, match=r"trained with the patch .*pde_steps=2.* patched with .*pde_steps=4"):
-            LOADERS[loader](*args)
+            loads.load(root, loader, kind, base)
         return
-    model = LOADERS[loader](*args)
+    model = loads.load(root, loader, kind, base)
     assert is_patched(model if loader == "model.load_adapter" else model.get_base_model())
     torch.testing.assert_close(logits(model, *batch()), expected[kind], atol=1e-5, rtol=0)
+
+
+def test_committed_load_matrix_reads_as_the_tests_say():
+    """results/adapter_loads.json (docs/adapters.md's table): exact where the tests above load, an error where they
+    raise."""
+    result = json.loads((Path(__file__).resolve().parents[1] / "results" / "adapter_loads.json").read_text())
+    assert len(result["rows"]) == len(loads.LOADERS) * len(loads.KINDS) * len(loads.BASES)
+    assert result["pde_effect"] > 1e-3
+    for row in result["rows"]:
+        if row["base"] == "other_spec":
+            assert "patched with" in row["error"], row
+        else:
+            assert row.get("max_abs_diff", 1.0) < 1e-5 or "modules_to_save" in row.get("error", ""), row
 
 
 def test_adapter_records_the_patch(folders):
