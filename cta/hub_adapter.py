@@ -344,8 +344,8 @@ def verify_adapter_folder(folder, *, base_model_dir=None, reference_adapter=None
     report = dict(files=files, sites=list(info["coefficients"]), peft_type=CTA_PEFT_TYPE,
                   lora_tensors=info["lora_tensors"])
     if base_model_dir is not None:
-        report.update(_verify_load(folder, info, Path(base_model_dir), reference_adapter, reference_model, atol,
-                                   timeout))
+        report.update(_verify_adapter_load(folder, info, Path(base_model_dir), reference_adapter, reference_model,
+                                           atol, timeout))
     return report
 
 
@@ -438,8 +438,8 @@ def _reference_logits(reference_model, reference_adapter, base_dir: Path, auto: 
     return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()
 
 
-def _verify_load(folder: Path, info: dict, base_dir: Path, reference_adapter, reference_model, atol: float,
-                 timeout: int) -> dict:
+def _verify_adapter_load(folder: Path, info: dict, base_dir: Path, reference_adapter, reference_model,
+                         atol: float, timeout: int) -> dict:
     import torch
 
     config = info["config"]

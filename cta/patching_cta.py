@@ -58,8 +58,7 @@ from torch import nn
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .checkpoint_conversion import HUB_ARGUMENTS, SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, saved_as_own_class
-from .pde_cache import CACHE_ARGUMENTS, conv_states_per_layer, pde_sites
-from .pde_cache import pde_state_indices as state_indices_of_layer
+from .pde_cache import CACHE_ARGUMENTS, conv_states_per_layer, pde_sites, pde_state_indices
 from .generation_cta import PDEGenerationMixin, drop_compiled_calls
 from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
 from .patching_structure import (
@@ -223,11 +222,11 @@ def _layer_indices(spec, num_layers):
     return list(range(num_layers)) if spec["layers"] is None else list(spec["layers"])
 
 
-def pde_state_indices(spec, layer_idx, num_layers) -> dict:
-    """The first cache conv-state index of every causal PDE site of layer ``layer_idx`` (placement -> index; a site
-    owns one conv state per step)."""
-    layer_has_pde = layer_idx in _layer_indices(spec, num_layers)
-    return state_indices_of_layer(spec["placement"], spec["pde_steps"], layer_has_pde, layer_idx)
+def _state_indices_of(spec, num_layers):
+    """``layer index -> {placement: first cache conv-state index}`` of the causal PDE sites of ``spec``
+    (``pde_cache.pde_state_indices``: a site owns one conv state per step)."""
+    selected = set(_layer_indices(spec, num_layers))
+    return lambda i: pde_state_indices(spec["placement"], spec["pde_steps"], i in selected, i)
 
 
 def _cache_view(config):
@@ -238,8 +237,8 @@ def _cache_view(config):
     from transformers.cache_utils import get_layer_types_and_kwargs
 
     num_layers = config.num_hidden_layers
-    counts = [conv_states_per_layer(pde_state_indices(spec, i, num_layers), spec["pde_steps"])
-              for i in range(num_layers)]
+    states_of = _state_indices_of(spec, num_layers)
+    counts = [conv_states_per_layer(states_of(i), spec["pde_steps"]) for i in range(num_layers)]
     if not any(counts):
         return None
     base_types, _ = get_layer_types_and_kwargs(config)
@@ -315,7 +314,8 @@ def _add_sites(model, spec, plan):
     base, layers = plan.base, plan.layers
     num_layers = len(layers)
     mask_position = _signature_index(base.forward, "attention_mask")
-    sites = pde_sites(num_layers, lambda i: pde_state_indices(spec, i, num_layers)) if spec["causal"] else []
+    states_of = _state_indices_of(spec, num_layers)
+    sites = pde_sites(num_layers, states_of) if spec["causal"] else []
     context = PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__,
                            _signature_index(base.forward, "position_ids"))
     base._cta_context = context
@@ -325,7 +325,7 @@ def _add_sites(model, spec, plan):
         return
     selected = _layer_indices(spec, num_layers)
     for idx in range(num_layers):
-        states = pde_state_indices(spec, idx, num_layers)
+        states = states_of(idx)
         if not states:
             continue
         created = []  # sites whose hooks are registered but not yet in context.site_hooks
