@@ -111,7 +111,8 @@ class PatchContext:
         self.cache = None
         self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
         self._step_mask = None  # the [batch, 1] mask column of a one-token step, taken once per forward
-        self.packing = None  # ((position_ids, cu_seq_lens), {length: PackedRows or None}) of this forward
+        self.packing = None  # ((position_ids, cu_seq_lens, past length), {length: PackedRows or None}) of this forward
+        self.stateless = False  # a training forward that starts its cache: the sites keep no PDE state in it
         self.checkpoint_walls = None  # CheckpointWalls of the latest forward run for training
         self.handles = []  # of the base model's hooks
         self.site_hooks = []  # LayerSite / OutputSite / ValueSite objects, each with its `handles`
@@ -137,8 +138,14 @@ class PatchContext:
             # torch.export (e.g. transformers' ExecuTorch recipe): the exported cache cannot carry the PDE states.
             refuse_export_with_cache(self.model_name)
         self.packing = self._packing(args, kwargs, cache)
-        if module.training and torch.is_grad_enabled():
+        training = module.training and torch.is_grad_enabled()
+        if training:
             self.checkpoint_walls = CheckpointWalls(self.mask, self.checkpoint_walls, self.packing)
+        # Nothing decodes from the cache of a training forward that starts one (transformers makes one whenever
+        # use_cache is on): its sites keep no PDE state there and take their cache-free (fused) path; continuing
+        # that cache later raises (no state). A training forward that continues a cache keeps using its state.
+        self.stateless = training and (cache is None or (
+            not torch.compiler.is_compiling() and int(cache.get_seq_length()) == 0))
         self.active = True
 
     def _packing(self, args, kwargs, cache):
@@ -174,7 +181,7 @@ class PatchContext:
             hidden = output[0] if isinstance(output, (tuple, list)) or hasattr(output, "to_tuple") else output
             if torch.is_tensor(hidden) and hidden.dim() == 3 and hidden.shape[1] > 1:  # a prefill or a chunk
                 fill_unused_pde_states(self.cache)
-        self.active = False
+        self.active = self.stateless = False
         self.mask = self.cache = self._padded = self._step_mask = self.packing = None
 
     def walls(self, length: int, layer):
@@ -284,7 +291,9 @@ class LayerSite(_Site):
             cache = args[self.cache_position]
         context = self.context
         if context.active:
-            if cache is None and context.cache is not None and self.causal and not (
+            if context.stateless:
+                cache = None
+            elif cache is None and context.cache is not None and self.causal and not (
                     module.training and getattr(module, "gradient_checkpointing", False)):
                 # (a checkpointed layer is handed no cache by transformers on purpose)
                 raise missing_cache_error(self.name)

@@ -215,8 +215,9 @@ def check_pde_states(cache, sites, model_name: str):
         raise ValueError(
             f"{model_name}: the cache holds {past_length} past tokens but no PDE state for the site {site!r} "
             f"(cache layer {layer_idx}, conv state {state_idx}); continuing without it would refine the new "
-            "tokens as if they started the sequence. Prefill this cache with this model (`use_cache=True`), or "
-            f"let `generate()` build it. (transformers {transformers.__version__})"
+            "tokens as if they started the sequence. Prefill this cache with this model (`use_cache=True`) outside "
+            "training (a training forward keeps no PDE state in a cache it starts), or let `generate()` build it. "
+            f"(transformers {transformers.__version__})"
         )
 
 

@@ -189,7 +189,7 @@ def test_packed_rows_cannot_continue_a_cache(kind, placements):
 
     from cta.pde_cache import CACHE_ARGUMENT
 
-    model = model_of(kind, placements=placements)
+    model = model_of(kind, placements=placements).eval()  # (a training forward keeps no PDE state in its cache)
     batch = packed_batch(sequences(5))
     inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True,
                   **{CACHE_ARGUMENT: DynamicCache(config=model.config)})

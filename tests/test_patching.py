@@ -429,6 +429,32 @@ def test_cached_decoding_is_exact(arch, placement):
     assert torch.equal(with_cache, without)
 
 
+def test_training_forward_keeps_no_pde_state_in_a_cache_it_starts():
+    """A training forward with use_cache on (transformers then starts a cache) gives the cache-free outputs and
+    gradients and keeps no PDE state there: continuing that cache raises. A training forward that continues a cache
+    (a prefix) reads its PDE state: the full sequence's outputs."""
+    model = patched_decoder("llama", list(PATCH_PLACEMENTS)).train()
+    ids, _ = batch(length=10, pad=0)
+    grads = []
+    for use_cache in (True, False):
+        out = model(input_ids=ids, labels=ids, use_cache=use_cache)
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad()
+    assert grads[0].keys() == grads[1].keys() and any("_pde." in n for n in grads[0])
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
+    started = model(input_ids=ids, use_cache=True).past_key_values
+    with pytest.raises(ValueError, match="no PDE state .* keeps no PDE state in a cache it starts"):
+        model(input_ids=ids[:, :1], past_key_values=started, use_cache=True)
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits
+        prefix = model(input_ids=ids[:, :6], use_cache=True).past_key_values
+    continued = model(input_ids=ids[:, 6:], past_key_values=prefix, use_cache=True).logits
+    assert continued.requires_grad
+    torch.testing.assert_close(continued, full[:, 6:], atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # save / reload
 # ------------------------------------------------------------------------------------------------------------------
