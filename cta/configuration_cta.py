@@ -6,7 +6,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 
 from .pde_cache import STATE_PLACEMENTS, conv_states_per_layer, pde_state_indices
-from .pde_cta import MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, coefficient_bounds, normalize_pde_type
+from .pde_cta import PAPER_COEFFICIENTS, PDE_BACKENDS, check_steps, coefficient_bounds, normalize_pde_type
 
 
 PDE_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output", "attention_matrix")
@@ -198,8 +198,7 @@ class CTAConfig(PretrainedConfig):
         self.use_cache = bool(use_cache)
 
         self.pde_type = normalize_pde_type(pde_type, "pde_type")
-        if isinstance(pde_steps, bool) or not isinstance(pde_steps, int) or not 0 <= pde_steps <= MAX_PDE_STEPS:
-            raise ValueError(f"`pde_steps` must be an int in [0, {MAX_PDE_STEPS}], got {pde_steps!r}.")
+        check_steps(pde_steps, "pde_steps")
         self.pde_steps = pde_steps
         placements = normalize_placements(pde_placement)
         self.pde_placement = placements[0] if len(placements) == 1 else placements

@@ -72,10 +72,10 @@ from .patching_structure import (
     supported_placements,
 )
 from .pde_cta import (
-    MAX_PDE_STEPS,
     PAPER_COEFFICIENTS,
     PDE_BACKENDS,
     PDERefinement,
+    check_steps,
     coefficient_bounds,
     normalize_pde_type,
     uses_beta,
@@ -176,8 +176,7 @@ def make_patch_spec(config, pde_type="diffusion", pde_steps=1, placement="block_
         raise ValueError(f"patch_model does not support {architecture_name(config)}: {reason}.")
     causal = config_is_decoder(config)
     pde_type = normalize_pde_type(pde_type, "pde_type")
-    if isinstance(pde_steps, bool) or not isinstance(pde_steps, int) or not 0 <= pde_steps <= MAX_PDE_STEPS:
-        raise ValueError(f"`pde_steps` must be an int in [0, {MAX_PDE_STEPS}], got {pde_steps!r}.")
+    check_steps(pde_steps, "pde_steps")
     placements = _normalize_placements(placement)
     num_layers = config.num_hidden_layers
     if layers is not None:

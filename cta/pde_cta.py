@@ -29,6 +29,7 @@ from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names
     WAVE_DAMPING,
     check_decode_arguments,
     check_pde_arguments,
+    check_steps,
     clamp_coefficients,
     coefficient_bounds,
     normalize_pde_type,
@@ -225,8 +226,7 @@ class PDERefinement(nn.Module):
     ):
         super().__init__()
         self.pde_type = normalize_pde_type(pde_type)
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_PDE_STEPS:
-            raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
+        check_steps(steps)
         if backend not in PDE_BACKENDS:
             raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
         self.channels = channels

@@ -98,11 +98,17 @@ def _as_coefficient(value, name: str, channels: int, device, interval=None, sche
     return value
 
 
+def check_steps(steps, name: str = "steps") -> int:
+    """``steps`` if it is an int in ``[0, MAX_PDE_STEPS]``; else a ValueError naming the argument ``name``."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= MAX_PDE_STEPS:
+        raise ValueError(f"`{name}` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
+    return steps
+
+
 def _check_operator(pde_type, steps, alpha, beta, channels: int, device, causal: bool):
     """(pde_type, alpha, beta) normalised: the checks every entry point (reference and Triton) shares."""
     pde_type = normalize_pde_type(pde_type)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0 or steps > MAX_PDE_STEPS:
-        raise ValueError(f"`steps` must be an int in [0, {MAX_PDE_STEPS}], got {steps!r}.")
+    check_steps(steps)
     scheme = (pde_type, bool(causal))
     alpha_bounds, beta_bounds = COEFFICIENT_BOUNDS[scheme]
     alpha = _as_coefficient(alpha, "alpha", channels, device, alpha_bounds, scheme)
