@@ -36,7 +36,8 @@ from huggingface_hub.utils import validate_repo_id
 from transformers.dynamic_module_utils import get_relative_import_files
 
 from . import hub_adapter
-from .hub_adapter import BLOCK_CTA, PICKLE_SUFFIXES, AdapterExportError, coefficient_text, templates_dir
+from .hub_adapter import (BLOCK_CTA, PICKLE_SUFFIXES, AdapterExportError, check_export_arguments, coefficient_text,
+                          templates_dir)
 
 HUB_TAGS = ["custom_code", "continuous-time-attention", "pde", "cta"]
 DEFAULT_LICENSE = "apache-2.0"
@@ -235,11 +236,7 @@ def export_for_hub(model_dir, out_dir, *, results=None, tokenizer=None, license:
     from transformers import AutoTokenizer
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    validate_repo_id(repo_id)  # None passes
-    if out_dir.resolve() == model_dir.resolve():
-        raise HubExportError("OUT_DIR must differ from MODEL_DIR.")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise HubExportError(f"OUT_DIR {out_dir} exists and is not empty (use --overwrite to replace it).")
+    check_export_arguments(model_dir, "MODEL_DIR", out_dir, overwrite, repo_id, HubExportError)
     config = _read_config(model_dir)
     model = _load_model(model_dir, config).eval()
     tok_src = tokenizer or (model_dir if (model_dir / "tokenizer_config.json").is_file() else None)

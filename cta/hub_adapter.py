@@ -258,6 +258,16 @@ def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_i
 # -- Export and verification ------------------------------------------------------------------------------------------
 
 
+def check_export_arguments(source: Path, source_name: str, out_dir: Path, overwrite: bool, repo_id, error) -> None:
+    """What every export checks first: a valid ``repo_id`` (None passes), an OUT_DIR that is not the source and is
+    empty unless ``overwrite``; raises ``error`` naming the argument."""
+    validate_repo_id(repo_id)
+    if out_dir.resolve() == source.resolve():
+        raise error(f"OUT_DIR must differ from {source_name}.")
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise error(f"OUT_DIR {out_dir} exists and is not empty (use --overwrite to replace it).")
+
+
 def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = None, base_model_dir=None,
                            reference_model=None, repo_id: Optional[str] = None, license: Optional[str] = None,
                            datasets=None, language=None, templates=None, title: Optional[str] = None,
@@ -273,11 +283,7 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
     load checks were skipped, if they were.
     """
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
-    validate_repo_id(repo_id)  # None passes
-    if out_dir.resolve() == adapter_dir.resolve():
-        raise AdapterExportError("OUT_DIR must differ from ADAPTER_DIR.")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise AdapterExportError(f"OUT_DIR {out_dir} exists and is not empty (use --overwrite to replace it).")
+    check_export_arguments(adapter_dir, "ADAPTER_DIR", out_dir, overwrite, repo_id, AdapterExportError)
     info = read_adapter(adapter_dir)
     base_model = base_model_id(info["config"], base_model)
     if verify and verify_load and base_model_dir is not None:
@@ -520,5 +526,5 @@ def report_lines(report: dict) -> list:
 
 
 __all__ = ["AdapterExportError", "BLOCK_CTA", "PICKLE_SUFFIXES", "adapter_pde_summary", "base_model_id",
-           "coefficient_text", "export_adapter_for_hub", "is_adapter_folder", "read_adapter", "render_adapter_card",
-           "report_lines", "templates_dir", "verify_adapter_folder"]
+           "check_export_arguments", "coefficient_text", "export_adapter_for_hub", "is_adapter_folder", "read_adapter",
+           "render_adapter_card", "report_lines", "templates_dir", "verify_adapter_folder"]
