@@ -11,6 +11,7 @@ hooks find their PDE module through the module they are called on.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Optional
 
@@ -92,6 +93,17 @@ def _same_mask(a, b) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
+def _takes_use_cache(module) -> bool:
+    """Whether ``module.forward`` has a ``use_cache`` parameter (asked once per class)."""
+    takes = _TAKES_USE_CACHE.get(type(module))
+    if takes is None:
+        takes = _TAKES_USE_CACHE[type(module)] = "use_cache" in inspect.signature(module.forward).parameters
+    return takes
+
+
+_TAKES_USE_CACHE = {}
+
+
 class PatchContext:
     """Per-forward state shared by the hooks of one patched model: the 2D padding mask and the cache in use.
 
@@ -139,14 +151,21 @@ class PatchContext:
             refuse_export_with_cache(self.model_name)
         self.packing = self._packing(args, kwargs, cache)
         training = module.training and torch.is_grad_enabled()
-        if training:
+        compiling = torch.compiler.is_compiling()
+        if training and not compiling:  # (traced, a recomputed layer replays the compiled graph, not these hooks)
             self.checkpoint_walls = CheckpointWalls(self.mask, self.checkpoint_walls, self.packing)
+        if training and cache is None and self.sites and kwargs.get("use_cache") is None and len(args) <= 1 and (
+                _takes_use_cache(module)):
+            # A training forward decodes nothing: the cache transformers would start (the config's default
+            # use_cache) is not made. Its sites would keep no state in it anyway, and building it costs host time
+            # and, traced, graph breaks. An explicit use_cache=True still gets one (a stateless one, below).
+            kwargs["use_cache"] = False
         # Nothing decodes from the cache of a training forward that starts one (transformers makes one whenever
         # use_cache is on): its sites keep no PDE state there and take their cache-free (fused) path; continuing
         # that cache later raises (no state). A training forward that continues a cache keeps using its state.
-        self.stateless = training and (cache is None or (
-            not torch.compiler.is_compiling() and int(cache.get_seq_length()) == 0))
+        self.stateless = training and (cache is None or (not compiling and int(cache.get_seq_length()) == 0))
         self.active = True
+        return args, kwargs
 
     def _packing(self, args, kwargs, cache):
         """What tells packed sequences apart in this forward (``position_ids`` restarting, or FlashAttention's
@@ -168,7 +187,7 @@ class PatchContext:
     def exit(self, module, args, kwargs, output):
         """The base model's forward hook (``always_call``: it also runs when the forward raises)."""
         walls = self.checkpoint_walls
-        if self.active and walls is not None and output is not None:
+        if self.active and walls is not None and output is not None and not torch.compiler.is_compiling():
             hidden = output[0] if isinstance(output, (tuple, list)) or hasattr(output, "to_tuple") else output
             grad_fn = getattr(hidden, "grad_fn", None)
             if grad_fn is not None:

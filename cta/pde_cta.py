@@ -250,6 +250,8 @@ class PDERefinement(nn.Module):
             self.beta_init = None
             self.register_parameter("beta", None)
         self.register_load_state_dict_pre_hook(_scalar_coefficients_as_one_element)
+        if backend != "torch":
+            _triton_lookup()  # (now, not in the first forward: under torch.compile its import would break the graph)
 
     @property
     def bounds(self):

@@ -1,0 +1,191 @@
+"""What the PDE sites cost a training step on one GPU: host time per site (forward + backward) and the step of a
+Llama-shaped model, patched and native, against transformers' Llama (the README's training line reads the result).
+
+    python benchmarks/bench_train_step.py                      # eager: host per site + 12 x 1024 step
+    python benchmarks/bench_train_step.py --compile            # the step under torch.compile
+    python benchmarks/bench_train_step.py --layers 2 --hidden 64 --batch 1 --seq 32 --rounds 2  # a smoke run
+
+Host time per site: a tiny model (``--site_hidden``, 4 layers, batch 1 x 64 tokens) whose GPU work is negligible,
+timed by a CPU clock around ``--calls`` forward + backward calls and one synchronisation; per site = (the model with
+its PDE sites - the same model without) / sites. The step: forward + backward + ``zero_grad`` of each model on
+``--batch`` x ``--seq`` tokens, bf16 weights, the models in turn in each of ``--rounds`` rounds (paired: the
+overhead is the median of the per-round ratios). GPU kernel time of the PDE: ``torch.profiler`` over 3 steps.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import cta  # noqa: E402
+from cta import CTAConfig, CTAForCausalLM  # noqa: E402
+
+PDE = dict(pde_type="diffusion", steps=4, placement="block_output")
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def build_models(hidden, layers, vocab, device, dtype, compile_models=False):
+    """{name: model}: transformers' Llama, that Llama patched, and the native model with 0 and with 4 PDE steps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(1, hidden // 64)
+    intermediate = 256 * ((int(hidden * 2.75) + 255) // 256)
+    llama_config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                               max_position_embeddings=8192, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(llama_config)
+    patched = cta.patch_model(copy.deepcopy(llama), pde_type=PDE["pde_type"], pde_steps=PDE["steps"],
+                              placement=PDE["placement"], init="paper")
+    native = {}
+    for steps in (0, PDE["steps"]):
+        config = CTAConfig.modern_decoder(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                          num_hidden_layers=layers, num_attention_heads=heads,
+                                          max_position_embeddings=8192, pde_type=PDE["pde_type"], pde_steps=steps,
+                                          pde_placement=PDE["placement"], attn_implementation="sdpa")
+        native[steps] = CTAForCausalLM(config)
+    models = {"llama": llama, "patched": patched, "native_0": native[0], f"native_{PDE['steps']}": native[PDE["steps"]]}
+    for name, model in models.items():
+        model.to(device=device, dtype=dtype).train()
+        if compile_models:
+            model.forward = torch.compile(model.forward)
+    return models
+
+
+def train_step(model, batch):
+    model(**batch).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def time_steps(model, batch, steps):
+    """Seconds per step of ``steps`` back-to-back steps (synchronised before and after)."""
+    _sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(model, batch)
+    _sync()
+    return (time.perf_counter() - start) / steps
+
+
+def paired_rounds(models, batch, rounds, steps):
+    """{name: [seconds per step, one per round]}, the models taking turns within each round."""
+    for model in models.values():  # warm-up: kernels compiled, caches filled
+        for _ in range(3):
+            train_step(model, batch)
+    times = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, model in models.items():
+            times[name].append(time_steps(model, batch, steps))
+    return times
+
+
+def overhead(times, name, reference):
+    """Median and quartiles of the per-round ratio ``name / reference`` - 1, in percent."""
+    ratios = sorted(100 * (a / b - 1) for a, b in zip(times[name], times[reference]))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return {"median_pct": statistics.median(ratios), "q1_pct": quartiles[0], "q3_pct": quartiles[-1]}
+
+
+def pde_kernel_ms(model, batch):
+    """GPU time per step of the PDE kernels (names containing ``_cta_``), from torch.profiler over 3 steps."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            train_step(model, batch)
+        _sync()
+    total = sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key)
+    return total / 3 / 1000
+
+
+def host_per_site(device, dtype, hidden, calls, rounds, profile_path=None):
+    """Host microseconds per PDE site and forward + backward (see the module notes); ``profile_path``: where to
+    write a cProfile of the patched model's calls (where the host time goes)."""
+    models = build_models(hidden, 4, 512, device, dtype)
+    batch = {"input_ids": torch.randint(0, 512, (1, 64), device=device)}
+    batch["labels"] = batch["input_ids"]
+    times = paired_rounds(models, batch, rounds, calls)
+    if profile_path:
+        import cProfile
+        import pstats
+
+        for name in ("patched", f"native_{PDE['steps']}"):
+            profiler = cProfile.Profile()
+            profiler.runcall(time_steps, models[name], batch, calls)
+            with open(profile_path, "a") as f:
+                f.write(f"## {name}: {calls} training steps of a 4-layer model, hidden {hidden}\n")
+                pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
+    sites = 4
+    result = {}
+    for name, plain in (("patched", "llama"), (f"native_{PDE['steps']}", "native_0")):
+        per_round = [(a - b) / sites * 1e6 for a, b in zip(times[name], times[plain])]
+        result[name] = {"host_us_per_site": statistics.median(per_round),
+                        "step_us": 1e6 * statistics.median(times[name]),
+                        "step_us_without_pde": 1e6 * statistics.median(times[plain])}
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        help="folder for train_step_<gpu>[_compiled].json")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=15, help="paired rounds (the models take turns in each)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per model and round")
+    parser.add_argument("--compile", action="store_true", help="each model's forward under torch.compile")
+    parser.add_argument("--site_hidden", type=int, default=256, help="width of the host-time model")
+    parser.add_argument("--site_calls", type=int, default=50, help="timed forward + backward calls per round")
+    parser.add_argument("--skip_site", action="store_true", help="only the training step")
+    parser.add_argument("--profile", action="store_true", help="also write a cProfile of the host-time models")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    record = {"command": "python " + " ".join(sys.argv), "device": name, "torch": torch.__version__,
+              "dtype": str(dtype), "pde": PDE, "compile": args.compile}
+    stem = os.path.join(args.out, "train_step_" + name.replace(" ", "_") + ("_compiled" if args.compile else ""))
+    os.makedirs(args.out, exist_ok=True)
+    if not args.skip_site and not args.compile:
+        profile_path = stem + "_profile.txt" if args.profile else None
+        if profile_path and os.path.exists(profile_path):
+            os.remove(profile_path)
+        record["host_per_site"] = host_per_site(device, dtype, args.site_hidden, args.site_calls, args.rounds,
+                                                profile_path)
+        print(json.dumps(record["host_per_site"], indent=1))
+    models = build_models(args.hidden, args.layers, args.vocab, device, dtype, args.compile)
+    batch = {"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), device=device)}
+    batch["labels"] = batch["input_ids"]
+    times = paired_rounds(models, batch, args.rounds, args.steps)
+    record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
+                           parameters=sum(p.numel() for p in models["llama"].parameters()))
+    record["step_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    record["overhead"] = {"patched_vs_llama": overhead(times, "patched", "llama"),
+                          "native_0_vs_llama": overhead(times, "native_0", "llama"),
+                          f"native_{PDE['steps']}_vs_native_0": overhead(times, f"native_{PDE['steps']}", "native_0")}
+    if not args.compile:
+        record["pde_kernel_ms_per_step"] = {k: pde_kernel_ms(models[k], batch)
+                                            for k in ("patched", f"native_{PDE['steps']}")}
+    print(json.dumps(record, indent=1))
+    with open(stem + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
