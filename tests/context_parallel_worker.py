@@ -1,0 +1,117 @@
+"""Two CPU processes (gloo) refine a sharded sequence with cta.pde_context_parallel and record, per case, the largest
+difference from the full-sequence PDERefinement (outputs and gradients), and what the refusals raised on each rank.
+
+Run by tests/test_context_parallel.py as ``python context_parallel_worker.py OUT_DIR``; writes OUT_DIR/rank{r}.json.
+"""
+
+import itertools
+import json
+import os
+import sys
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+PDE_TYPES = ("diffusion", "wave", "reaction_diffusion", "advection_diffusion")
+
+
+def walls(kind, batch, length):
+    """(token_mask, position_ids) of the full sequence for a wall kind."""
+    if kind == "none":
+        return None, None
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    mask[1, length // 2 - 1 : length // 2 + 1] = 0  # a hole across the middle chunk boundary
+    if kind == "padding":
+        return mask, None
+    # packed: sequences restart inside chunks, at a chunk boundary and inside a halo
+    lengths = [[5, length // 4 - 5 + 2, length - length // 4 - 2], [length // 4, 3, length - length // 4 - 3]]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    return (mask if kind == "packed_padding" else None), positions
+
+
+def compare(pde_type, per_channel, steps, layout, wall_kind, dtype, rank):
+    from cta.pde_context_parallel import SequenceShards, refine_sharded
+    from cta.pde_cta import PDERefinement
+    from cta.pde_packing import packed_rows
+
+    shards = SequenceShards.from_group(layout)
+    channels, batch, length = 3, 2, 4 * WORLD * max(steps, 2)
+    generator = torch.Generator().manual_seed(zlib.crc32(repr((pde_type, per_channel, steps, layout, wall_kind)).encode()))
+    module = PDERefinement(channels, pde_type, steps=steps, causal=True, per_channel=per_channel, backend="torch")
+    module = module.to(dtype)
+    with torch.no_grad():  # random coefficients inside their stable bounds
+        for parameter, bounds in ((module.alpha, module.alpha_bounds), (module.beta, module.beta_bounds)):
+            if parameter is not None:
+                low, high = bounds
+                parameter.copy_(low + (high - low) * torch.rand(parameter.shape, generator=generator, dtype=dtype))
+    x = torch.randn(batch, length, channels, generator=generator, dtype=dtype)
+    weight = torch.randn(batch, length, channels, generator=generator, dtype=dtype)
+    mask, positions = walls(wall_kind, batch, length)
+
+    full_x = x.clone().requires_grad_()
+    packed = None if positions is None else packed_rows(positions, mask, length)
+    full = module(full_x, mask, None, packed)
+    (full * weight).sum().backward()
+    full_grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad()
+
+    local_x = shards.shard(x).requires_grad_()
+    shard = lambda t: None if t is None else shards.shard(t)  # noqa: E731
+    local = refine_sharded(module, local_x, shards, shard(mask), shard(positions))
+    (local * shards.shard(weight)).sum().backward()
+    errors = {"out": (local - shards.shard(full)).abs().max().item(),
+              "grad_x": (local_x.grad - shards.shard(full_x.grad)).abs().max().item()}
+    for name, parameter, expected in zip(("alpha", "beta"), module.parameters(), full_grads):
+        grad = parameter.grad.clone()
+        dist.all_reduce(grad)  # (what DDP / FSDP do with the ranks' coefficient gradients)
+        errors[f"grad_{name}"] = (grad - expected).abs().max().item()
+    errors["scale"] = full.abs().max().item()
+    return errors
+
+
+def refusals(rank):
+    """Each refusal raises on both ranks before any collective: after it the ranks still meet in the same
+    collectives (a barrier, then a sharded refinement that works)."""
+    from cta.pde_context_parallel import SequenceShards, refine_sharded
+    from cta.pde_cta import PDERefinement
+
+    shards = SequenceShards.from_group("head_tail")
+    x = torch.randn(1, 4, 2)  # chunks of 2 tokens on each rank
+    cases = {
+        "short_chunk": (PDERefinement(2, steps=3, causal=True, backend="torch"), x),
+        "bidirectional": (PDERefinement(2, steps=1, causal=False, backend="torch"), x),
+        "odd_length": (PDERefinement(2, steps=1, causal=True, backend="torch"), torch.randn(1, 5, 2)),
+    }
+    raised = {}
+    for name, (module, tensor) in cases.items():
+        try:
+            refine_sharded(module, tensor, shards)
+            raised[name] = None
+        except (ValueError, TypeError) as error:
+            raised[name] = f"{type(error).__name__}: {error}"
+        dist.barrier()
+    out = refine_sharded(PDERefinement(2, steps=2, causal=True, backend="torch"), x, shards)
+    raised["after"] = list(out.shape)
+    return raised
+
+
+def run(rank, out_dir):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
+    results = {"refusals": refusals(rank), "cases": {}}
+    for case in itertools.product(PDE_TYPES, (False, True), (1, 3), ("contiguous", "head_tail"),
+                                  ("none", "padding", "packed", "packed_padding"), (torch.float32, torch.float64)):
+        key = "-".join(str(part).replace("torch.", "") for part in case)
+        results["cases"][key] = compare(*case, rank)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump(results, handle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(sys.argv[1],), nprocs=WORLD)
