@@ -159,7 +159,8 @@ def _all_gather(tensor, shards):
         return tensor.unsqueeze(0)
     # (concatenated along dim 0, the form every backend takes, gloo included)
     gathered = tensor.new_empty((shards.world_size * tensor.shape[0],) + tuple(tensor.shape[1:]))
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, tensor.contiguous(), group=shards.group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the former name: torch < 2.13)
+    gather(gathered, tensor.contiguous(), group=shards.group)
     return gathered.view((shards.world_size,) + tuple(tensor.shape))
 
 
@@ -220,8 +221,9 @@ def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShar
         else token_mask.long()
     positions = torch.zeros_like(mask) if position_ids is None else position_ids.long()
     walls = torch.stack([mask, positions], -1).reshape(batch, k, chunk_length, 2)
+    wall_tails = walls[:, :, chunk_length - steps:].transpose(0, 1)
     with torch.no_grad():
-        halo_walls = _neighbour_rows(_all_gather(walls[:, :, chunk_length - steps:].transpose(0, 1), shards), shards, -1)
+        halo_walls = _neighbour_rows(_all_gather(wall_tails, shards), shards, -1)
     halos = exchange_halo(hidden_states, shards, steps)  # [k, batch, steps, channels]
 
     # Every local chunk behind its halo, the chunks side by side in the batch: one PDE call.
