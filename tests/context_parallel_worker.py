@@ -102,11 +102,30 @@ def refusals(rank):
     return raised
 
 
+def torch_layouts():
+    """The shards torch's context_parallel cuts buffers into are the ones SequenceShards describes: head-tail when
+    the length is a multiple of 2 * cp_size, else contiguous."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from cta.pde_context_parallel import SequenceShards
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    found = {}
+    for length in (16, 14):
+        tokens = torch.arange(length).expand(2, -1).contiguous()
+        shards = SequenceShards.for_torch_context_parallel(mesh, length, load_balance=True)
+        with context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[1], no_restore_buffers={tokens}):
+            pass
+        found[str(length)] = [shards.layout, torch.equal(tokens, shards.shard(torch.arange(length).expand(2, -1)))]
+    return found
+
+
 def run(rank, out_dir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
-    results = {"refusals": refusals(rank), "cases": {}}
+    results = {"refusals": refusals(rank), "torch_layouts": torch_layouts(), "cases": {}}
     for case in itertools.product(PDE_TYPES, (False, True), (1, 3), ("contiguous", "head_tail"),
                                   ("none", "padding", "packed", "packed_padding"), (torch.float32, torch.float64)):
         key = "-".join(str(part).replace("torch.", "") for part in case)

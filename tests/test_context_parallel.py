@@ -53,6 +53,13 @@ def test_refusals_are_raised_on_every_rank_before_any_collective(two_ranks):
     assert first["after"] == [1, 4, 2]  # the ranks met in the same collectives after the refusals
 
 
+def test_torch_context_parallel_shards_as_described(two_ranks):
+    # torch's context_parallel (public API, CPU buffers) cuts the sequence as SequenceShards.for_torch_context_parallel
+    # says, on both ranks: head-tail for 16 tokens (a multiple of 2 * 2), contiguous for 14
+    for results in two_ranks:
+        assert results["torch_layouts"] == {"16": ["head_tail", True], "14": ["contiguous", True]}
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # One process: the layout's index math, the refusals' messages, and one rank holding the whole sequence
 # ------------------------------------------------------------------------------------------------------------------
