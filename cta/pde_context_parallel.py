@@ -208,8 +208,9 @@ def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShar
     """Applies the causal ``pde_module`` (a :class:`PDERefinement`) to this rank's shard ``hidden_states``
     ``[batch, local_seq, channels]`` of a sequence laid out as ``shards`` says: exactly the rows the module gives the
     full sequence, walls included (the global start; ``token_mask`` ``[batch, local_seq]``, 0 for padding; packed
-    sequences where ``position_ids`` ``[batch, local_seq]`` restart). Every rank must call it, with the same shapes
-    and the same arguments given or None. No cache: training / prefill only."""
+    sequences where ``position_ids`` ``[batch, local_seq]`` restart). Every rank must call it with the same shapes,
+    and ``position_ids`` on every rank or none. ``token_mask`` may be None on a rank whose rows are all real while
+    another passes one (the walls are exchanged either way). No cache: training / prefill only."""
     chunk_length = check_sharded_refinement(pde_module, hidden_states, shards, token_mask, position_ids)
     steps = pde_module.steps
     if steps == 0:

@@ -18,11 +18,16 @@ WORLD = 2
 PDE_TYPES = ("diffusion", "wave", "reaction_diffusion", "advection_diffusion")
 
 
-def walls(kind, batch, length):
+def walls(kind, batch, length, chunk_length):
     """(token_mask, position_ids) of the full sequence for a wall kind."""
     if kind == "none":
         return None, None
     mask = torch.ones(batch, length, dtype=torch.long)
+    if kind == "padding_on_one_rank":
+        # padding only in chunk 0 (rank 0), at its last row: rank 1, whose own rows are all real, passes no mask
+        # (as a site that drops an all-ones mask would) yet receives a halo holding padding
+        mask[:, chunk_length - 1] = 0
+        return mask, None
     mask[0, :3] = 0  # left padding
     mask[0, length // 4 - 2] = 0  # padding inside the halo of chunk 1 (head-tail)
     mask[1, length // 2 - 1] = 0  # padding at the end of the chunk before the middle: the next chunk's halo
@@ -53,7 +58,7 @@ def compare(pde_type, per_channel, steps, layout, wall_kind, dtype, rank):
                 parameter.copy_(low + (high - low) * torch.rand(parameter.shape, generator=generator, dtype=dtype))
     x = torch.randn(batch, length, channels, generator=generator, dtype=dtype)
     weight = torch.randn(batch, length, channels, generator=generator, dtype=dtype)
-    mask, positions = walls(wall_kind, batch, length)
+    mask, positions = walls(wall_kind, batch, length, length // shards.num_chunks)
 
     full_x = x.clone().requires_grad_()
     packed = None if positions is None else packed_rows(positions, mask, length)
@@ -64,7 +69,10 @@ def compare(pde_type, per_channel, steps, layout, wall_kind, dtype, rank):
 
     local_x = shards.shard(x).requires_grad_()
     shard = lambda t: None if t is None else shards.shard(t)  # noqa: E731
-    local = refine_sharded(module, local_x, shards, shard(mask), shard(positions))
+    local_mask = shard(mask)
+    if local_mask is not None and bool(local_mask.all()):
+        local_mask = None  # (decided from this rank's rows alone: the ranks may differ)
+    local = refine_sharded(module, local_x, shards, local_mask, shard(positions))
     (local * shards.shard(weight)).sum().backward()
     errors = {"out": (local - shards.shard(full)).abs().max().item(),
               "grad_x": (local_x.grad - shards.shard(full_x.grad)).abs().max().item()}
@@ -126,8 +134,9 @@ def run(rank, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
     results = {"refusals": refusals(rank), "torch_layouts": torch_layouts(), "cases": {}}
-    for case in itertools.product(PDE_TYPES, (False, True), (1, 3), ("contiguous", "head_tail"),
-                                  ("none", "padding", "packed", "packed_padding"), (torch.float32, torch.float64)):
+    wall_kinds = ("none", "padding", "padding_on_one_rank", "packed", "packed_padding")
+    for case in itertools.product(PDE_TYPES, (False, True), (1, 3), ("contiguous", "head_tail"), wall_kinds,
+                                  (torch.float32, torch.float64)):
         key = "-".join(str(part).replace("torch.", "") for part in case)
         results["cases"][key] = compare(*case, rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:

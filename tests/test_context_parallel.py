@@ -35,7 +35,7 @@ def two_ranks(tmp_path_factory):
 
 def test_sharded_refinement_matches_the_full_sequence(two_ranks):
     cases = two_ranks[0]["cases"]
-    assert len(cases) == 4 * 2 * 2 * 2 * 4 * 2  # types, per-channel, steps, layouts, walls, dtypes
+    assert len(cases) == 4 * 2 * 2 * 2 * 5 * 2  # types, per-channel, steps, layouts, walls, dtypes
     failures = []
     for rank, results in enumerate(two_ranks):
         for case, errors in results["cases"].items():
