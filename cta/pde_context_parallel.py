@@ -60,8 +60,10 @@ class SequenceShards:
         """The layout torch's ``context_parallel(mesh, buffers=...)`` gives a global sequence of ``seq_length``.
 
         torch exposes no public way to read whether it load-balances (only the private
-        ``_cp_options.enable_load_balance``, on by default): say it with ``load_balance``. torch then uses head-tail
-        when ``seq_length % (2 * W) == 0`` and contiguous chunks otherwise (mirrored here).
+        ``_cp_options.enable_load_balance``, on by default; accelerate and the Trainer leave it on): say it with
+        ``load_balance``. torch then uses head-tail when ``seq_length % (2 * W) == 0`` and contiguous chunks otherwise
+        (mirrored here). ``mesh``: the 1-D context-parallel DeviceMesh (accelerate's ``torch_device_mesh["cp"]``) or
+        its process group.
         """
         group = mesh.get_group() if hasattr(mesh, "get_group") else mesh
         world_size = dist.get_world_size(group)
@@ -114,6 +116,7 @@ class SequenceShards:
             raise ValueError(f"A sequence of {tensor.shape[dim]} tokens does not split into {self.num_chunks} chunks.")
         parts = tensor.chunk(self.num_chunks, dim)
         return torch.cat([parts[chunk] for chunk in self.local_chunks], dim)
+
 
 def check_sharded_refinement(pde_module, hidden_states, shards, token_mask=None, position_ids=None) -> int:
     """Raises what :func:`refine_sharded` cannot serve; returns the chunk length. Decided only from the module's
@@ -198,8 +201,12 @@ def exchange_halo(hidden_states: torch.Tensor, shards: SequenceShards, halo: int
     ``hidden_states`` ``[batch, local_seq, channels]`` in the global sequence (zeros before the global start).
     Differentiable: the halo's gradient is added to the sender's rows. Every rank must call it with the same shapes."""
     batch, local_length, channels = hidden_states.shape
-    chunks = hidden_states.reshape(batch, shards.chunks_per_rank, local_length // shards.chunks_per_rank, channels)
-    tails = chunks[:, :, chunks.shape[2] - halo:].transpose(0, 1)
+    chunk_length = local_length // shards.chunks_per_rank
+    if local_length % shards.chunks_per_rank or not 0 < halo <= chunk_length:
+        raise ValueError(f"`halo`={halo} must be in [1, chunk length] = [1, {chunk_length}] for a shard of "
+                         f"{local_length} tokens in {shards.chunks_per_rank} chunk(s) (layout {shards.layout!r}).")
+    chunks = hidden_states.reshape(batch, shards.chunks_per_rank, chunk_length, channels)
+    tails = chunks[:, :, chunk_length - halo:].transpose(0, 1)
     return _HaloExchange.apply(tails, shards)
 
 
@@ -229,11 +236,9 @@ def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShar
 
     # Every local chunk behind its halo, the chunks side by side in the batch: one PDE call.
     chunks = hidden_states.reshape(batch, k, chunk_length, channels).transpose(0, 1)
-    extended = torch.cat([halos.to(hidden_states.dtype), chunks], 2).reshape(k * batch, steps + chunk_length, channels)
+    extended = torch.cat([halos, chunks], 2).reshape(k * batch, steps + chunk_length, channels)
     extended_walls = torch.cat([halo_walls, walls.transpose(0, 1)], 2).reshape(k * batch, steps + chunk_length, 2)
     extended_mask = extended_walls[..., 0]
-    if token_mask is not None:
-        extended_mask = extended_mask.to(token_mask.dtype)
     packed = None
     if position_ids is not None:
         packed = packed_rows(extended_walls[..., 1], extended_mask, steps + chunk_length)

@@ -134,6 +134,11 @@ def test_one_rank_head_tail_is_the_full_sequence(pde_type):
     assert x.grad[:, 1:5].eq(1).all() and x.grad[:, 5:].eq(0).all() and x.grad[:, :1].eq(0).all()
 
 
+def test_halo_longer_than_a_chunk_is_refused():
+    with pytest.raises(ValueError, match=r"`halo`=3 must be in \[1, chunk length\] = \[1, 2\]"):
+        exchange_halo(torch.randn(1, 4, 2), SequenceShards("head_tail", 1, 0), 3)
+
+
 def test_zero_steps_is_the_identity():
     x = torch.randn(1, 4, 2)
     module = PDERefinement(2, steps=0, causal=True, backend="torch")

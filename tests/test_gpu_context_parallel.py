@@ -5,8 +5,9 @@ gives the single-GPU logits, loss and gradients (1e-4), for every PDE type, unde
 
 The PDE sites are attached by this file's own forward hooks (one per site, as a patched model's block-output sites
 are), and the attention modules get accelerate's context-parallel pre-hook (the mask dropped, ``is_causal=True``), so
-the test needs neither accelerate nor the patched model's wiring. Run as ``pytest -m gpu tests/test_gpu_context_parallel.py``
-on a machine with 2 GPUs; the test launches this file under torchrun (NCCL).
+the test needs neither accelerate nor the patched model's wiring. Run as
+``CTA_TEST_GPU=1 pytest -m gpu tests/test_gpu_context_parallel.py`` on a machine with 2 GPUs; the test launches this
+file under torchrun (NCCL).
 """
 
 import json
