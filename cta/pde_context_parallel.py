@@ -73,6 +73,29 @@ class SequenceShards:
         layout = "head_tail" if load_balance and seq_length % (2 * world_size) == 0 else "contiguous"
         return cls(layout, world_size, dist.get_rank(group), group)
 
+    @classmethod
+    def for_accelerator(cls, accelerator, seq_length: int) -> Optional["SequenceShards"]:
+        """The shards of accelerate's ``parallelism_config`` (what ``TrainingArguments(parallelism_config=...)``
+        sets up) for a global sequence of ``seq_length``, or None when it shards no sequence. torch CP: the ``cp``
+        mesh, torch's default load balancing (accelerate does not change it). DeepSpeed Ulysses: contiguous shards
+        outside attention, over DeepSpeed's sequence-parallel group (read where accelerate reads it)."""
+        config = getattr(accelerator, "parallelism_config", None)
+        cp, sp = config is not None and config.cp_enabled, config is not None and config.sp_enabled
+        if cp and sp:
+            raise ValueError("`parallelism_config` enables both cp_size and sp_size: CTA serves one sequence-sharding "
+                             "engine at a time (torch CP, or DeepSpeed Ulysses).")
+        if cp:
+            if config.cp_backend != "torch":
+                raise ValueError(f"cp_backend={config.cp_backend!r} is not supported; torch's is.")
+            return cls.for_torch_context_parallel(accelerator.torch_device_mesh["cp"], seq_length, load_balance=True)
+        if sp:
+            if config.sp_backend != "deepspeed":
+                raise ValueError(f"sp_backend={config.sp_backend!r} is not supported; DeepSpeed's is.")
+            from deepspeed.utils import groups
+
+            return cls.from_group("contiguous", groups._get_sequence_parallel_group())
+        return None
+
     @property
     def chunks_per_rank(self) -> int:
         return 2 if self.layout == "head_tail" else 1
@@ -81,15 +104,10 @@ class SequenceShards:
     def num_chunks(self) -> int:
         return self.world_size * self.chunks_per_rank
 
-    def chunks_of(self, rank: int) -> tuple:
-        """The global chunk indices ``rank`` holds, in their order along its local sequence."""
-        if self.layout == "head_tail":
-            return (rank, 2 * self.world_size - 1 - rank)
-        return (rank,)
-
     @property
     def local_chunks(self) -> tuple:
-        return self.chunks_of(self.rank)
+        """The global chunk indices this rank holds, in their order along its local sequence."""
+        return (self.rank, 2 * self.world_size - 1 - self.rank) if self.layout == "head_tail" else (self.rank,)
 
     def owner(self, chunk: int) -> tuple:
         """``(rank, position among that rank's chunks)`` of global chunk ``chunk``."""

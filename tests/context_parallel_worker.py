@@ -126,6 +126,35 @@ def torch_layouts():
         with context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[1], no_restore_buffers={tokens}):
             pass
         found[str(length)] = [shards.layout, torch.equal(tokens, shards.shard(torch.arange(length).expand(2, -1)))]
+    found["accelerate"] = accelerator_shards(mesh)
+    return found
+
+
+def accelerator_shards(mesh):
+    """SequenceShards.for_accelerator on stand-ins of accelerate's Accelerator (its public attributes) and of
+    DeepSpeed's group registry (not installed here)."""
+    import types
+
+    from cta.pde_context_parallel import SequenceShards
+
+    def accelerator(cp_size, sp_size):
+        config = types.SimpleNamespace(cp_enabled=cp_size > 1, cp_backend="torch", sp_enabled=sp_size > 1,
+                                       sp_backend="deepspeed")
+        return types.SimpleNamespace(parallelism_config=config, torch_device_mesh={"cp": mesh})
+
+    groups = types.ModuleType("deepspeed.utils.groups")
+    groups._get_sequence_parallel_group = lambda: None  # the default group
+    sys.modules.update({"deepspeed": types.ModuleType("deepspeed"), "deepspeed.utils": types.ModuleType("u"),
+                        "deepspeed.utils.groups": groups})
+    sys.modules["deepspeed.utils"].groups = groups
+    found = {}
+    for name, (cp_size, sp_size) in {"cp": (2, 1), "sp": (1, 2), "none": (1, 1), "both": (2, 2)}.items():
+        try:
+            shards = SequenceShards.for_accelerator(accelerator(cp_size, sp_size), 16)
+            found[name] = None if shards is None else [shards.layout, shards.world_size, shards.rank]
+        except ValueError as error:
+            found[name] = str(error)
+    found["no_config"] = SequenceShards.for_accelerator(types.SimpleNamespace(parallelism_config=None), 16)
     return found
 
 

@@ -56,8 +56,15 @@ def test_refusals_are_raised_on_every_rank_before_any_collective(two_ranks):
 def test_torch_context_parallel_shards_as_described(two_ranks):
     # torch's context_parallel (public API, CPU buffers) cuts the sequence as SequenceShards.for_torch_context_parallel
     # says, on both ranks: head-tail for 16 tokens (a multiple of 2 * 2), contiguous for 14
-    for results in two_ranks:
-        assert results["torch_layouts"] == {"16": ["head_tail", True], "14": ["contiguous", True]}
+    for rank, results in enumerate(two_ranks):
+        layouts = results["torch_layouts"]
+        assert {length: layouts[length] for length in ("16", "14")} == {"16": ["head_tail", True],
+                                                                        "14": ["contiguous", True]}
+        # accelerate's parallelism_config: torch CP (load-balanced), DeepSpeed Ulysses (contiguous), neither
+        found = layouts["accelerate"]
+        assert found["cp"] == ["head_tail", 2, rank] and found["sp"] == ["contiguous", 2, rank]
+        assert found["none"] is None and found["no_config"] is None
+        assert "both cp_size and sp_size" in found["both"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
