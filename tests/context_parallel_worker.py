@@ -84,6 +84,25 @@ def compare(pde_type, per_channel, steps, layout, wall_kind, dtype, rank):
     return errors
 
 
+def bf16_outputs():
+    """bf16 shards: the halo travels in bf16 and the PDE computes each row from the same inputs, in the same fp32
+    arithmetic, as on the full sequence: equal outputs (largest difference per type and layout)."""
+    from cta.pde_context_parallel import SequenceShards, refine_sharded
+    from cta.pde_cta import PDERefinement
+
+    found = {}
+    for pde_type, layout in itertools.product(PDE_TYPES, ("contiguous", "head_tail")):
+        shards = SequenceShards.from_group(layout)
+        torch.manual_seed(0)
+        module = PDERefinement(8, pde_type, steps=3, causal=True, per_channel=True, backend="torch").bfloat16()
+        x = torch.randn(2, 24, 8, dtype=torch.bfloat16)
+        mask = torch.ones(2, 24, dtype=torch.long)
+        mask[1, 10:13] = 0
+        out = refine_sharded(module, shards.shard(x), shards, shards.shard(mask))
+        found[f"{pde_type}-{layout}"] = (out.float() - shards.shard(module(x, mask)).float()).abs().max().item()
+    return found
+
+
 def refusals(rank):
     """Each refusal raises on both ranks before any collective: after it the ranks still meet in the same
     collectives (a barrier, then a sharded refinement that works)."""
@@ -162,7 +181,7 @@ def run(rank, out_dir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
-    results = {"refusals": refusals(rank), "torch_layouts": torch_layouts(), "cases": {}}
+    results = {"refusals": refusals(rank), "torch_layouts": torch_layouts(), "bf16": bf16_outputs(), "cases": {}}
     wall_kinds = ("none", "padding", "padding_on_one_rank", "packed", "packed_padding")
     for case in itertools.product(PDE_TYPES, (False, True), (1, 3), ("contiguous", "head_tail"), wall_kinds,
                                   (torch.float32, torch.float64)):

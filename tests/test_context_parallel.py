@@ -44,6 +44,11 @@ def test_sharded_refinement_matches_the_full_sequence(two_ranks):
     assert failures == []
 
 
+def test_bf16_shards_give_the_full_sequence_outputs(two_ranks):
+    for results in two_ranks:
+        assert len(results["bf16"]) == 8 and set(results["bf16"].values()) == {0.0}
+
+
 def test_refusals_are_raised_on_every_rank_before_any_collective(two_ranks):
     first, second = (results["refusals"] for results in two_ranks)
     assert first == second
