@@ -1,0 +1,268 @@
+# coding=utf-8
+"""Causal PDE refinement of a sequence sharded across ranks (context / sequence parallelism), exact.
+
+Under torch's ``context_parallel`` (accelerate's ``cp_size``) or outside the attention of DeepSpeed's Ulysses every rank
+holds a shard of the sequence. A causal site with ``S`` explicit steps makes position ``t`` depend on inputs
+``t - S .. t`` only, so each local chunk needs the ``S`` rows that precede it in the global sequence (its *halo*) and
+nothing else: the PDE runs on ``[halo ; chunk]`` and keeps the chunk's rows. The halo's own first rows read a wall
+instead of their true left neighbours, but that error moves one position per step and never reaches the chunk.
+
+Layouts (:class:`SequenceShards`, the same on every rank): ``contiguous`` (rank ``r`` holds chunk ``r`` of ``W``) and
+torch's ``head_tail`` load balancing (the sequence cut into ``2W`` chunks, rank ``r`` holds chunks ``r`` and
+``2W - 1 - r``, concatenated in that order).
+
+No hang: every rank runs the same collectives in the same order (one ``all_gather`` of every local chunk's last
+``S`` rows and one of their walls forward, one ``all_gather`` of the halos' gradients backward), and everything that
+cannot be served is refused by :func:`check_sharded_refinement` from what all ranks share (the module's config, the
+layout, the local shapes) before the first collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .pde_packing import packed_rows
+
+LAYOUTS = ("contiguous", "head_tail")
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """How the global sequence is laid out over the ranks of ``group`` (None: the default group)."""
+
+    layout: str
+    world_size: int
+    rank: int
+    group: Any = None
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"`layout` must be one of {LAYOUTS} (torch's context_parallel load balancing is "
+                             f"'head_tail', contiguous shards 'contiguous'), got {self.layout!r}.")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"`world_size` must be a positive int, got {self.world_size!r}.")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"`rank` must be an int in [0, world_size={self.world_size}), got {self.rank!r}.")
+
+    @classmethod
+    def from_group(cls, layout: str, group=None) -> "SequenceShards":
+        """The shards of an initialised process group (its size and this process's rank in it)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("SequenceShards.from_group needs an initialised torch.distributed process group.")
+        return cls(layout, dist.get_world_size(group), dist.get_rank(group), group)
+
+    @classmethod
+    def for_torch_context_parallel(cls, mesh, seq_length: int, *, load_balance: bool) -> "SequenceShards":
+        """The layout torch's ``context_parallel(mesh, buffers=...)`` gives a global sequence of ``seq_length``.
+
+        torch exposes no public way to read whether it load-balances (only the private
+        ``_cp_options.enable_load_balance``, on by default; accelerate and the Trainer leave it on): say it with
+        ``load_balance``. torch then uses head-tail when ``seq_length % (2 * W) == 0`` and contiguous chunks otherwise
+        (mirrored here). ``mesh``: the 1-D context-parallel DeviceMesh (accelerate's ``torch_device_mesh["cp"]``) or
+        its process group.
+        """
+        group = mesh.get_group() if hasattr(mesh, "get_group") else mesh
+        world_size = dist.get_world_size(group)
+        if seq_length % world_size != 0:
+            raise ValueError(f"`seq_length`={seq_length} is not a multiple of the context-parallel size {world_size}: "
+                             "torch would shard it unevenly. Pad the sequence to a multiple of 2 * cp_size.")
+        layout = "head_tail" if load_balance and seq_length % (2 * world_size) == 0 else "contiguous"
+        return cls(layout, world_size, dist.get_rank(group), group)
+
+    @classmethod
+    def for_accelerator(cls, accelerator, seq_length: int) -> Optional["SequenceShards"]:
+        """The shards of accelerate's ``parallelism_config`` (what ``TrainingArguments(parallelism_config=...)``
+        sets up) for a global sequence of ``seq_length``, or None when it shards no sequence. torch CP: the ``cp``
+        mesh, torch's default load balancing (accelerate does not change it). DeepSpeed Ulysses: contiguous shards
+        outside attention, over DeepSpeed's sequence-parallel group (read where accelerate reads it)."""
+        config = getattr(accelerator, "parallelism_config", None)
+        cp, sp = config is not None and config.cp_enabled, config is not None and config.sp_enabled
+        if cp and sp:
+            raise ValueError("`parallelism_config` enables both cp_size and sp_size: CTA serves one sequence-sharding "
+                             "engine at a time (torch CP, or DeepSpeed Ulysses).")
+        if cp:
+            if config.cp_backend != "torch":
+                raise ValueError(f"cp_backend={config.cp_backend!r} is not supported; torch's is.")
+            return cls.for_torch_context_parallel(accelerator.torch_device_mesh["cp"], seq_length, load_balance=True)
+        if sp:
+            if config.sp_backend != "deepspeed":
+                raise ValueError(f"sp_backend={config.sp_backend!r} is not supported; DeepSpeed's is.")
+            from deepspeed.utils import groups
+
+            return cls.from_group("contiguous", groups._get_sequence_parallel_group())
+        return None
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return 2 if self.layout == "head_tail" else 1
+
+    @property
+    def num_chunks(self) -> int:
+        return self.world_size * self.chunks_per_rank
+
+    @property
+    def local_chunks(self) -> tuple:
+        """The global chunk indices this rank holds, in their order along its local sequence."""
+        return (self.rank, 2 * self.world_size - 1 - self.rank) if self.layout == "head_tail" else (self.rank,)
+
+    def owner(self, chunk: int) -> tuple:
+        """``(rank, position among that rank's chunks)`` of global chunk ``chunk``."""
+        if not 0 <= chunk < self.num_chunks:
+            raise IndexError(f"chunk {chunk} is outside [0, {self.num_chunks}).")
+        if self.layout == "head_tail" and chunk >= self.world_size:
+            return 2 * self.world_size - 1 - chunk, 1
+        return chunk, 0
+
+    def left_neighbour(self, position: int) -> Optional[tuple]:
+        """Owner ``(rank, position)`` of the chunk before this rank's ``position``-th chunk; None at the global
+        start."""
+        chunk = self.local_chunks[position]
+        return None if chunk == 0 else self.owner(chunk - 1)
+
+    def global_positions(self, local_length: int) -> torch.Tensor:
+        """``[local_length]`` global index of each local row (for tests and for building ``position_ids``)."""
+        chunk_length = local_length // self.chunks_per_rank
+        return torch.cat([torch.arange(c * chunk_length, (c + 1) * chunk_length) for c in self.local_chunks])
+
+    def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's shard of a full-sequence ``tensor`` (what torch's context_parallel gives each rank)."""
+        if tensor.shape[dim] % self.num_chunks != 0:
+            raise ValueError(f"A sequence of {tensor.shape[dim]} tokens does not split into {self.num_chunks} chunks.")
+        parts = tensor.chunk(self.num_chunks, dim)
+        return torch.cat([parts[chunk] for chunk in self.local_chunks], dim)
+
+
+def check_sharded_refinement(pde_module, hidden_states, shards, token_mask=None, position_ids=None) -> int:
+    """Raises what :func:`refine_sharded` cannot serve; returns the chunk length. Decided only from the module's
+    config, the layout and the local shapes, which are the same on every rank: every rank raises the same error before
+    any collective."""
+    if not isinstance(shards, SequenceShards):
+        raise TypeError(f"`shards` must be a cta SequenceShards, got {type(shards).__name__}.")
+    if not getattr(pde_module, "causal", False):
+        raise ValueError(
+            "A bidirectional (encoder) PDE site cannot refine a sharded sequence: each position reads its right "
+            "neighbour too, and the halo exchange serves causal sites only. Run encoders without context / sequence "
+            "parallelism, or use causal PDE sites (decoders).")
+    if shards.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"`shards` spans {shards.world_size} ranks but torch.distributed is not initialised.")
+    if shards.world_size > 1 and dist.get_world_size(shards.group) != shards.world_size:
+        raise ValueError(f"`shards.world_size`={shards.world_size} but its process group has "
+                         f"{dist.get_world_size(shards.group)} ranks.")
+    if not torch.is_tensor(hidden_states) or hidden_states.dim() != 3:
+        shape = tuple(hidden_states.shape) if torch.is_tensor(hidden_states) else type(hidden_states)
+        raise ValueError(f"`hidden_states` must be this rank's shard [batch, local_seq, channels], got {shape}.")
+    batch, local_length, _ = hidden_states.shape
+    if local_length % shards.chunks_per_rank != 0:
+        raise ValueError(f"`hidden_states` holds {local_length} tokens, not a multiple of the {shards.chunks_per_rank} "
+                         f"chunks per rank of the {shards.layout!r} layout: the shard cannot be this layout's.")
+    chunk_length = local_length // shards.chunks_per_rank
+    steps = pde_module.steps
+    if chunk_length < steps:
+        raise ValueError(
+            f"Each sequence chunk holds {chunk_length} tokens (layout {shards.layout!r}, {shards.num_chunks} chunks), "
+            f"fewer than the site's steps={steps}: its halo of {steps} rows would reach past the neighbouring chunk. "
+            f"Use sequences of at least {steps * shards.num_chunks} tokens, fewer ranks, or fewer PDE steps.")
+    for name, value in (("token_mask", token_mask), ("position_ids", position_ids)):
+        if value is not None and (not torch.is_tensor(value) or tuple(value.shape) != (batch, local_length)):
+            got = tuple(value.shape) if torch.is_tensor(value) else type(value)
+            raise ValueError(f"`{name}` must be this rank's shard [batch, local_seq] = [{batch}, {local_length}] "
+                             f"(sharded like `hidden_states`), got {got}.")
+    return chunk_length
+
+
+def _all_gather(tensor, shards):
+    """``[world_size, *tensor.shape]``: every rank's ``tensor`` (one symmetric collective)."""
+    if shards.world_size == 1:
+        return tensor.unsqueeze(0)
+    # (concatenated along dim 0, the form every backend takes, gloo included)
+    gathered = tensor.new_empty((shards.world_size * tensor.shape[0],) + tuple(tensor.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the former name: torch < 2.13)
+    gather(gathered, tensor.contiguous(), group=shards.group)
+    return gathered.view((shards.world_size,) + tuple(tensor.shape))
+
+
+def _neighbour_rows(gathered, shards, offset):
+    """For each local chunk ``c``: what ``gathered`` ``[world, chunks_per_rank, ...]`` holds for chunk ``c + offset``
+    (zeros past either end of the sequence)."""
+    rows = []
+    for chunk in shards.local_chunks:
+        source = chunk + offset
+        if 0 <= source < shards.num_chunks:
+            rows.append(gathered[shards.owner(source)])
+        else:
+            rows.append(torch.zeros_like(gathered[0, 0]))
+    return torch.stack(rows)
+
+
+class _HaloExchange(torch.autograd.Function):
+    """``tails`` ``[chunks_per_rank, ...]`` (each local chunk's last rows) -> each local chunk's halo (its left
+    neighbour chunk's tail). Backward gathers the halos' gradients and hands each sender the one of its tail.
+    (torch.distributed.nn's all_gather is not used: its backward runs only where a gathered tensor is used, and a rank
+    holding only the first chunk uses none, so the other ranks' backward collective would wait forever.)"""
+
+    @staticmethod
+    def forward(ctx, tails, shards):
+        ctx.shards = shards
+        return _neighbour_rows(_all_gather(tails, shards), shards, -1)
+
+    @staticmethod
+    def backward(ctx, grad_halos):
+        return _neighbour_rows(_all_gather(grad_halos, ctx.shards), ctx.shards, +1), None
+
+
+def exchange_halo(hidden_states: torch.Tensor, shards: SequenceShards, halo: int) -> torch.Tensor:
+    """``[chunks_per_rank, batch, halo, channels]``: the ``halo`` rows that precede each local chunk of
+    ``hidden_states`` ``[batch, local_seq, channels]`` in the global sequence (zeros before the global start).
+    Differentiable: the halo's gradient is added to the sender's rows. Every rank must call it with the same shapes."""
+    batch, local_length, channels = hidden_states.shape
+    chunk_length = local_length // shards.chunks_per_rank
+    if local_length % shards.chunks_per_rank or not 0 < halo <= chunk_length:
+        raise ValueError(f"`halo`={halo} must be in [1, chunk length] = [1, {chunk_length}] for a shard of "
+                         f"{local_length} tokens in {shards.chunks_per_rank} chunk(s) (layout {shards.layout!r}).")
+    chunks = hidden_states.reshape(batch, shards.chunks_per_rank, chunk_length, channels)
+    tails = chunks[:, :, chunk_length - halo:].transpose(0, 1)
+    return _HaloExchange.apply(tails, shards)
+
+
+def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShards,
+                   token_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
+    """Applies the causal ``pde_module`` (a :class:`PDERefinement`) to this rank's shard ``hidden_states``
+    ``[batch, local_seq, channels]`` of a sequence laid out as ``shards`` says: exactly the rows the module gives the
+    full sequence, walls included (the global start; ``token_mask`` ``[batch, local_seq]``, 0 for padding; packed
+    sequences where ``position_ids`` ``[batch, local_seq]`` restart). Every rank must call it with the same shapes,
+    and ``position_ids`` on every rank or none. ``token_mask`` may be None on a rank whose rows are all real while
+    another passes one (the walls are exchanged either way). No cache: training / prefill only."""
+    chunk_length = check_sharded_refinement(pde_module, hidden_states, shards, token_mask, position_ids)
+    steps = pde_module.steps
+    if steps == 0:
+        return hidden_states
+    batch, local_length, channels = hidden_states.shape
+    k = shards.chunks_per_rank
+    # The walls travel with the halo: padding and positions of the halo rows (zeros, i.e. padding, before the start).
+    mask = torch.ones(batch, local_length, dtype=torch.long, device=hidden_states.device) if token_mask is None \
+        else token_mask.long()
+    positions = torch.zeros_like(mask) if position_ids is None else position_ids.long()
+    walls = torch.stack([mask, positions], -1).reshape(batch, k, chunk_length, 2)
+    wall_tails = walls[:, :, chunk_length - steps:].transpose(0, 1)
+    with torch.no_grad():
+        halo_walls = _neighbour_rows(_all_gather(wall_tails, shards), shards, -1)
+    halos = exchange_halo(hidden_states, shards, steps)  # [k, batch, steps, channels]
+
+    # Every local chunk behind its halo, the chunks side by side in the batch: one PDE call.
+    chunks = hidden_states.reshape(batch, k, chunk_length, channels).transpose(0, 1)
+    extended = torch.cat([halos, chunks], 2).reshape(k * batch, steps + chunk_length, channels)
+    extended_walls = torch.cat([halo_walls, walls.transpose(0, 1)], 2).reshape(k * batch, steps + chunk_length, 2)
+    extended_mask = extended_walls[..., 0]
+    packed = None
+    if position_ids is not None:
+        packed = packed_rows(extended_walls[..., 1], extended_mask, steps + chunk_length)
+    refined = pde_module(extended, extended_mask, None, packed)
+    refined = refined.reshape(k, batch, steps + chunk_length, channels)[:, :, steps:]
+    return refined.transpose(0, 1).reshape(batch, local_length, channels)
+
+
+__all__ = ["LAYOUTS", "SequenceShards", "check_sharded_refinement", "exchange_halo", "refine_sharded"]

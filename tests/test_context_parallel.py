@@ -1,0 +1,157 @@
+"""Context parallelism (issue #52): a causal PDE site refines its shard of a sequence sharded across ranks exactly.
+
+Two CPU processes on gloo (context_parallel_worker.py, one run of a few seconds) refine the shards of every PDE type,
+scalar and per-channel coefficients, 1 and 3 steps, both layouts, with no walls, padding, packed rows and both, in fp32
+and fp64, against PDERefinement on the full sequence: outputs, and gradients of the input and of the coefficients
+(summed over the ranks, as DDP / FSDP do). The refusals are raised on both ranks, and the ranks still meet afterwards.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cta.pde_context_parallel import SequenceShards, check_sharded_refinement, exchange_halo, refine_sharded
+from cta.pde_cta import PDERefinement
+
+TESTS = Path(__file__).resolve().parent
+TOLERANCE = {"float32": 1e-5, "float64": 1e-12}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("context_parallel")
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), OMP_NUM_THREADS="1")
+    # (a timeout: a refusal that one rank skipped would leave the other waiting in its collective)
+    done = subprocess.run([sys.executable, str(TESTS / "context_parallel_worker.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_sharded_refinement_matches_the_full_sequence(two_ranks):
+    cases = two_ranks[0]["cases"]
+    assert len(cases) == 4 * 2 * 2 * 2 * 5 * 2  # types, per-channel, steps, layouts, walls, dtypes
+    failures = []
+    for rank, results in enumerate(two_ranks):
+        for case, errors in results["cases"].items():
+            tolerance = TOLERANCE[case.rsplit("-", 1)[1]] * max(1.0, errors.pop("scale"))
+            failures += [(rank, case, name, error) for name, error in errors.items() if not error <= tolerance]
+    assert failures == []
+
+
+def test_bf16_shards_give_the_full_sequence_outputs(two_ranks):
+    for results in two_ranks:
+        assert len(results["bf16"]) == 8 and set(results["bf16"].values()) == {0.0}
+
+
+def test_refusals_are_raised_on_every_rank_before_any_collective(two_ranks):
+    first, second = (results["refusals"] for results in two_ranks)
+    assert first == second
+    assert "steps=3" in first["short_chunk"] and "at least 12 tokens" in first["short_chunk"]
+    assert "bidirectional" in first["bidirectional"]
+    assert "head_tail" in first["odd_length"]
+    assert first["after"] == [1, 4, 2]  # the ranks met in the same collectives after the refusals
+
+
+def test_torch_context_parallel_shards_as_described(two_ranks):
+    # torch's context_parallel (public API, CPU buffers) cuts the sequence as SequenceShards.for_torch_context_parallel
+    # says, on both ranks: head-tail for 16 tokens (a multiple of 2 * 2), contiguous for 14
+    for rank, results in enumerate(two_ranks):
+        layouts = results["torch_layouts"]
+        assert {length: layouts[length] for length in ("16", "14")} == {"16": ["head_tail", True],
+                                                                        "14": ["contiguous", True]}
+        # accelerate's parallelism_config: torch CP (load-balanced), DeepSpeed Ulysses (contiguous), neither
+        found = layouts["accelerate"]
+        assert found["cp"] == ["head_tail", 2, rank] and found["sp"] == ["contiguous", 2, rank]
+        assert found["none"] is None and found["no_config"] is None
+        assert "both cp_size and sp_size" in found["both"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# One process: the layout's index math, the refusals' messages, and one rank holding the whole sequence
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_head_tail_layout_matches_torch_load_balancing():
+    # torch's _HeadTailLoadBalancer: rank r holds chunks r and 2W-1-r of 2W, in that order
+    world = 4
+    for rank in range(world):
+        shards = SequenceShards("head_tail", world, rank)
+        assert shards.local_chunks == (rank, 2 * world - 1 - rank)
+        assert shards.global_positions(6).tolist() == [
+            *range(3 * rank, 3 * rank + 3), *range(3 * (2 * world - 1 - rank), 3 * (2 * world - rank))]
+        assert [shards.owner(chunk) for chunk in shards.local_chunks] == [(rank, 0), (rank, 1)]
+    shards = SequenceShards("head_tail", world, 0)
+    assert shards.left_neighbour(0) is None  # the global start
+    assert shards.left_neighbour(1) == (1, 1)  # chunk 7 follows chunk 6, the tail of rank 1
+    assert SequenceShards("head_tail", world, 3).left_neighbour(1) == (3, 0)  # chunk 4 follows chunk 3, its own head
+    assert SequenceShards("head_tail", world, 2).left_neighbour(0) == (1, 0)
+    sequence = torch.arange(16)[None]
+    assert SequenceShards("head_tail", 2, 1).shard(sequence).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+def test_contiguous_layout():
+    shards = SequenceShards("contiguous", 3, 2)
+    assert shards.local_chunks == (2,) and shards.num_chunks == 3 and shards.chunks_per_rank == 1
+    assert shards.left_neighbour(0) == (1, 0)
+    assert SequenceShards("contiguous", 3, 0).left_neighbour(0) is None
+    assert shards.shard(torch.arange(9)[None]).tolist() == [[6, 7, 8]]
+    assert shards.global_positions(3).tolist() == [6, 7, 8]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("ring", 2, 0), "`layout` must be one of"),
+    (("contiguous", 0, 0), "`world_size` must be a positive int"),
+    (("head_tail", 2, 2), "`rank` must be an int in [0, world_size=2)"),
+])
+def test_unknown_layouts_are_refused(arguments, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        SequenceShards(*arguments)
+
+
+def test_refusals_name_the_bad_argument():
+    shards = SequenceShards("head_tail", 1, 0)
+    causal = PDERefinement(2, steps=2, causal=True, backend="torch")
+    with pytest.raises(TypeError, match="`shards` must be a cta SequenceShards"):
+        refine_sharded(causal, torch.randn(1, 4, 2), "head_tail")
+    with pytest.raises(ValueError, match=r"`hidden_states` must be this rank's shard"):
+        refine_sharded(causal, torch.randn(4, 2), shards)
+    with pytest.raises(ValueError, match=r"`token_mask` must be this rank's shard \[batch, local_seq\] = \[1, 4\]"):
+        refine_sharded(causal, torch.randn(1, 4, 2), shards, token_mask=torch.ones(1, 8))
+    with pytest.raises(ValueError, match=r"`position_ids` must be this rank's shard"):
+        refine_sharded(causal, torch.randn(1, 4, 2), shards, position_ids=torch.arange(4))
+    with pytest.raises(ValueError, match="spans 2 ranks but torch.distributed is not initialised"):
+        check_sharded_refinement(causal, torch.randn(1, 4, 2), SequenceShards("contiguous", 2, 0))
+
+
+@pytest.mark.parametrize("pde_type", ["diffusion", "wave", "reaction_diffusion", "advection_diffusion"])
+def test_one_rank_head_tail_is_the_full_sequence(pde_type):
+    # W = 1 under head-tail: two chunks on one rank, the second's halo is the first's tail (no collective)
+    torch.manual_seed(0)
+    module = PDERefinement(3, pde_type, steps=4, causal=True, per_channel=True, backend="torch").double()
+    x = torch.randn(2, 10, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 10)
+    mask[1, 3:6] = 0
+    shards = SequenceShards("head_tail", 1, 0)
+    torch.testing.assert_close(refine_sharded(module, x, shards, mask), module(x, mask), rtol=0, atol=1e-14)
+    halos = exchange_halo(x, shards, 4)
+    assert halos.shape == (2, 2, 4, 3)
+    assert torch.equal(halos[0], torch.zeros(2, 4, 3, dtype=torch.float64)) and torch.equal(halos[1], x[:, 1:5])
+    halos[1].sum().backward()  # the halo's gradient comes back to the rows it was taken from
+    assert x.grad[:, 1:5].eq(1).all() and x.grad[:, 5:].eq(0).all() and x.grad[:, :1].eq(0).all()
+
+
+def test_halo_longer_than_a_chunk_is_refused():
+    with pytest.raises(ValueError, match=r"`halo`=3 must be in \[1, chunk length\] = \[1, 2\]"):
+        exchange_halo(torch.randn(1, 4, 2), SequenceShards("head_tail", 1, 0), 3)
+
+
+def test_zero_steps_is_the_identity():
+    x = torch.randn(1, 4, 2)
+    module = PDERefinement(2, steps=0, causal=True, backend="torch")
+    assert refine_sharded(module, x, SequenceShards("contiguous", 1, 0)) is x
