@@ -11,9 +11,9 @@ a PDE site after every block (diffusion, 4 steps, ``init="paper"``). Per mode an
 between its decoded tokens. Overheads: medians over rounds of patched / unpatched - 1 (call and step), the step's
 with a bootstrap 95% interval and the range over rounds. ``compiled`` is ``cache_implementation="static"``
 (torch.compile, CUDA graphs); for it the script also counts the CUDA kernels and GPU time of one compiled decode step
-(``torch.compile(model.forward, fullgraph=True)``, default mode, profiled) unpatched and patched at each batch. Last,
-each model's compiled static-cache tokens and logits against ``use_cache=False`` in float32 (``--check-tokens``).
-Writes ``generate_<gpu>.json`` / ``.md`` / ``.png`` (``--tag`` replaces ``<gpu>``). ``--device cpu``: a smoke run.
+(``torch.compile(model.forward, fullgraph=True)``, default mode, profiled) unpatched and patched at each batch.
+Compiled tokens against ``use_cache=False`` are tests/test_gpu_generation.py's check. Writes ``generate_<gpu>.json`` /
+``.md`` / ``.png`` (``--tag`` replaces ``<gpu>``). ``--device cpu``: a smoke run.
 (The floor, a copy with subclassed layers, and the substituted decode steps are findings in docs/decoding.md; the
 script of commit b7e044a measured them.)
 """
@@ -49,8 +49,6 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=7, help="paired rounds per mode and batch")
-    p.add_argument("--check-tokens", type=int, default=32,
-                   help="new tokens of the float32 exactness check, run last (0 skips it)")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
     p.add_argument("--replot", default=None, metavar="JSON",
@@ -131,29 +129,6 @@ def generate_row(models, args, mode, batch, device):
     return row
 
 
-@torch.no_grad()
-def exactness(models, args, device):
-    """Compiled static-cache ``generate()`` against ``use_cache=False`` in float32 (in bf16 Inductor's fused kernels
-    round differently from eager ones), batch 2 with one row left-padded, ``--check-tokens`` new tokens after 64
-    prompt tokens: per model, tokens equal and the largest logit difference. Converts the models to float32."""
-    torch.compiler.reset()
-    prompt = torch.randint(1, args.vocab, (2, 64), generator=torch.Generator().manual_seed(5)).to(device)
-    mask = torch.ones_like(prompt)
-    prompt[1, :9], mask[1, :9] = 0, 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=args.check_tokens, min_new_tokens=args.check_tokens,
-                  do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
-    rows = {}
-    for name, model in models.items():
-        model.float()
-        compiled = model.generate(prompt, cache_implementation="static", **kwargs)
-        uncached = model.generate(prompt, use_cache=False, **kwargs)
-        difference = (torch.stack(compiled.logits, 1) - torch.stack(uncached.logits, 1)).abs().max()
-        rows[name] = {"tokens_equal": bool(torch.equal(compiled.sequences, uncached.sequences)),
-                      "max_logit_difference": float(difference)}
-        print(f"[exactness] {name}: {rows[name]}", flush=True)
-    return rows
-
-
 def markdown(info, args):
     lines = [
         f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})", "",
@@ -173,11 +148,6 @@ def markdown(info, args):
                      f"**{row['step_overhead_percent']:+.2f}%** [{ci_low:+.2f}, {ci_high:+.2f}] ({low:+.2f} .. "
                      f"{high:+.2f}) | {row['call_overhead_percent']:+.2f}% ({call_low:+.2f} .. {call_high:+.2f}) | "
                      f"{row['us_per_site_and_step']:.1f} |")
-    if info.get("exactness"):
-        lines += ["", f"Exactness, the same models in float32 (batch 2, one row left-padded, {args.check_tokens} new "
-                      "tokens after 64 prompt tokens): compiled static-cache `generate()` against `use_cache=False`: "
-                  + "; ".join(f"{name}: tokens equal {value['tokens_equal']}, largest logit difference "
-                              f"{value['max_logit_difference']:.1e}" for name, value in info["exactness"].items()) + "."]
     if info.get("step_kernels"):
         lines += ["", "Kernels of one compiled decode step (`torch.compile(model.forward, fullgraph=True)`, default "
                       "mode, profiled):", "",
@@ -237,9 +207,6 @@ def main(argv=None):
             info["rows"].append(generate_row(models, args, mode, batch, device))
             write_result_files(stem, info, markdown(info, args))  # (after every row: a run may be cut short)
     plot(info, stem)
-    if args.check_tokens:
-        info["exactness"] = exactness(models, args, device)
-        write_result_files(stem, info, markdown(info, args))
 
 
 if __name__ == "__main__":
