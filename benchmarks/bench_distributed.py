@@ -106,29 +106,16 @@ def engine_name(accelerator) -> str:
     return "single"
 
 
-def llama_config(size):
-    return transformers.LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=False, **SIZES[size])
-
-
-def native_config(size):
-    shape = SIZES[size]
-    return cta.CTAConfig.modern_decoder(max_position_embeddings=4096, **shape)
-
-
 def write_bases(accelerator, args, work_dir):
     """Random-init base checkpoints (fp32), written once by rank 0: every phase loads them like a user's model."""
     paths = {"llama": os.path.join(work_dir, "base_llama"), "native": os.path.join(work_dir, "base_native")}
     if accelerator.is_main_process:
         for key, path in paths.items():
-            if os.path.exists(os.path.join(path, "config.json")):
-                continue
-            transformers.set_seed(args.seed)
-            if key == "llama":
-                model = transformers.LlamaForCausalLM(llama_config(args.size))
-            else:
-                model = cta.CTAForCausalLM(native_config(args.size))
-            model.save_pretrained(path)
-            del model
+            if not os.path.exists(os.path.join(path, "config.json")):
+                transformers.set_seed(args.seed)
+                shape = dict(max_position_embeddings=4096, **SIZES[args.size])
+                (transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=False, **shape))
+                 if key == "llama" else cta.CTAForCausalLM(cta.CTAConfig.modern_decoder(**shape))).save_pretrained(path)
     accelerator.wait_for_everyone()
     return paths
 
@@ -145,32 +132,17 @@ def build(phase, paths, args):
         from peft import LoraConfig, get_peft_model
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        # LoRA + PDE: CTALoraConfig records the patch and saves the PDE coefficients with the adapter.
         config = (cta.CTALoraConfig if phase == "lora_pde" else LoraConfig)(
             r=16, lora_alpha=32, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-        # DeepSpeed partitions the trainable parameters of one dtype together: under ZeRO-3 the adapters keep the
-        # model's dtype (bf16) like the PDE coefficients instead of PEFT's fp32 upcast; DeepSpeed's optimizer keeps
-        # fp32 master copies of all of them.
+        # ZeRO-3 partitions the trainable parameters of one dtype together: there the adapters keep the model's
+        # dtype (bf16) like the PDE coefficients, instead of PEFT's fp32 upcast (DeepSpeed keeps fp32 master copies).
         model = get_peft_model(model, config, autocast_adapter_dtype=not is_deepspeed_zero3_enabled())
     model.config.use_cache = False
-    pde, other = [], []
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            (pde if "_pde." in name else other).append(param)
+    pde = [p for n, p in model.named_parameters() if p.requires_grad and "_pde." in n]
+    other = [p for n, p in model.named_parameters() if p.requires_grad and "_pde." not in n]
     lr = args.lora_lr if phase.startswith("lora") else args.lr
     groups = [g for g in ({"params": other, "lr": lr}, {"params": pde, "lr": args.pde_lr}) if g["params"]]
     return model, torch.optim.AdamW(groups, weight_decay=0.0)
-
-
-def trainable_pde_names(model):
-    """State-dict names of the trained PDE coefficients (inside PEFT: the modules_to_save copies)."""
-    names = pde_parameter_names(model)
-    return [n for n in names if "original_module" not in n]
-
-
-def fixed_batch(args, vocab_size):
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    return torch.randint(0, vocab_size, (args.global_batch, args.seq_len), generator=generator)
 
 
 def gathered(accelerator, params):
@@ -184,41 +156,33 @@ def gathered(accelerator, params):
     return deepspeed.zero.GatheredParameters(params)
 
 
-def free(accelerator, *objects):
-    accelerator.free_memory(*objects)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_phase(accelerator, phase, paths, args, work_dir):
     from torch.utils.data import DataLoader, TensorDataset
 
     device = accelerator.device
     gc.collect()  # the previous phase's model is unreachable only once its run_phase returned
-    start_gib = 0.0
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        start_gib = torch.cuda.memory_allocated(device) / 2**30
+    start_gib = torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     transformers.set_seed(args.seed)
     model, optimizer = build(phase, paths, args)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: a ZeRO-3 partition
-    pde_names = trainable_pde_names(model)
+    pde_names = [n for n in pde_parameter_names(model) if "original_module" not in n]  # (PEFT: the trained copies)
     before = {n: p for n, p in model.named_parameters() if n in set(pde_names)}
     with gathered(accelerator, list(before.values())):  # a native model loaded under zero.Init is partitioned
         # Rank 0 alone: with FSDP's CPU-RAM-efficient loading the other ranks may hold the model on the meta device.
         before = {n: p.detach().float().cpu().clone() for n, p in before.items()} if accelerator.is_main_process else {}
-    ids = fixed_batch(args, model.config.vocab_size)
+    ids = torch.randint(0, model.config.vocab_size, (args.global_batch, args.seq_len),
+                        generator=torch.Generator().manual_seed(args.seed + 1))
     loader = DataLoader(TensorDataset(ids), batch_size=args.global_batch // accelerator.num_processes)
     plugin = getattr(accelerator.state, "fsdp_plugin", None) if accelerator.is_fsdp2 else None
     if plugin is not None and not os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP"):
-        # accelerate keeps the layer classes it read from the first model's _no_split_modules; this run's models
-        # differ (Llama, then the native CTA decoder), so each is wrapped by its own _no_split_modules.
+        # accelerate keeps the layer classes of the first model's _no_split_modules; wrap each model by its own.
         plugin.transformer_cls_names_to_wrap = None
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    wrapped = type(model).__name__  # what the engine made of it (FSDP..., DeepSpeedEngine, DistributedDataParallel)
     model.train()
+
     def train_step():
         for (batch,) in loader:  # one batch per process: the same global batch every step
             loss = model(input_ids=batch, labels=batch).loss
@@ -228,26 +192,24 @@ def run_phase(accelerator, phase, paths, args, work_dir):
             optimizer.zero_grad()
         return loss
 
-    losses, times = [], []
-    for _ in range(args.steps):
+    def timed_step():
         sync(device)
         start = time.perf_counter()
         loss = train_step()
         sync(device)
-        times.append(time.perf_counter() - start)
+        return time.perf_counter() - start, loss
+
+    losses, times = [], []
+    for _ in range(args.steps):
+        seconds, loss = timed_step()
+        times.append(seconds)
         losses.append(accelerator.reduce(loss.detach().float(), "mean").item())
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0],
                         device=device)
-    record = {
-        "phase": phase,
-        "wrapped_as": wrapped,
-        "parameters": n_params,
-        "losses": losses,
-        "step_seconds": times,
-        "step_seconds_median": statistics.median(times[args.warmup:]),
-        "peak_memory_gib_per_gpu": [round(v, 3) for v in accelerator.gather(peak).tolist()],
-        "allocated_at_start_gib_rank0": round(start_gib, 3),  # left over from earlier phases (should be ~0)
-    }
+    record = {"phase": phase, "wrapped_as": type(model).__name__, "parameters": n_params, "losses": losses,
+              "step_seconds": times, "step_seconds_median": statistics.median(times[args.warmup:]),
+              "peak_memory_gib_per_gpu": [round(v, 3) for v in accelerator.gather(peak).tolist()],
+              "allocated_at_start_gib_rank0": round(start_gib, 3)}  # (left over from earlier phases: ~0)
     if pde_names or (phase == "full_pde" and not args.no_save):
         state = accelerator.get_state_dict(model)  # collective: every rank calls it; the full dict is on rank 0
         record.update(check_coefficients(accelerator, state, before, pde_names))
@@ -255,40 +217,32 @@ def run_phase(accelerator, phase, paths, args, work_dir):
             record.update(save_and_reload(accelerator, model, state, phase, paths, work_dir, PATCH))
         del state
     if args.overhead_rounds and pde_names:  # after the checks: these steps train on with the sites on and off
-        record.update(paired_pde_overhead(accelerator, model, train_step, args.overhead_rounds))
-    free(accelerator, model, optimizer, loader)
+        record.update(paired_pde_overhead(model, timed_step, args.overhead_rounds))
+    accelerator.free_memory(model, optimizer, loader)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     accelerator.print(json.dumps({k: v for k, v in record.items() if k != "step_seconds"}))
     return record
 
 
-def paired_pde_overhead(accelerator, model, train_step, rounds):
-    """The PDE's share of a training step, measured in the process, engine and model of the phase: ``rounds`` pairs
-    of one step with every PDE site on and one with the sites off (``steps = 0``: each site is still called, so
-    hooks, parameter gathering and module order stay the same, and returns its input), the order swapped every
-    round. Timings between processes differ by tens of percent on a shared 2-GPU host; within a pair they do not.
-    Returns the median and range of the per-pair ratios (the first two pairs left out as warm-up)."""
+def paired_pde_overhead(model, timed_step, rounds):
+    """The PDE's share of a training step in the phase's process, engine and model: ``rounds`` pairs of one step with
+    the sites on and one with them at ``steps = 0`` (each site still called: hooks, gathering and module order stay),
+    the order swapped every round (rank 0's times; the first two pairs are warm-up)."""
     from cta.pde_cta import PDERefinement
 
     sites = [m for m in model.modules() if isinstance(m, PDERefinement)]
     steps = [m.steps for m in sites]
-    ratios, on_times, off_times = [], [], []
+    on_times, off_times = [], []
     for r in range(rounds):
-        times = {}
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             for site, s in zip(sites, steps):
                 site.steps = s if on else 0
-            sync(accelerator.device)
-            start = time.perf_counter()
-            train_step()
-            sync(accelerator.device)
-            times[on] = time.perf_counter() - start
-        for site, s in zip(sites, steps):
-            site.steps = s
-        # rank 0's pair; the collectives inside a step keep the ranks in step
-        ratios.append(times[True] / times[False])
-        on_times.append(times[True])
-        off_times.append(times[False])
-    kept = ratios[2:] if len(ratios) > 2 else ratios
+            (on_times if on else off_times).append(timed_step()[0])
+    for site, s in zip(sites, steps):
+        site.steps = s
+    kept = [a / b for a, b in zip(on_times, off_times)][2:] or [a / b for a, b in zip(on_times, off_times)]
     return {"paired_rounds": rounds, "paired_pde_sites": len(sites),
             "paired_step_seconds_on": on_times, "paired_step_seconds_off": off_times,
             "paired_step_overhead_median": statistics.median(kept) - 1,
