@@ -4,17 +4,15 @@
     python benchmarks/bench_kernels.py                      # full sweep (~5 min on an H100): kernels_<gpu>.*
     python benchmarks/bench_kernels.py --coefficients scalar --pde-types diffusion   # kernels_<gpu>_scalar.*
     python benchmarks/bench_kernels.py --host-overhead      # host_overhead_<gpu>.json
-    python benchmarks/bench_kernels.py --targets benchmarks/results/kernels_<gpu>.json   # rewrite ..._targets.md
+    python benchmarks/bench_kernels.py --replot benchmarks/results/kernels_<gpu>.json   # rewrite .md, _targets.md, .png
 
-For every shape x steps x PDE type x {causal, bidirectional}, medians of CUDA-event timings
-(``triton.testing.do_bench``): ``copy`` (``y.copy_(x)``, the bandwidth roof), the Triton forward and forward+backward
-(per-channel coefficients, or one scalar each with ``--coefficients scalar``), each also as a replayed CUDA graph
-(``*_graph``: GPU time only) and as back-to-back eager calls (``*_loop``: host time included), the reference and
-``torch.compile`` of it (``--compile`` cells), and the memory held for backward. The targets table (diffusion:
-forward <= 1.25x copy, forward+backward <= 3x, memory <= 1.1x) is written after the sweep. ``--host-overhead``: the
-host time the op adds per eager call at 1x512x512 (bf16, learnable 0-d alpha, 4 steps) over a one-op autograd
-baseline and an empty Triton launch. (Nsight Compute counters of the kernels, ``kernel_profile_*.txt``, came from
-``profile_kernels.py``, in git history at commit b7e044a.)
+Per shape x steps x PDE type x {causal, bidirectional}, medians of ``triton.testing.do_bench``: ``copy`` (the
+bandwidth roof), the Triton forward and forward+backward (per-channel coefficients, or scalars), also replayed as a
+CUDA graph (``*_graph``: GPU time only) and as back-to-back eager calls (``*_loop``: host time included), the
+reference and ``torch.compile`` of it (``--compile`` cells), the memory held for backward; then the targets table
+(diffusion: forward <= 1.25x copy, forward+backward <= 3x, memory <= 1.1x). ``--host-overhead``: the host time the op
+adds per eager call at 1x512x512 (bf16, 0-d alpha, 4 steps) over a one-op autograd baseline and an empty Triton
+launch. (Nsight Compute counters, ``kernel_profile_*.txt``: ``profile_kernels.py`` of commit b7e044a.)
 """
 
 import argparse
@@ -29,41 +27,36 @@ from results_io import RESULTS, device_name, on_gpu, pyplot, sync
 
 import torch  # noqa: E402  (after results_io: it puts the repository on the path)
 
-from cta.pde_cta import PDE_TYPES, pde_refine_reference  # noqa: E402
+from cta.pde_cta import PDE_TYPES, pde_refine, pde_refine_reference  # noqa: E402
 
 TARGETS = {"fwd": 1.25, "fwdbwd": 3.0, "saved": 1.1}
+SHAPES = "1x4096x4096,1x16384x4096,8x4096x4096,1x65536x512"
+COEFS = {"diffusion": (0.2, None), "wave": (0.1, None), "reaction_diffusion": (0.2, 0.1),
+         "advection_diffusion": (0.2, 0.1)}
 try:  # (the sweep needs triton; an import error is reported by the first kernel call)
     import triton
     import triton.language as tl
 
     @triton.jit
     def _empty_kernel(X, Y, M, A, B, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):
-        pass  # the launch floor of --host-overhead
+        pass  # the launch floor of --host-overhead: the streaming forward's arguments
 except ImportError:  # pragma: no cover
-    _empty_kernel = None
-SHAPES = ((1, 4096, 4096), (1, 16384, 4096), (8, 4096, 4096), (1, 65536, 512))
-STEPS = (1, 2, 4, 8)
-COEFS = {"diffusion": (0.2, None), "wave": (0.1, None), "reaction_diffusion": (0.2, 0.1),
-         "advection_diffusion": (0.2, 0.1)}
+    triton = None
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="only (1,16384,4096), diffusion, steps 4 (a smoke test)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--coefficients", default="per-channel", choices=("per-channel", "scalar"),
-                   help="alpha/beta shape: [channels] (default) or scalars (files get a _scalar suffix)")
-    p.add_argument("--shapes", default=None, help="e.g. '1x16384x4096,8x4096x4096' (default: the four above)")
-    p.add_argument("--steps", default=None, help="comma list of steps (default 1,2,4,8)")
-    p.add_argument("--pde-types", default=None, help="comma list (default: all four)")
+                   help="alpha/beta shape: [channels] or scalars (files get a _scalar suffix)")
+    p.add_argument("--shapes", default=SHAPES, help="BxLxC comma list")
+    p.add_argument("--steps", default="1,2,4,8", help="comma list of steps")
+    p.add_argument("--pde-types", default=",".join(PDE_TYPES), help="comma list")
     p.add_argument("--compile", default="diffusion:4",
-                   help="'pde:steps,...' cells for which torch.compile of the reference is timed, 'all' or 'none'")
-    p.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference timings")
-    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings of the Triton calls")
+                   help="'pde:steps,...' cells where torch.compile of the reference is timed, 'all' or 'none'")
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
     p.add_argument("--loop-calls", type=int, default=50, help="back-to-back eager calls of the *_loop timings")
-    p.add_argument("--host-overhead", action="store_true",
-                   help="only the small-shape host overhead against a one-op baseline (host_overhead_<gpu>.json)")
+    p.add_argument("--host-overhead", action="store_true", help="only the small-shape host overhead")
     p.add_argument("--replot", default=None, metavar="JSON",
                    help="only rewrite a sweep's .md, _targets.md and .png (into --out) from its kernels_<gpu>*.json")
     p.add_argument("--out", default=RESULTS)
@@ -71,14 +64,11 @@ def parse_args(argv=None):
 
 
 def bench(fn, rep_ms):
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=max(5.0, rep_ms / 4), rep=rep_ms, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=max(5.0, rep_ms / 4), rep=rep_ms, return_mode="median")
 
 
 def bench_graph(fn, rep_ms):
-    """Median GPU time of ``fn`` captured once as a CUDA graph and replayed, timed like :func:`bench` (the L2 is
-    flushed before every replay), so the host time of the eager call is left out."""
+    """``fn`` captured once as a CUDA graph and replayed, timed like :func:`bench`: GPU time, no host time."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as capture needs (and compiles the kernels)
@@ -88,15 +78,12 @@ def bench_graph(fn, rep_ms):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    elapsed = bench(graph.replay, rep_ms)
-    del graph
-    sync()
-    return elapsed
+    return bench(graph.replay, rep_ms)
 
 
 def bench_loop(fn, calls, rounds=7):
-    """Median over ``rounds`` of the time per call of ``calls`` back-to-back eager calls between two CUDA events:
-    the host runs ahead where it can, so this is the larger of the GPU time and the host time per call."""
+    """Median over ``rounds`` of the time per call of ``calls`` back-to-back eager calls between two CUDA events: the
+    larger of the GPU time and the host time per call."""
     fn()
     sync()
     times = []
@@ -111,38 +98,23 @@ def bench_loop(fn, calls, rounds=7):
     return statistics.median(times)
 
 
-def _empty_launch(x, alpha):
-    """A launch of an empty Triton kernel taking the streaming forward's arguments (7 tensors, 4 ints, 2 constexprs)."""
-    y = torch.empty_like(x)
-    batch, seq, channels = x.shape
-    launch = _empty_kernel[(1, 1, 1)]
-    return lambda: launch(x, y, x, alpha, x, x, x, seq, channels, x.stride(0), x.stride(1), 16, 64, num_warps=2)
-
-
 def host_overhead(args, gpu):
-    """Host time the op adds per eager call at a small shape, over a one-op autograd baseline, wall clock of 400
-    back-to-back calls with a final synchronisation, median of 7 rounds, both timed in this run."""
-    from cta import pde_refine
-
+    """µs per eager call (wall clock of 400 back-to-back calls and a synchronisation, median of 7 rounds)."""
     x = torch.randn(1, 512, 512, device="cuda", dtype=torch.bfloat16)
     alpha = torch.tensor(0.1, device="cuda", requires_grad=True)
-    xg = x.detach().requires_grad_(True)
-    calls = {
-        "cta_fwd": lambda: pde_refine(x, pde_type="diffusion", steps=4, alpha=alpha, backend="triton"),
-        "cta_fwdbwd": lambda: pde_refine(xg, pde_type="diffusion", steps=4, alpha=alpha, backend="triton").sum()
-        .backward(),
-        "baseline_fwd": lambda: x * alpha,
-        "baseline_fwdbwd": lambda: (xg * alpha).sum().backward(),
-        # the floor that Triton's public launch (kernel[grid](...)) sets: an empty kernel with the forward's arguments
-        "triton_launch_floor": _empty_launch(x, alpha),
-    }
+    xg, y = x.detach().requires_grad_(True), torch.empty_like(x)
+    refine = lambda x: pde_refine(x, pde_type="diffusion", steps=4, alpha=alpha, backend="triton")  # noqa: E731
+    calls = {"cta_fwd": lambda: refine(x), "cta_fwdbwd": lambda: refine(xg).sum().backward(),
+             "baseline_fwd": lambda: x * alpha, "baseline_fwdbwd": lambda: (xg * alpha).sum().backward(),
+             "triton_launch_floor": lambda: _empty_kernel[(1, 1, 1)](x, y, x, alpha, x, x, x, 512, 512, x.stride(0),
+                                                                      x.stride(1), 16, 64, num_warps=2)}
     result = {}
     for name, fn in calls.items():
         for _ in range(20):
             fn()
-        sync()
         rounds = []
         for _ in range(7):
+            sync()
             t0 = time.perf_counter()
             for _ in range(400):
                 fn()
@@ -159,51 +131,38 @@ def host_overhead(args, gpu):
                      "of 7 rounds; added_* = cta - baseline (targets: <= 20 us forward, <= 60 us forward+backward); "
                      "triton_launch_floor: one launch of an empty Triton kernel with the forward's arguments")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"host_overhead_{gpu}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, result=result), f, indent=1)
+    Path(args.out, f"host_overhead_{gpu}.json").write_text(json.dumps(dict(meta=meta, result=result), indent=1))
     print(json.dumps(result, indent=1))
-    print(f"wrote {path}")
     return 0
 
 
-def _make(shape, dtype, pde, per_channel=True, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
-    a, b = COEFS[pde]
-    coef_shape = (shape[-1],) if per_channel else ()
-    alpha = torch.full(coef_shape, a, device="cuda", requires_grad=True)
-    beta = torch.full(coef_shape, b, device="cuda", requires_grad=True) if b is not None else None
-    return x, alpha, beta
-
-
-def _fwd_bwd(fn, x, alpha, beta, grad, kwargs):
+def measure(fn, x, alpha, beta, grad, kw, rep_ms, graph_and_loop):
+    """``{fwd_ms, fwdbwd_ms, [fwd|fwdbwd]_[graph|loop]_ms, saved_x, peak_x}`` of ``fn`` (memory over the input)."""
     xx = x.detach().requires_grad_(True)
 
-    def run():
-        xx.grad = None
-        alpha.grad = None
-        y = fn(xx, alpha=alpha, beta=beta, **kwargs)
-        y.backward(grad)
+    def fwd():
+        return fn(x, alpha=alpha, beta=beta, **kw)
 
-    return run
+    def fwdbwd():
+        xx.grad = alpha.grad = None
+        fn(xx, alpha=alpha, beta=beta, **kw).backward(grad)
 
-
-def _memory(fn, x, alpha, beta, grad, kwargs):
-    """(bytes held for backward after the forward, peak extra bytes during forward+backward), over the input."""
-    xx = x.detach().requires_grad_(True)
+    with torch.no_grad() if not graph_and_loop else torch.enable_grad():  # (the reference's forward: no autograd)
+        row = {"fwd_ms": bench(fwd, rep_ms)}
+    row["fwdbwd_ms"] = bench(fwdbwd, rep_ms)
+    for name, call in (("fwd", fwd), ("fwdbwd", fwdbwd)) if graph_and_loop else ():
+        row[name + "_loop_ms"] = bench_loop(call, graph_and_loop)
+        row[name + "_graph_ms"] = bench_graph(call, rep_ms)
     sync()
     torch.cuda.reset_peak_memory_stats()
-    m0 = torch.cuda.memory_allocated()
-    y = fn(xx, alpha=alpha, beta=beta, **kwargs)
+    start, size = torch.cuda.memory_allocated(), x.numel() * x.element_size()
+    y = fn(xx, alpha=alpha, beta=beta, **kw)
     sync()
-    held = torch.cuda.memory_allocated() - m0 - y.numel() * y.element_size()
+    row["saved_x"] = (torch.cuda.memory_allocated() - start - size) / size
     y.backward(grad)
     sync()
-    peak = torch.cuda.max_memory_allocated() - m0 - y.numel() * y.element_size()
-    nbytes = x.numel() * x.element_size()
-    del y, xx
-    return held / nbytes, peak / nbytes
+    row["peak_x"] = (torch.cuda.max_memory_allocated() - start - size) / size
+    return row
 
 
 def main(argv=None):
@@ -215,84 +174,56 @@ def main(argv=None):
         return 1
     from cta.triton_cta import pde_refine_triton
 
-    dtype = getattr(torch, args.dtype)
-    gpu = device_name("cuda")
+    dtype, gpu = getattr(torch, args.dtype), device_name("cuda")
     if args.host_overhead:
         return host_overhead(args, gpu)
-    shapes = SHAPES
-    if args.shapes:
-        shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
-    steps_list = tuple(int(s) for s in args.steps.split(",")) if args.steps else STEPS
-    pdes = tuple(args.pde_types.split(",")) if args.pde_types else PDE_TYPES
-    if args.quick:
-        shapes, steps_list, pdes = ((1, 16384, 4096),), (4,), ("diffusion",)
-    if args.compile == "all":
-        compile_cells = None
-    elif args.compile == "none":
-        compile_cells = set()
-    else:
-        compile_cells = {(c.split(":")[0], int(c.split(":")[1])) for c in args.compile.split(",")}
+    cells = {"all": None, "none": set()}.get(args.compile) if args.compile in ("all", "none") else {
+        (c.split(":")[0], int(c.split(":")[1])) for c in args.compile.split(",")}
     compiled_ref = torch.compile(pde_refine_reference, dynamic=False)
     rows, t_start = [], time.time()
-    base = os.path.join(args.out, f"kernels_{gpu}" + ("_quick" if args.quick else "")
-                        + ("_scalar" if args.coefficients == "scalar" else ""))
+    base = os.path.join(args.out, f"kernels_{gpu}" + ("_scalar" if args.coefficients == "scalar" else ""))
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                dtype=args.dtype, coefficients=args.coefficients,
-                compile_cells="all" if compile_cells is None else sorted(compile_cells),
+                dtype=args.dtype, coefficients=args.coefficients, compile_cells="all" if cells is None else sorted(cells),
                 command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
                 note="medians of triton.testing.do_bench; *_graph = the call captured as a CUDA graph and replayed "
                      "(GPU time, no host time); *_loop = back-to-back eager calls between two CUDA events; *_x_copy = "
                      "time / y.copy_(x) time of the same tensor; saved_x = bytes held for backward after the forward "
                      "/ input bytes; peak_x = peak extra bytes of forward+backward (incl. the input gradient and the "
                      "reference's temporaries) / input bytes")
-    for shape in shapes:
-        x0 = torch.randn(shape, device="cuda", dtype=dtype)
-        y0 = torch.empty_like(x0)
-        copy_ms = bench(lambda: y0.copy_(x0), args.rep_ms)
-        print(f"shape {shape} {args.dtype}: copy {copy_ms * 1e3:.1f} us", flush=True)
-        del x0, y0
-        for pde in pdes:
-            x, alpha, beta = _make(shape, dtype, pde, per_channel=args.coefficients == "per-channel")
-            grad = torch.randn_like(x)
-            for steps in steps_list:
+    for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
+        x = torch.randn(shape, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(0))
+        y = torch.empty_like(x)
+        copy_ms = bench(lambda: y.copy_(x), args.rep_ms)
+        grad = torch.randn_like(x)
+        for pde in args.pde_types.split(","):
+            a, b = COEFS[pde]
+            coef = dict(size=(shape[-1],) if args.coefficients == "per-channel" else (), device="cuda",
+                        requires_grad=True)
+            alpha, beta = torch.full(fill_value=a, **coef), None if b is None else torch.full(fill_value=b, **coef)
+            for steps in (int(s) for s in args.steps.split(",")):
                 for causal in (False, True):
                     kw = dict(pde_type=pde, steps=steps, causal=causal)
                     row = dict(shape=list(shape), dtype=args.dtype, pde_type=pde, steps=steps, causal=causal,
                                coefficients=args.coefficients, copy_ms=copy_ms)
-                    fwd = lambda fn: lambda: fn(x, alpha=alpha, beta=beta, **kw)  # noqa: E731
-                    row["triton_fwd_ms"] = bench(fwd(pde_refine_triton), args.rep_ms)
-                    row["triton_fwdbwd_ms"] = bench(_fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.rep_ms)
-                    row["triton_fwd_loop_ms"] = bench_loop(fwd(pde_refine_triton), args.loop_calls)
-                    row["triton_fwdbwd_loop_ms"] = bench_loop(
-                        _fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.loop_calls)
-                    if not args.no_graph:
-                        row["triton_fwd_graph_ms"] = bench_graph(fwd(pde_refine_triton), args.rep_ms)
-                        row["triton_fwdbwd_graph_ms"] = bench_graph(
-                            _fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.rep_ms)
-                    row["triton_saved_x"], row["triton_peak_x"] = _memory(pde_refine_triton, x, alpha, beta, grad, kw)
-                    if not args.no_reference:
+                    for name, fn, rep, extra in (("triton", pde_refine_triton, args.rep_ms, args.loop_calls),
+                                                 ("torch", pde_refine_reference, args.rep_ms / 3, 0)):
+                        row.update({f"{name}_{k}": v for k, v in
+                                    measure(fn, x, alpha, beta, grad, kw, rep, extra).items()})
+                    if cells is None or (pde, steps) in cells:
                         with torch.no_grad():
-                            row["torch_fwd_ms"] = bench(fwd(pde_refine_reference), args.rep_ms / 3)
-                        row["torch_fwdbwd_ms"] = bench(_fwd_bwd(pde_refine_reference, x, alpha, beta, grad, kw),
-                                                       args.rep_ms / 3)
-                        row["torch_saved_x"], row["torch_peak_x"] = _memory(pde_refine_reference, x, alpha, beta,
-                                                                            grad, kw)
-                    if compile_cells is None or (pde, steps) in compile_cells:
-                        with torch.no_grad():
-                            row["compile_fwd_ms"] = bench(fwd(compiled_ref), args.rep_ms / 3)
+                            row["compile_fwd_ms"] = bench(lambda: compiled_ref(x, alpha=alpha, beta=beta, **kw),
+                                                          args.rep_ms / 3)
                     row.update({k[:-3] + "_x_copy": v / copy_ms for k, v in list(row.items())
                                 if k.endswith("_ms") and k != "copy_ms"})
                     rows.append(row)
-                    print(f"  {pde} S={steps} {'causal' if causal else 'bidi'}: " + ", ".join(
+                    print(f"  {shape} {pde} S={steps} {'causal' if causal else 'bidi'}: " + ", ".join(
                         f"{k[:-7]} {v:.2f}x" for k, v in row.items() if k.endswith("_x_copy"))
                         + f" [{time.time() - t_start:.0f}s]", flush=True)
-            del x, grad
-            torch.cuda.empty_cache()
+        del x, y, grad
+        torch.cuda.empty_cache()
         os.makedirs(args.out, exist_ok=True)  # (after every shape, so a cut-off run keeps its rows)
-        with open(base + ".json", "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        Path(base + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         write_files(base, meta, rows)
-        print(f"wrote {base}.json/.md/_targets.md/.png in {time.time() - t_start:.0f}s", flush=True)
     return 0
 
 

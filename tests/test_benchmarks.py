@@ -101,11 +101,12 @@ def test_generate_replot_renders_a_committed_result(tmp_path):
 def test_patched_model_smoke(tmp_path):
     run("bench_patched_model.py", "--device", "cpu", "--dtype", "float32", "--layers", 2, "--hidden", 128,
         "--vocab", 128, "--lengths", "32,64", "--train-length", 32, "--decode-prefill", 8, "--decode-tokens", 4,
-        "--decode-pair-tokens", 4, "--repeats", 1, "--warmup", 0, "--rounds", 2, "--out", tmp_path)
+        "--decode-pair-tokens", 4, "--rounds", 3, "--out", tmp_path)
     info = json.loads((tmp_path / "patched_model_cpu.json").read_text())
     assert set(info["overhead_percent"]) == {"prefill_32", "prefill_64", "train_step", "decode_tokens_per_s",
                                              "decode_tokens_per_s_masked"}
-    assert info["patch"]["pde_sites"] == 2 and (tmp_path / "patched_model_cpu.md").exists()
+    assert info["patch"]["pde_sites"] == 2 and len(info["paired_rounds_s"]["train_step"]) == 3
+    assert "| training step fwd+bwd 32 tokens (ms) |" in (tmp_path / "patched_model_cpu.md").read_text()
 
 
 def test_kernels_needs_a_gpu_and_renders_its_committed_targets(tmp_path):
