@@ -2,21 +2,18 @@
 """Sharded training of CTA models against one process on the same global batch: the table results/distributed.md.
 
     accelerate launch --num_processes 1 --mixed_precision bf16 benchmarks/bench_distributed.py   # the reference
-    accelerate launch --config_file examples/accelerate/fsdp2.yaml benchmarks/bench_distributed.py
-    accelerate launch --config_file examples/accelerate/deepspeed_zero3.yaml benchmarks/bench_distributed.py
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml benchmarks/bench_distributed.py   # or ZeRO-3's
     python benchmarks/bench_distributed.py --summarize      # results/distributed.{json,md} from the run files
     bash benchmarks/distributed_gpu.sh single|fsdp2|zero3|overhead   # the 2-GPU runs, one process per phase
 
-A Llama-shaped model (``--size 1b``: TinyLlama-1.1B's shape; random init with ``--seed``, saved once and loaded with
-``from_pretrained`` as a user's checkpoint, so the engines' efficient-loading paths run) goes through the phases
-``full`` / ``full_pde`` (full fine-tune unpatched / patched: diffusion, 4 steps, ``block_output``, ``init="paper"``),
-``lora`` / ``lora_pde`` (LoRA, and LoRA + PDE coefficients through ``cta.CTALoraConfig``) and ``native``
-(``cta.CTAForCausalLM``), each ``--steps`` steps on one fixed global batch split over the processes: per step the mean
-loss, the median step time after ``--warmup``, each GPU's peak memory. Patched phases record tests/distributed_checks
-(the coefficients moved; the gathered checkpoint reloads with equal weights and generates the same with and without
-cache). ``--overhead_rounds``: the PDE's share of a step, in paired steps with the sites on and at ``steps = 0``.
-Writes ``<results_dir>/distributed_<engine>_<N><gpu|cpu>.json`` (engine: single, ddp, fsdp1, fsdp2, zero2, zero3; a
-context-parallel engine would add its name in :func:`engine_name`).
+A Llama-shaped model (``--size 1b``: TinyLlama-1.1B's shape; random init, saved and loaded with ``from_pretrained`` as
+a user's checkpoint) trains ``--steps`` steps on one global batch split over the processes, phase by phase: ``full``
+/ ``full_pde`` (unpatched / patched: diffusion, 4 steps after every block), ``lora`` / ``lora_pde`` (LoRA / with the
+PDE coefficients, ``cta.CTALoraConfig``), ``native`` (``cta.CTAForCausalLM``). Recorded: the mean loss per step, the
+median step time after ``--warmup``, peak memory, the checks of tests/distributed_checks.py (coefficients moved; the
+gathered checkpoint reloads equal and generates the same with and without cache) and with ``--overhead_rounds`` the
+PDE's share of a step (paired steps, sites on / at ``steps = 0``). Writes ``distributed_<engine>_<N><gpu|cpu>.json``
+(a context-parallel engine would add its name in :func:`engine_name`).
 """
 
 from __future__ import annotations
@@ -45,13 +42,10 @@ from cta.patching_cta import pde_parameter_names  # noqa: E402
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 from distributed_checks import check_coefficients, save_and_reload  # noqa: E402  (tests/: the checks a run records)
 
-SIZES = {
-    # hidden, layers, heads, kv heads, intermediate, vocab (TinyLlama-1.1B's shape)
-    "1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-               intermediate_size=5632, vocab_size=32000),
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=256),
-}
+SIZES = {"1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                    intermediate_size=5632, vocab_size=32000),  # TinyLlama-1.1B's shape
+         "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=256)}
 PHASES = ("full", "full_pde", "lora", "lora_pde", "native")
 PATCH = dict(pde_type="diffusion", pde_steps=4, placement="block_output", init="paper")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -92,18 +86,14 @@ def parse_args(argv=None):
 
 
 def engine_name(accelerator) -> str:
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType as Kind
 
-    kind = accelerator.distributed_type
-    if accelerator.num_processes == 1 and kind != DistributedType.DEEPSPEED and not accelerator.is_fsdp2:
-        return "single"
-    if kind == DistributedType.FSDP:
-        return f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
-    if kind == DistributedType.DEEPSPEED:
-        return f"zero{accelerator.state.deepspeed_plugin.zero_stage}"
-    if kind in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
-        return "ddp"
-    return "single"
+    kind, state = accelerator.distributed_type, accelerator.state
+    if kind == Kind.FSDP and (accelerator.num_processes > 1 or accelerator.is_fsdp2):
+        return f"fsdp{state.fsdp_plugin.fsdp_version}"
+    if kind == Kind.DEEPSPEED:
+        return f"zero{state.deepspeed_plugin.zero_stage}"
+    return "ddp" if accelerator.num_processes > 1 and kind in (Kind.MULTI_GPU, Kind.MULTI_CPU) else "single"
 
 
 def write_bases(accelerator, args, work_dir):
@@ -273,31 +263,26 @@ def main(argv=None):
             record["run_arguments"] = " ".join(sys.argv[1:])
         path = os.path.join(args.results_dir, name + ".json")
         if args.merge and os.path.exists(path):
-            with open(path) as f:
-                phases = {**json.load(f)["phases"], **phases}
+            phases = {**_read(path)["phases"], **phases}
         for patched, plain in (("full_pde", "full"), ("lora_pde", "lora")):
             if patched in phases and plain in phases:
                 phases[patched]["step_overhead_vs_" + plain] = (
                     phases[patched]["step_seconds_median"] / phases[plain]["step_seconds_median"] - 1)
-        result = {
-            "name": name, "engine": engine, "num_processes": accelerator.num_processes, "device_type": unit,
-            "device": torch.cuda.get_device_name(0) if unit == "gpu" else platform.processor() or "cpu",
-            "mixed_precision": accelerator.mixed_precision, "size": args.size, "model_shape": SIZES[args.size],
-            "patch": PATCH, "global_batch": args.global_batch,
-            "per_process_batch": args.global_batch // accelerator.num_processes, "seq_len": args.seq_len,
-            "steps": args.steps, "warmup": args.warmup, "lr": args.lr, "lora_lr": args.lora_lr,
-            "pde_lr": args.pde_lr, "seed": args.seed,
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                         "accelerate": __import__("accelerate").__version__, "cta": cta.__version__},
-            "command": "accelerate launch ... benchmarks/bench_distributed.py " + " ".join(sys.argv[1:]),
-            "phases": phases,
-        }
+        result = dict(
+            name=name, engine=engine, num_processes=accelerator.num_processes, device_type=unit,
+            device=torch.cuda.get_device_name(0) if unit == "gpu" else platform.processor() or "cpu",
+            mixed_precision=accelerator.mixed_precision, size=args.size, model_shape=SIZES[args.size], patch=PATCH,
+            global_batch=args.global_batch, per_process_batch=args.global_batch // accelerator.num_processes,
+            seq_len=args.seq_len, steps=args.steps, warmup=args.warmup, lr=args.lr, lora_lr=args.lora_lr,
+            pde_lr=args.pde_lr, seed=args.seed,
+            versions={"torch": torch.__version__, "transformers": transformers.__version__,
+                      "accelerate": __import__("accelerate").__version__, "cta": cta.__version__},
+            command="accelerate launch ... benchmarks/bench_distributed.py " + " ".join(sys.argv[1:]), phases=phases)
         os.makedirs(args.results_dir, exist_ok=True)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {path}")
     accelerator.end_training()
-
 
 
 # --summarize. Loss tolerance: |loss - reference| <= LOSS_RTOL * reference + LOSS_ATOL at every step. 1%: the runs
@@ -308,6 +293,11 @@ def main(argv=None):
 LOSS_RTOL, LOSS_ATOL, OVERHEAD_TARGET = 0.01, 0.01, 0.05
 ENGINE_LABEL = {"fsdp2": "FSDP2", "fsdp1": "FSDP1", "zero3": "DeepSpeed ZeRO-3", "zero2": "DeepSpeed ZeRO-2",
                 "ddp": "DDP", "single": "one process"}
+
+
+def _read(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 def _paired_ci(record):
@@ -322,22 +312,19 @@ def load_runs(results_dir):
     runs = {}
     for path in sorted(glob.glob(os.path.join(results_dir, "distributed_*.json"))):
         if re.search(r"distributed_[a-z0-9]+_\d+(gpu|cpu)\.json$", path):
-            with open(path) as f:
-                runs[os.path.basename(path)[:-5]] = json.load(f)
+            runs[os.path.basename(path)[:-5]] = _read(path)
     for stem, run in runs.items():
         path = os.path.join(results_dir, stem + "_overhead.json")
         if not os.path.exists(path):
             continue
-        with open(path) as f:
-            timing = json.load(f)
+        timing = _read(path)
         for phase, record in timing["phases"].items():
             if phase in run["phases"] and "paired_step_overhead_median" in record:
                 run["phases"][phase].update({k: v for k, v in record.items() if k.startswith("paired_")},
                                             paired_source=os.path.basename(path), paired_step_overhead_ci95=_paired_ci(record))
         run["overhead_variants"] = []
         for path in sorted(glob.glob(os.path.join(results_dir, stem + "_overhead_*.json"))):
-            with open(path) as f:
-                timing = json.load(f)
+            timing = _read(path)
             run["overhead_variants"].append({
                 "source": os.path.basename(path), "per_process_batch": timing["per_process_batch"],
                 "seq_len": timing["seq_len"], "device": timing.get("device"),

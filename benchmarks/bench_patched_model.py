@@ -1,7 +1,8 @@
-"""A patched Llama-shaped model against unpatched, eager: the table ``patched_model_<gpu>.md`` of docs/decoding.md
-(targets: prefill 16k <= 2%, training step <= 5%).
+"""A patched Llama-shaped model against unpatched, eager: the tables ``patched_model_<gpu>.md`` (targets: prefill
+16k <= 2%, training step <= 5%) and ``cpu_decode.md`` (a decoded token <= 10% more on the CPU) of docs/decoding.md.
 
     python benchmarks/bench_patched_model.py            # ~5 min on an H100
+    python benchmarks/bench_patched_model.py --cpu-decode   # ~3 min on one CPU thread
     python benchmarks/bench_patched_model.py --layers 2 --hidden 128 --lengths 64 --device cpu  # a smoke run
 
 A random-weight Llama (8 x 4096, bf16, sdpa; seed 0), patched in place with a PDE site after every block (diffusion,
@@ -11,11 +12,14 @@ overhead is the median over rounds of patched / unpatched - 1 (the host drifts o
 the ratio); the first round also reads the peak memory. Decode: per-token pairs (``results_io.paired_decode``: an
 unpatched copy decodes beside the patched model, each token timed by itself), without an attention mask and with the
 all-ones mask ``generate()`` passes, as a drop in tokens/s with a bootstrap 95% interval. ``generate()`` itself is
-``bench_generate.py``'s. Writes ``patched_model_<gpu>.json`` / ``.md``.
+``bench_generate.py``'s. Writes ``patched_model_<gpu>.json`` / ``.md``. ``--cpu-decode``: the per-token pairs alone,
+for each of ``--pde-types``, of a Llama of SmolLM2-135M's size (30 x 576, the spec's CPU model; fp32, one thread,
+backend ``torch``) unless the shape is given, with the host µs per site (``cpu_decode.json`` / ``.md``).
 """
 
 import argparse
 import os
+import platform
 import statistics
 import sys
 import time
@@ -50,7 +54,51 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
-    return p.parse_args(argv)
+    p.add_argument("--cpu-decode", action="store_true", help="only CPU decode pairs, for each of --pde-types")
+    p.add_argument("--pde-types", default="diffusion,reaction_diffusion", help="with --cpu-decode")
+    p.add_argument("--threads", type=int, default=1, help="with --cpu-decode: torch threads")
+    args = p.parse_args(argv)
+    if args.cpu_decode:  # SmolLM2-135M's shape unless given
+        p.set_defaults(layers=30, hidden=576, intermediate=1536, vocab=49152, decode_prefill=64, decode_tokens=200,
+                       decode_pair_tokens=300, device="cpu", dtype="float32", backend="torch")
+        args = p.parse_args(argv)
+    return args
+
+
+def cpu_decode(args, build):
+    """Per-token pairs (all-ones mask) of a patched copy and an unpatched one, per PDE type: ``cpu_decode.*``."""
+    torch.set_num_threads(args.threads)
+    rows = []
+    for pde_type in args.pde_types.split(","):
+        unpatched, patched = build(), build()
+        patch_model(patched, pde_type=pde_type, pde_steps=args.steps, placement="block_output", init="paper",
+                    backend="torch")
+        prompt = torch.randint(0, args.vocab, (1, args.decode_prefill), generator=torch.Generator().manual_seed(3))
+        pairs = paired_decode(patched, unpatched, prompt, args.decode_tokens, args.decode_pair_tokens, mask=True)
+        ratios, sites = [p / u for u, p in pairs], len(pde_modules(patched))
+        low, high = bootstrap_median(ratios)
+        rows.append(dict(pde_type=pde_type, sites=sites, pairs=len(pairs),
+                         unpatched_step_us=1e6 * statistics.median(u for u, _ in pairs),
+                         patched_step_us=1e6 * statistics.median(p for _, p in pairs),
+                         overhead_percent=100 * (statistics.median(ratios) - 1),
+                         overhead_ci95_percent=[100 * (low - 1), 100 * (high - 1)],
+                         host_us_per_site=1e6 * statistics.median(p - u for u, p in pairs) / sites, target_percent=10.0))
+    info = dict(cpu=platform.processor() or platform.machine(), threads=args.threads, torch=torch.__version__,
+                transformers=transformers.__version__, model=dict(layers=args.layers, hidden=args.hidden,
+                                                                  intermediate=args.intermediate, dtype="float32"),
+                patch=dict(placement="block_output", pde_steps=args.steps, init="paper", backend="torch"), rows=rows,
+                command="python benchmarks/bench_patched_model.py " + " ".join(sys.argv[1:]))
+    lines = [f"# CPU decode: patched Llama vs an unpatched copy ({info['cpu']}, {args.threads} thread)", "",
+             f"{args.layers} layers x {args.hidden} hidden, fp32, sdpa; PDE after every block, {args.steps} steps, "
+             "`init=\"paper\"`, backend `torch`. Per-token pairs (each token decoded by both models back to back); "
+             f"overhead: median of patched / unpatched - 1 [bootstrap 95%]. torch {info['torch']}, transformers "
+             f"{info['transformers']}.", "",
+             "| PDE type | unpatched µs/token | patched µs/token | overhead | host µs per site | target |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['pde_type']} | {r['unpatched_step_us']:.0f} | {r['patched_step_us']:.0f} | "
+              f"{r['overhead_percent']:+.1f}% [{r['overhead_ci95_percent'][0]:+.1f}, {r['overhead_ci95_percent'][1]:+.1f}]"
+              f" | {r['host_us_per_site']:.1f} | <= {r['target_percent']:.0f}% |" for r in rows]
+    write_result_files(os.path.join(args.out, "cpu_decode"), info, lines)
 
 
 def clocked(fn, device, memory=False):
@@ -93,6 +141,8 @@ def main(argv=None):
     lengths = [int(x) for x in args.lengths.split(",")]
     build = lambda: llama_model(args.layers, args.hidden, args.vocab, device, dtype,  # noqa: E731
                                 intermediate=args.intermediate, max_positions=max(32768, max(lengths) + 1024))
+    if args.cpu_decode:
+        return cpu_decode(args, build)
     model = build()
     patch = lambda model: patch_model(model, pde_type="diffusion", pde_steps=args.steps,  # noqa: E731
                                       placement="block_output", init="paper", backend=args.backend).to(device)

@@ -24,8 +24,7 @@ def sync(device=None):
 
 
 def on_gpu(script: str) -> bool:
-    """True when a CUDA GPU is there (kernels then compile instead of running in Triton's interpreter); otherwise
-    prints that ``script`` needs one."""
+    """True on a CUDA GPU (kernels then compile, not interpreted); otherwise prints that ``script`` needs one."""
     if not torch.cuda.is_available():
         print(f"{script} needs a CUDA GPU.")
         return False
@@ -56,7 +55,7 @@ def llama_model(layers, hidden, vocab, device, dtype, intermediate=None, max_pos
 
 
 class TokenClock:
-    """A ``generate()`` streamer that records when each token arrives (on the host, after a synchronisation)."""
+    """A ``generate()`` streamer recording when each token arrives (on the host: after a synchronisation)."""
 
     def __init__(self):
         self.times = []
@@ -68,7 +67,7 @@ class TokenClock:
         pass
 
     def median_step(self):
-        """The median time between decoded tokens (the first two puts are the prompt and the prefill's token)."""
+        """The median time between decoded tokens (the first two puts: the prompt and the prefill's token)."""
         return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
 
 
@@ -127,11 +126,9 @@ def pyplot():
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        return __import__("matplotlib.pyplot").pyplot
     except ImportError:
         print("matplotlib not installed: no plot")
-        return None
-    return plt
 
 
 def plot_rounds(path: str, title: str, series: dict, target=None) -> None:
