@@ -9,7 +9,7 @@ A random-weight Llama (8 x 4096, bf16, sdpa; seed 0), patched in place with a PD
 4 steps, ``init="paper"``) and unpatched again (``cta.unpatch_model``) in ``--rounds`` paired rounds: each round times
 prefill at each of ``--lengths`` and a training step (forward + backward), once each way, the order alternating; an
 overhead is the median over rounds of patched / unpatched - 1 (the host drifts over a run; pairing keeps that out of
-the ratio); the first round also reads the peak memory. Decode: per-token pairs (``results_io.paired_decode``: an
+the ratio); the first round also reads the peak memory (a call of its own). Decode: per-token pairs (``results_io.paired_decode``: an
 unpatched copy decodes beside the patched model, each token timed by itself), without an attention mask and with the
 all-ones mask ``generate()`` passes, as a drop in tokens/s with a bootstrap 95% interval. ``generate()`` itself is
 ``bench_generate.py``'s. Writes ``patched_model_<gpu>.json`` / ``.md``. ``--cpu-decode``: the per-token pairs alone,
@@ -101,18 +101,23 @@ def cpu_decode(args, build):
     write_result_files(os.path.join(args.out, "cpu_decode"), info, lines)
 
 
-def clocked(fn, device, memory=False):
-    """Seconds of one synchronised call of ``fn`` (with ``memory``: and its peak GiB on a GPU)."""
-    if memory and device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+def clocked(fn, device):
+    """Seconds of one synchronised call of ``fn``."""
     sync(device)
     start = time.perf_counter()
     fn()
     sync(device)
-    seconds = time.perf_counter() - start
-    return (seconds, torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None) \
-        if memory else seconds
+    return time.perf_counter() - start
+
+
+def peak_gib(fn, device):
+    """The peak GiB allocated during one call of ``fn`` (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    clocked(fn, device)
+    return torch.cuda.max_memory_allocated(device) / 2**30
 
 
 def workloads(model, args, device):
@@ -173,8 +178,9 @@ def main(argv=None):
                 patch(model) if state == "patched" else unpatch_model(model)
             for name, job in jobs.items():
                 job()  # warm-up (the first call after a patch change fills caches and coefficient buffers)
-                pair.setdefault(name, {})[state], peak = clocked(job, device, memory=True)
-                memory.setdefault(name, {}).setdefault(state, peak)
+                if r == 0:
+                    memory.setdefault(name, {})[state] = peak_gib(job, device)
+                pair.setdefault(name, {})[state] = clocked(job, device)
         for name, value in pair.items():
             rounds.setdefault(name, []).append((value["unpatched"], value["patched"]))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
