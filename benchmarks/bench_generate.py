@@ -1,21 +1,16 @@
-"""``model.generate()`` of a patched Llama-shaped model against an unpatched copy: the tables and plots
-``generate_<gpu>.*`` of docs/decoding.md (the decode overhead users see; target: compiled step <= 4%).
+"""``model.generate()`` of a patched Llama against an unpatched copy: the tables and plots ``generate_<gpu>.*`` of
+docs/decoding.md (the decode overhead users see; target: a compiled step <= 4%).
 
     python benchmarks/bench_generate.py --rounds 50 [--modes compiled,eager] [--batches 1,8]
     python benchmarks/bench_generate.py --replot benchmarks/results/generate_<gpu>.json   # rewrite .md and .png
 
-A random-weight Llama (8 x 4096, bf16, sdpa; seed 0) and an unpatched copy with the same weights; the patched one has
-a PDE site after every block (diffusion, 4 steps, ``init="paper"``). Per mode and batch: one untimed call each, then
-``--rounds`` paired rounds, each calling ``generate()`` once on each model, the order alternating (greedy, exactly
-``--new-tokens`` after a ``--prompt``-token prompt). A streamer times the tokens; a call's step time is the median time
-between its decoded tokens. Overheads: medians over rounds of patched / unpatched - 1 (call and step), the step's
-with a bootstrap 95% interval and the range over rounds. ``compiled`` is ``cache_implementation="static"``
-(torch.compile, CUDA graphs); for it the script also counts the CUDA kernels and GPU time of one compiled decode step
-(``torch.compile(model.forward, fullgraph=True)``, default mode, profiled) unpatched and patched at each batch.
-Compiled tokens against ``use_cache=False`` are tests/test_gpu_generation.py's check. Writes ``generate_<gpu>.json`` /
-``.md`` / ``.png`` (``--tag`` replaces ``<gpu>``). ``--device cpu``: a smoke run.
-(The floor, a copy with subclassed layers, and the substituted decode steps are findings in docs/decoding.md; the
-script of commit b7e044a measured them.)
+A random-weight Llama (8 x 4096, bf16; seed 0) patched after every block (diffusion, 4 steps, ``init="paper"``) and
+an unpatched copy: per mode and batch, ``--rounds`` paired rounds of one greedy ``generate()`` call each (the order
+alternating); a streamer times the tokens, a call's step time is the median between them; overheads are medians over
+rounds of patched / unpatched - 1, the step's with a bootstrap 95% interval. ``compiled`` is the static cache
+(torch.compile, CUDA graphs); for it also the CUDA kernels and GPU time of one compiled decode step, profiled.
+Exactness is tests/test_gpu_generation.py's. ``--device cpu``: a smoke run. (The floor and the substituted steps:
+docs/decoding.md, from the script of commit b7e044a.)
 """
 
 import argparse

@@ -222,7 +222,7 @@ def main(argv=None):
                     print(f"  {shape} {pde} S={steps} {'causal' if causal else 'bidi'}: " + ", ".join(
                         f"{k[:-7]} {v:.2f}x" for k, v in row.items() if k.endswith("_x_copy"))
                         + f" [{time.time() - t_start:.0f}s]", flush=True)
-        del x, y, grad
+        x = y = grad = None  # (freed before the next shape)
         torch.cuda.empty_cache()
         os.makedirs(args.out, exist_ok=True)  # (after every shape, so a cut-off run keeps its rows)
         Path(base + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -5,16 +5,13 @@
     python benchmarks/bench_patched_model.py --cpu-decode   # ~3 min on one CPU thread
     python benchmarks/bench_patched_model.py --layers 2 --hidden 128 --lengths 64 --device cpu  # a smoke run
 
-A random-weight Llama (8 x 4096, bf16, sdpa; seed 0), patched in place with a PDE site after every block (diffusion,
-4 steps, ``init="paper"``) and unpatched again (``cta.unpatch_model``) in ``--rounds`` paired rounds: each round times
-prefill at each of ``--lengths`` and a training step (forward + backward), once each way, the order alternating; an
-overhead is the median over rounds of patched / unpatched - 1 (the host drifts over a run; pairing keeps that out of
-the ratio); the first round also reads the peak memory (a call of its own). Decode: per-token pairs (``results_io.paired_decode``: an
-unpatched copy decodes beside the patched model, each token timed by itself), without an attention mask and with the
-all-ones mask ``generate()`` passes, as a drop in tokens/s with a bootstrap 95% interval. ``generate()`` itself is
-``bench_generate.py``'s. Writes ``patched_model_<gpu>.json`` / ``.md``. ``--cpu-decode``: the per-token pairs alone,
-for each of ``--pde-types``, of a Llama of SmolLM2-135M's size (30 x 576, the spec's CPU model; fp32, one thread,
-backend ``torch``) unless the shape is given, with the host µs per site (``cpu_decode.json`` / ``.md``).
+A random-weight Llama (8 x 4096, bf16, sdpa; seed 0) is patched in place (diffusion after every block, 4 steps,
+``init="paper"``) and unpatched again in ``--rounds`` paired rounds, each timing prefill at ``--lengths`` and a
+training step once each way, the order alternating: an overhead is the median over rounds of patched / unpatched - 1
+(pairing keeps the host's drift out); the first round also reads peak memory. Decode: per-token pairs
+(``results_io.paired_decode``) against an unpatched copy, without and with the all-ones mask ``generate()`` passes,
+as a drop in tokens/s [bootstrap 95%]. ``--cpu-decode``: those pairs alone per ``--pde-types``, on SmolLM2-135M's
+shape (30 x 576; fp32, one thread, backend ``torch``) unless given, with the host µs per site.
 """
 
 import argparse
@@ -168,7 +165,7 @@ def main(argv=None):
             clocked(lambda: pde_refine(x, pde_type="diffusion", steps=args.steps, alpha=0.1, causal=True,
                                        backend=args.backend), device) for _ in range(20))}
     info["copy_roof"] = roof
-    del x, y
+    x = y = None  # (freed)
 
     jobs, rounds, memory = workloads(model, args, device), {}, {}
     for r in range(args.rounds):

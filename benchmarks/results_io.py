@@ -1,6 +1,5 @@
-"""What the benchmark scripts share (not a benchmark): the device synchronisation their clocks use, the GPU check, the
-random-weight Llama of the model-level benchmarks, per-token paired decoding, a ``generate()`` streamer that times its
-tokens, the bootstrap interval of a median, the result files and the per-round overhead plot."""
+"""What the benchmark scripts share (not a benchmark): ``sync()``, the GPU check, the model-level Llama, per-token
+paired decoding, a ``generate()`` token clock, the bootstrap interval of a median, result files and plots."""
 
 import json
 import os
@@ -40,7 +39,7 @@ def device_name(device) -> str:
 
 def llama_model(layers, hidden, vocab, device, dtype, intermediate=None, max_positions=32768):
     """The random-weight Llama of the model-level benchmarks (seed 0, heads of 128 channels, MLP 11008/4096 of
-    ``hidden`` unless given, sdpa attention), in eval mode."""
+    ``hidden`` unless given, sdpa), in eval mode."""
     import transformers
 
     intermediate = intermediate or int(round(11008 * hidden / 4096 / 64)) * 64
@@ -79,11 +78,10 @@ def bootstrap_median(values, resamples=2000, seed=0):
 
 
 def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, mask=False):
-    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding: both models prefill ``prompt``, then each token
-    is decoded by one model and then the other (the order alternating), each step synchronised and timed by itself.
-    Host speed drifts over seconds; two steps milliseconds apart see the same host. Passes of ``tokens`` tokens after
-    one untimed pass (every cache length seen once: sdpa's cuDNN backend plans per new length). ``mask``: an all-ones
-    attention mask with every step, as ``generate()`` passes."""
+    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding after both prefill ``prompt``: each token decoded
+    by one model, then the other (the order alternating), each step timed by itself: two steps milliseconds apart see
+    the same host. Passes of ``tokens`` after an untimed one (sdpa's cuDNN backend plans each new length once).
+    ``mask``: an all-ones attention mask with every step, as ``generate()`` passes."""
     ones = torch.ones(prompt.shape[0], prompt.shape[1] + tokens, dtype=torch.long, device=prompt.device)
     pairs = []
     with torch.no_grad():
