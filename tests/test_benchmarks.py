@@ -21,6 +21,7 @@ RESULTS = BENCH / "results"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if p.name != "results_io.py")
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2 or not os.environ.get("CTA_TEST_GPU"),
                               reason="needs 2 CUDA GPUs (and CTA_TEST_GPU=1)")
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ONE_GPU = pytest.mark.skipif(not torch.cuda.is_available() or not os.environ.get("CTA_TEST_GPU"),
                              reason="needs a CUDA GPU (and CTA_TEST_GPU=1)")
 
@@ -184,7 +185,7 @@ def test_distributed_engines_on_two_gpus(tmp_path, engine):
     if engine.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
     config = ROOT / "examples" / "accelerate" / f"{engine}.yaml"
-    _launch(tmp_path, ["-m", "accelerate.commands.launch", "--config_file", str(config)], {})
+    _launch(tmp_path, ["-m", "accelerate.commands.launch", "--config_file", str(config)], NO_MULTICAST)
     run_file = json.loads(next(tmp_path.glob("distributed_*_2gpu.json")).read_text())
     for phase in ("full_pde", "lora_pde"):
         _checks_hold(run_file["phases"][phase], phase)
@@ -196,6 +197,6 @@ def test_tensor_parallel_decodes_the_one_gpu_tokens(tmp_path):
     out = tmp_path / "tensor_parallel.json"
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            str(ROOT / "tests" / "tensor_parallel_worker.py"), "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ, **NO_MULTICAST))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads(out.read_text())["passed"]
