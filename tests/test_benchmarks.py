@@ -130,6 +130,13 @@ def test_kernels_gpu_smoke(tmp_path):
     assert "added_fwd_us" in json.loads(next(tmp_path.glob("host_overhead_*.json")).read_text())["result"]
 
 
+@ONE_GPU
+@pytest.mark.gpu
+def test_train_site_time_gpu_smoke(tmp_path):
+    run("train_site_time.py", "--calls", 2, "--rounds", 1, "--out", tmp_path)
+    assert set(json.loads(next(tmp_path.glob("train_site_time_*.json")).read_text())["cases"]) == {"float32", "bfloat16"}
+
+
 def test_distributed_summary_renders_the_committed_table(tmp_path):
     for path in (ROOT / "results").glob("distributed_*.json"):
         (tmp_path / path.name).write_text(path.read_text())
