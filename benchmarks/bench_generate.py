@@ -32,7 +32,7 @@ from cta.patching_cta import patch_model, pde_modules  # noqa: E402
 from cta.pde_cta import triton_available  # noqa: E402
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, known=False):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=4096, help="hidden size (heads of 128 channels, MLP 11008/4096 of it)")
@@ -49,7 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--replot", default=None, metavar="JSON",
                    help="only rewrite the markdown and the plot of an existing generate_<gpu>.json")
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")
-    return p.parse_args(argv)
+    return p.parse_known_args(argv)[0] if known else p.parse_args(argv)  # (known: an older file's command)
 
 
 def step_kernels(model, prompt, profiled=4):
@@ -171,7 +171,7 @@ def main(argv=None):
         with open(args.replot) as f:
             info = json.load(f)
         stem = os.path.splitext(args.replot)[0]
-        write_result_files(stem, info, markdown(info, parse_args(shlex.split(info["command"])[2:])))
+        write_result_files(stem, info, markdown(info, parse_args(shlex.split(info["command"])[2:], known=True)))
         return plot(info, stem)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

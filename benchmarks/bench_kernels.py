@@ -156,6 +156,7 @@ def measure(fn, x, alpha, beta, grad, kw, rep_ms, graph_and_loop):
     for name, call in (("fwd", fwd), ("fwdbwd", fwdbwd)) if graph_and_loop else ():
         row[name + "_loop_ms"] = bench_loop(call, graph_and_loop)
         row[name + "_graph_ms"] = bench_graph(call, rep_ms)
+    xx = x.detach().requires_grad_(True)  # (fresh: the peak includes allocating its gradient)
     sync()
     torch.cuda.reset_peak_memory_stats()
     start, size = torch.cuda.memory_allocated(), x.numel() * x.element_size()
