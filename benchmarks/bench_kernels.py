@@ -1,29 +1,18 @@
-"""Benchmark of the fused Triton PDE kernels against the copy roof and the PyTorch reference.
+"""The fused Triton PDE kernels against the copy roof, the PyTorch reference and ``torch.compile`` of it: the tables
+``kernels_<gpu>[_scalar]_targets.md`` and the plot ``kernels_<gpu>.png`` of docs/kernels.md.
 
-For every shape x steps x pde_type x {causal, bidirectional} it measures (medians of CUDA-event timings through
-``triton.testing.do_bench``), in one run on one GPU:
+    python benchmarks/bench_kernels.py                      # full sweep (~5 min on an H100): kernels_<gpu>.*
+    python benchmarks/bench_kernels.py --coefficients scalar --pde-types diffusion   # kernels_<gpu>_scalar.*
+    python benchmarks/bench_kernels.py --host-overhead      # host_overhead_<gpu>.json
+    python benchmarks/bench_kernels.py --replot benchmarks/results/kernels_<gpu>.json   # rewrite .md, _targets.md, .png
 
-* ``copy``: ``y.copy_(x)`` of the same tensor (the memory-bandwidth roof; read + write),
-* ``triton`` forward and forward+backward (grads for the input and alpha/beta: one per channel, or with
-  ``--coefficients scalar`` one scalar each, as a CTA model's default ``pde_per_channel=False`` has), each also captured
-  once as a CUDA graph and replayed (``*_graph``): the kernels' GPU time without the host's, and as 50 back-to-back
-  eager calls between two CUDA events (``*_loop``: what a training loop sees, host time included where the GPU
-  work is shorter than it),
-* ``torch``: the PyTorch reference (``cta.pde_cta.pde_refine_reference``) forward and forward+backward,
-* ``compile``: ``torch.compile`` of the reference, forward (compiled for the subset given by ``--compile``; the
-  compile time of every cell would not fit the time budget),
-* extra activation memory: bytes held for backward after the forward (allocated - input - output), as a multiple
-  of the input size, and the peak extra memory of a forward+backward.
-
-``--host-overhead`` measures instead the host time the op adds at a small shape (1x512x512, bf16, a learnable 0-d
-alpha, 4 steps): 400 back-to-back eager calls, forward and forward+backward, against a one-op autograd baseline
-(``x * alpha``) timed the same way in the same run (``host_overhead_<gpu>.json``).
-
-Writes ``benchmarks/results/kernels_<gpu>.json``, ``kernels_<gpu>.md`` (a table) and ``kernels_<gpu>.png`` (a plot).
-
-    python benchmarks/bench_kernels.py            # full sweep (~5 min on an H100)
-    python benchmarks/bench_kernels.py --quick    # (1,16384,4096) bf16, diffusion, steps 4 only
-    python benchmarks/bench_kernels.py --coefficients scalar --pde-types diffusion   # -> kernels_<gpu>_scalar.*
+Per shape x steps x PDE type x {causal, bidirectional}, medians of ``triton.testing.do_bench``: ``copy`` (the
+bandwidth roof), the Triton forward and forward+backward (per-channel coefficients, or scalars), also replayed as a
+CUDA graph (``*_graph``: GPU time only) and as back-to-back eager calls (``*_loop``: host time included), the
+reference and ``torch.compile`` of it (``--compile`` cells), the memory held for backward; then the targets table
+(diffusion: forward <= 1.25x copy, forward+backward <= 3x, memory <= 1.1x). ``--host-overhead``: the host time the op
+adds per eager call at 1x512x512 (bf16, 0-d alpha, 4 steps) over a one-op autograd baseline and an empty Triton
+launch. (Nsight Compute counters, ``kernel_profile_*.txt``: ``profile_kernels.py`` of commit b7e044a.)
 """
 
 import argparse
@@ -32,51 +21,46 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import torch
+from results_io import RESULTS, device_name, on_gpu, pyplot, sync
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch  # noqa: E402  (after results_io: it puts the repository on the path)
 
-from cta.pde_cta import PDE_TYPES, pde_refine_reference  # noqa: E402
+from cta.pde_cta import PDE_TYPES, pde_refine, pde_refine_reference  # noqa: E402
 
-try:  # (the benchmark needs triton; an import error is reported by the first kernel call)
+TARGETS = {"fwd": 1.25, "fwdbwd": 3.0, "saved": 1.1}
+SHAPES = "1x4096x4096,1x16384x4096,8x4096x4096,1x65536x512"
+COEFS = {"diffusion": (0.2, None), "wave": (0.1, None), "reaction_diffusion": (0.2, 0.1),
+         "advection_diffusion": (0.2, 0.1)}
+try:  # (the sweep needs triton; an import error is reported by the first kernel call)
     import triton
     import triton.language as tl
 
     @triton.jit
     def _empty_kernel(X, Y, M, A, B, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):
-        pass  # the launch floor of --host-overhead
+        pass  # the launch floor of --host-overhead: the streaming forward's arguments
 except ImportError:  # pragma: no cover
-    _empty_kernel = None
-
-SHAPES = ((1, 4096, 4096), (1, 16384, 4096), (8, 4096, 4096), (1, 65536, 512))
-STEPS = (1, 2, 4, 8)
-COEFS = {"diffusion": (0.2, None), "wave": (0.1, None), "reaction_diffusion": (0.2, 0.1),
-         "advection_diffusion": (0.2, 0.1)}
+    triton = None
 
 
-def parse_args():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="only (1,16384,4096), diffusion, steps 4 (a smoke test)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--coefficients", default="per-channel", choices=("per-channel", "scalar"),
-                   help="alpha/beta shape: [channels] (default) or scalars (files get a _scalar suffix)")
-    p.add_argument("--shapes", default=None, help="e.g. '1x16384x4096,8x4096x4096' (default: the four above)")
-    p.add_argument("--steps", default=None, help="comma list of steps (default 1,2,4,8)")
-    p.add_argument("--pde-types", default=None, help="comma list (default: all four)")
+                   help="alpha/beta shape: [channels] or scalars (files get a _scalar suffix)")
+    p.add_argument("--shapes", default=SHAPES, help="BxLxC comma list")
+    p.add_argument("--steps", default="1,2,4,8", help="comma list of steps")
+    p.add_argument("--pde-types", default=",".join(PDE_TYPES), help="comma list")
     p.add_argument("--compile", default="diffusion:4",
-                   help="'pde:steps,...' cells for which torch.compile of the reference is timed, 'all' or 'none'")
-    p.add_argument("--no-reference", action="store_true", help="skip the PyTorch reference timings")
-    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timings of the Triton calls")
+                   help="'pde:steps,...' cells where torch.compile of the reference is timed, 'all' or 'none'")
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
     p.add_argument("--loop-calls", type=int, default=50, help="back-to-back eager calls of the *_loop timings")
-    p.add_argument("--host-overhead", action="store_true",
-                   help="only the small-shape host overhead against a one-op baseline (host_overhead_<gpu>.json)")
-    p.add_argument("--profile", action="store_true",
-                   help="with --host-overhead: also a cProfile table of the cta calls' host time "
-                        "(host_profile_<gpu>.txt)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    return p.parse_args()
+    p.add_argument("--host-overhead", action="store_true", help="only the small-shape host overhead")
+    p.add_argument("--replot", default=None, metavar="JSON",
+                   help="only rewrite a sweep's .md, _targets.md and .png (into --out) from its kernels_<gpu>*.json")
+    p.add_argument("--out", default=RESULTS)
+    return p.parse_args(argv)
 
 
 def bench(fn, rep_ms):
@@ -86,8 +70,7 @@ def bench(fn, rep_ms):
 
 
 def bench_graph(fn, rep_ms):
-    """Median GPU time of ``fn`` captured once as a CUDA graph and replayed, timed like :func:`bench` (the L2 is
-    flushed before every replay), so the host time of the eager call is left out."""
+    """``fn`` captured once as a CUDA graph and replayed, timed like :func:`bench`: GPU time, no host time."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as capture needs (and compiles the kernels)
@@ -97,17 +80,14 @@ def bench_graph(fn, rep_ms):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    elapsed = bench(graph.replay, rep_ms)
-    del graph
-    torch.cuda.synchronize()
-    return elapsed
+    return bench(graph.replay, rep_ms)
 
 
 def bench_loop(fn, calls, rounds=7):
-    """Median over ``rounds`` of the time per call of ``calls`` back-to-back eager calls between two CUDA events:
-    the host runs ahead where it can, so this is the larger of the GPU time and the host time per call."""
+    """Median over ``rounds`` of the time per call of ``calls`` back-to-back eager calls between two CUDA events: the
+    larger of the GPU time and the host time per call."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -120,269 +100,171 @@ def bench_loop(fn, calls, rounds=7):
     return statistics.median(times)
 
 
-def _empty_launch(x, alpha):
-    """A launch of an empty Triton kernel taking the streaming forward's arguments (7 tensors, 4 ints, 2 constexprs)."""
-    y = torch.empty_like(x)
-    batch, seq, channels = x.shape
-    launch = _empty_kernel[(1, 1, 1)]
-    return lambda: launch(x, y, x, alpha, x, x, x, seq, channels, x.stride(0), x.stride(1), 16, 64, num_warps=2)
-
-
 def host_overhead(args, gpu):
-    """Host time the op adds per eager call at a small shape, over a one-op autograd baseline, wall clock of 400
-    back-to-back calls with a final synchronisation, median of 7 rounds, both timed in this run."""
-    from cta import pde_refine
-
+    """µs per eager call (wall clock of 400 back-to-back calls and a synchronisation, median of 7 rounds)."""
     x = torch.randn(1, 512, 512, device="cuda", dtype=torch.bfloat16)
     alpha = torch.tensor(0.1, device="cuda", requires_grad=True)
-    xg = x.detach().requires_grad_(True)
-    calls = {
-        "cta_fwd": lambda: pde_refine(x, pde_type="diffusion", steps=4, alpha=alpha, backend="triton"),
-        "cta_fwdbwd": lambda: pde_refine(xg, pde_type="diffusion", steps=4, alpha=alpha, backend="triton").sum()
-        .backward(),
-        "baseline_fwd": lambda: x * alpha,
-        "baseline_fwdbwd": lambda: (xg * alpha).sum().backward(),
-        # the floor that Triton's public launch (kernel[grid](...)) sets: an empty kernel with the forward's arguments
-        "triton_launch_floor": _empty_launch(x, alpha),
-    }
+    xg, y = x.detach().requires_grad_(True), torch.empty_like(x)
+    refine = lambda x: pde_refine(x, pde_type="diffusion", steps=4, alpha=alpha, backend="triton")  # noqa: E731
+    launch = _empty_kernel[(1, 1, 1)]
+    calls = {"cta_fwd": lambda: refine(x), "cta_fwdbwd": lambda: refine(xg).sum().backward(),
+             "baseline_fwd": lambda: x * alpha, "baseline_fwdbwd": lambda: (xg * alpha).sum().backward(),
+             "triton_launch_floor": lambda: launch(x, y, x, alpha, x, x, x, 512, 512, x.stride(0), x.stride(1), 16, 64,
+                                                   num_warps=2)}
     result = {}
     for name, fn in calls.items():
         for _ in range(20):
             fn()
-        torch.cuda.synchronize()
         rounds = []
         for _ in range(7):
+            sync()
             t0 = time.perf_counter()
             for _ in range(400):
                 fn()
-            torch.cuda.synchronize()
+            sync()
             rounds.append((time.perf_counter() - t0) / 400 * 1e6)
         result[name + "_us"] = statistics.median(rounds)
-    if args.profile:  # where the host time of the cta calls goes, by function
-        import cProfile
-        import io
-        import pstats
-
-        text = io.StringIO()
-        for name in ("cta_fwd", "cta_fwdbwd"):
-            profiler = cProfile.Profile()
-            profiler.enable()
-            for _ in range(400):
-                calls[name]()
-            torch.cuda.synchronize()
-            profiler.disable()
-            text.write(f"## {name}: 400 calls\n")
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-        with open(os.path.join(args.out, f"host_profile_{gpu}.txt"), "w") as f:
-            f.write(text.getvalue())
     result["added_fwd_us"] = result["cta_fwd_us"] - result["baseline_fwd_us"]
     result["added_fwdbwd_us"] = result["cta_fwdbwd_us"] - result["baseline_fwdbwd_us"]
     result["launch_floor_over_baseline_fwd_us"] = result["triton_launch_floor_us"] - result["baseline_fwd_us"]
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 shape=[1, 512, 512], dtype="bfloat16", steps=4, coefficient="learnable 0-d alpha",
                 command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
                 note="us per call: wall clock of 400 back-to-back eager calls and a final synchronisation, median "
                      "of 7 rounds; added_* = cta - baseline (targets: <= 20 us forward, <= 60 us forward+backward); "
                      "triton_launch_floor: one launch of an empty Triton kernel with the forward's arguments")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"host_overhead_{gpu}.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, result=result), f, indent=1)
+    Path(args.out, f"host_overhead_{gpu}.json").write_text(json.dumps(dict(meta=meta, result=result), indent=1))
     print(json.dumps(result, indent=1))
-    print(f"wrote {path}")
     return 0
 
 
-def _make(shape, dtype, pde, per_channel=True, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(shape, device="cuda", dtype=dtype, generator=gen)
-    a, b = COEFS[pde]
-    coef_shape = (shape[-1],) if per_channel else ()
-    alpha = torch.full(coef_shape, a, device="cuda", requires_grad=True)
-    beta = torch.full(coef_shape, b, device="cuda", requires_grad=True) if b is not None else None
-    return x, alpha, beta
-
-
-def _fwd_bwd(fn, x, alpha, beta, grad, kwargs):
+def measure(fn, x, alpha, beta, grad, kw, rep_ms, graph_and_loop):
+    """``{fwd_ms, fwdbwd_ms, [fwd|fwdbwd]_[graph|loop]_ms, saved_x, peak_x}`` of ``fn`` (memory over the input)."""
     xx = x.detach().requires_grad_(True)
 
-    def run():
-        xx.grad = None
-        alpha.grad = None
-        y = fn(xx, alpha=alpha, beta=beta, **kwargs)
-        y.backward(grad)
+    def fwd():
+        return fn(x, alpha=alpha, beta=beta, **kw)
 
-    return run
+    def fwdbwd():
+        xx.grad = alpha.grad = None
+        fn(xx, alpha=alpha, beta=beta, **kw).backward(grad)
 
-
-def _memory(fn, x, alpha, beta, grad, kwargs):
-    """(bytes held for backward after the forward, peak extra bytes during forward+backward), over the input."""
-    xx = x.detach().requires_grad_(True)
-    torch.cuda.synchronize()
+    with torch.no_grad() if not graph_and_loop else torch.enable_grad():  # (the reference's forward: no autograd)
+        row = {"fwd_ms": bench(fwd, rep_ms)}
+    row["fwdbwd_ms"] = bench(fwdbwd, rep_ms)
+    for name, call in (("fwd", fwd), ("fwdbwd", fwdbwd)) if graph_and_loop else ():
+        row[name + "_loop_ms"] = bench_loop(call, graph_and_loop)
+        row[name + "_graph_ms"] = bench_graph(call, rep_ms)
+    xx = x.detach().requires_grad_(True)  # (fresh: the peak includes allocating its gradient)
+    sync()
     torch.cuda.reset_peak_memory_stats()
-    m0 = torch.cuda.memory_allocated()
-    y = fn(xx, alpha=alpha, beta=beta, **kwargs)
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - m0 - y.numel() * y.element_size()
+    start, size = torch.cuda.memory_allocated(), x.numel() * x.element_size()
+    y = fn(xx, alpha=alpha, beta=beta, **kw)
+    sync()
+    row["saved_x"] = (torch.cuda.memory_allocated() - start - size) / size
     y.backward(grad)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - m0 - y.numel() * y.element_size()
-    nbytes = x.numel() * x.element_size()
-    del y, xx
-    return held / nbytes, peak / nbytes
+    sync()
+    row["peak_x"] = (torch.cuda.max_memory_allocated() - start - size) / size
+    return row
 
 
-def main():
-    args = parse_args()
-    if not torch.cuda.is_available():
-        print("bench_kernels.py needs a CUDA GPU.")
+def main(argv=None):
+    args = parse_args(argv)
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        return write_files(os.path.join(args.out, Path(args.replot).stem), data["meta"], data["rows"])
+    if not on_gpu("bench_kernels.py"):
         return 1
-    os.environ.pop("TRITON_INTERPRET", None)
     from cta.triton_cta import pde_refine_triton
 
-    dtype = getattr(torch, args.dtype)
-    gpu = torch.cuda.get_device_name().replace(" ", "_").replace("/", "_")
+    dtype, gpu = getattr(torch, args.dtype), device_name("cuda")
     if args.host_overhead:
         return host_overhead(args, gpu)
-    shapes = SHAPES
-    if args.shapes:
-        shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
-    steps_list = tuple(int(s) for s in args.steps.split(",")) if args.steps else STEPS
-    pdes = tuple(args.pde_types.split(",")) if args.pde_types else PDE_TYPES
-    if args.quick:
-        shapes, steps_list, pdes = ((1, 16384, 4096),), (4,), ("diffusion",)
-    if args.compile == "all":
-        compile_cells = None
-    elif args.compile == "none":
-        compile_cells = set()
-    else:
-        compile_cells = {(c.split(":")[0], int(c.split(":")[1])) for c in args.compile.split(",")}
+    cells = {"all": None, "none": set()}.get(args.compile) if args.compile in ("all", "none") else {
+        (c.split(":")[0], int(c.split(":")[1])) for c in args.compile.split(",")}
     compiled_ref = torch.compile(pde_refine_reference, dynamic=False)
-    rows = []
-    t_start = time.time()
-    for shape in shapes:
-        x0 = torch.randn(shape, device="cuda", dtype=dtype)
-        y0 = torch.empty_like(x0)
-        copy_ms = bench(lambda: y0.copy_(x0), args.rep_ms)
-        nbytes = x0.numel() * x0.element_size()
-        print(f"shape {shape} {args.dtype}: copy {copy_ms * 1e3:.1f} us ({2 * nbytes / copy_ms / 1e6:.0f} GB/s)",
-              flush=True)
-        del x0, y0
-        for pde in pdes:
-            x, alpha, beta = _make(shape, dtype, pde, per_channel=args.coefficients == "per-channel")
-            grad = torch.randn_like(x)
-            for steps in steps_list:
+    rows, t_start = [], time.time()
+    base = os.path.join(args.out, f"kernels_{gpu}" + ("_scalar" if args.coefficients == "scalar" else ""))
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                dtype=args.dtype, coefficients=args.coefficients, compile_cells="all" if cells is None else sorted(cells),
+                command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
+                note="medians of triton.testing.do_bench; *_graph = the call captured as a CUDA graph and replayed "
+                     "(GPU time, no host time); *_loop = back-to-back eager calls between two CUDA events; *_x_copy = "
+                     "time / y.copy_(x) time of the same tensor; saved_x = bytes held for backward after the forward "
+                     "/ input bytes; peak_x = peak extra bytes of forward+backward (incl. the input gradient and the "
+                     "reference's temporaries) / input bytes")
+    for shape in [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]:
+        x = torch.randn(shape, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(0))
+        y = torch.empty_like(x)
+        copy_ms = bench(lambda: y.copy_(x), args.rep_ms)
+        grad = torch.randn_like(x)
+        for pde in args.pde_types.split(","):
+            a, b = COEFS[pde]
+            coef = dict(size=(shape[-1],) if args.coefficients == "per-channel" else (), device="cuda",
+                        requires_grad=True)
+            alpha, beta = torch.full(fill_value=a, **coef), None if b is None else torch.full(fill_value=b, **coef)
+            for steps in (int(s) for s in args.steps.split(",")):
                 for causal in (False, True):
                     kw = dict(pde_type=pde, steps=steps, causal=causal)
                     row = dict(shape=list(shape), dtype=args.dtype, pde_type=pde, steps=steps, causal=causal,
                                coefficients=args.coefficients, copy_ms=copy_ms)
-                    row["triton_fwd_ms"] = bench(lambda: pde_refine_triton(x, alpha=alpha, beta=beta, **kw),
-                                                 args.rep_ms)
-                    row["triton_fwdbwd_ms"] = bench(_fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.rep_ms)
-                    row["triton_fwd_loop_ms"] = bench_loop(
-                        lambda: pde_refine_triton(x, alpha=alpha, beta=beta, **kw), args.loop_calls)
-                    row["triton_fwdbwd_loop_ms"] = bench_loop(
-                        _fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.loop_calls)
-                    if not args.no_graph:
-                        row["triton_fwd_graph_ms"] = bench_graph(
-                            lambda: pde_refine_triton(x, alpha=alpha, beta=beta, **kw), args.rep_ms)
-                        row["triton_fwdbwd_graph_ms"] = bench_graph(
-                            _fwd_bwd(pde_refine_triton, x, alpha, beta, grad, kw), args.rep_ms)
-                    row["triton_saved_x"], row["triton_peak_x"] = _memory(pde_refine_triton, x, alpha, beta, grad, kw)
-                    if not args.no_reference:
-                        with torch.no_grad():
-                            row["torch_fwd_ms"] = bench(lambda: pde_refine_reference(x, alpha=alpha, beta=beta, **kw),
-                                                        args.rep_ms / 3)
-                        row["torch_fwdbwd_ms"] = bench(_fwd_bwd(pde_refine_reference, x, alpha, beta, grad, kw),
-                                                       args.rep_ms / 3)
-                        row["torch_saved_x"], row["torch_peak_x"] = _memory(pde_refine_reference, x, alpha, beta,
-                                                                            grad, kw)
-                    if compile_cells is None or (pde, steps) in compile_cells:
+                    for name, fn, rep, extra in (("triton", pde_refine_triton, args.rep_ms, args.loop_calls),
+                                                 ("torch", pde_refine_reference, args.rep_ms / 3, 0)):
+                        row.update({f"{name}_{k}": v for k, v in
+                                    measure(fn, x, alpha, beta, grad, kw, rep, extra).items()})
+                    if cells is None or (pde, steps) in cells:
                         with torch.no_grad():
                             row["compile_fwd_ms"] = bench(lambda: compiled_ref(x, alpha=alpha, beta=beta, **kw),
                                                           args.rep_ms / 3)
-                    for k in list(row):
-                        if k.endswith("_ms") and k != "copy_ms":
-                            row[k.replace("_ms", "_x_copy")] = row[k] / copy_ms
+                    row.update({k[:-3] + "_x_copy": v / copy_ms for k, v in list(row.items())
+                                if k.endswith("_ms") and k != "copy_ms"})
                     rows.append(row)
-                    print(f"  {pde:20s} S={steps} {'causal' if causal else 'bidi  '} "
-                          f"fwd {row['triton_fwd_x_copy']:.2f}x  fwd+bwd {row['triton_fwdbwd_x_copy']:.2f}x copy "
-                          f"(graph {row.get('triton_fwd_graph_x_copy', float('nan')):.2f}x / "
-                          f"{row.get('triton_fwdbwd_graph_x_copy', float('nan')):.2f}x, loop "
-                          f"{row['triton_fwd_loop_x_copy']:.2f}x / {row['triton_fwdbwd_loop_x_copy']:.2f}x)  "
-                          f"saved {row['triton_saved_x']:.2f}x  ref fwd {row.get('torch_fwd_x_copy', float('nan')):.1f}x"
-                          f"  compile fwd {row.get('compile_fwd_x_copy', float('nan')):.1f}x  "
-                          f"[{time.time() - t_start:.0f}s]", flush=True)
-            del x, grad
-            torch.cuda.empty_cache()
-        _write_all(args, gpu, compile_cells, rows, t_start)  # after every shape, so a cut-off run keeps its rows
+                    print(f"  {shape} {pde} S={steps} {'causal' if causal else 'bidi'}: " + ", ".join(
+                        f"{k[:-7]} {v:.2f}x" for k, v in row.items() if k.endswith("_x_copy"))
+                        + f" [{time.time() - t_start:.0f}s]", flush=True)
+        x = y = grad = None  # (freed before the next shape)
+        torch.cuda.empty_cache()
+        os.makedirs(args.out, exist_ok=True)  # (after every shape, so a cut-off run keeps its rows)
+        Path(base + ".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        write_files(base, meta, rows)
     return 0
 
 
-def _write_all(args, gpu, compile_cells, rows, t_start):
-    os.makedirs(args.out, exist_ok=True)
-    suffix = ("_quick" if args.quick else "") + ("_scalar" if args.coefficients == "scalar" else "")
-    base = os.path.join(args.out, f"kernels_{gpu}{suffix}")
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
-                dtype=args.dtype, coefficients=args.coefficients,
-                compile_cells="all" if compile_cells is None else sorted(compile_cells),
-                command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
-                note="medians of triton.testing.do_bench; *_graph = the call captured as a CUDA graph and replayed "
-                     "(GPU time, no host time); *_loop = back-to-back eager calls between two CUDA events; *_x_copy = time / y.copy_(x) time of the same tensor; "
-                     "saved_x = bytes held for backward after the forward / input bytes; peak_x = peak extra bytes "
-                     "of forward+backward (incl. the input gradient and the reference's temporaries) / input bytes")
-    with open(base + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    write_markdown(base + ".md", meta, rows)
-    write_plot(base + ".png", rows)
-    print(f"wrote {base}.json/.md/.png in {time.time() - t_start:.0f}s", flush=True)
-
-
-def write_markdown(path, meta, rows):
+def write_files(base, meta, rows):
+    """``<base>.md`` (every cell), ``<base>_targets.md`` (the diffusion cells against :data:`TARGETS`) and
+    ``<base>.png`` (time over copy time against steps at 1x16384x4096, or the first shape)."""
     fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
-    coefficients = meta.get("coefficients", "per-channel")
-    lines = [f"# PDE kernels on {meta['gpu']} ({meta['dtype']}, {coefficients} coefficients, "
-             f"torch {meta['torch']}, triton {meta['triton']})", "",
+    lines = [f"# PDE kernels on {meta['gpu']} ({meta['dtype']}, {meta.get('coefficients', 'per-channel')} "
+             f"coefficients, torch {meta['torch']}, triton {meta['triton']})", "",
              meta["note"] + f". torch.compile timed for: {meta['compile_cells']}.", "",
              "Targets (diffusion, steps <= 8): forward <= 1.25x copy, forward+backward <= 3x "
              "copy, extra activation memory <= 1.1x the input.", "",
              "| shape | pde | steps | mode | copy us | triton fwd x | triton fwd+bwd x | graph fwd x | "
              "graph fwd+bwd x | loop fwd x | loop fwd+bwd x | saved x | peak x | torch fwd x | torch fwd+bwd x | "
-             "torch saved x | compile fwd x |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "torch saved x | compile fwd x |", "|---" * 17 + "|"]
     for r in rows:
-        lines.append(
-            f"| {'x'.join(map(str, r['shape']))} | {r['pde_type']} | {r['steps']} | "
-            f"{'causal' if r['causal'] else 'bidi'} | {r['copy_ms'] * 1e3:.1f} | {fmt(r['triton_fwd_x_copy'])} | "
-            f"{fmt(r['triton_fwdbwd_x_copy'])} | {fmt(r.get('triton_fwd_graph_x_copy'))} | "
-            f"{fmt(r.get('triton_fwdbwd_graph_x_copy'))} | {fmt(r.get('triton_fwd_loop_x_copy'))} | "
-            f"{fmt(r.get('triton_fwdbwd_loop_x_copy'))} | {fmt(r['triton_saved_x'])} | {fmt(r['triton_peak_x'])} | "
-            f"{fmt(r.get('torch_fwd_x_copy'))} | {fmt(r.get('torch_fwdbwd_x_copy'))} | {fmt(r.get('torch_saved_x'))} | "
-            f"{fmt(r.get('compile_fwd_x_copy'))} |")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def write_plot(path, rows):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+        cells = [r[k] if k in ("triton_fwd_x_copy", "triton_fwdbwd_x_copy") else r.get(k) for k in (
+            "triton_fwd_x_copy", "triton_fwdbwd_x_copy", "triton_fwd_graph_x_copy", "triton_fwdbwd_graph_x_copy",
+            "triton_fwd_loop_x_copy", "triton_fwdbwd_loop_x_copy", "triton_saved_x", "triton_peak_x",
+            "torch_fwd_x_copy", "torch_fwdbwd_x_copy", "torch_saved_x", "compile_fwd_x_copy")]
+        lines.append(f"| {'x'.join(map(str, r['shape']))} | {r['pde_type']} | {r['steps']} | "
+                     f"{'causal' if r['causal'] else 'bidi'} | {r['copy_ms'] * 1e3:.1f} | "
+                     + " | ".join(map(fmt, cells)) + " |")
+    Path(base + ".md").write_text("\n".join(lines) + "\n")
+    Path(base + "_targets.md").write_text(targets(meta, rows, Path(base).name))
+    plt = pyplot()
+    if plt is None:
         return
     pdes = sorted({r["pde_type"] for r in rows}, key=list(PDE_TYPES).index)
+    shape = [1, 16384, 4096] if any(r["shape"] == [1, 16384, 4096] for r in rows) else rows[0]["shape"]
     fig, axes = plt.subplots(1, len(pdes), figsize=(4.5 * len(pdes), 4), squeeze=False, sharey=True)
     for ax, pde in zip(axes[0], pdes):
         for causal, ls in ((False, "-"), (True, "--")):
             for key, color in (("triton_fwd_x_copy", "C0"), ("triton_fwdbwd_x_copy", "C1"), ("torch_fwd_x_copy", "C2"),
                                ("compile_fwd_x_copy", "C3")):
-                sel = [r for r in rows if r["pde_type"] == pde and r["causal"] == causal and tuple(r["shape"]) ==
-                       (1, 16384, 4096) and key in r]
-                if not sel:
-                    sel = [r for r in rows if r["pde_type"] == pde and r["causal"] == causal and key in r
-                           and r["shape"] == rows[0]["shape"]]
+                sel = [r for r in rows if r["pde_type"] == pde and r["causal"] == causal and r["shape"] == shape
+                       and key in r]
                 if sel:
                     ax.plot([r["steps"] for r in sel], [r[key] for r in sel], ls, color=color, marker="o",
                             label=f"{key.replace('_x_copy', '')} {'causal' if causal else 'bidi'}")
@@ -390,11 +272,51 @@ def write_plot(path, rows):
         ax.axhline(3.0, color="k", lw=0.5, ls=":")
         ax.set_yscale("log")
         ax.set_xlabel("steps")
-        ax.set_title(f"{pde}, {'x'.join(map(str, rows[0]['shape'] if not any(tuple(r['shape']) == (1, 16384, 4096) for r in rows) else (1, 16384, 4096)))}")
+        ax.set_title(f"{pde}, {'x'.join(map(str, shape))}")
     axes[0][0].set_ylabel("time / copy time")
     axes[0][-1].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(base + ".png", dpi=120)
+
+
+def _cell(value, target):
+    digits = 3 if round(value, 2) == target else 2  # 1.25x ✗ would read as a contradiction
+    return value <= target, f"{value:.{digits}f}x {'✓' if value <= target else '✗'}"
+
+
+def targets(meta, rows, stem) -> str:
+    """The target cells (diffusion, steps <= 8) as markdown: eager, and (where the sweep has them) CUDA-graph times."""
+    rows = [r for r in rows if r["pde_type"] == "diffusion" and r["steps"] <= 8]
+    graphs = all("triton_fwdbwd_graph_x_copy" in r for r in rows)
+    lines = [
+        f"Diffusion, {meta.get('coefficients', 'per-channel')} coefficients, {meta['dtype']}, {meta['gpu']} "
+        f"(torch {meta['torch']}, triton {meta['triton']}): time as a multiple "
+        "of `y.copy_(x)` of the same tensor, and bytes kept for backward / input bytes. "
+        f"Targets: forward <= {TARGETS['fwd']}x, forward+backward <= {TARGETS['fwdbwd']}x, memory <= {TARGETS['saved']}x "
+        "(✓ met, ✗ missed). "
+        + ("Forward and forward+backward twice: the eager call (`do_bench`, host time included) and the same call "
+           "captured as a CUDA graph and replayed (the kernels' GPU time). " if graphs else "")
+        + "PyTorch reference forward for scale.", "",
+        "| shape | steps | mode | forward | fwd+bwd | " + ("forward (graph) | fwd+bwd (graph) | " if graphs else "")
+        + "saved | reference fwd |", "|---|---|---|---|---|" + ("---|---|" if graphs else "") + "---|---|"]
+    eager = graph = 0
+    for row in rows:
+        (ok_f, fwd), (ok_b, fb), (ok_s, saved) = (_cell(row[k], TARGETS[t]) for k, t in (
+            ("triton_fwd_x_copy", "fwd"), ("triton_fwdbwd_x_copy", "fwdbwd"), ("triton_saved_x", "saved")))
+        cells, ok_gf, ok_g = [fwd, fb], ok_f, ok_b
+        if graphs:
+            (ok_gf, fg), (ok_g, fbg) = (_cell(row["triton_fwd_graph_x_copy"], TARGETS["fwd"]),
+                                        _cell(row["triton_fwdbwd_graph_x_copy"], TARGETS["fwdbwd"]))
+            cells += [fg, fbg]
+        eager += ok_f + ok_b + ok_s
+        graph += ok_gf + ok_g + ok_s
+        lines.append(f"| {'x'.join(map(str, row['shape']))} | {row['steps']} | "
+                     f"{'causal' if row['causal'] else 'bidirectional'} | {' | '.join(cells + [saved])} | "
+                     f"{row['torch_fwd_x_copy']:.1f}x |")
+    count = f"{eager} of {3 * len(rows)} target cells met"
+    if graphs:
+        count += f" with the eager times, {graph} of {3 * len(rows)} with the CUDA-graph times"
+    return "\n".join(lines + ["", f"{count}. Full sweep: `{stem}.md`."]) + "\n"
 
 
 if __name__ == "__main__":

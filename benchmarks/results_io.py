@@ -1,43 +1,109 @@
-"""What the benchmarks share: the check that a GPU is there (kernels compiled, not interpreted), the kernel launch
-they time, the writing of a result's ``.json`` / ``.md`` pair, per-token paired decoding, a ``generate()`` streamer
-that times its tokens, the bootstrap interval of a median and the plot of per-round overheads."""
+"""What the benchmark scripts share (not a benchmark): ``sync()``, the GPU check, the model-level Llama, per-token
+paired decoding, a ``generate()`` token clock, the bootstrap interval of a median, result files and plots."""
 
 import json
 import os
+import random
 import statistics
 import sys
 import time
 
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+sys.path.insert(0, ROOT)  # the scripts import this module first: then `import cta` finds the repository's
 
-def on_gpu() -> bool:
-    """True when a CUDA GPU is there (and the kernels will be compiled, not run by Triton's interpreter); otherwise
-    prints that the calling script needs one."""
+
+def sync(device=None):
+    """Waits for a CUDA device's queued work (no-op on the CPU): every wall-clock timing here calls it."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def on_gpu(script: str) -> bool:
+    """True on a CUDA GPU (kernels then compile, not interpreted); otherwise prints that ``script`` needs one."""
     if not torch.cuda.is_available():
-        print(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU.")
+        print(f"{script} needs a CUDA GPU.")
         return False
     os.environ.pop("TRITON_INTERPRET", None)
     return True
 
 
-def parse_case(case: str):
-    """``kernel:mode:steps`` (kernel fwd|bwd, mode bidi|causal) as ``(kernel, causal, steps)``."""
-    parts = case.split(":")
-    if len(parts) != 3 or parts[0] not in ("fwd", "bwd") or parts[1] not in ("bidi", "causal"):
-        raise SystemExit(f"{case!r} is not kernel:mode:steps with kernel fwd|bwd and mode bidi|causal")
-    return parts[0], parts[1] == "causal", int(parts[2])
+def device_name(device) -> str:
+    """The GPU's name as result files spell it (``NVIDIA_H200``), or ``cpu``."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device).replace(" ", "_").replace("/", "_") if device.type == "cuda" else "cpu"
 
 
-def diffusion_launch(kind: str, x, alpha, grad, steps: int, causal: bool):
-    """One streaming kernel launch as the benchmarks time it, a call without arguments: diffusion, no padding mask,
-    the forward (``kind`` 'fwd', no final state) or the backward ('bwd': the input and alpha gradients, no beta's, as
-    eager autograd runs it without a beta)."""
-    from cta.kernels_launch import launch_backward, launch_forward
+def llama_model(layers, hidden, vocab, device, dtype, intermediate=None, max_positions=32768):
+    """The random-weight Llama of the model-level benchmarks (seed 0, heads of 128 channels, MLP 11008/4096 of
+    ``hidden`` unless given, sdpa), in eval mode."""
+    import transformers
 
-    if kind == "fwd":
-        return lambda: launch_forward(x, alpha, None, None, None, "diffusion", steps, causal, False)
-    return lambda: launch_backward(grad, x, alpha, None, None, None, "diffusion", steps, causal, need_db=False)
+    intermediate = intermediate or int(round(11008 * hidden / 4096 / 64)) * 64
+    heads = max(1, hidden // 128)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                      max_position_embeddings=max_positions, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+class TokenClock:
+    """A ``generate()`` streamer recording when each token arrives (on the host: after a synchronisation)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def median_step(self):
+        """The median time between decoded tokens (the first two puts: the prompt and the prefill's token)."""
+        return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
+
+
+def bootstrap_median(values, resamples=2000, seed=0):
+    """A 95% interval of the median of ``values`` (percentile bootstrap)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples)]
+
+
+def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, mask=False):
+    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding after both prefill ``prompt``: each token decoded
+    by one model, then the other (the order alternating), each step timed by itself: two steps milliseconds apart see
+    the same host. Passes of ``tokens`` after an untimed one (sdpa's cuDNN backend plans each new length once).
+    ``mask``: an all-ones attention mask with every step, as ``generate()`` passes."""
+    ones = torch.ones(prompt.shape[0], prompt.shape[1] + tokens, dtype=torch.long, device=prompt.device)
+    pairs = []
+    with torch.no_grad():
+        for p in range(1 + -(-pairs_wanted // tokens)):
+            states = {}
+            for name, model in (("unpatched", unpatched), ("patched", patched)):
+                out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+                states[name] = [model, out.past_key_values, out.logits[:, -1:].argmax(-1)]
+            for t in range(tokens):
+                step = {}
+                for name in ("unpatched", "patched") if t % 2 == 0 else ("patched", "unpatched"):
+                    model, cache, token = states[name]
+                    sync(prompt.device)
+                    start = time.perf_counter()
+                    out = model(input_ids=token, past_key_values=cache, use_cache=True,
+                                attention_mask=ones[:, : prompt.shape[1] + t + 1] if mask else None)
+                    states[name][2] = out.logits[:, -1:].argmax(-1)
+                    sync(prompt.device)
+                    step[name] = time.perf_counter() - start
+                if p > 0:
+                    pairs.append((step["unpatched"], step["patched"]))
+    return pairs[:pairs_wanted]
 
 
 def write_result_files(stem: str, info: dict, lines) -> None:
@@ -52,90 +118,22 @@ def write_result_files(stem: str, info: dict, lines) -> None:
     print(text)
 
 
-class TokenClock:
-    """A ``generate()`` streamer (transformers' ``BaseStreamer`` interface) that records when each token arrives
-    (generate hands it the tokens on the host, so each arrival follows a synchronisation)."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-    def median_step(self):
-        """The median time between decoded tokens (the first two puts are the prompt and the prefill's token)."""
-        return statistics.median(b - a for a, b in zip(self.times[1:], self.times[2:]))
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def bootstrap_median(values, resamples=2000, seed=0):
-    """A 95% interval of the median of ``values`` (percentile bootstrap)."""
-    import random
-
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples)]
-
-
-def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, device, mask=False):
-    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding: both models prefill ``prompt``, then each token
-    is decoded by one model and then the other (the order alternating), each step synchronised and timed by itself,
-    as ``generate()`` synchronises once per token. Host speed drifts over seconds; two steps a few milliseconds apart
-    see the same host. Passes of ``tokens`` tokens from the prompt, after one untimed pass: every cache length then
-    has been seen before (sdpa's cuDNN backend builds a plan per new length, which costs tens of milliseconds the
-    first time). ``mask``: pass an all-ones attention mask with every step, as ``generate()`` does."""
-    passes = 1 + -(-pairs_wanted // tokens)
-    ones = torch.ones(prompt.shape[0], prompt.shape[1] + tokens, dtype=torch.long, device=prompt.device)
-    pairs = []
-    with torch.no_grad():
-        for p in range(passes):
-            states = {}
-            for name, model in (("unpatched", unpatched), ("patched", patched)):
-                out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-                states[name] = [model, out.past_key_values, out.logits[:, -1:].argmax(-1)]
-            for t in range(tokens):
-                step = {}
-                for name in ("unpatched", "patched") if t % 2 == 0 else ("patched", "unpatched"):
-                    model, cache, token = states[name]
-                    step_mask = ones[:, : prompt.shape[1] + t + 1] if mask else None
-                    _sync(device)
-                    start = time.perf_counter()
-                    out = model(input_ids=token, past_key_values=cache, use_cache=True, attention_mask=step_mask)
-                    states[name][2] = out.logits[:, -1:].argmax(-1)
-                    _sync(device)
-                    step[name] = time.perf_counter() - start
-                if p > 0:
-                    pairs.append((step["unpatched"], step["patched"]))
-    return pairs[:pairs_wanted]
-
-
-def run_command(doc: str, commands: dict):
-    """A multi-mode script's ``main``: runs ``commands[sys.argv[1]]`` on the remaining arguments, else prints ``doc``
-    (exit 0 for ``-h`` / ``--help``, 2 otherwise)."""
-    if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print(doc)
-        raise SystemExit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
-    commands[sys.argv[1]](sys.argv[2:])
-
-
-def plot_rounds(path: str, title: str, series: dict, target=None) -> None:
-    """A strip plot of per-round overheads (%): ``series`` maps a label to ``(rounds, median, [low, high])``, drawn as
-    the rounds' dots, the median and its 95% interval; ``target`` a dashed line. Writes ``path`` (PNG); without
-    matplotlib it says so and draws nothing."""
+def pyplot():
+    """matplotlib's pyplot (Agg), or None (and a note) where matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        return __import__("matplotlib.pyplot").pyplot
     except ImportError:
         print("matplotlib not installed: no plot")
+
+
+def plot_rounds(path: str, title: str, series: dict, target=None) -> None:
+    """A strip plot of per-round overheads (%): ``series`` maps a label to ``(rounds, median, [low, high])``, drawn as
+    the rounds' dots, the median and its 95% interval; ``target`` a dashed line. Writes ``path`` (PNG)."""
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(2.4 + 1.5 * len(series), 3.8))
     for i, (label, (rounds, median, (low, high))) in enumerate(series.items()):

@@ -118,7 +118,8 @@ def _range(rows, key):
 
 
 def _targets():
-    spec = importlib.util.spec_from_file_location("summarize_kernels", ROOT / "benchmarks" / "summarize_kernels.py")
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # (bench_kernels imports results_io beside it)
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "benchmarks" / "bench_kernels.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.TARGETS

@@ -5,9 +5,9 @@ weight name, so it only shards a patched model whose names are the base model's.
 ``cta_*_pde.alpha``/``beta``) are in no plan: they stay plain, replicated tensors, and the ``block_output`` PDE runs
 on the layer's full hidden state (after the row-parallel projections' all-reduce).
 
-Run (2 GPUs; CPU works too, with gloo)::
+Run by tests/test_benchmarks.py on 2 GPUs (CPU works too, with gloo), and by hand for the committed record::
 
-    torchrun --nproc_per_node 2 benchmarks/check_tensor_parallel.py --out results/tensor_parallel.json
+    torchrun --nproc_per_node 2 tests/tensor_parallel_worker.py --out results/tensor_parallel_2gpu.json
 
 Rank 0 builds a Llama-shaped model from a config (random weights, fixed seed), patches it (diffusion, 4 steps,
 ``block_output``, ``init="paper"``), saves it and decodes greedily on one device as the reference; then every rank
