@@ -445,7 +445,7 @@ READING = (
     "two such phases is not a measurement of the PDE: the paired rounds are (their files: `paired_source` in "
     "distributed.json). At 4 x 1024 tokens per GPU a sharded step waits on the host (compare FSDP2's step "
     "time at twice the tokens per GPU, in the table above), so what a site adds there is its host time "
-    "(`benchmarks/train_site_time.py`: "
+    "(`train_site_time.py` of commit b7e044a; now `bench_train_step.py`: "
     "[`train_site_time_NVIDIA_H200.json`](../benchmarks/results/train_site_time_NVIDIA_H200.json), "
     "[`..._profile.txt`](../benchmarks/results/train_site_time_NVIDIA_H200_profile.txt)), which the "
     "one-GPU step hides. "

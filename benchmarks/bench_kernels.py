@@ -3,16 +3,14 @@
 
     python benchmarks/bench_kernels.py                      # full sweep (~5 min on an H100): kernels_<gpu>.*
     python benchmarks/bench_kernels.py --coefficients scalar --pde-types diffusion   # kernels_<gpu>_scalar.*
-    python benchmarks/bench_kernels.py --host-overhead      # host_overhead_<gpu>.json
     python benchmarks/bench_kernels.py --replot benchmarks/results/kernels_<gpu>.json   # rewrite .md, _targets.md, .png
 
 Per shape x steps x PDE type x {causal, bidirectional}, medians of ``triton.testing.do_bench``: ``copy`` (the
 bandwidth roof), the Triton forward and forward+backward (per-channel coefficients, or scalars), also replayed as a
 CUDA graph (``*_graph``: GPU time only) and as back-to-back eager calls (``*_loop``: host time included), the
 reference and ``torch.compile`` of it (``--compile`` cells), the memory held for backward; then the targets table
-(diffusion: forward <= 1.25x copy, forward+backward <= 3x, memory <= 1.1x). ``--host-overhead``: the host time the op
-adds per eager call at 1x512x512 (bf16, 0-d alpha, 4 steps) over a one-op autograd baseline and an empty Triton
-launch. (Nsight Compute counters, ``kernel_profile_*.txt``: ``profile_kernels.py`` of commit b7e044a.)
+(diffusion: forward <= 1.25x copy, forward+backward <= 3x, memory <= 1.1x). Host time per call: ``bench_train_step``
+(``--host-overhead``, and Nsight Compute counters ``kernel_profile_*.txt``: ``profile_kernels.py``, of commit b7e044a).
 """
 
 import argparse
@@ -27,7 +25,7 @@ from results_io import RESULTS, device_name, on_gpu, pyplot, sync
 
 import torch  # noqa: E402  (after results_io: it puts the repository on the path)
 
-from cta.pde_cta import PDE_TYPES, pde_refine, pde_refine_reference  # noqa: E402
+from cta.pde_cta import PDE_TYPES, pde_refine_reference  # noqa: E402
 
 TARGETS = {"fwd": 1.25, "fwdbwd": 3.0, "saved": 1.1}
 SHAPES = "1x4096x4096,1x16384x4096,8x4096x4096,1x65536x512"
@@ -35,11 +33,6 @@ COEFS = {"diffusion": (0.2, None), "wave": (0.1, None), "reaction_diffusion": (0
          "advection_diffusion": (0.2, 0.1)}
 try:  # (the sweep needs triton; an import error is reported by the first kernel call)
     import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _empty_kernel(X, Y, M, A, B, INIT, FIN, L, C, sxb, sxl, T: tl.constexpr, BLOCK_C: tl.constexpr):
-        pass  # the launch floor of --host-overhead: the streaming forward's arguments
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -56,7 +49,6 @@ def parse_args(argv=None):
                    help="'pde:steps,...' cells where torch.compile of the reference is timed, 'all' or 'none'")
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
     p.add_argument("--loop-calls", type=int, default=50, help="back-to-back eager calls of the *_loop timings")
-    p.add_argument("--host-overhead", action="store_true", help="only the small-shape host overhead")
     p.add_argument("--replot", default=None, metavar="JSON",
                    help="only rewrite a sweep's .md, _targets.md and .png (into --out) from its kernels_<gpu>*.json")
     p.add_argument("--out", default=RESULTS)
@@ -100,45 +92,6 @@ def bench_loop(fn, calls, rounds=7):
     return statistics.median(times)
 
 
-def host_overhead(args, gpu):
-    """µs per eager call (wall clock of 400 back-to-back calls and a synchronisation, median of 7 rounds)."""
-    x = torch.randn(1, 512, 512, device="cuda", dtype=torch.bfloat16)
-    alpha = torch.tensor(0.1, device="cuda", requires_grad=True)
-    xg, y = x.detach().requires_grad_(True), torch.empty_like(x)
-    refine = lambda x: pde_refine(x, pde_type="diffusion", steps=4, alpha=alpha, backend="triton")  # noqa: E731
-    launch = _empty_kernel[(1, 1, 1)]
-    calls = {"cta_fwd": lambda: refine(x), "cta_fwdbwd": lambda: refine(xg).sum().backward(),
-             "baseline_fwd": lambda: x * alpha, "baseline_fwdbwd": lambda: (xg * alpha).sum().backward(),
-             "triton_launch_floor": lambda: launch(x, y, x, alpha, x, x, x, 512, 512, x.stride(0), x.stride(1), 16, 64,
-                                                   num_warps=2)}
-    result = {}
-    for name, fn in calls.items():
-        for _ in range(20):
-            fn()
-        rounds = []
-        for _ in range(7):
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(400):
-                fn()
-            sync()
-            rounds.append((time.perf_counter() - t0) / 400 * 1e6)
-        result[name + "_us"] = statistics.median(rounds)
-    result["added_fwd_us"] = result["cta_fwd_us"] - result["baseline_fwd_us"]
-    result["added_fwdbwd_us"] = result["cta_fwdbwd_us"] - result["baseline_fwdbwd_us"]
-    result["launch_floor_over_baseline_fwd_us"] = result["triton_launch_floor_us"] - result["baseline_fwd_us"]
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                shape=[1, 512, 512], dtype="bfloat16", steps=4, coefficient="learnable 0-d alpha",
-                command="python benchmarks/bench_kernels.py " + " ".join(sys.argv[1:]),
-                note="us per call: wall clock of 400 back-to-back eager calls and a final synchronisation, median "
-                     "of 7 rounds; added_* = cta - baseline (targets: <= 20 us forward, <= 60 us forward+backward); "
-                     "triton_launch_floor: one launch of an empty Triton kernel with the forward's arguments")
-    os.makedirs(args.out, exist_ok=True)
-    Path(args.out, f"host_overhead_{gpu}.json").write_text(json.dumps(dict(meta=meta, result=result), indent=1))
-    print(json.dumps(result, indent=1))
-    return 0
-
-
 def measure(fn, x, alpha, beta, grad, kw, rep_ms, graph_and_loop):
     """``{fwd_ms, fwdbwd_ms, [fwd|fwdbwd]_[graph|loop]_ms, saved_x, peak_x}`` of ``fn`` (memory over the input)."""
     xx = x.detach().requires_grad_(True)
@@ -179,8 +132,6 @@ def main(argv=None):
     from cta.triton_cta import pde_refine_triton
 
     dtype, gpu = getattr(torch, args.dtype), device_name("cuda")
-    if args.host_overhead:
-        return host_overhead(args, gpu)
     cells = {"all": None, "none": set()}.get(args.compile) if args.compile in ("all", "none") else {
         (c.split(":")[0], int(c.split(":")[1])) for c in args.compile.split(",")}
     compiled_ref = torch.compile(pde_refine_reference, dynamic=False)

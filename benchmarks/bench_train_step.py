@@ -3,7 +3,6 @@ Llama-shaped model, patched and native, against transformers' Llama (the README'
 
     python benchmarks/bench_train_step.py                      # eager: host per site + 12 x 1024 step
     python benchmarks/bench_train_step.py --compile            # the step under torch.compile
-    python benchmarks/bench_train_step.py --layers 2 --hidden 64 --batch 1 --seq 32 --rounds 2  # a smoke run
 
 Host time per site: a tiny model (``--site_hidden``, 4 layers, batch 1 x 64 tokens) whose GPU work is negligible,
 timed by a CPU clock around ``--calls`` forward + backward calls and one synchronisation; per site = (the model with
@@ -30,8 +29,7 @@ PDE = dict(pde_type="diffusion", steps=4, placement="block_output")
 
 
 def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
 
 
 def build_models(hidden, layers, vocab, device, dtype, compile_models=False):
