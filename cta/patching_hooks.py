@@ -27,11 +27,11 @@ from .pde_cache import (
     missing_cache_error,
     refuse_export_with_cache,
 )
-from .pde_packing import packed_rows
+from .pde_sites import NO_WALLS, SiteWalls
 
 
 class CheckpointWalls:
-    """The padding mask of a forward run with autograd in training mode, kept after that forward returns.
+    """The :class:`SiteWalls` of a forward run with autograd in training mode, kept after that forward returns.
 
     transformers' gradient checkpointing recomputes a layer in the backward pass, after the model's forward released
     its context; the PDE sites inside the recomputed layer take their walls from here. A recomputation cannot tell
@@ -39,10 +39,8 @@ class CheckpointWalls:
     still alive, not yet recomputed, had other walls (two forwards, then one backward through both).
     """
 
-    def __init__(self, mask, previous: Optional["CheckpointWalls"], packing=None):
-        self.mask = mask
-        self.packing = packing  # ((position_ids, cu_seq_lens), {length: PackedRows or None}) of the forward
-        self.padded = None
+    def __init__(self, walls: SiteWalls, previous: Optional["CheckpointWalls"]):
+        self.walls = walls
         self.recomputed = False
         self.in_graph = False  # held by the metadata of the forward's output node (set when the forward returns)
         self.rivals = []
@@ -51,11 +49,11 @@ class CheckpointWalls:
             if previous.in_graph and not previous.recomputed:
                 self.rivals.append(weakref.ref(previous))
 
-    def token_mask(self, length: int):
+    def recomputation_walls(self) -> SiteWalls:
         if not self.recomputed:
             for ref in self.rivals:
                 rival = ref()
-                if rival is not None and not rival.recomputed and not _same_mask(rival.mask, self.mask):
+                if rival is not None and not rival.recomputed and not _same_mask(rival.walls.mask, self.walls.mask):
                     raise ValueError(
                         "CTA patch: a layer is recomputed for gradient checkpointing while two forwards with "
                         "different attention masks await their backward pass; its PDE sites cannot tell which "
@@ -63,26 +61,7 @@ class CheckpointWalls:
                         "of a forward you will not backpropagate before the next one)."
                     )
             self.recomputed = True
-        mask = self.mask
-        if mask is None:
-            return None
-        if self.padded is None:
-            self.padded = not bool(mask.all())
-        return mask[:, -length:] if self.padded else None
-
-    def walls(self, length: int):
-        mask = self.token_mask(length)
-        return mask, _packed_rows(self.packing, self.mask, length)
-
-
-def _packed_rows(packing, mask, length):
-    """The :class:`PackedRows` of a forward's ``length`` tokens (made once per forward and length), or None."""
-    if packing is None or length < 2:
-        return None
-    (position_ids, cu_seq_lens, past_length), made = packing
-    if length not in made:
-        made[length] = packed_rows(position_ids, mask, length, cu_seq_lens, past_length)
-    return made[length]
+        return self.walls
 
 
 def _same_mask(a, b) -> bool:
@@ -119,11 +98,9 @@ class PatchContext:
         self.sites = sites  # (site, cache layer, conv state) of every causal PDE site
         self.model_name = model_name
         self.active = False  # inside the base model's forward
-        self.mask = None
+        self.walls = NO_WALLS  # the SiteWalls of the current forward
         self.cache = None
-        self._padded = None  # whether self.mask has a padding position: asked once per forward, when needed
-        self._step_mask = None  # the [batch, 1] mask column of a one-token step, taken once per forward
-        self.packing = None  # ((position_ids, cu_seq_lens, past length), {length: PackedRows or None}) of this forward
+        self.sharding = None  # a pde_context_parallel.SequenceSharding (cta.shard_sequences), or None
         self.stateless = False  # a training forward that starts its cache: the sites keep no PDE state in it
         self.checkpoint_walls = None  # CheckpointWalls of the latest forward run for training
         self.handles = []  # of the base model's hooks
@@ -131,17 +108,13 @@ class PatchContext:
 
     def enter(self, module, args, kwargs):
         """The base model's forward pre-hook."""
-        mask = kwargs.get("attention_mask")
-        if mask is None and self.mask_position is not None and len(args) > self.mask_position:
-            mask = args[self.mask_position]
-        # A 4D custom mask: no walls can be derived from it.
-        self.mask = mask if torch.is_tensor(mask) and mask.dim() == 2 else None
-        self._padded = self._step_mask = None
+        mask = self._argument(args, kwargs, "attention_mask", self.mask_position)
         cache = find_cache(kwargs)
         if cache is None and self.cache_position is not None and len(args) > self.cache_position:
             cache = args[self.cache_position]
         self.cache = cache
-        if cache is not None and not torch.compiler.is_compiling() and self.sites:
+        compiling = torch.compiler.is_compiling()
+        if cache is not None and not compiling and self.sites:
             # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
             # Traced, the eager calls before (the prefill) checked the same cache; reading the list of sites would
             # make every call of the compiled step check each of its entries.
@@ -149,11 +122,12 @@ class PatchContext:
         elif cache is not None and is_exporting() and self.sites:
             # torch.export (e.g. transformers' ExecuTorch recipe): the exported cache cannot carry the PDE states.
             refuse_export_with_cache(self.model_name)
-        self.packing = self._packing(args, kwargs, cache)
+        position_ids = self._argument(args, kwargs, "position_ids", self.position_ids_position)
+        self.walls = SiteWalls.of_forward(mask, position_ids, kwargs.get("cu_seq_lens_q"), cache, self.sharding,
+                                          self.model_name)
         training = module.training and torch.is_grad_enabled()
-        compiling = torch.compiler.is_compiling()
         if training and not compiling:  # (traced, a recomputed layer replays the compiled graph, not these hooks)
-            self.checkpoint_walls = CheckpointWalls(self.mask, self.checkpoint_walls, self.packing)
+            self.checkpoint_walls = CheckpointWalls(self.walls, self.checkpoint_walls)
         if training and cache is None and self.sites and kwargs.get("use_cache") is None and len(args) <= 1 and (
                 _takes_use_cache(module)):
             # A training forward decodes nothing: the cache transformers would start (the config's default
@@ -167,22 +141,12 @@ class PatchContext:
         self.active = True
         return args, kwargs
 
-    def _packing(self, args, kwargs, cache):
-        """What tells packed sequences apart in this forward (``position_ids`` restarting, or FlashAttention's
-        ``cu_seq_lens_q``), or None. Packed rows start a sequence: with a cache they cannot continue one."""
-        if cache is not None and torch.compiler.is_compiling():
-            return None  # traced decoding (one token per step): no packed rows, and no host check of the cache
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None and self.position_ids_position is not None and len(args) > self.position_ids_position:
-            position_ids = args[self.position_ids_position]
-        cu_seq_lens = kwargs.get("cu_seq_lens_q")
-        if position_ids is None and cu_seq_lens is None:
-            return None
-        past_length = 0
-        if cache is not None and (not torch.is_tensor(position_ids) or position_ids.shape[-1] > 1):
-            # Read before the first layer appends this forward's tokens (a one-token step holds no packed row).
-            past_length = int(cache.get_seq_length())
-        return (position_ids, cu_seq_lens, past_length), {}
+    @staticmethod
+    def _argument(args, kwargs, name, position):
+        value = kwargs.get(name)
+        if value is None and position is not None and len(args) > position:
+            value = args[position]
+        return value
 
     def exit(self, module, args, kwargs, output):
         """The base model's forward hook (``always_call``: it also runs when the forward raises)."""
@@ -201,39 +165,15 @@ class PatchContext:
             if torch.is_tensor(hidden) and hidden.dim() == 3 and hidden.shape[1] > 1:  # a prefill or a chunk
                 fill_unused_pde_states(self.cache)
         self.active = self.stateless = False
-        self.mask = self.cache = self._padded = self._step_mask = self.packing = None
+        self.cache = None
+        self.walls = NO_WALLS
 
-    def walls(self, length: int, layer):
-        """The walls of the current ``length`` tokens: ``(padding mask [batch, length] or None, PackedRows or
-        None)``."""
-        if not self.active:
-            walls = self._recomputation_walls(layer)
-            return (None, None) if walls is None else walls.walls(length)
-        return self.token_mask(length), _packed_rows(self.packing, self.mask, length)
-
-    def token_mask(self, length: int):
-        """The padding walls of the current ``length`` tokens: ``[batch, length]``, or None where nothing is
-        padded."""
-        mask = self.mask
-        if mask is None:
-            return None
-        if mask.shape[1] < length:
-            raise ValueError(
-                f"`attention_mask` has {mask.shape[1]} columns but the current input has {length} tokens; it must "
-                "cover the cached and the current tokens ([batch, past + seq])."
-            )
-        if length == 1 and not torch.compiler.is_compiling():
-            # One decoded token: its own column is the decode kernel's token mask, made once for all sites. On an
-            # accelerator, asking whether it is all ones (to drop it) would cost a device synchronisation per token;
-            # on the CPU it is a cheap read, once per token, and a dropped mask saves every site its masking ops.
-            if self._step_mask is None:
-                column = mask[:, -1:]  # (a view: the kernel reads the mask's own dtype)
-                self._step_mask = False if column.device.type == "cpu" and bool(column.all()) else column
-            return self._step_mask if self._step_mask is not False else None
-        if self._padded is None:
-            # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
-            self._padded = torch.compiler.is_compiling() or not bool(mask.all())
-        return mask[:, -length:] if self._padded else None
+    def refine(self, pde, hidden_states, layer, cache=None):
+        """Refines one site of ``layer`` with ``pde`` behind the current forward's walls (``SiteWalls.refine``)."""
+        if self.active:
+            return self.walls.refine(pde, hidden_states, cache)
+        walls = self._recomputation_walls(layer)
+        return (NO_WALLS if walls is None else walls.recomputation_walls()).refine(pde, hidden_states, cache)
 
     def _recomputation_walls(self, layer):
         """Outside the model's forward: gradient checkpointing's recomputation of ``layer`` (the walls of the forward
@@ -328,8 +268,7 @@ class LayerSite(_Site):
             return None
         context = self.context
         hidden = args[0] if args else kwargs["hidden_states"]
-        mask, packed = context.walls(hidden.shape[1], module)
-        refined = module.cta_embedding_pde(hidden, mask, cache, packed)
+        refined = context.refine(module.cta_embedding_pde, hidden, module, cache)
         if args:
             return (refined, *args[1:]), kwargs
         kwargs["hidden_states"] = refined
@@ -343,8 +282,7 @@ class LayerSite(_Site):
             cache = self._layer_cache(module, args, kwargs)
         plain = type(output) is torch.Tensor
         hidden = output if plain else _first_tensor(output)
-        mask, packed = context.walls(hidden.shape[1], module)
-        refined = module.cta_block_output_pde(hidden, mask, cache, packed)
+        refined = context.refine(module.cta_block_output_pde, hidden, module, cache)
         return refined if plain else _replace_first(output, refined)
 
 
@@ -364,8 +302,7 @@ class OutputSite(_Site):
         hidden = output if plain else _first_tensor(output)
         # Looked up per call: PEFT's `modules_to_save` replaces the PDE module by its own wrapper.
         pde = getattr(module, self.pde_name)
-        mask, packed = context.walls(hidden.shape[1], self.layer)
-        refined = pde(hidden, mask, cache, packed)
+        refined = context.refine(pde, hidden, self.layer, cache)
         return refined if plain else _replace_first(output, refined)
 
 
@@ -393,9 +330,8 @@ class ValueSite(_Site):
         context = self.context
         cache = context.cache if context.active else None
         pde = self.owner.cta_value_pde
-        mask, packed = context.walls(output.shape[1], self.layer)
         if self.value_slice is None:
-            return pde(output, mask, cache, packed)
+            return context.refine(pde, output, self.layer, cache)
         low, high = self.value_slice
-        refined = pde(output[..., low:high], mask, cache, packed)
+        refined = context.refine(pde, output[..., low:high], self.layer, cache)
         return torch.cat([output[..., :low], refined, output[..., high:]], dim=-1)

@@ -55,47 +55,6 @@ class SequenceShards:
             raise ValueError("SequenceShards.from_group needs an initialised torch.distributed process group.")
         return cls(layout, dist.get_world_size(group), dist.get_rank(group), group)
 
-    @classmethod
-    def for_torch_context_parallel(cls, mesh, seq_length: int, *, load_balance: bool) -> "SequenceShards":
-        """The layout torch's ``context_parallel(mesh, buffers=...)`` gives a global sequence of ``seq_length``.
-
-        torch exposes no public way to read whether it load-balances (only the private
-        ``_cp_options.enable_load_balance``, on by default; accelerate and the Trainer leave it on): say it with
-        ``load_balance``. torch then uses head-tail when ``seq_length % (2 * W) == 0`` and contiguous chunks otherwise
-        (mirrored here). ``mesh``: the 1-D context-parallel DeviceMesh (accelerate's ``torch_device_mesh["cp"]``) or
-        its process group.
-        """
-        group = mesh.get_group() if hasattr(mesh, "get_group") else mesh
-        world_size = dist.get_world_size(group)
-        if seq_length % world_size != 0:
-            raise ValueError(f"`seq_length`={seq_length} is not a multiple of the context-parallel size {world_size}: "
-                             "torch would shard it unevenly. Pad the sequence to a multiple of 2 * cp_size.")
-        layout = "head_tail" if load_balance and seq_length % (2 * world_size) == 0 else "contiguous"
-        return cls(layout, world_size, dist.get_rank(group), group)
-
-    @classmethod
-    def for_accelerator(cls, accelerator, seq_length: int) -> Optional["SequenceShards"]:
-        """The shards of accelerate's ``parallelism_config`` (what ``TrainingArguments(parallelism_config=...)``
-        sets up) for a global sequence of ``seq_length``, or None when it shards no sequence. torch CP: the ``cp``
-        mesh, torch's default load balancing (accelerate does not change it). DeepSpeed Ulysses: contiguous shards
-        outside attention, over DeepSpeed's sequence-parallel group (read where accelerate reads it)."""
-        config = getattr(accelerator, "parallelism_config", None)
-        cp, sp = config is not None and config.cp_enabled, config is not None and config.sp_enabled
-        if cp and sp:
-            raise ValueError("`parallelism_config` enables both cp_size and sp_size: CTA serves one sequence-sharding "
-                             "engine at a time (torch CP, or DeepSpeed Ulysses).")
-        if cp:
-            if config.cp_backend != "torch":
-                raise ValueError(f"cp_backend={config.cp_backend!r} is not supported; torch's is.")
-            return cls.for_torch_context_parallel(accelerator.torch_device_mesh["cp"], seq_length, load_balance=True)
-        if sp:
-            if config.sp_backend != "deepspeed":
-                raise ValueError(f"sp_backend={config.sp_backend!r} is not supported; DeepSpeed's is.")
-            from deepspeed.utils import groups
-
-            return cls.from_group("contiguous", groups._get_sequence_parallel_group())
-        return None
-
     @property
     def chunks_per_rank(self) -> int:
         return 2 if self.layout == "head_tail" else 1
@@ -134,6 +93,74 @@ class SequenceShards:
             raise ValueError(f"A sequence of {tensor.shape[dim]} tokens does not split into {self.num_chunks} chunks.")
         parts = tensor.chunk(self.num_chunks, dim)
         return torch.cat([parts[chunk] for chunk in self.local_chunks], dim)
+
+
+@dataclass(frozen=True)
+class SequenceSharding:
+    """How a model's sequences are sharded over the ranks of ``group`` (None: the default group), whatever their
+    length: ``layout`` ``torch`` is the rule of torch's ``context_parallel`` with its default load balancing (head-tail
+    where the global length splits into ``2W`` chunks, i.e. the local length is even, contiguous otherwise), or a
+    fixed ``contiguous`` / ``head_tail``. torch exposes no public way to read whether it load-balances (only the
+    private ``_cp_options.enable_load_balance``, on by default, which accelerate and the Trainer leave on): a run that
+    turns it off says ``contiguous``. Give it to :func:`shard_sequences`."""
+
+    layout: str = "torch"
+    group: Any = None
+
+    def __post_init__(self):
+        if self.layout not in ("torch",) + LAYOUTS:
+            raise ValueError(f"`layout` must be 'torch' (torch context_parallel's own rule) or one of {LAYOUTS}, "
+                             f"got {self.layout!r}.")
+
+    def shards(self, local_length: int) -> SequenceShards:
+        """The :class:`SequenceShards` of this rank's shard of ``local_length`` tokens."""
+        layout = self.layout
+        if layout == "torch":
+            layout = "head_tail" if local_length % 2 == 0 else "contiguous"
+        return SequenceShards.from_group(layout, self.group)
+
+    @classmethod
+    def for_accelerator(cls, accelerator) -> Optional["SequenceSharding"]:
+        """The sharding of accelerate's ``parallelism_config`` (what ``TrainingArguments(parallelism_config=...)``
+        sets up), or None when it shards no sequence. torch CP: the ``cp`` mesh, torch's rule. DeepSpeed Ulysses:
+        contiguous shards outside attention, over DeepSpeed's sequence-parallel group (read where accelerate reads
+        it)."""
+        config = getattr(accelerator, "parallelism_config", None)
+        cp, sp = config is not None and config.cp_enabled, config is not None and config.sp_enabled
+        if cp and sp:
+            raise ValueError("`parallelism_config` enables both cp_size and sp_size: CTA serves one sequence-sharding "
+                             "engine at a time (torch CP, or DeepSpeed Ulysses).")
+        if cp:
+            if config.cp_backend != "torch":
+                raise ValueError(f"cp_backend={config.cp_backend!r} is not supported; torch's is.")
+            return cls("torch", accelerator.torch_device_mesh["cp"].get_group())
+        if sp:
+            if config.sp_backend != "deepspeed":
+                raise ValueError(f"sp_backend={config.sp_backend!r} is not supported; DeepSpeed's is.")
+            from deepspeed.utils import groups
+
+            return cls("contiguous", groups._get_sequence_parallel_group())
+        return None
+
+
+def shard_sequences(model, sharding: Optional[SequenceSharding]):
+    """Tells every PDE site of ``model`` (a CTA model, or one patched by ``cta.patch_model``; PEFT-wrapped too) how
+    its sequences are sharded from now on (None: not sharded); returns ``model``. Under torch's ``context_parallel``
+    each site then refines its shard exactly (one halo exchange per site and direction); without it each shard would
+    be refined as if it were a whole sequence."""
+    if sharding is not None and not isinstance(sharding, SequenceSharding):
+        raise TypeError(f"`sharding` must be a cta SequenceSharding or None, got {type(sharding).__name__}.")
+    found = False
+    for module in model.modules():
+        context = module.__dict__.get("_cta_context")  # (a patched model's per-forward context)
+        if context is not None:
+            context.sharding, found = sharding, True
+        if hasattr(type(module), "pde_sharding"):  # (a native CTAModel)
+            module.pde_sharding, found = sharding, True
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no CTA PDE sites: shard_sequences takes a CTA model or a model "
+                         "patched with cta.patch_model.")
+    return model
 
 
 def check_sharded_refinement(pde_module, hidden_states, shards, token_mask=None, position_ids=None) -> int:
@@ -265,4 +292,5 @@ def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShar
     return refined.transpose(0, 1).reshape(batch, local_length, channels)
 
 
-__all__ = ["LAYOUTS", "SequenceShards", "check_sharded_refinement", "exchange_halo", "refine_sharded"]
+__all__ = ["LAYOUTS", "SequenceSharding", "SequenceShards", "check_sharded_refinement", "exchange_halo",
+           "refine_sharded", "shard_sequences"]

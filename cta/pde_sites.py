@@ -1,0 +1,99 @@
+# coding=utf-8
+"""What a forward's PDE sites share, native and patched alike: their walls, and the one call that refines a site.
+
+:class:`SiteWalls` is built once per forward (:meth:`SiteWalls.of_forward`) from the forward's arguments: the 2D
+padding mask (over past and current tokens), what tells packed sequences apart (``position_ids`` restarting, or
+FlashAttention's ``cu_seq_lens_q``) and, under context / sequence parallelism, how the sequence is sharded over the
+ranks (``pde_context_parallel``). :meth:`SiteWalls.refine` refines one site with them: ``PDERefinement`` on the
+walled tokens, or the halo exchange of a sharded sequence. The native model hands its ``SiteWalls`` to its layers;
+a patched model's hooks find theirs in the model's ``PatchContext`` (``patching_hooks``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .pde_context_parallel import refine_sharded
+from .pde_packing import packed_rows
+
+
+class SiteWalls:
+    """The walls of one forward's PDE sites (see the module notes). ``mask``: the 2D padding mask ``[batch, past +
+    seq]`` or None; ``packing``: ``(position_ids, cu_seq_lens, past length)`` or None; ``sharding``: a
+    ``pde_context_parallel.SequenceSharding`` or None; ``position_ids``: this rank's, under sharding."""
+
+    def __init__(self, mask=None, packing=None, sharding=None, position_ids=None):
+        self.mask = mask
+        self.packing = packing
+        self.sharding = sharding
+        self.position_ids = position_ids
+        self._padded = None  # whether the mask has a padding position: asked once per forward, when needed
+        self._step_mask = None  # the [batch, 1] mask column of a one-token step, taken once
+        self._packed = {}  # length -> PackedRows or None
+
+    @classmethod
+    def of_forward(cls, attention_mask, position_ids=None, cu_seq_lens=None, cache=None, sharding=None,
+                   model_name: str = "model") -> "SiteWalls":
+        """The walls of a forward called with these arguments (a 4D mask gives no walls: none can be derived)."""
+        mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
+        if sharding is not None:
+            if cache is not None:  # (the same on every rank: refused before any collective)
+                raise ValueError(
+                    f"{model_name}: a cache cannot be used while the sequence is sharded across ranks (context / "
+                    "sequence parallelism serves training and full-sequence forwards; decode on one rank).")
+            return cls(mask, None, sharding, position_ids)
+        if (position_ids is None and cu_seq_lens is None) or (cache is not None and torch.compiler.is_compiling()):
+            return cls(mask)  # (traced decoding: one token per step, no packed rows and no host read of the cache)
+        past_length = 0
+        if cache is not None and (not torch.is_tensor(position_ids) or position_ids.shape[-1] > 1):
+            # Read before the first layer appends this forward's tokens (a one-token step holds no packed row).
+            past_length = int(cache.get_seq_length())
+        return cls(mask, (position_ids, cu_seq_lens, past_length))
+
+    def token_mask(self, length: int):
+        """The padding walls of the current ``length`` tokens: ``[batch, length]``, or None where nothing is
+        padded."""
+        mask = self.mask
+        if mask is None:
+            return None
+        if mask.shape[1] < length:
+            raise ValueError(
+                f"`attention_mask` has {mask.shape[1]} columns but the current input has {length} tokens; it must "
+                "cover the cached and the current tokens ([batch, past + seq])."
+            )
+        if length == 1 and not torch.compiler.is_compiling():
+            # One decoded token: its own column is the decode kernel's token mask, made once for all sites. On an
+            # accelerator, asking whether it is all ones (to drop it) would cost a device synchronisation per token;
+            # on the CPU it is a cheap read, once per token, and a dropped mask saves every site its masking ops.
+            if self._step_mask is None:
+                column = mask[:, -1:]  # (a view: the kernel reads the mask's own dtype)
+                self._step_mask = False if column.device.type == "cpu" and bool(column.all()) else column
+            return self._step_mask if self._step_mask is not False else None
+        if self._padded is None:
+            # Traced (torch.compile): no data-dependent branch; a mask of ones gives the same walls as no mask.
+            self._padded = torch.compiler.is_compiling() or not bool(mask.all())
+        return mask[:, -length:] if self._padded else None
+
+    def packed(self, length: int):
+        """The :class:`pde_packing.PackedRows` of the current ``length`` tokens (made once per length), or None."""
+        if self.packing is None or length < 2:
+            return None
+        if length not in self._packed:
+            position_ids, cu_seq_lens, past_length = self.packing
+            self._packed[length] = packed_rows(position_ids, self.mask, length, cu_seq_lens, past_length)
+        return self._packed[length]
+
+    def refine(self, pde, hidden_states: torch.Tensor, cache=None) -> torch.Tensor:
+        """``pde`` (a ``PDERefinement``, or PEFT's wrapper of one) applied to ``hidden_states`` behind these walls,
+        with the site's state in ``cache``."""
+        length = hidden_states.shape[1]
+        if self.sharding is not None:
+            shards = self._packed.get(("shards", length))
+            if shards is None:
+                shards = self._packed[("shards", length)] = self.sharding.shards(length)
+            mask = self.mask[:, -length:] if self.mask is not None else None
+            return refine_sharded(pde, hidden_states, shards, mask, self.position_ids)
+        return pde(hidden_states, self.token_mask(length), cache, self.packed(length))
+
+
+NO_WALLS = SiteWalls()  # a module called by itself: no padding, no packing, no shards (nothing per forward is kept)
