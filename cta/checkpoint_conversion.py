@@ -29,7 +29,7 @@ import re
 
 import torch
 from safetensors import safe_open
-from transformers.utils import logging
+from transformers import logging
 
 from .transformers_compat import HOLD_BACK_LOAD_REPORT, is_scalar_mismatch, mismatch_name, mismatch_parts
 

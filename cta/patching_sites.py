@@ -16,8 +16,7 @@ from .pde_cache import CACHE_ARGUMENTS, pde_sites, pde_state_indices
 from .pde_cta import PDERefinement
 
 # The cache keywords of layers that still call it by an older name: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode,
-# BLOOM, Falcon), ``past_key_value`` (AFMoE's layers in transformers 5.14; 5.17 and later pass
-# ``past_key_values``).
+# BLOOM, Falcon), ``past_key_value`` (AFMoE's layers in transformers 5.14; 5.17 and later pass ``past_key_values``).
 _LAYER_CACHE_ALIASES = ("layer_past", "past_key_value")
 
 

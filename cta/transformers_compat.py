@@ -1,8 +1,9 @@
 # coding=utf-8
 """The internals of transformers (and peft) that cta relies on, in one place: every other file uses public names
-(``transformers.<Name>``; the modules transformers documents for model code: ``modeling_outputs``, ``cache_utils``,
-``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``) or this module.
-Checked on transformers 5.14 to 5.24 (the suite runs on both ends) and peft 0.21 to the newest (``setup.py``).
+(``transformers.<Name>``, ``transformers.logging``; what transformers documents for model code: ``modeling_outputs``,
+``cache_utils``, ``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``, and a
+model class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or this module. Checked on
+transformers 5.14 to 5.24 (the suite runs on both ends) and peft 0.21 to the newest (``setup.py``).
 
 =================================================================  ===================================================
 Internal                                                           Why (where)
@@ -17,8 +18,8 @@ a config's ``__dict__``; ``cache_utils.get_layer_types_and_kwargs``  hold conv s
 ``is_remote_code``, ``get_compiled_call``, ``init_continuous_...``  overridden (:class:`GenerationHooks`)
 ``mismatched_keys`` entries ``(name, saved shape, model shape)``;  0.1.0 checkpoints' 0-d coefficients
 the load report (``modeling_utils``' logger, ``LOAD REPORT``)      (``checkpoint_conversion``)
-``utils.output_capturing``, ``utils.can_return_tuple``,            the native model records outputs, returns tuples
-``utils.deprecation.deprecate_kwarg``                              and warns as transformers' models do
+``utils.output_capturing``, ``utils.can_return_tuple``, ``utils``  the native model records outputs, returns tuples
+``.deprecation.deprecate_kwarg``                                   and warns as transformers' models do
 ``models.auto.modeling_auto.MODEL_*_MAPPING_NAMES``                a model type's heads (:func:`head_names`)
 ``dynamic_module_utils.get_relative_import_files``                 the code files a saved folder needs (``hub``)
 releases: ``load_adapter`` loads ``modules_to_save`` from 5.18,    refused before (:func:`transformers_before`)
