@@ -3,7 +3,7 @@
 (``transformers.<Name>``, ``transformers.logging``; what transformers documents for model code: ``modeling_outputs``,
 ``cache_utils``, ``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``, and a
 model class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or this module. Checked on
-transformers 5.14 to 5.24 (the suite runs on both ends) and peft 0.21 to the newest (``setup.py``).
+transformers 5.14 to 5.24 (the suite runs on both ends) and peft 0.21 (``setup.py``).
 
 =================================================================  ===================================================
 Internal                                                           Why (where)
