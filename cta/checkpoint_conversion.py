@@ -28,7 +28,10 @@ import os
 import re
 
 import torch
-from transformers.utils import logging
+from safetensors import safe_open
+from transformers import logging
+
+from .transformers_compat import HOLD_BACK_LOAD_REPORT, is_scalar_mismatch, mismatch_name, mismatch_parts
 
 logger = logging.get_logger(__name__)
 
@@ -49,10 +52,14 @@ _SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
 HUB_ARGUMENTS = ("subfolder", "revision", "token", "cache_dir", "local_files_only", "force_download")
 
 
+def hub_arguments(kwargs: dict) -> dict:
+    return {k: kwargs[k] for k in HUB_ARGUMENTS if kwargs.get(k) is not None}
+
+
 def check_pde_weights_loaded(loading_info: dict, model_class: str, source) -> None:
     """Raises if a checkpoint's PDE coefficients did not load exactly (``from_pretrained``'s ``loading_info``)."""
     problems = {
-        kind: sorted(_key_name(k) for k in loading_info.get(kind, ()) if "_pde." in _key_name(k))
+        kind: sorted(mismatch_name(k) for k in loading_info.get(kind, ()) if "_pde." in mismatch_name(k))
         for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
     }
     if any(problems.values()):
@@ -61,10 +68,6 @@ def check_pde_weights_loaded(loading_info: dict, model_class: str, source) -> No
             f"(PDE placements / layers / steps / per-channel coefficients): missing weights {problems['missing_keys']}, "
             f"unexpected weights {problems['unexpected_keys']}, mismatched {problems['mismatched_keys']}."
         )
-
-
-def _key_name(key) -> str:
-    return str(key[0]) if isinstance(key, tuple) else str(key)
 
 
 def from_pretrained_with_pde_check(load, cls, args, kwargs):
@@ -84,30 +87,29 @@ def from_pretrained_with_pde_check(load, cls, args, kwargs):
     else:
         caller_ignores_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
         # transformers reports the 0-d coefficients as re-initialised size mismatches, which they are not: its report
-        # is held back for this load, the rest of it is logged below.
-        verbosity = logging.get_verbosity()
-        logging.set_verbosity_error()
+        # of this load (only) is held back, the rest of it is logged below.
+        token = HOLD_BACK_LOAD_REPORT.set(True)
         try:
             model, info = load(*args, output_loading_info=True, ignore_mismatched_sizes=True,
                                key_mapping=key_mapping or None, **kwargs)
         finally:
-            logging.set_verbosity(verbosity)
-        converted = [k for k in info.get("mismatched_keys", ()) if _key_name(k) in legacy and _is_legacy_scalar(k)]
+            HOLD_BACK_LOAD_REPORT.reset(token)
+        converted = [k for k in info.get("mismatched_keys", ()) if mismatch_name(k) in legacy and is_scalar_mismatch(k)]
         parameters = dict(model.named_parameters())
         with torch.no_grad():
             for key in converted:
-                parameters[_key_name(key)].copy_(legacy[_key_name(key)].reshape(1))
+                parameters[mismatch_name(key)].copy_(legacy[mismatch_name(key)].reshape(1))
         info["mismatched_keys"] = [k for k in info["mismatched_keys"] if k not in converted]
         logger.warning(f"{cls.__name__}: {source!r} was saved by cta 0.1.0; its {len(converted)} 0-d PDE coefficients "
                        "were read as 1-element tensors (save_pretrained writes the current format).")
-        others = {kind: sorted(_key_name(k) for k in info.get(kind, ())) for kind in ("missing_keys", "unexpected_keys")}
+        others = {kind: sorted(mismatch_name(k) for k in info.get(kind, ())) for kind in ("missing_keys", "unexpected_keys")}
         if any(others.values()):
             logger.warning(f"{cls.__name__} from {source!r}: missing weights {others['missing_keys']}, unexpected "
                            f"weights {others['unexpected_keys']}.")
         if info["mismatched_keys"] and not caller_ignores_mismatch:
             details = "\n\t".join(f"size mismatch for {name}: copying a param with shape {tuple(ckpt)} from "
                                    f"checkpoint, the shape in current model is {tuple(ours)}."
-                                   for name, ckpt, ours in info["mismatched_keys"])
+                                   for name, ckpt, ours in map(mismatch_parts, info["mismatched_keys"]))
             raise RuntimeError(f"Error(s) in loading state_dict for {cls.__name__}:\n\t{details}\n\tYou may consider "
                                "adding `ignore_mismatched_sizes=True` to `from_pretrained(...)` if appropriate.")
     check_pde_weights_loaded(info, cls.__name__, source)
@@ -116,16 +118,9 @@ def from_pretrained_with_pde_check(load, cls, args, kwargs):
     return (model, info) if output_loading_info else model
 
 
-def _is_legacy_scalar(key) -> bool:
-    """A mismatch of a 0-d checkpoint coefficient where the model holds a 1-element one."""
-    return isinstance(key, tuple) and len(key) == 3 and tuple(key[1]) == () and tuple(key[2]) == (1,)
-
-
 def _checkpoint_keys(source, kwargs) -> dict:
     """``{weight name: (safetensors file, shape)}`` of a safetensors checkpoint, read from its headers; empty for
     anything else (transformers reports those)."""
-    from safetensors import safe_open
-
     try:
         files = _checkpoint_files(source, kwargs)
     except (OSError, ValueError):
@@ -141,8 +136,6 @@ def _checkpoint_keys(source, kwargs) -> dict:
 def _legacy_scalars(keys: dict, key_mapping: dict) -> dict:
     """``{model's weight name: 0-d tensor}`` of the PDE coefficients that the checkpoint saved as 0-d tensors
     (0.1.0); empty for current checkpoints."""
-    from safetensors import safe_open
-
     found = {}
     for key, (path, shape) in keys.items():
         if _PDE_COEFFICIENT.search(key) and not shape:
@@ -159,7 +152,7 @@ def _renamed(key: str, key_mapping: dict) -> str:
 
 def _checkpoint_files(source, kwargs):
     """The safetensors files of a checkpoint folder or Hub repository (one file or an index's shards)."""
-    hub = {k: kwargs[k] for k in HUB_ARGUMENTS if kwargs.get(k) is not None}
+    hub = hub_arguments(kwargs)
     single = _resolve(source, _SAFE_WEIGHTS, hub)
     if single is not None:
         return [single]

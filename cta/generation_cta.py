@@ -23,20 +23,13 @@ own rollback of conv states (``pde_cache``).
 
 from __future__ import annotations
 
-import contextvars
-
 import torch
 import transformers
-from packaging import version
 
-from .pde_cache import CACHE_ARGUMENTS
+from .pde_cache import CACHE_ARGUMENTS, find_cache
+from .transformers_compat import (ASSISTANT_ROLLBACK_SINCE, GENERATING, GenerationHooks, compiled_calls,  # noqa
+                                  drop_compiled_calls, holds_conv_states, transformers_before)  # (importable here)
 
-
-# The first transformers release that records the past of an assistant model's cache (so that `crop` can roll its
-# conv states back after rejected drafts).
-ASSISTANT_ROLLBACK_SINCE = version.parse("5.15.0")
-# Inside a generate() of this model (or its assistant's): see PDEGenerationMixin.is_remote_code.
-_GENERATING = contextvars.ContextVar("cta_generating", default=False)
 # The cache implementations that build a static (compileable) cache.
 STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
 # Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
@@ -50,47 +43,6 @@ REFUSED_CACHES = {
 }
 
 
-def _bound_module(value):
-    """The module a (compiled, wrapped) bound method of ``value`` is bound to, following ``__wrapped__``; or None."""
-    for _ in range(8):  # (a few wrapper levels at most)
-        owner = getattr(value, "__self__", None)
-        if isinstance(owner, torch.nn.Module):
-            return owner
-        value = getattr(value, "__wrapped__", None)
-        if value is None:
-            return None
-    return None
-
-
-def compiled_calls(model, foreign_only: bool = False) -> list:
-    """Names of ``model``'s attributes that wrap a bound method of a module (what ``torch.compile(model.__call__)``
-    leaves), or with ``foreign_only`` only those bound to another module than ``model``."""
-    names = []
-    for name, value in vars(model).items():
-        if isinstance(value, torch.nn.Module) or not callable(value):
-            continue
-        owner = _bound_module(value)
-        if owner is not None and (owner is not model or not foreign_only):
-            names.append(name)
-    return names
-
-
-def drop_compiled_calls(model, foreign_only: bool = False) -> list:
-    """Removes :func:`compiled_calls` from ``model``; returns their names. transformers compiles again on the next
-    ``generate()``."""
-    names = compiled_calls(model, foreign_only)
-    for name in names:
-        delattr(model, name)
-    return names
-
-
-def _cache_of(inputs: dict):
-    for name in CACHE_ARGUMENTS:
-        if inputs.get(name) is not None:
-            return inputs[name]
-    return None
-
-
 def check_cache_holds_pde_states(cache, sites, model_name: str):
     """Raises unless every cache layer a causal PDE site of ``sites`` (``[(site, layer, state)]``) uses can hold a
     conv state."""
@@ -99,7 +51,7 @@ def check_cache_holds_pde_states(cache, sites, model_name: str):
     layers = getattr(cache, "layers", None)
     for site, layer_idx, _ in sites:
         layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-        if layer is None or not hasattr(layer, "conv_states"):
+        if layer is None or not holds_conv_states(layer):
             raise ValueError(
                 f"{model_name}: generate() was given a {type(cache).__name__} whose layer {layer_idx} "
                 f"({type(layer).__name__}) cannot hold the PDE state of {site!r}; a quantized cache "
@@ -109,7 +61,7 @@ def check_cache_holds_pde_states(cache, sites, model_name: str):
             )
 
 
-class PDEGenerationMixin:
+class PDEGenerationMixin(GenerationHooks):
     """Mixed into the causal LM classes with PDE sites (before ``GenerationMixin``). ``pde_cache_sites()`` returns the
     model's ``[(site, cache layer, conv state)]``."""
 
@@ -120,7 +72,7 @@ class PDEGenerationMixin:
         if tokens is None or tokens.shape[1] == 1:
             return inputs  # a decode step: as transformers prepared it
         # A step of several tokens: the prefill (whose cache is checked here, before the first token) or a chunk.
-        cache, sites = _cache_of(inputs), self.pde_cache_sites()
+        cache, sites = find_cache(inputs, CACHE_ARGUMENTS), self.pde_cache_sites()
         check_cache_holds_pde_states(cache, sites, type(self).__name__)
         mask = kwargs.get("attention_mask")
         given = inputs.get("attention_mask")
@@ -140,11 +92,11 @@ class PDEGenerationMixin:
     def generate(self, *args, **kwargs):
         if self.pde_cache_sites():
             self._refuse_unservable_generation(kwargs)
-        token = _GENERATING.set(True)
+        token = GENERATING.set(True)  # (see GenerationHooks.is_remote_code)
         try:
             return super().generate(*args, **kwargs)
         finally:
-            _GENERATING.reset(token)
+            GENERATING.reset(token)
 
     def _refuse_unservable_generation(self, kwargs):
         """Raises, before anything runs, where ``generate(**kwargs)`` would need what the PDE state cannot have."""
@@ -155,13 +107,13 @@ class PDEGenerationMixin:
                 f"{type(self).__name__}: cache_implementation={implementation!r} is refused: "
                 f"{REFUSED_CACHES[implementation]} Use 'dynamic', 'static' or 'offloaded'."
             )
-        static = implementation in STATIC_CACHES or getattr(_cache_of(kwargs), "is_compileable", False)
+        cache = find_cache(kwargs, CACHE_ARGUMENTS)
+        static = implementation in STATIC_CACHES or getattr(cache, "is_compileable", False)
         refusal = self.pde_static_cache_refusal() if static else None
         if refusal is not None:
             raise ValueError(f"{type(self).__name__}: a static cache is refused: {refusal} "
                              "Use cache_implementation='dynamic' (the default).")
-        if getattr(config, "is_assistant", False) and ASSISTANT_ROLLBACK_SINCE > version.parse(
-                transformers.__version__):
+        if getattr(config, "is_assistant", False) and transformers_before(ASSISTANT_ROLLBACK_SINCE):
             raise ValueError(
                 f"{type(self).__name__} as the assistant (draft) model of assisted decoding needs transformers >= "
                 f"{ASSISTANT_ROLLBACK_SINCE}: transformers {transformers.__version__} does not let an assistant's "
@@ -172,25 +124,6 @@ class PDEGenerationMixin:
     def pde_static_cache_refusal(self):
         """Why this model cannot decode through a static cache, or None."""
         return None
-
-    @classmethod
-    def is_remote_code(cls) -> bool:
-        """transformers' answer (True: these classes are registered with the Auto classes, so that ``save_pretrained``
-        writes their code files), except inside ``generate()``: there it asks once per token, to hand
-        ``cache_position`` to remote code whose forward takes it, at the cost of two ``inspect.signature`` calls of the
-        forward per token (a few percent of a compiled decode step); these forwards take no ``cache_position``."""
-        return False if _GENERATING.get() else super().is_remote_code()
-
-    def get_compiled_call(self, compile_config):
-        drop_compiled_calls(self, foreign_only=True)
-        return super().get_compiled_call(compile_config)
-
-    def init_continuous_batching(self, *args, **kwargs):
-        raise ValueError(
-            f"{type(self).__name__}: continuous batching (generate_batch, cache_implementation='paged') keeps no "
-            "per-request conv state, so the PDE sites could not keep theirs; use generate() with "
-            "cache_implementation='dynamic' or 'static'."
-        )
 
 
 __all__ = ["PDEGenerationMixin", "check_cache_holds_pde_states", "compiled_calls", "drop_compiled_calls"]

@@ -33,11 +33,11 @@ import jinja2
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
-from transformers.dynamic_module_utils import get_relative_import_files
 
 from . import hub_adapter
 from .hub_adapter import (BLOCK_CTA, PICKLE_SUFFIXES, AdapterExportError, check_export_arguments, coefficient_text,
                           templates_dir)
+from .transformers_compat import get_relative_import_files
 
 HUB_TAGS = ["custom_code", "continuous-time-attention", "pde", "cta"]
 DEFAULT_LICENSE = "apache-2.0"

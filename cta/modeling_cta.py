@@ -24,8 +24,6 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
-from transformers.utils import can_return_tuple
-from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_cta import CTAConfig
 from .checkpoint_conversion import from_pretrained_with_pde_check, saved_as_own_class
@@ -41,6 +39,7 @@ from .pde_cache import (
 from .generation_cta import PDEGenerationMixin
 from .pde_cta import PDERefinement
 from .pde_packing import packed_rows
+from .transformers_compat import OutputRecorder, can_return_tuple, capture_outputs
 
 
 class CTARMSNorm(nn.Module):

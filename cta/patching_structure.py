@@ -34,10 +34,10 @@ import inspect
 from typing import Optional
 
 import transformers
-from packaging import version
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.models.auto import modeling_auto
+
+from .transformers_compat import get_layer_types_and_kwargs, has_head, transformers_before
 
 
 LAYER_PLACEMENTS = ("value", "attention_output", "mlp_output")
@@ -174,7 +174,7 @@ def release_refusal(model_type) -> Optional[str]:
     or ``None``."""
     if model_type in REFUSED_BEFORE:
         since, reason = REFUSED_BEFORE[model_type]
-        if version.parse(transformers.__version__) < version.parse(since):
+        if transformers_before(since):
             return f"{reason} (installed: transformers {transformers.__version__})"
     return None
 
@@ -185,8 +185,7 @@ def _type_refusal(model_type) -> Optional[str]:
     reason = release_refusal(model_type)
     if reason is not None:
         return reason
-    if model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (
-            model_type not in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+    if not has_head(model_type, "AutoModelForCausalLM") and not has_head(model_type, "AutoModelForMaskedLM"):
         return ("not a text decoder or encoder (transformers lists no causal-LM or masked-LM head for it: vision, "
                 "audio, multimodal, sequence-to-sequence or task-specific)")
     return None
@@ -197,10 +196,8 @@ def model_type_refusal(model_type) -> Optional[str]:
     reason = _type_refusal(model_type)
     if reason is not None:
         return reason
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
     try:
-        config = CONFIG_MAPPING[model_type]()
+        config = transformers.CONFIG_MAPPING[model_type]()
     except Exception as error:  # (a config that needs arguments)
         return f"its config cannot be built without arguments ({type(error).__name__}), so it was not checked"
     return config_refusal(config)
@@ -220,8 +217,6 @@ def config_refusal(config) -> Optional[str]:
         return (f"a composite config (sub-configs {', '.join(sorted(composite))}): patch the text model of its own "
                 "model type, not the multimodal wrapper")
     try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
-
         layer_types, _ = get_layer_types_and_kwargs(config)
     except Exception:  # a config without the fields transformers reads: the structure decides
         return None
@@ -239,10 +234,6 @@ def config_refusal(config) -> Optional[str]:
     return None
 
 
-def _has_head(model_type, names):
-    return model_type in names
-
-
 def config_is_decoder(config) -> bool:
     """Decoder (causal stencil) or encoder (bidirectional), from the config and the model's heads."""
     if getattr(config, "is_decoder", False):
@@ -251,9 +242,9 @@ def config_is_decoder(config) -> bool:
     if isinstance(is_causal, bool):
         return is_causal
     model_type = base_model_type(config)
-    if _has_head(model_type, modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+    if has_head(model_type, "AutoModelForMaskedLM"):
         return False
-    return _has_head(model_type, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return has_head(model_type, "AutoModelForCausalLM")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -461,7 +452,7 @@ def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
             f"{'a decoder' if causal else 'an encoder'} but its attention modules say is_causal={sorted(flags)}."
         )
     model_type = base_model_type(config)
-    if causal and _has_head(model_type, modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+    if causal and has_head(model_type, "AutoModelForMaskedLM"):
         raise ValueError(
             f"patch_model supports {architecture_name(model)} as an encoder only (config.is_decoder=False); got "
             "is_decoder=True."

@@ -28,7 +28,9 @@ from typing import Optional
 import torch
 import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPast
-from transformers.utils.deprecation import deprecate_kwarg
+
+from .transformers_compat import (conv_state, conv_state_written, deprecate_kwarg, fill_unused_pde_states,  # noqa
+                                  holds_conv_states, records_past, store_pde_state)  # (the state API: here too)
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
@@ -109,7 +111,7 @@ def _state_layer(cache, layer_idx: int):
     """The cache layer that holds the PDE states of layer ``layer_idx``; raises unless it can hold conv states."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
-    if layer is None or not hasattr(layer, "conv_states"):
+    if layer is None or not holds_conv_states(layer):
         raise ValueError(
             "A causal PDE refinement needs a cache whose layers hold conv states (transformers' hybrid layers); "
             "build it with `transformers.DynamicCache(config=model.config)` or let `generate()` create it. "
@@ -121,7 +123,7 @@ def _state_layer(cache, layer_idx: int):
 def has_pde_state(cache, layer_idx: int, state_idx: int) -> bool:
     """Whether the cache holds the PDE state of the site whose first conv state is ``state_idx`` (stored after the
     site's first forward with this cache)."""
-    return bool(_state_layer(cache, layer_idx).has_previous_state.get(state_idx, False))
+    return conv_state_written(_state_layer(cache, layer_idx), state_idx)
 
 
 def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Optional[list]:
@@ -130,41 +132,9 @@ def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Opti
     records its past), written in place by a decode step; or None before prefill. (The conv states themselves, not
     views: an eager decode step hands them to its kernel as they are, one view less per step and token.)"""
     layer = _state_layer(cache, layer_idx)
-    if not layer.has_previous_state.get(state_idx, False):
+    if not conv_state_written(layer, state_idx):
         return None
-    states = layer.conv_states
-    return [states[index] for index in range(state_idx, state_idx + steps)]
-
-
-def records_past(cache, layer_idx: int) -> bool:
-    """Whether the cache layer keeps every position's state until its next ``crop`` (transformers' past recording,
-    on while assisted or prompt-lookup decoding may reject draft tokens): a site then appends its states instead of
-    overwriting the last one."""
-    return bool(getattr(cache.layers[layer_idx], "record_past", False))
-
-
-def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor):
-    """Stores a site's states ``[batch, steps, channels, positions]`` (the state after each position of the current
-    tokens; only the last one unless the cache records its past) as its conv states ``state_idx ..``, one per step,
-    one position per column."""
-    for step in range(states.shape[1]):
-        cache.update_conv_state(states[:, step:step + 1], layer_idx, state_idx=state_idx + step, conv_kernel_size=1)
-
-
-def fill_unused_pde_states(cache):
-    """Gives every conv state that no PDE site uses an empty one: the layers of a cache all get the model's largest
-    number of sites per layer, and transformers' ``crop`` (assisted decoding) walks every state of every layer. Call
-    it after a forward of several tokens (the prefill)."""
-    layers = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "is_conv_states_initialized")]
-    like = next((state for layer in layers for index, state in layer.conv_states.items()
-                 if layer.is_conv_states_initialized[index]), None)
-    if like is None:
-        return
-    for layer in layers:
-        for index, initialized in layer.is_conv_states_initialized.items():
-            if not initialized:
-                layer.lazy_initialization(conv_states=like.new_zeros(like.shape[0], 0, 0, 1), state_idx=index,
-                                          conv_kernel_size=1)
+    return [conv_state(layer, index) for index in range(state_idx, state_idx + steps)]
 
 
 _torch_is_exporting = getattr(torch.compiler, "is_exporting", None)  # (public from torch 2.5)

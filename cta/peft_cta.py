@@ -31,22 +31,17 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import peft
+import transformers
 from packaging import version
 from peft import LoraConfig, LoraModel
 
 if version.parse(peft.__version__) < version.parse("0.21"):
     # Older releases save the state dict of a method they do not list in PeftType through no generic path.
     raise ImportError(f"adapters of patched models need peft >= 0.21, found {peft.__version__}")
-from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
 from peft.utils.constants import DUMMY_TARGET_MODULES
 
-from .patching_cta import (
-    PATCHED_CLASS_PREFIX,
-    PATCHED_MODEL_TYPE_PREFIX,
-    is_patched,
-    patch_model,
-    pde_modules_to_save,
-)
+from .patching_cta import PATCHED_CLASS_PREFIX, PATCHED_MODEL_TYPE_PREFIX, is_patched, patch_model, pde_modules_to_save
+from .transformers_compat import inside_load_adapter, register_peft_tables, transformers_before
 
 # What makes two patches the same model (the initial coefficients and the compute backend do not).
 SPEC_KEYS = ("pde_type", "pde_steps", "placement", "layers", "causal", "per_channel")
@@ -103,17 +98,7 @@ def _refuse_load_adapter_without_modules_to_save():
     """transformers before 5.18 loads no ``modules_to_save`` weights in ``model.load_adapter`` (it only warns of
     them in its load report): there the PDE coefficients would keep their initial values. Raises when called from it.
     """
-    import inspect
-
-    import transformers
-    from transformers.integrations import PeftAdapterMixin
-
-    if version.parse(transformers.__version__) >= version.parse("5.18"):
-        return
-    frame = inspect.currentframe()
-    while frame is not None and frame.f_code is not PeftAdapterMixin.load_adapter.__code__:
-        frame = frame.f_back
-    if frame is not None:
+    if transformers_before("5.18") and inside_load_adapter():
         raise ValueError(
             f"transformers {transformers.__version__}'s `model.load_adapter` does not load an adapter's "
             "`modules_to_save`, which hold a CTA adapter's PDE coefficients (5.18 and later do): use "
@@ -170,10 +155,7 @@ class CTALoraModel(LoraModel):
 def register_peft_type() -> None:
     """Makes PEFT build :class:`CTALoraConfig` / :class:`CTALoraModel` for adapters of type ``CTA_LORA`` (what
     ``peft.utils.register_peft_method`` does for a member of PEFT's own enum)."""
-    kind = CTAPeftType.CTA_LORA
-    PEFT_TYPE_TO_CONFIG_MAPPING[kind] = CTALoraConfig
-    PEFT_TYPE_TO_TUNER_MAPPING[kind] = CTALoraModel
-    PEFT_TYPE_TO_PREFIX_MAPPING[kind] = CTALoraModel.prefix
+    register_peft_tables(CTAPeftType.CTA_LORA, CTALoraConfig, CTALoraModel)
 
 
 __all__ = ["CTALoraConfig", "CTALoraModel", "CTAPeftType", "ensure_patched", "patch_summary", "register_peft_type"]

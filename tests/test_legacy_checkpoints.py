@@ -122,3 +122,37 @@ def test_other_mismatches_still_raise_as_transformers_does(tmp_path):
         cta.CTAForCausalLM.from_pretrained(folder)
     model = cta.CTAForCausalLM.from_pretrained(folder, ignore_mismatched_sizes=True)  # the caller's choice
     assert model.lm_head.weight.shape == (64, 16)
+
+
+def test_a_legacy_load_changes_no_process_wide_log_state():
+    """A 0.1.0 load holds back transformers' load report (the 0-d coefficients are no real mismatch) in its own
+    context only: transformers' log level stays, its other warnings show, and another thread's report is kept."""
+    import logging
+    import threading
+
+    from transformers.utils import logging as hf_logging
+
+    from cta.transformers_compat import HOLD_BACK_LOAD_REPORT
+
+    logger, records, levels = logging.getLogger("transformers.modeling_utils"), [], []
+    handler = logging.Handler()
+    handler.emit = lambda record: (records.append(record.getMessage()), levels.append(hf_logging.get_verbosity()))
+    logger.addHandler(handler)
+    try:
+        token = HOLD_BACK_LOAD_REPORT.set(True)
+        try:
+            logger.warning("X LOAD REPORT from: this load")
+            logger.warning("another warning")
+            thread = threading.Thread(target=logger.warning, args=("Y LOAD REPORT from: another thread",))
+            thread.start()
+            thread.join()
+        finally:
+            HOLD_BACK_LOAD_REPORT.reset(token)
+        logger.warning("Z LOAD REPORT from: a later load")
+        level = hf_logging.get_verbosity()
+        cta.load_patched(FIXTURES / "patched_llama")
+        assert hf_logging.get_verbosity() == level
+    finally:
+        logger.removeHandler(handler)
+    assert records == ["another warning", "Y LOAD REPORT from: another thread", "Z LOAD REPORT from: a later load"]
+    assert set(levels) == {level}

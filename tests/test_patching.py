@@ -673,7 +673,7 @@ def test_pde_modules_take_the_models_dtype_under_deepspeed_zero3(zero3, monkeypa
     """DeepSpeed ZeRO-3 partitions the parameters of one dtype together and refuses an fp32 coefficient among bf16
     weights (found on 2 GPUs): a model loaded under ZeRO-3 gets PDE modules of its own dtype; elsewhere the
     coefficients stay fp32 (their updates are far below bf16's resolution)."""
-    import cta.patching_cta as patching
+    import cta.patching_sites as patching
 
     monkeypatch.setattr(patching, "is_deepspeed_zero3_enabled", lambda: zero3)
     model = tiny_model("llama").to(torch.bfloat16)
@@ -713,7 +713,7 @@ def test_generic_heads_patch_once_and_reload(tmp_path, head):
 def test_a_failing_patch_leaves_the_model_untouched(monkeypatch):
     """An error while the PDE sites are added (here: the model's third PDE module) removes what was added: the model keeps
     its class, config, modules and outputs, and can be patched afterwards."""
-    import cta.patching_cta as patching
+    import cta.patching_sites as patching
 
     model = tiny_model("llama")
     ids, mask = batch()

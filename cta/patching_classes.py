@@ -1,0 +1,259 @@
+# coding=utf-8
+"""The classes of patched models, ``CTAPatched<Base>`` (see ``patching_cta``), and loading a saved patched checkpoint.
+Their ``__module__`` is ``patching_cta`` (``auto_map`` and pickling find them there, through its ``__getattr__``); each
+mixin keeps the classes made from it (``_cta_patched``: base class -> patched class)."""
+
+from __future__ import annotations
+
+import transformers
+
+from .checkpoint_conversion import SAVES_CURRENT_NAMES, hub_arguments, from_pretrained_with_pde_check, saved_as_own_class
+from .generation_cta import PDEGenerationMixin
+from .patching_sites import apply_patch, state_indices_of
+from .patching_structure import STATIC_CACHE_2D_MASK, base_model_type, config_is_decoder
+from .pde_cache import conv_states_per_layer
+from .transformers_compat import auto_classes_naming, config_view, get_layer_types_and_kwargs, head_names
+
+PATCHED_MODEL_TYPE_PREFIX = "cta_patched_"
+PATCHED_CLASS_PREFIX = "CTAPatched"
+# The module the patched classes are named after (`auto_map`: `patching_cta.CTAPatched<Base>`).
+ENTRY_MODULE = ".".join(filter(None, (__name__.rpartition(".")[0], "patching_cta")))
+# The heads a patched family saves in its `auto_map` (decoders without the masked-LM, encoders the causal-LM one).
+SAVED_HEADS = ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification",
+               "AutoModelForTokenClassification", "AutoModelForQuestionAnswering", "AutoModelForMaskedLM")
+
+
+def is_patched_config(config) -> bool:
+    return isinstance(getattr(config, "cta_patch", None), dict)
+
+
+def _cache_view(config):
+    """A shallow copy of ``config`` whose layer types make ``DynamicCache`` build hybrid (KV + conv state) layers."""
+    spec = getattr(config, "cta_patch", None)
+    if not isinstance(spec, dict) or not spec.get("causal") or spec["pde_steps"] == 0:
+        return None
+    num_layers = config.num_hidden_layers
+    states_of = state_indices_of(spec, num_layers)
+    counts = [conv_states_per_layer(states_of(i), spec["pde_steps"]) for i in range(num_layers)]
+    if not any(counts):
+        return None
+    base_types = get_layer_types_and_kwargs(config)[0]
+    mapping = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
+    unsupported = sorted(set(base_types) - set(mapping))
+    if unsupported:
+        raise ValueError(f"CTA patch: cache layer types {unsupported} cannot hold the PDE state (supported: {list(mapping)}).")
+    return config_view(config, layer_types=[mapping[t] for t in base_types], number_of_conv_states=max(counts),
+                       _cta_cache_view=True)
+
+
+class CTAPatchedConfigMixin:
+    """Mixed into the config class of a patched model: distinct ``model_type`` and the cache view."""
+
+    _cta_patched = {}  # base config class -> its patched class
+
+    def get_text_config(self, decoder=None, encoder=None):
+        config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if decoder and config is self and not self.__dict__.get("_cta_cache_view", False):
+            view = _cache_view(self)
+            if view is not None:
+                return view
+        return config
+
+
+class CTAPatchedModelMixin(PDEGenerationMixin):
+    """Mixed into the model classes of patched models: builds the plain model, then applies ``config.cta_patch``;
+    ``generate()`` keeps the PDE sites exact (``generation_cta``)."""
+
+    _cta_patched = {}  # base model class -> its patched class
+
+    def pde_static_cache_refusal(self):
+        if base_model_type(self.config) in STATIC_CACHE_2D_MASK:
+            return (f"{base_model_type(self.config)} builds its own 2D attention mask for a static cache, sized by the "
+                    "cache's length, which a cache whose layers hold the PDE state does not report.")
+        return None
+
+    def pde_cache_sites(self):
+        """``[(site, cache layer, conv state)]`` of this model's causal PDE sites."""
+        for module in self.modules():
+            context = module.__dict__.get("_cta_context")
+            if context is not None:
+                return context.sites
+        return []
+
+    @property
+    def peft_config(self):
+        """The PEFT adapter configs (set by PEFT on the model it adapts): only configs that record the patch
+        (``cta.CTALoraConfig``) are taken, since an adapter saved without it loads onto a plain base without its PDE."""
+        try:
+            return self.__dict__["_cta_peft_config"]
+        except KeyError:
+            raise AttributeError(f"{type(self).__name__} has no PEFT adapter (`peft_config`)") from None
+
+    @peft_config.setter
+    def peft_config(self, configs):
+        for name, adapter in (configs or {}).items():
+            if not isinstance(getattr(adapter, "cta_patch", None), dict):
+                raise ValueError(
+                    f"PEFT adapter {name!r} ({type(adapter).__name__}) does not record this model's CTA patch: saved, "
+                    "it would load onto a plain base without its PDE, silently. Use `cta.CTALoraConfig` (LoraConfig's "
+                    "arguments; it records the patch, saves the PDE coefficients and re-applies the patch where it "
+                    "is loaded)."
+                )
+        self.__dict__["_cta_peft_config"] = configs
+
+    @peft_config.deleter
+    def peft_config(self):
+        self.__dict__.pop("_cta_peft_config", None)
+
+    def __init__(self, config, *args, **kwargs):
+        spec = getattr(config, "cta_patch", None)
+        if not isinstance(spec, dict):
+            raise ValueError(
+                f"{type(self).__name__} needs `config.cta_patch` (the patch recorded by cta.patch_model); got {spec!r}."
+            )
+        super().__init__(config, *args, **kwargs)
+        apply_patch(self, spec)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Saves weights (safetensors), the config (``model_type = cta_patched_*``, ``cta_patch``, ``auto_map``) and
+        the flat code files (``patching_cta.py`` and the siblings it imports) so that the folder reloads patched."""
+        self.config.auto_map = auto_map_for(self.config)
+        if getattr(self, SAVES_CURRENT_NAMES, False):
+            # Read from an earlier release's names: saved in the current ones (checkpoint_conversion).
+            kwargs.setdefault("save_original_format", False)
+        with saved_as_own_class(self, ENTRY_MODULE):  # (a model sharded by FSDP2 has a class of torch's)
+            return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' loading, reading checkpoints of earlier releases too (``checkpoint_conversion``), plus an
+        error where the checkpoint's PDE weights do not match ``config.cta_patch`` (a patched model without its
+        coefficients would silently be another model)."""
+        return from_pretrained_with_pde_check(super().from_pretrained, cls, args, kwargs)
+
+
+def _transformers_class(base_class):
+    """A patched checkpoint names its classes after the base classes, rebuilt from ``transformers.<name>`` where it is
+    loaded: only transformers' own classes can be patched."""
+    if getattr(transformers, base_class.__name__, None) is not base_class:
+        raise ValueError(
+            f"patch_model patches transformers' own model classes (a saved patched checkpoint rebuilds "
+            f"`{PATCHED_CLASS_PREFIX}<name>` from `transformers.<name>`); {base_class.__module__}.{base_class.__name__} "
+            "is not one."
+        )
+    return base_class
+
+
+def _derived_class(mixin, base_class, doc, auto, **attributes):
+    """``CTAPatched<Base>``: ``mixin`` over ``base_class``, made once (kept in ``mixin._cta_patched``), registered
+    for ``auto`` (``save_pretrained`` then writes its code files)."""
+    if base_class not in mixin._cta_patched:
+        _transformers_class(base_class)
+        mixin._cta_patched[base_class] = cls = type(f"{PATCHED_CLASS_PREFIX}{base_class.__name__}", (mixin, base_class), {
+            "_cta_original_class": base_class, "_cta_auto": auto, "__module__": ENTRY_MODULE, "__doc__": doc,
+            **attributes})
+        cls.register_for_auto_class(auto)
+    return mixin._cta_patched[base_class]
+
+
+def patched_config_class(base_class):
+    """The ``CTAPatched<Base>Config`` subclass of a config class (created on first use, registered with AutoConfig)."""
+    if issubclass(base_class, CTAPatchedConfigMixin):
+        return base_class
+    model_type = getattr(base_class, "model_type", None)
+    if not model_type:
+        raise ValueError(f"patch_model needs a config class with a `model_type`; {base_class.__name__} has none.")
+    if base_class not in CTAPatchedConfigMixin._cta_patched:
+        cls = _derived_class(CTAPatchedConfigMixin, base_class, f"{base_class.__name__} of a CTA-patched model.",
+                             "AutoConfig", model_type=PATCHED_MODEL_TYPE_PREFIX + model_type,
+                             _cta_base_model_type=model_type)
+        transformers.AutoConfig.register(cls.model_type, cls, exist_ok=True)
+    return CTAPatchedConfigMixin._cta_patched[base_class]
+
+
+def _auto_class_of(base_class):
+    model_type = getattr(base_class.config_class, "model_type", None)
+    names = [auto for auto, name in head_names(model_type).items() if name == base_class.__name__]
+    names = names or auto_classes_naming(base_class.__name__)  # (a class shared by several model types)
+    if not names:
+        raise ValueError(
+            f"patch_model patches the heads transformers' Auto classes know ({', '.join(SAVED_HEADS)}, ...); "
+            f"{base_class.__name__} is none of them."
+        )
+    return names[0]
+
+
+def patched_class(base_class):
+    """The ``CTAPatched<Base>`` subclass of a transformers model class (created on first use, with its family: the
+    heads that transformers' Auto classes know for its model type, each registered with its Auto class, so that a
+    generic head's ``AutoModel.from_config`` builds the patched backbone)."""
+    if issubclass(base_class, CTAPatchedModelMixin):
+        return base_class
+    if base_class not in CTAPatchedModelMixin._cta_patched:
+        _transformers_class(base_class)
+        config_class = base_class.config_class
+        auto = _auto_class_of(base_class)
+        cls = _derived_class(CTAPatchedModelMixin, base_class,
+                             f"{base_class.__name__} with CTA PDE refinement (built from `config.cta_patch`).", auto,
+                             config_class=patched_config_class(config_class))
+        getattr(transformers, auto).register(cls.config_class, cls, exist_ok=True)
+        for name in head_names(config_class.model_type, SAVED_HEADS).values():
+            head = getattr(transformers, name, None)
+            if isinstance(head, type) and head.config_class is config_class:
+                patched_class(head)
+    return CTAPatchedModelMixin._cta_patched[base_class]
+
+
+def patched_class_named(name):
+    """``CTAPatched<Base>`` for any transformers class ``<Base>``, made on first access: what a saved checkpoint's
+    ``auto_map`` and ``architectures`` name (also where the files are loaded as remote code) and what pickling reads
+    (``patching_cta.__getattr__``)."""
+    if name.startswith(PATCHED_CLASS_PREFIX):
+        base = getattr(transformers, name[len(PATCHED_CLASS_PREFIX):], None)
+        if isinstance(base, type) and issubclass(base, transformers.PreTrainedConfig):
+            return patched_config_class(base)
+        if isinstance(base, type) and issubclass(base, transformers.PreTrainedModel):
+            return patched_class(base)
+    raise AttributeError(f"module {ENTRY_MODULE!r} has no attribute {name!r}")
+
+
+def auto_map_for(config) -> dict:
+    """The ``auto_map`` of a patched checkpoint: every Auto class of the family -> a class of ``patching_cta``
+    (decoders without the masked-LM head, encoders without the causal-LM one)."""
+    module = ENTRY_MODULE.rsplit(".", 1)[-1]
+    causal = config.cta_patch["causal"] if is_patched_config(config) else config_is_decoder(config)
+    auto_map = {"AutoConfig": f"{module}.{patched_config_class(type(config)).__name__}"}
+    for auto, name in head_names(base_model_type(config), SAVED_HEADS).items():
+        if auto != ("AutoModelForMaskedLM" if causal else "AutoModelForCausalLM"):
+            auto_map[auto] = f"{module}.{PATCHED_CLASS_PREFIX}{name}"
+    return auto_map
+
+
+def register_auto_classes():
+    """Registers every patched config/model class made so far with transformers' Auto classes (each class is also
+    registered when it is made)."""
+    for config_class in CTAPatchedConfigMixin._cta_patched.values():
+        transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    for cls in CTAPatchedModelMixin._cta_patched.values():
+        getattr(transformers, cls._cta_auto).register(cls.config_class, cls, exist_ok=True)
+
+
+def load_patched(path, **kwargs):
+    """Loads a checkpoint saved from a patched model (a folder or Hub id), as the class it was saved from."""
+    config_dict, _ = transformers.PreTrainedConfig.get_config_dict(path, **hub_arguments(kwargs))
+    model_type = str(config_dict.get("model_type", ""))
+    base_type = model_type[len(PATCHED_MODEL_TYPE_PREFIX):]
+    if model_type.startswith(PATCHED_MODEL_TYPE_PREFIX) and base_type in transformers.CONFIG_MAPPING:
+        patched_config_class(transformers.CONFIG_MAPPING[base_type])  # (so that AutoConfig reads it without remote code)
+    config = transformers.AutoConfig.from_pretrained(path, **hub_arguments(kwargs))  # the weights' folder
+    if not is_patched_config(config):
+        raise ValueError(f"{path!r} is not a CTA-patched checkpoint (its config has no `cta_patch`).")
+    architectures = getattr(config, "architectures", None) or []
+    for name in architectures:
+        try:
+            cls = patched_class_named(name)
+        except AttributeError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, CTAPatchedModelMixin):
+            return cls.from_pretrained(path, config=config, **kwargs)
+    raise ValueError(f"{path!r}: cannot find a patched class for architectures {architectures}.")

@@ -1,0 +1,156 @@
+# coding=utf-8
+"""Installing and removing the PDE sites of a patch (``patching_cta.patch_model`` and the patched classes'
+constructors): each PDE module becomes a submodule ``cta_<placement>_pde`` of the module it refines, applied by the
+forward hooks of ``patching_hooks`` (their handles kept in the base model's ``_cta_context``)."""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
+from .patching_structure import plan_patch
+from .pde_cache import CACHE_ARGUMENTS, pde_sites, pde_state_indices
+from .pde_cta import PDERefinement
+
+# The cache keywords of layers that still call it by an older name: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode,
+# BLOOM, Falcon), ``past_key_value`` (AFMoE's layers in transformers 5.14; 5.17 and later pass ``past_key_values``).
+_LAYER_CACHE_ALIASES = ("layer_past", "past_key_value")
+
+
+def _cache_index(function, names=CACHE_ARGUMENTS):
+    """Position of the cache among ``function``'s positional parameters, under either of its names."""
+    for name in names:
+        index = _signature_index(function, name)
+        if index is not None:
+            return index
+    return None
+
+
+def _signature_index(function, name):
+    try:
+        params = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names.index(name) if name in names else None
+
+
+def layer_indices(spec, num_layers):
+    return list(range(num_layers)) if spec["layers"] is None else list(spec["layers"])
+
+
+def state_indices_of(spec, num_layers):
+    """``layer index -> {placement: first cache conv-state index}`` of the causal PDE sites of ``spec``
+    (``pde_cache.pde_state_indices``: a site owns one conv state per step)."""
+    selected = set(layer_indices(spec, num_layers))
+    return lambda i: pde_state_indices(spec["placement"], spec["pde_steps"], i in selected, i)
+
+
+def _make_pde(spec, channels, layer_idx, state_idx, like: nn.Module):
+    module = PDERefinement(channels=channels, pde_type=spec["pde_type"], steps=spec["pde_steps"], causal=spec["causal"],
+                           alpha=spec["alpha"], beta=spec["beta"], per_channel=spec["per_channel"],
+                           backend=spec["backend"], layer_idx=layer_idx, state_idx=state_idx)
+    param = next(iter(like.parameters()), None)
+    own = next(iter(module.parameters()), None)
+    built_on_meta = own is not None and own.device.type == "meta"  # (under a meta-device construction: stays there)
+    if param is not None and param.device.type != "meta" and not built_on_meta:
+        module.to(device=param.device)
+    if param is not None and param.is_floating_point() and is_deepspeed_zero3_enabled():
+        # Loaded under ZeRO-3, the model's parameters were cast to the engine's dtype: DeepSpeed partitions every
+        # parameter of one dtype together and refuses an fp32 coefficient among bf16 weights.
+        module.to(dtype=param.dtype)
+    return module
+
+
+def _add_pde(module, placement, pde):
+    name = f"cta_{placement}_pde"
+    if hasattr(module, name):
+        raise ValueError(f"{type(module).__name__} already has a `{name}`: call unpatch_model first.")
+    module.add_module(name, pde)
+
+
+def apply_patch(model, spec, plan=None):
+    """Adds the PDE modules of ``spec`` to the modules they refine and registers the hooks that apply them. The
+    modules come from ``plan`` (``patching_structure.plan_patch``, made here when not given), which raises before
+    anything changes; should adding them fail anyway, what was added is removed again before the error propagates."""
+    if plan is None:
+        plan = plan_patch(model, spec["placement"], layer_indices(spec, model.config.num_hidden_layers))
+    if any("_cta_context" in module.__dict__ for module in model.modules()):
+        # A generic head (LlamaForSequenceClassification, ...) builds its backbone with AutoModel.from_config: the
+        # patched backbone class, which applied this same patch in its own constructor.
+        return model
+    try:
+        _add_sites(model, spec, plan)
+    except BaseException:
+        remove_patch_modules(model)
+        raise
+    return model
+
+
+def _add_sites(model, spec, plan):
+    base, layers = plan.base, plan.layers
+    num_layers = len(layers)
+    mask_position = _signature_index(base.forward, "attention_mask")
+    states_of = state_indices_of(spec, num_layers)
+    sites = pde_sites(num_layers, states_of) if spec["causal"] else []
+    context = PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__,
+                           _signature_index(base.forward, "position_ids"))
+    base._cta_context = context
+    context.handles = [base.register_forward_pre_hook(context.enter, with_kwargs=True),
+                       base.register_forward_hook(context.exit, with_kwargs=True, always_call=True)]
+    if spec["pde_steps"] == 0:
+        return
+    selected = layer_indices(spec, num_layers)
+    for idx in range(num_layers):
+        states = states_of(idx)
+        if not states:
+            continue
+        created = []  # sites whose hooks are registered but not yet in context.site_hooks
+        try:
+            _add_layer_sites(context, spec, model.config.hidden_size, layers[idx], idx, plan.targets[idx], states,
+                             spec["placement"] if idx in selected else [], created)
+        except BaseException:
+            for site in created:
+                site.remove()
+            raise
+
+
+def _add_layer_sites(context, spec, hidden, layer, idx, targets, states, per_layer, created):
+    nested, value_sites = [], []
+    if "value" in per_layer:
+        value = targets.value
+        _add_pde(value.owner, "value", _make_pde(spec, value.channels, idx, states["value"], layer))
+        value_sites.append(ValueSite(context, layer, value.owner, value.attr, value.value_slice))
+        created.extend(value_sites)
+    for placement in ("attention_output", "mlp_output"):
+        if placement in per_layer:
+            module = getattr(targets, placement)
+            _add_pde(module, placement, _make_pde(spec, hidden, idx, states[placement], layer))
+            nested.append(OutputSite(context, layer, module, f"cta_{placement}_pde"))
+            created.append(nested[-1])
+    if "embedding" in states:
+        _add_pde(layer, "embedding", _make_pde(spec, hidden, 0, states["embedding"], layer))
+    if "block_output" in per_layer:
+        _add_pde(layer, "block_output", _make_pde(spec, hidden, idx, states["block_output"], layer))
+    cache_position = _cache_index(type(layer).forward, CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
+    layer_site = LayerSite(context, layer, f"layer {idx}", spec["causal"],
+                           None if cache_position is None else cache_position - 1,
+                           embedding="embedding" in states, block_output="block_output" in per_layer,
+                           nested=bool(nested or value_sites), value_sites=value_sites,
+                           cache_names=CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
+    context.site_hooks += [*value_sites, *nested, layer_site]
+
+
+def remove_patch_modules(model):
+    """Removes the hooks (through their handles) and the PDE submodules that :func:`apply_patch` added."""
+    for _, module in list(model.named_modules()):
+        context = module.__dict__.pop("_cta_context", None)
+        if context is not None:
+            context.remove_hooks()
+    for _, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if name.startswith("cta_") and name.endswith("_pde"):
+                delattr(module, name)

@@ -1,0 +1,239 @@
+# coding=utf-8
+"""The internals of transformers (and peft) that cta relies on, in one place: every other file uses public names
+(``transformers.<Name>``, ``transformers.logging``; what transformers documents for model code: ``modeling_outputs``,
+``cache_utils``, ``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``, and a
+model class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or this module. Checked on
+transformers 5.14 to 5.24 (the suite runs on both ends) and peft 0.21 (``setup.py``).
+
+=================================================================  ===================================================
+Internal                                                           Why (where)
+=================================================================  ===================================================
+hybrid cache layers: ``conv_states``, ``has_previous_state``,      the causal PDE state lives in the model's cache, one
+``is_conv_states_initialized``, ``lazy_initialization(state_idx)``  conv state per site and step (``pde_cache``)
+``update_conv_state(state_idx=)``, ``record_past``
+``_can_record_outputs``, registered in ``PreTrainedModel.__init__``  a model patched in place records hidden states as
+                                                                   its new class (:func:`register_recorded_outputs`)
+``get_text_config(decoder=True)`` (``DynamicCache``, ``generate``);  the patched config's cache view, layer types that
+a config's ``__dict__``; ``cache_utils.get_layer_types_and_kwargs``  hold conv states (``patching_classes``)
+``is_remote_code``, ``get_compiled_call``, ``init_continuous_...``  overridden (:class:`GenerationHooks`)
+``mismatched_keys`` entries ``(name, saved shape, model shape)``;  0.1.0 checkpoints' 0-d coefficients
+the load report (``modeling_utils``' logger, ``LOAD REPORT``)      (``checkpoint_conversion``)
+``utils.output_capturing``, ``utils.can_return_tuple``, ``utils``  the native model records outputs, returns tuples
+``.deprecation.deprecate_kwarg``                                   and warns as transformers' models do
+``models.auto.modeling_auto.MODEL_*_MAPPING_NAMES``                a model type's heads (:func:`head_names`)
+``dynamic_module_utils.get_relative_import_files``                 the code files a saved folder needs (``hub``)
+releases: ``load_adapter`` loads ``modules_to_save`` from 5.18,    refused before (:func:`transformers_before`)
+an assistant's conv states roll back from 5.15, Doge from 5.18
+peft: ``mapping.PEFT_TYPE_TO_*_MAPPING``, ``DUMMY_TARGET_MODULES``,  the ``CTA_LORA`` adapter type (``peft_cta``,
+``LoraModel._pre_injection_hook`` / ``_prepare_adapter_config``     :func:`register_peft_tables`)
+=================================================================  ===================================================
+"""
+
+from __future__ import annotations
+
+import contextvars
+import copy
+import inspect
+import logging
+
+import torch
+import transformers
+from packaging import version
+from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: F401  (a config's cache layer types)
+from transformers.dynamic_module_utils import get_relative_import_files  # noqa: F401  (for hub)
+from transformers.models.auto import modeling_auto
+from transformers.utils import can_return_tuple  # noqa: F401  (for modeling_cta)
+from transformers.utils.deprecation import deprecate_kwarg  # noqa: F401  (for pde_cache)
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs  # noqa: F401  (for modeling_cta)
+
+# Auto class -> transformers' name table of its heads (model_type -> class name).
+AUTO_HEADS = {auto: f"MODEL_{table}MAPPING_NAMES" for auto, table in {
+    "AutoModel": "", "AutoModelForCausalLM": "FOR_CAUSAL_LM_", "AutoModelForSequenceClassification":
+    "FOR_SEQUENCE_CLASSIFICATION_", "AutoModelForTokenClassification": "FOR_TOKEN_CLASSIFICATION_",
+    "AutoModelForQuestionAnswering": "FOR_QUESTION_ANSWERING_", "AutoModelForMaskedLM": "FOR_MASKED_LM_",
+    "AutoModelForMultipleChoice": "FOR_MULTIPLE_CHOICE_", "AutoModelForPreTraining": "FOR_PRETRAINING_",
+    "AutoModelForNextSentencePrediction": "FOR_NEXT_SENTENCE_PREDICTION_"}.items()}
+ASSISTANT_ROLLBACK_SINCE = version.parse("5.15.0")  # records an assistant cache's past (`crop` rolls conv states back)
+GENERATING = contextvars.ContextVar("cta_generating", default=False)  # inside a generate(): is_remote_code
+HOLD_BACK_LOAD_REPORT = contextvars.ContextVar("cta_hold_back_load_report", default=False)
+
+
+def transformers_before(release) -> bool:
+    return version.parse(transformers.__version__) < version.parse(str(release))
+
+
+def head_names(model_type, autos=tuple(AUTO_HEADS)) -> dict:
+    """``{Auto class: class name}`` of transformers' heads of ``model_type`` among ``autos``."""
+    names = {}
+    for auto in autos:
+        name = getattr(modeling_auto, AUTO_HEADS[auto], {}).get(model_type)
+        name = (name[0] if name else None) if isinstance(name, (list, tuple)) else name
+        if isinstance(name, str):
+            names[auto] = name
+    return names
+
+
+def has_head(model_type, auto: str) -> bool:
+    return model_type in getattr(modeling_auto, AUTO_HEADS[auto], {})
+
+
+def auto_classes_naming(class_name: str) -> list:
+    """The Auto classes whose head table names ``class_name`` for some model type."""
+    return [auto for auto, table in AUTO_HEADS.items() if class_name in getattr(modeling_auto, table, {}).values()]
+
+
+def config_view(config, **fields):
+    """A shallow copy of ``config`` with ``fields`` set as they are (past the config's own ``__setattr__``)."""
+    view = copy.copy(config)
+    view.__dict__.update(fields)
+    return view
+
+
+def register_recorded_outputs(cls, config) -> None:
+    """transformers learns which layer outputs ``output_hidden_states`` / ``output_attentions`` record from the
+    class of a model when one is built (``PreTrainedModel.__init__``): a class never built (a model patched in place
+    gets one) is built once, on the meta device (no memory, no weights)."""
+    if cls.__dict__.get("_cta_records_outputs") or getattr(cls, "_can_record_outputs", None) is None:
+        return
+    with torch.device("meta"):
+        cls(config)
+    cls._cta_records_outputs = True
+
+
+def mismatch_parts(key) -> tuple:
+    """``(name, checkpoint shape, model shape)``: an entry of ``loading_info["mismatched_keys"]``."""
+    return tuple(key)
+
+
+def mismatch_name(key) -> str:
+    return str(key[0]) if isinstance(key, tuple) else str(key)
+
+
+def is_scalar_mismatch(key) -> bool:
+    """A mismatch of a 0-d checkpoint tensor where the model holds a 1-element one."""
+    return isinstance(key, tuple) and len(key) == 3 and tuple(key[1]) == () and tuple(key[2]) == (1,)
+
+
+# transformers' load report of a from_pretrained call made while this is set (in this thread or task only) is dropped;
+# other warnings, and other threads' reports, are kept: the caller reports what matters.
+logging.getLogger("transformers.modeling_utils").addFilter(
+    lambda record: not (HOLD_BACK_LOAD_REPORT.get() and "LOAD REPORT" in str(record.msg)))
+
+
+def holds_conv_states(layer) -> bool:
+    return hasattr(layer, "conv_states")
+
+
+def conv_state_written(layer, index: int) -> bool:
+    return bool(layer.has_previous_state.get(index, False))
+
+
+def conv_state(layer, index: int):
+    return layer.conv_states[index]
+
+
+def records_past(cache, layer_idx: int) -> bool:
+    """Whether the cache layer keeps every position's state until its next ``crop`` (transformers' past recording,
+    on while assisted or prompt-lookup decoding may reject draft tokens): a site then appends its states instead of
+    overwriting the last one."""
+    return bool(getattr(cache.layers[layer_idx], "record_past", False))
+
+
+def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor):
+    """Stores a site's states ``[batch, steps, channels, positions]`` (the state after each position of the current
+    tokens; only the last one unless the cache records its past) as its conv states ``state_idx ..``, one per step,
+    one position per column."""
+    for step in range(states.shape[1]):
+        cache.update_conv_state(states[:, step:step + 1], layer_idx, state_idx=state_idx + step, conv_kernel_size=1)
+
+
+def fill_unused_pde_states(cache):
+    """Gives every conv state that no PDE site uses an empty one: the layers of a cache all get the model's largest
+    number of sites per layer, and transformers' ``crop`` (assisted decoding) walks every state of every layer. Call
+    it after a forward of several tokens (the prefill)."""
+    layers = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "is_conv_states_initialized")]
+    like = next((state for layer in layers for index, state in layer.conv_states.items()
+                 if layer.is_conv_states_initialized[index]), None)
+    if like is None:
+        return
+    for layer in layers:
+        for index, initialized in layer.is_conv_states_initialized.items():
+            if not initialized:
+                layer.lazy_initialization(conv_states=like.new_zeros(like.shape[0], 0, 0, 1), state_idx=index,
+                                          conv_kernel_size=1)
+
+
+def _bound_module(value):
+    """The module a (compiled, wrapped) bound method of ``value`` is bound to, following ``__wrapped__``; or None."""
+    for _ in range(8):  # (a few wrapper levels at most)
+        owner = getattr(value, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            return owner
+        value = getattr(value, "__wrapped__", None)
+        if value is None:
+            return None
+    return None
+
+
+def compiled_calls(model, foreign_only: bool = False) -> list:
+    """Names of ``model``'s attributes that wrap a bound method of a module (what ``torch.compile(model.__call__)``
+    leaves), or with ``foreign_only`` only those bound to another module than ``model``."""
+    names = []
+    for name, value in vars(model).items():
+        if isinstance(value, torch.nn.Module) or not callable(value):
+            continue
+        owner = _bound_module(value)
+        if owner is not None and (owner is not model or not foreign_only):
+            names.append(name)
+    return names
+
+
+def drop_compiled_calls(model, foreign_only: bool = False) -> list:
+    """Removes :func:`compiled_calls` from ``model``; returns their names. transformers compiles again on the next
+    ``generate()``."""
+    names = compiled_calls(model, foreign_only)
+    for name in names:
+        delattr(model, name)
+    return names
+
+
+class GenerationHooks:
+    """transformers' generation methods that a model with causal PDE sites overrides."""
+
+    @classmethod
+    def is_remote_code(cls) -> bool:
+        """transformers' answer (True: these classes are registered with the Auto classes, so that ``save_pretrained``
+        writes their code files), except inside ``generate()``: there it asks once per token, to hand
+        ``cache_position`` to remote code whose forward takes it, at the cost of two ``inspect.signature`` calls of the
+        forward per token (a few percent of a compiled decode step); these forwards take no ``cache_position``."""
+        return False if GENERATING.get() else super().is_remote_code()
+
+    def get_compiled_call(self, compile_config):
+        drop_compiled_calls(self, foreign_only=True)
+        return super().get_compiled_call(compile_config)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        raise ValueError(
+            f"{type(self).__name__}: continuous batching (generate_batch, cache_implementation='paged') keeps no "
+            "per-request conv state, so the PDE sites could not keep theirs; use generate() with "
+            "cache_implementation='dynamic' or 'static'."
+        )
+
+
+def inside_load_adapter() -> bool:
+    """Whether transformers' ``model.load_adapter`` is on the call stack."""
+    from transformers.integrations import PeftAdapterMixin
+
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code is not PeftAdapterMixin.load_adapter.__code__:
+        frame = frame.f_back
+    return frame is not None
+
+
+def register_peft_tables(kind, config_class, tuner_class) -> None:
+    """What ``peft.utils.register_peft_method`` does for a member of PEFT's own enum."""
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING, PEFT_TYPE_TO_PREFIX_MAPPING, PEFT_TYPE_TO_TUNER_MAPPING
+
+    PEFT_TYPE_TO_CONFIG_MAPPING[kind] = config_class
+    PEFT_TYPE_TO_TUNER_MAPPING[kind] = tuner_class
+    PEFT_TYPE_TO_PREFIX_MAPPING[kind] = tuner_class.prefix
