@@ -38,7 +38,7 @@ from .pde_cache import (
 )
 from .generation_cta import PDEGenerationMixin
 from .pde_cta import PDERefinement
-from .pde_packing import packed_rows
+from .pde_sites import NO_WALLS, SiteWalls
 from .transformers_compat import OutputRecorder, can_return_tuple, capture_outputs
 
 
@@ -181,15 +181,15 @@ class CTAAttention(nn.Module):
         )
         self.matrix_pde = make_pde(config, self.num_heads, layer_idx) if "attention_matrix" in placements else None
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, token_mask=None, cache=None,
-                output_attentions=False, packed=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, walls=NO_WALLS, cache=None,
+                output_attentions=False, **kwargs):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         values = self.v_proj(hidden_states)
         if self.value_pde is not None:
-            values = self.value_pde(values, token_mask, cache, packed)
+            values = walls.refine(self.value_pde, values, cache)
         value_states = values.view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
             cos, sin = position_embeddings
@@ -274,8 +274,8 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             module = make_pde(config, config.hidden_size, layer_idx, states.get(name, 0)) if name in placements else None
             setattr(self, f"{name}_pde", module)
 
-    def forward(self, hidden_states, attention_mask=None, token_mask=None, position_embeddings=None,
-                output_attentions=False, packed=None, **kwargs):
+    def forward(self, hidden_states, attention_mask=None, walls=NO_WALLS, position_embeddings=None,
+                output_attentions=False, **kwargs):
         # The cache arrives under the installed transformers' name (its gradient checkpointing clears that one).
         cache = pop_cache(kwargs)
         residual = hidden_states
@@ -285,14 +285,13 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             hidden_states,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            token_mask=token_mask,
+            walls=walls,
             cache=cache,
             output_attentions=output_attentions,
-            packed=packed,
             **kwargs,
         )
         if self.attention_output_pde is not None:
-            attn_output = self.attention_output_pde(attn_output, token_mask, cache, packed)
+            attn_output = walls.refine(self.attention_output_pde, attn_output, cache)
         hidden_states = residual + self.dropout(attn_output)
         if not self.pre_norm:
             hidden_states = self.attention_norm(hidden_states)
@@ -302,13 +301,13 @@ class CTADecoderLayer(GradientCheckpointingLayer):
             hidden_states = self.mlp_norm(hidden_states)
         mlp_output = self.mlp(hidden_states)
         if self.mlp_output_pde is not None:
-            mlp_output = self.mlp_output_pde(mlp_output, token_mask, cache, packed)
+            mlp_output = walls.refine(self.mlp_output_pde, mlp_output, cache)
         hidden_states = residual + self.dropout(mlp_output)
         if not self.pre_norm:
             hidden_states = self.mlp_norm(hidden_states)
 
         if self.block_output_pde is not None:
-            hidden_states = self.block_output_pde(hidden_states, token_mask, cache, packed)
+            hidden_states = walls.refine(self.block_output_pde, hidden_states, cache)
         return hidden_states, attn_weights
 
 
@@ -361,6 +360,8 @@ class CTAPreTrainedModel(PreTrainedModel):
 
 class CTAModel(CTAPreTrainedModel):
     """The bare CTA transformer (bidirectional unless ``config.is_causal``)."""
+
+    pde_sharding = None  # how the sequence is sharded over ranks (``cta.shard_sequences``), or None
 
     def __init__(self, config: CTAConfig):
         super().__init__(config)
@@ -436,25 +437,22 @@ class CTAModel(CTAPreTrainedModel):
         # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
         check_pde_states(cache, self.pde_sites, type(self).__name__)
 
-        # The PDE walls come from the 2D padding mask of the current tokens. generate() gives a one-token decode step
-        # of a StaticCache its 4D masks (one per layer type) instead: the new token is not padding.
-        token_mask = None
+        # The PDE walls (pde_sites.SiteWalls): the 2D padding mask, packed rows (`position_ids` restarting), sequence
+        # shards. generate() gives a one-token decode step of a StaticCache its 4D masks (one per layer type)
+        # instead: the new token is not padding.
         built_masks = attention_mask if isinstance(attention_mask, dict) or (
             torch.is_tensor(attention_mask) and attention_mask.dim() == 4) else None
-        if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
-            if attention_mask.shape[1] != past_seen + seq_len:
-                raise ValueError(
-                    f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {past_seen + seq_len}], "
-                    f"got {tuple(attention_mask.shape)}."
-                )
-            # Skipping an all-ones mask saves the PDE its wall arithmetic; the check syncs, so not under compile.
-            if torch.compiler.is_compiling() or not bool(attention_mask.all()):
-                token_mask = attention_mask[:, -seq_len:]
-        # Rows holding several sequences (padding-free training: `position_ids` restarting) get a wall between them.
-        packed = None
-        if position_ids is not None or kwargs.get("cu_seq_lens_q") is not None:
-            if not (cache is not None and torch.compiler.is_compiling()):
-                packed = packed_rows(position_ids, token_mask, seq_len, kwargs.get("cu_seq_lens_q"), past_seen)
+        two_d = torch.is_tensor(attention_mask) and attention_mask.dim() == 2
+        if two_d and attention_mask.shape[1] != past_seen + seq_len:
+            raise ValueError(
+                f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {past_seen + seq_len}], "
+                f"got {tuple(attention_mask.shape)}."
+            )
+        if self.pde_sharding is not None and "attention_matrix" in self.config.pde_placements and self.config.pde_steps:
+            raise ValueError("The `attention_matrix` placement cannot serve a sharded sequence (context parallelism "
+                             "runs sdpa, which never forms the attention matrix); use the other placements.")
+        walls = SiteWalls.of_forward(attention_mask if built_masks is None else None, position_ids,
+                                     kwargs.get("cu_seq_lens_q"), cache, self.pde_sharding, type(self).__name__)
         if position_ids is None:
             if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
@@ -474,7 +472,7 @@ class CTAModel(CTAPreTrainedModel):
             hidden_states = self.embedding_norm(hidden_states)
         hidden_states = self.embedding_dropout(hidden_states)
         if self.embedding_pde is not None:
-            hidden_states = self.embedding_pde(hidden_states, token_mask, cache, packed)
+            hidden_states = walls.refine(self.embedding_pde, hidden_states, cache)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
 
         mask_kwargs = dict(
@@ -497,8 +495,7 @@ class CTAModel(CTAPreTrainedModel):
             hidden_states, _ = layer(
                 hidden_states,
                 attention_mask=mask,
-                token_mask=token_mask,
-                packed=packed,
+                walls=walls,
                 position_embeddings=position_embeddings,
                 output_attentions=output_attentions,
                 **{CACHE_ARGUMENT: cache},

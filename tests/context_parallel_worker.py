@@ -135,13 +135,13 @@ def torch_layouts():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    from cta.pde_context_parallel import SequenceShards
+    from cta.pde_context_parallel import SequenceSharding
 
     mesh = init_device_mesh("cpu", (WORLD,))
     found = {}
     for length in (16, 14):
         tokens = torch.arange(length).expand(2, -1).contiguous()
-        shards = SequenceShards.for_torch_context_parallel(mesh, length, load_balance=True)
+        shards = SequenceSharding("torch", mesh.get_group()).shards(length // WORLD)
         with context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[1], no_restore_buffers={tokens}):
             pass
         found[str(length)] = [shards.layout, torch.equal(tokens, shards.shard(torch.arange(length).expand(2, -1)))]
@@ -150,16 +150,20 @@ def torch_layouts():
 
 
 def accelerator_shards(mesh):
-    """SequenceShards.for_accelerator on stand-ins of accelerate's Accelerator (its public attributes) and of
+    """SequenceSharding.for_accelerator on stand-ins of accelerate's Accelerator (its public attributes) and of
     DeepSpeed's group registry (not installed here)."""
     import types
 
-    from cta.pde_context_parallel import SequenceShards
+    from cta.pde_context_parallel import SequenceSharding
+
+    class Mesh:  # (accelerate's torch_device_mesh["cp"]: a DeviceMesh; its process group is what is read)
+        def get_group(self):
+            return mesh.get_group()
 
     def accelerator(cp_size, sp_size):
         config = types.SimpleNamespace(cp_enabled=cp_size > 1, cp_backend="torch", sp_enabled=sp_size > 1,
                                        sp_backend="deepspeed")
-        return types.SimpleNamespace(parallelism_config=config, torch_device_mesh={"cp": mesh})
+        return types.SimpleNamespace(parallelism_config=config, torch_device_mesh={"cp": Mesh()})
 
     groups = types.ModuleType("deepspeed.utils.groups")
     groups._get_sequence_parallel_group = lambda: None  # the default group
@@ -169,11 +173,68 @@ def accelerator_shards(mesh):
     found = {}
     for name, (cp_size, sp_size) in {"cp": (2, 1), "sp": (1, 2), "none": (1, 1), "both": (2, 2)}.items():
         try:
-            shards = SequenceShards.for_accelerator(accelerator(cp_size, sp_size), 16)
+            sharding = SequenceSharding.for_accelerator(accelerator(cp_size, sp_size))
+            shards = None if sharding is None else sharding.shards(8)
             found[name] = None if shards is None else [shards.layout, shards.world_size, shards.rank]
         except ValueError as error:
             found[name] = str(error)
-    found["no_config"] = SequenceShards.for_accelerator(types.SimpleNamespace(parallelism_config=None), 16)
+    found["no_config"] = SequenceSharding.for_accelerator(types.SimpleNamespace(parallelism_config=None))
+    return found
+
+
+def position_local_attention(module, query, key, value, attention_mask, **kwargs):
+    """Each token reads its own value only: position-local, so sharding the sequence cannot change it (torch has no
+    ring attention on CPU). The PDE sites are then the models' only cross-position operations."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    value = repeat_kv(value, query.shape[1] // value.shape[1])
+    return (value[:, :, -query.shape[2]:] * 1.0).transpose(1, 2).contiguous(), None
+
+
+def models(kind):
+    """A tiny patched Llama or native CTA decoder on the position-local attention, every placement it serves."""
+    import cta
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    AttentionInterface.register("position_local", position_local_attention)
+    torch.manual_seed(0)
+    shape = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2)
+    if kind == "native":
+        config = cta.CTAConfig.modern_decoder(pde_type="advection_diffusion", pde_steps=2, pde_alpha=0.2,
+                                             pde_placement=["embedding", "value", "attention_output", "mlp_output",
+                                                            "block_output"], **shape)
+        config._attn_implementation = "position_local"
+        return cta.CTAForCausalLM(config)
+    model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="position_local"))
+    return cta.patch_model(model, pde_type="wave", pde_steps=2, init="paper",
+                           placement=["embedding", "value", "attention_output", "mlp_output", "block_output"])
+
+
+def sharded_models(rank):
+    """Per model kind and layout: the largest difference between the sharded forward + backward (each rank its
+    shard, the coefficients' gradients summed over the ranks) and the same model on the full sequence."""
+    from cta.pde_context_parallel import SequenceSharding, shard_sequences
+
+    found = {}
+    for kind, layout in itertools.product(("patched", "native"), ("contiguous", "head_tail")):
+        model = models(kind).train()
+        ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+        positions = torch.arange(16).expand(2, -1)
+        full = model(input_ids=ids, position_ids=positions).logits
+        full.square().sum().backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters() if "pde" in n}
+        model.zero_grad()
+        shard_sequences(model, SequenceSharding(layout))
+        shards = SequenceSharding(layout).shards(16 // WORLD)
+        logits = model(input_ids=shards.shard(ids), position_ids=shards.shard(positions)).logits
+        logits.square().sum().backward()
+        errors = {"logits": (logits - shards.shard(full)).abs().max().item()}
+        for name, grad in expected.items():
+            summed = model.get_parameter(name).grad.clone()
+            dist.all_reduce(summed)
+            errors[name] = (summed - grad).abs().max().item()
+        shard_sequences(model, None)
+        found[f"{kind}-{layout}"] = errors
     return found
 
 
@@ -181,7 +242,8 @@ def run(rank, out_dir):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD)
-    results = {"refusals": refusals(rank), "torch_layouts": torch_layouts(), "bf16": bf16_outputs(), "cases": {}}
+    results = {"refusals": refusals(rank), "torch_layouts": torch_layouts(), "bf16": bf16_outputs(), "cases": {},
+               "models": sharded_models(rank)}
     wall_kinds = ("none", "padding", "padding_on_one_rank", "packed", "packed_padding")
     for case in itertools.product(PDE_TYPES, (False, True), (1, 3), ("contiguous", "head_tail"), wall_kinds,
                                   (torch.float32, torch.float64)):

@@ -58,9 +58,21 @@ def test_refusals_are_raised_on_every_rank_before_any_collective(two_ranks):
     assert first["after"] == [1, 4, 2]  # the ranks met in the same collectives after the refusals
 
 
+def test_sharded_models_match_the_full_sequence(two_ranks):
+    """A patched Llama and a native CTA decoder with shard_sequences: each rank's logits are its shard of the
+    full-sequence logits, and the PDE coefficients' gradients summed over the ranks are the full sequence's, both
+    layouts, every placement outside the attention matrix (attention made position-local: no ring attention on CPU;
+    the GPU test runs torch's context_parallel)."""
+    for results in two_ranks:
+        assert set(results["models"]) == {f"{k}-{layout}" for k in ("patched", "native")
+                                          for layout in ("contiguous", "head_tail")}
+        for case, errors in results["models"].items():
+            assert len(errors) > 5, case  # the logits and every PDE coefficient
+            assert max(errors.values()) < 1e-5, (case, errors)
+
+
 def test_torch_context_parallel_shards_as_described(two_ranks):
-    # torch's context_parallel (public API, CPU buffers) cuts the sequence as SequenceShards.for_torch_context_parallel
-    # says, on both ranks: head-tail for 16 tokens (a multiple of 2 * 2), contiguous for 14
+    # torch's context_parallel (public API, CPU buffers) cuts the sequence as SequenceSharding("torch") says, on both ranks: head-tail for 16 tokens (a multiple of 2 * 2), contiguous for 14
     for rank, results in enumerate(two_ranks):
         layouts = results["torch_layouts"]
         assert {length: layouts[length] for length in ("16", "14")} == {"16": ["head_tail", True],

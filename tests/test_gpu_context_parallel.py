@@ -1,11 +1,10 @@
-"""Context parallelism on 2 GPUs (issue #52): torch's ``context_parallel`` around a tiny fp32 Llama (sdpa) whose
-embedding and decoder-layer outputs are refined by causal PDE sites through ``cta.pde_context_parallel.refine_sharded``
+"""Context parallelism on 2 GPUs (issue #52): torch's ``context_parallel`` around a tiny fp32 Llama (sdpa) patched
+with every placement outside the attention matrix, and around a native CTA decoder, after ``cta.shard_sequences``,
 gives the single-GPU logits, loss and gradients (1e-4), for every PDE type, under torch's head-tail load balancing
 (sequence 256) and its contiguous fallback (sequence 250, not a multiple of 2 * 2).
 
-The PDE sites are attached by this file's own forward hooks (one per site, as a patched model's block-output sites
-are), and the attention modules get accelerate's context-parallel pre-hook (the mask dropped, ``is_causal=True``), so
-the test needs neither accelerate nor the patched model's wiring. Run as
+The attention modules get accelerate's context-parallel pre-hook (the mask dropped, ``is_causal=True``), so the test
+needs no accelerate. Run as
 ``CTA_TEST_GPU=1 pytest -m gpu tests/test_gpu_context_parallel.py`` on a machine with 2 GPUs; the test launches this
 file under torchrun (NCCL).
 """
@@ -25,6 +24,8 @@ PDE_TYPES = ("diffusion", "wave", "reaction_diffusion", "advection_diffusion")
 LENGTHS = {"head_tail": 256, "contiguous": 250}
 STEPS = 3
 TOLERANCE = 1e-4
+KINDS = ("patched", "native")
+PLACEMENTS = ["embedding", "value", "attention_output", "mlp_output", "block_output"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -37,9 +38,9 @@ def test_context_parallel_matches_one_gpu(tmp_path):
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = json.loads(out.read_text())
-    assert sorted(results) == sorted(f"{t}-{layout}" for t in PDE_TYPES for layout in LENGTHS)
+    assert sorted(results) == sorted(f"{k}-{t}-{layout}" for k in KINDS for t in PDE_TYPES for layout in LENGTHS)
     for case, errors in results.items():
-        assert errors["layout"] == case.split("-")[1], case  # the layout torch chose is the one we described
+        assert errors["layout"] == case.split("-")[2], case  # the layout torch chose is the one we described
         for name, error in errors["errors"].items():
             assert error <= TOLERANCE, (case, name, error)
 
@@ -47,23 +48,6 @@ def test_context_parallel_matches_one_gpu(tmp_path):
 # ----------------------------------------------------------------------------------------------------------------
 # The torchrun worker
 # ----------------------------------------------------------------------------------------------------------------
-
-SITE = {"shards": None, "position_ids": None}  # set while the context-parallel forward runs
-
-
-def _refine(site):
-    def hook(module, args, output):
-        from cta.pde_context_parallel import refine_sharded
-
-        hidden = output[0] if isinstance(output, tuple) else output
-        if SITE["shards"] is None:
-            refined = site(hidden)
-        else:
-            refined = refine_sharded(site, hidden, SITE["shards"], position_ids=SITE["position_ids"])
-        return (refined, *output[1:]) if isinstance(output, tuple) else refined
-
-    return hook
-
 
 def _drop_attention_mask(module, args, kwargs):
     # accelerate's context-parallel pre-hook on every self_attn: ring attention takes no mask
@@ -73,26 +57,30 @@ def _drop_attention_mask(module, args, kwargs):
     return args, kwargs
 
 
-def _model(pde_type, device):
+def _model(kind, pde_type, device):
+    import cta
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cta.pde_cta import PDERefinement
-
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    config._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(config)
-    model.pde_sites = torch.nn.ModuleList(
-        PDERefinement(64, pde_type, steps=STEPS, causal=True, per_channel=True) for _ in range(3))
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)
+    if kind == "native":
+        config = cta.CTAConfig.modern_decoder(pde_type=pde_type, pde_steps=STEPS, pde_placement=PLACEMENTS,
+                                             pde_per_channel=True, **shape)
+        config._attn_implementation = "sdpa"
+        model = cta.CTAForCausalLM(config)
+    else:
+        config = LlamaConfig(**shape)
+        config._attn_implementation = "sdpa"
+        model = cta.patch_model(LlamaForCausalLM(config), pde_type=pde_type, pde_steps=STEPS, placement=PLACEMENTS,
+                                per_channel=True)
     with torch.no_grad():  # coefficients spread over their stable bounds
-        for site in model.pde_sites:
-            for parameter, bounds in ((site.alpha, site.alpha_bounds), (site.beta, site.beta_bounds)):
-                if parameter is not None:
-                    parameter.copy_(bounds[0] + (bounds[1] - bounds[0]) * torch.rand(parameter.shape))
-    model.model.embed_tokens.register_forward_hook(_refine(model.pde_sites[0]))
-    for layer, site in zip(model.model.layers, model.pde_sites[1:]):
-        layer.register_forward_hook(_refine(site))
+        for site in model.modules():
+            if isinstance(site, cta.PDERefinement):
+                for parameter, bounds in ((site.alpha, site.alpha_bounds), (site.beta, site.beta_bounds)):
+                    if parameter is not None:
+                        parameter.copy_(bounds[0] + (bounds[1] - bounds[0]) * torch.rand(parameter.shape))
+    for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(_drop_attention_mask, with_kwargs=True, prepend=True)
     return model.to(device).train()
 
@@ -119,12 +107,12 @@ def _unshard(local, shards):
     return full
 
 
-def _compare(pde_type, seq, device):
+def _compare(kind, pde_type, seq, device):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
-    from cta.pde_context_parallel import SequenceShards
+    from cta.pde_context_parallel import SequenceSharding, shard_sequences
 
     generator = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, 128, (2, seq), generator=generator).to(device)
@@ -132,21 +120,20 @@ def _compare(pde_type, seq, device):
     shift_labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
     count = int((shift_labels != -100).sum())
 
-    model = _model(pde_type, device)  # one GPU, the full sequence
+    model = _model(kind, pde_type, device)  # one GPU, the full sequence
     logits, loss = _step(model, ids, positions, shift_labels, count)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # torch load-balances (head-tail) by default when the length is a multiple of 2 * cp_size
-    shards = SequenceShards.for_torch_context_parallel(mesh, seq, load_balance=True)
+    sharding = SequenceSharding("torch", mesh.get_group())
+    shards = sharding.shards(seq // dist.get_world_size())
     buffers = [ids.clone(), positions.clone(), shift_labels.clone()]
+    shard_sequences(model, sharding)
     with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1]):
-        SITE["shards"], SITE["position_ids"] = shards, buffers[1]
-        try:
-            local_logits, local_loss = _step(model, *buffers, count)
-        finally:
-            SITE["shards"] = SITE["position_ids"] = None
+        local_logits, local_loss = _step(model, *buffers, count)
+    shard_sequences(model, None)
     dist.all_reduce(local_loss)
     errors = {"logits": (_unshard(local_logits, shards) - logits).abs().max().item(),
               "loss": (local_loss - loss).abs().item()}
@@ -169,8 +156,8 @@ def main(out):
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    results = {f"{pde_type}-{layout}": _compare(pde_type, seq, device)
-               for pde_type in PDE_TYPES for layout, seq in LENGTHS.items()}
+    results = {f"{kind}-{pde_type}-{layout}": _compare(kind, pde_type, seq, device)
+               for kind in KINDS for pde_type in PDE_TYPES for layout, seq in LENGTHS.items()}
     if rank == 0:
         Path(out).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
