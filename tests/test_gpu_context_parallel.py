@@ -1,7 +1,7 @@
 """Context parallelism on 2 GPUs (issue #52): torch's ``context_parallel`` around a tiny fp32 Llama (sdpa) patched
 with every placement outside the attention matrix, and around a native CTA decoder, after ``cta.shard_sequences``,
 gives the single-GPU logits, loss and gradients (1e-4), for every PDE type, under torch's head-tail load balancing
-(sequence 256) and its contiguous fallback (sequence 250, not a multiple of 2 * 2).
+(sequence 256).
 
 The attention modules get accelerate's context-parallel pre-hook (the mask dropped, ``is_causal=True``), so the test
 needs no accelerate. Run as
@@ -21,7 +21,8 @@ import torch
 pytestmark = pytest.mark.gpu
 
 PDE_TYPES = ("diffusion", "wave", "reaction_diffusion", "advection_diffusion")
-LENGTHS = {"head_tail": 256, "contiguous": 250}
+LENGTHS = {"head_tail": 256}  # (torch 2.11's load balancer asserts a multiple of 2 * cp_size: no contiguous
+# fallback there; the contiguous layout is tested on 2 gloo ranks, test_context_parallel)
 STEPS = 3
 TOLERANCE = 1e-4
 KINDS = ("patched", "native")
@@ -63,7 +64,7 @@ def _model(kind, pde_type, device):
 
     torch.manual_seed(0)
     shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512)
+                 num_key_value_heads=4, max_position_embeddings=512)
     if kind == "native":
         config = cta.CTAConfig.modern_decoder(pde_type=pde_type, pde_steps=STEPS, pde_placement=PLACEMENTS,
                                              pde_per_channel=True, **shape)
