@@ -414,82 +414,31 @@ class CTAModel(CTAPreTrainedModel):
         cache = pop_cache(kwargs, cache)
         kwargs.pop("output_hidden_states", None)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
-        causal = self.config.is_causal
-        if use_cache is None:
-            # Training decodes nothing from a cache; without one, packed rows are kept apart by transformers' masks
-            # (which skip packing detection when a cache is given) as well as by the PDE walls.
-            use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
-        use_cache = use_cache and causal
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of `input_ids` or `inputs_embeds`.")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        batch, seq_len = inputs_embeds.shape[:2]
-        if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 and attention_mask.shape[0] != batch:
-            raise ValueError(
-                f"`attention_mask` has batch size {attention_mask.shape[0]} but the inputs have {batch}."
-            )
-        if use_cache and cache is None:
-            cache = DynamicCache(config=self.config)
-        if not use_cache:
-            cache = None
+        seq_len = inputs_embeds.shape[1]
+        cache = self._cache_in_use(cache, use_cache)
         past_seen = cache.get_seq_length() if cache is not None else 0
         # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
         check_pde_states(cache, self.pde_sites, type(self).__name__)
-
-        # The PDE walls (pde_sites.SiteWalls): the 2D padding mask, packed rows (`position_ids` restarting), sequence
-        # shards. generate() gives a one-token decode step of a StaticCache its 4D masks (one per layer type)
-        # instead: the new token is not padding.
+        # generate() gives a one-token decode step of a StaticCache its 4D masks (one per layer type): no walls.
         built_masks = attention_mask if isinstance(attention_mask, dict) or (
             torch.is_tensor(attention_mask) and attention_mask.dim() == 4) else None
-        two_d = torch.is_tensor(attention_mask) and attention_mask.dim() == 2
-        if two_d and attention_mask.shape[1] != past_seen + seq_len:
-            raise ValueError(
-                f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {past_seen + seq_len}], "
-                f"got {tuple(attention_mask.shape)}."
-            )
-        if self.pde_sharding is not None and "attention_matrix" in self.config.pde_placements and self.config.pde_steps:
-            raise ValueError("The `attention_matrix` placement cannot serve a sharded sequence (context parallelism "
-                             "runs sdpa, which never forms the attention matrix); use the other placements.")
+        self._check_padding_mask(attention_mask, inputs_embeds.shape[0], past_seen + seq_len)
+        # The PDE walls (pde_sites.SiteWalls): the 2D padding mask, packed rows (`position_ids` restarting), shards.
         walls = SiteWalls.of_forward(attention_mask if built_masks is None else None, position_ids,
                                      kwargs.get("cu_seq_lens_q"), cache, self.pde_sharding, type(self).__name__)
         if position_ids is None:
-            if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
-            else:
-                position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device)[None]
-            position_ids = position_ids.expand(batch, -1)
-
-        hidden_states = inputs_embeds
-        if self.config.position_embedding_type == "absolute":
-            if not torch.compiler.is_compiling() and int(position_ids.max()) >= self.config.max_position_embeddings:
-                raise ValueError(
-                    f"Position {int(position_ids.max())} exceeds `max_position_embeddings` "
-                    f"({self.config.max_position_embeddings})."
-                )
-            hidden_states = hidden_states + self.embed_positions(position_ids)
-        if self.embedding_norm is not None:
-            hidden_states = self.embedding_norm(hidden_states)
-        hidden_states = self.embedding_dropout(hidden_states)
-        if self.embedding_pde is not None:
-            hidden_states = walls.refine(self.embedding_pde, hidden_states, cache)
+            position_ids = self._default_position_ids(attention_mask, inputs_embeds, past_seen)
+        hidden_states = self._embed(inputs_embeds, position_ids, walls, cache)
         position_embeddings = self.rotary_emb(hidden_states, position_ids) if self.rotary_emb is not None else None
-
-        mask_kwargs = dict(
-            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache}
-        )
-        if built_masks is not None:  # (already built by generate(): the one of this model's layer type)
-            mask = built_masks
-            if isinstance(built_masks, dict):
-                mask = built_masks["sliding_attention" if self.config.sliding_window is not None else "full_attention"]
-        elif not causal and self.config.sliding_window is not None:
-            mask = create_bidirectional_sliding_window_mask(**mask_kwargs)
-        elif not causal:
-            mask = create_bidirectional_mask(**mask_kwargs)
-        elif self.config.sliding_window is not None:
-            mask = create_sliding_window_causal_mask(position_ids=position_ids, **mask_kwargs)
-        else:
-            mask = create_causal_mask(position_ids=position_ids, **mask_kwargs)
+        mask = built_masks
+        if isinstance(built_masks, dict):  # (already built by generate(): the one of this model's layer type)
+            mask = built_masks["sliding_attention" if self.config.sliding_window is not None else "full_attention"]
+        elif built_masks is None:
+            mask = self._layer_mask(attention_mask, hidden_states, cache, position_ids)
 
         for layer in self.layers:
             hidden_states, _ = layer(
@@ -506,6 +455,63 @@ class CTAModel(CTAPreTrainedModel):
         if cache is not None and self.pde_sites and seq_len > 1 and not torch.compiler.is_compiling():
             fill_unused_pde_states(cache)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARGUMENT: cache})
+
+
+    def _cache_in_use(self, cache, use_cache):
+        """The cache this forward reads and writes: None for an encoder, or where ``use_cache`` is off (its default
+        is off in training, which decodes nothing), a new one where it is on and none is given."""
+        if use_cache is None:
+            use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
+        if not (use_cache and self.config.is_causal):
+            return None
+        return DynamicCache(config=self.config) if cache is None else cache
+
+    def _check_padding_mask(self, attention_mask, batch: int, length: int):
+        """Raises where a 2D ``attention_mask`` is not ``[batch, past + seq]``, or a sharded sequence meets the
+        attention-matrix placement."""
+        if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 and attention_mask.shape != (batch, length):
+            raise ValueError(f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {length}], got "
+                             f"{tuple(attention_mask.shape)}.")
+        if self.pde_sharding is not None and "attention_matrix" in self.config.pde_placements and self.config.pde_steps:
+            raise ValueError("The `attention_matrix` placement cannot serve a sharded sequence (context parallelism "
+                             "runs sdpa, which never forms the attention matrix); use the other placements.")
+
+    @staticmethod
+    def _default_position_ids(attention_mask, inputs_embeds, past_seen: int):
+        batch, seq_len = inputs_embeds.shape[:2]
+        if torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -seq_len:]
+        else:
+            position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device)[None]
+        return position_ids.expand(batch, -1)
+
+    def _embed(self, inputs_embeds, position_ids, walls, cache):
+        """The first layer's input: embeddings (+ absolute positions), norm, dropout, the embedding PDE site."""
+        hidden_states = inputs_embeds
+        if self.config.position_embedding_type == "absolute":
+            if not torch.compiler.is_compiling() and int(position_ids.max()) >= self.config.max_position_embeddings:
+                raise ValueError(
+                    f"Position {int(position_ids.max())} exceeds `max_position_embeddings` "
+                    f"({self.config.max_position_embeddings})."
+                )
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        if self.embedding_norm is not None:
+            hidden_states = self.embedding_norm(hidden_states)
+        hidden_states = self.embedding_dropout(hidden_states)
+        if self.embedding_pde is not None:
+            hidden_states = walls.refine(self.embedding_pde, hidden_states, cache)
+        return hidden_states
+
+    def _layer_mask(self, attention_mask, hidden_states, cache, position_ids):
+        """transformers' attention mask of this model's kind (causal or bidirectional, sliding or not)."""
+        mask_kwargs = dict(
+            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache}
+        )
+        sliding = self.config.sliding_window is not None
+        if not self.config.is_causal:
+            return (create_bidirectional_sliding_window_mask if sliding else create_bidirectional_mask)(**mask_kwargs)
+        create = create_sliding_window_causal_mask if sliding else create_causal_mask
+        return create(position_ids=position_ids, **mask_kwargs)
 
 
 class CTAForCausalLM(PDEGenerationMixin, CTAPreTrainedModel, GenerationMixin):
