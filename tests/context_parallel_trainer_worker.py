@@ -91,6 +91,8 @@ def main(out, device):
     out = Path(out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if device == "cuda":  # (fp32 against fp32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if device == "cpu":
         from context_parallel_worker import position_local_attention
         from transformers import AttentionInterface

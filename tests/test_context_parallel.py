@@ -285,3 +285,18 @@ def test_untold_sites_are_refused_while_accelerate_shards(monkeypatch):
         refuse_untold_sites(None, True, "M")
     refuse_untold_sites(cta.SequenceSharding(), True)  # told
     refuse_untold_sites(None, False)  # evaluation / generation outside the Trainer's sharded steps
+
+
+def test_the_context_parallel_accelerate_config_sets_cp_size():
+    """examples/accelerate/context_parallel.yaml reaches the processes as accelerate's parallelism_config: cp_size 2
+    (torch's backend) under FSDP2, which the Trainer then reads (what `accelerate launch --config_file` exports)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    config = TESTS.parent / "examples" / "accelerate" / "context_parallel.yaml"
+    args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    assert {key: env[key] for key in ("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_CP_SIZE",
+                                      "PARALLELISM_CONFIG_CP_BACKEND", "ACCELERATE_USE_FSDP", "FSDP_VERSION")} == {
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2",
+        "PARALLELISM_CONFIG_CP_BACKEND": "torch", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
