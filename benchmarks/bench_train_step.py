@@ -12,10 +12,10 @@ overhead is the median of the per-round ratios), and peak memory. GPU kernel tim
 over 3 steps.
 
 ``torchrun --nproc_per_node N bench_train_step.py --context_parallel [--probe]``: torch's ``context_parallel`` (ring
-sdpa, head-tail) shards one ``--cp_seq``-token sequence over N GPUs, the patched sites told by ``cta.shard_sequences``;
+sdpa, head-tail) shards one ``--seq``-token sequence over N GPUs, the patched sites told by ``cta.shard_sequences``;
 a 0.95B Llama shape (16 x 2048, no GQA: torch 2.11's ring sdpa rejects it), both models resident; torch CP alone (no
-FSDP2, no gradient synchronisation: the same for both); the slowest rank's times, the largest peak. ``--probe``: first
-the longest multiple of 8192 tokens one GPU trains (patched), then the longest N GPUs train sharded, which is timed.
+FSDP2, no gradient synchronisation: the same for both), rank 0's times and peak. ``--probe``: first the longest
+multiple of 8192 tokens one GPU trains (patched), then the longest N GPUs train sharded, which is then timed.
 """
 
 import argparse
@@ -25,11 +25,10 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
-from results_io import sync
+from results_io import clocked, sync
 
 import cta  # noqa: E402  (after results_io: it puts the repository on the path)
 from cta import CTAConfig, CTAForCausalLM  # noqa: E402
@@ -43,11 +42,10 @@ def build_models(hidden, layers, vocab, device, dtype, compile_models=False, wit
 
     heads = max(1, hidden // 64)
     intermediate = 256 * ((int(hidden * 2.75) + 255) // 256)
-    llama_config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                               max_position_embeddings=8192, attn_implementation="sdpa")
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(llama_config)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                         max_position_embeddings=8192, attn_implementation="sdpa"))
     patched = cta.patch_model(copy.deepcopy(llama), pde_type=PDE["pde_type"], pde_steps=PDE["steps"],
                               placement=PDE["placement"], init="paper")
     native = {}
@@ -72,12 +70,7 @@ def train_step(model, batch):
 
 def time_steps(model, batch, steps):
     """Seconds per step of ``steps`` back-to-back steps (synchronised before and after)."""
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        train_step(model, batch)
-    sync()
-    return (time.perf_counter() - start) / steps
+    return clocked(lambda: [train_step(model, batch) for _ in range(steps)]) / steps
 
 
 def paired_rounds(models, batch, rounds, steps):
@@ -112,51 +105,33 @@ def pde_kernel_ms(model, batch):
         for _ in range(3):
             train_step(model, batch)
         sync()
-    total = sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key)
-    return total / 3 / 1000
+    return sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key) / 3 / 1000
 
 
-def host_per_site(device, dtype, hidden, calls, rounds, profile_path=None):
-    """Host microseconds per PDE site and forward + backward (see the module notes); ``profile_path``: where to
-    write a cProfile of the patched model's calls (where the host time goes)."""
+def host_per_site(device, dtype, hidden, calls, rounds):
+    """Host microseconds per PDE site and forward + backward (see the module notes)."""
     models = build_models(hidden, 4, 512, device, dtype)
     batch = {"input_ids": torch.randint(0, 512, (1, 64), device=device)}
     batch["labels"] = batch["input_ids"]
     times = paired_rounds(models, batch, rounds, calls)[0]
-    if profile_path:
-        import cProfile
-        import pstats
-
-        for name in ("patched", f"native_{PDE['steps']}"):
-            profiler = cProfile.Profile()
-            profiler.runcall(time_steps, models[name], batch, calls)
-            with open(profile_path, "a") as f:
-                f.write(f"## {name}: {calls} training steps of a 4-layer model, hidden {hidden}\n")
-                pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
-    sites = 4
     result = {}
     for name, plain in (("patched", "llama"), (f"native_{PDE['steps']}", "native_0")):
-        per_round = [(a - b) / sites * 1e6 for a, b in zip(times[name], times[plain])]
+        per_round = [(a - b) / 4 * 1e6 for a, b in zip(times[name], times[plain])]  # (4 sites)
         result[name] = {"host_us_per_site": statistics.median(per_round),
                         "step_us": 1e6 * statistics.median(times[name]),
                         "step_us_without_pde": 1e6 * statistics.median(times[plain])}
     return result
 
 
-def context_parallel(args, record):
-    """The context-parallel mode's models and step (see the module notes): ``(models, step, slowest)``, ``slowest``
-    turning this rank's times and peaks into the largest over the ranks; the probe's lengths go to ``record``."""
+def context_parallel(args, record, device, dtype):
+    """The context-parallel mode's models and step (see the module notes); the probe's lengths go to ``record``."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel as sharded
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    torch.cuda.set_device(device) if cuda else None
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    models = build_models(args.hidden, args.layers, args.vocab, device, torch.bfloat16 if cuda else torch.float32,
-                          with_native=False)
+    models = build_models(args.hidden, args.layers, args.vocab, device, dtype, with_native=False)
     for layer in (layer for model in models.values() for layer in model.model.layers):  # accelerate's CP pre-hook
         layer.self_attn.register_forward_pre_hook(  # (ring attention takes no mask: causal)
             lambda module, a, kw: (a, {**kw, "attention_mask": None, "is_causal": True}), with_kwargs=True)
@@ -178,21 +153,14 @@ def context_parallel(args, record):
         except torch.OutOfMemoryError:
             return models["patched"].zero_grad(set_to_none=True) or torch.cuda.empty_cache() or False
 
-    one = length = args.cp_seq
+    one = length = args.seq
     if args.probe:
         one = next(n for n in range(8192, 2**22, 8192) if not fits(n + 8192, False))
         length = next(n for n in range(one, 2**22, 8192) if not fits(n + 8192, True))
-    args.batch, args.seq = 1, length  # (the record's shape)
+    args.batch, args.seq = 1, length
     record.update(world_size=dist.get_world_size(), seq=length, local_seq=length // dist.get_world_size(),
                   probe={"one_gpu_max_seq": one, "context_parallel_max_seq": length} if args.probe else None)
-
-    def slowest(times, memory):
-        worst = torch.tensor([*times["llama"], *times["patched"], memory["llama"], memory["patched"]], device=device)
-        dist.all_reduce(worst, dist.ReduceOp.MAX)
-        *worst, memory["llama"], memory["patched"] = worst.tolist()
-        return {"llama": worst[:args.rounds], "patched": worst[args.rounds:]}, memory
-
-    return models, batch(length), slowest
+    return models, batch(length)
 
 
 def main():
@@ -211,15 +179,15 @@ def main():
     parser.add_argument("--site_hidden", type=int, default=256, help="width of the host-time model")
     parser.add_argument("--site_calls", type=int, default=50, help="timed forward + backward calls per round")
     parser.add_argument("--skip_site", action="store_true", help="only the training step")
-    parser.add_argument("--profile", action="store_true", help="also write a cProfile of the host-time models")
     parser.add_argument("--context_parallel", action="store_true", help="the context-parallel mode (torchrun)")
-    parser.add_argument("--cp_seq", type=int, default=65536, help="context parallel: tokens of the sequence")
     parser.add_argument("--probe", action="store_true", help="context parallel: the longest lengths, then time")
     args = parser.parse_args()
     if args.context_parallel:  # its shape and rounds, unless given
-        parser.set_defaults(layers=16, hidden=2048, rounds=7, steps=2, skip_site=True)
+        parser.set_defaults(layers=16, hidden=2048, seq=65536, rounds=7, steps=2, skip_site=True)
         args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
+        torch.device("cpu")
+    torch.cuda.set_device(device) if device.type == "cuda" else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     record = {"command": "python " + " ".join(sys.argv), "device": name, "torch": torch.__version__,
@@ -227,22 +195,16 @@ def main():
     stem = os.path.join(args.out, "train_step_" + name.replace(" ", "_") + ("_compiled" if args.compile else ""))
     os.makedirs(args.out, exist_ok=True)
     if not args.skip_site and not args.compile:
-        profile_path = stem + "_profile.txt" if args.profile else None
-        if profile_path and os.path.exists(profile_path):
-            os.remove(profile_path)
-        record["host_per_site"] = host_per_site(device, dtype, args.site_hidden, args.site_calls, args.rounds,
-                                                profile_path)
+        record["host_per_site"] = host_per_site(device, dtype, args.site_hidden, args.site_calls, args.rounds)
         print(json.dumps(record["host_per_site"], indent=1))
     if args.context_parallel:
-        models, batch, slowest = context_parallel(args, record)
-        stem = stem.replace("train_step_", f"train_step_cp{record['world_size']}_")
+        models, batch = context_parallel(args, record, device, dtype)
+        stem = os.path.join(args.out, f"train_step_cp{record['world_size']}_{name.replace(' ', '_')}")
     else:
         models = build_models(args.hidden, args.layers, args.vocab, device, dtype, args.compile)
         batch = {"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), device=device)}
         batch["labels"] = batch["input_ids"]
     times, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps)
-    if args.context_parallel:
-        times, record["peak_memory_gib"] = slowest(times, record["peak_memory_gib"])
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
     record["step_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}

@@ -198,22 +198,26 @@ class ContextParallelCallback(TrainerCallback):
     """``Trainer(..., callbacks=[cta.ContextParallelCallback()])``: under ``TrainingArguments(parallelism_config=
     ParallelismConfig(cp_size=N))`` (or an accelerate config file's ``parallelism_config``) tells every PDE site of
     the Trainer's model how accelerate shards its sequences (:meth:`SequenceSharding.for_accelerator` of the
-    process's ``AcceleratorState``), when the Trainer is built and again when training begins (before the first step;
-    ``model_init`` may have built a new model). The sites stay sharded afterwards: the Trainer's evaluation with labels
+    process's ``AcceleratorState``), when the Trainer is built (torch CP) and again when training begins, after the
+    Trainer prepared the model and before the first step (``model_init`` may have built a new one; DeepSpeed's
+    sequence-parallel group exists only then). The sites stay sharded afterwards: the Trainer's evaluation with labels
     runs under the same context parallelism; call ``cta.shard_sequences(model, None)`` before a plain forward or
     ``generate``. Without a sequence-sharding ``parallelism_config``, or on a model with no PDE sites, it does
     nothing."""
 
-    def _tell(self, model):
+    def _tell(self, model, prepared=True):
         from accelerate.state import AcceleratorState
 
         state = AcceleratorState()  # (the Trainer's: it builds its Accelerator in __init__, before any callback)
+        config = getattr(state, "parallelism_config", None)
+        if not prepared and config is not None and config.sp_enabled:
+            return  # (DeepSpeed's sequence-parallel group exists once the Trainer has prepared the model)
         sharding = SequenceSharding.for_accelerator(state)
         if sharding is not None and model is not None and any(True for _ in _site_holders(model)):
             shard_sequences(model, sharding)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        self._tell(model)
+        self._tell(model, prepared=False)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._tell(model)

@@ -269,7 +269,11 @@ def test_callback_tells_the_sites_what_accelerate_shards(monkeypatch):
     callback.on_init_end(None, None, None, model=plain)  # no PDE sites: nothing to tell, no error
     _stand_in_state(monkeypatch, cp_size=2, sp_size=2)
     with pytest.raises(ValueError, match="both cp_size and sp_size"):
-        callback.on_init_end(None, None, None, model=model)
+        callback.on_train_begin(None, None, None, model=model)
+    cta.shard_sequences(model, None)
+    _stand_in_state(monkeypatch, sp_size=2)  # DeepSpeed Ulysses: its group exists once the model is prepared
+    callback.on_init_end(None, None, None, model=model)
+    assert sharding() == {None}
 
 
 def test_untold_sites_are_refused_while_accelerate_shards(monkeypatch):
