@@ -11,6 +11,9 @@ Layouts (:class:`SequenceShards`, the same on every rank): ``contiguous`` (rank 
 torch's ``head_tail`` load balancing (the sequence cut into ``2W`` chunks, rank ``r`` holds chunks ``r`` and
 ``2W - 1 - r``, concatenated in that order).
 
+Users turn it on with :func:`shard_sequences` (a plain accelerate or torch loop) or, under ``transformers.Trainer``,
+with :class:`ContextParallelCallback`; :func:`refuse_untold_sites` is the forward's check that they did.
+
 No hang: every rank runs the same collectives in the same order (one ``all_gather`` of every local chunk's last
 ``S`` rows and one of their walls forward, one ``all_gather`` of the halos' gradients backward), and everything that
 cannot be served is refused by :func:`check_sharded_refinement` from what all ranks share (the module's config, the
@@ -128,7 +131,6 @@ class SequenceSharding:
         contiguous shards outside attention, over DeepSpeed's sequence-parallel group (read where accelerate reads
         it)."""
         config = getattr(accelerator, "parallelism_config", None)
-        # (an Accelerator's ``torch_device_mesh`` is its AcceleratorState's ``device_mesh``: either is taken)
         cp, sp = config is not None and config.cp_enabled, config is not None and config.sp_enabled
         if cp and sp:
             raise ValueError("`parallelism_config` enables both cp_size and sp_size: CTA serves one sequence-sharding "
@@ -136,7 +138,8 @@ class SequenceSharding:
         if cp:
             if config.cp_backend != "torch":
                 raise ValueError(f"cp_backend={config.cp_backend!r} is not supported; torch's is.")
-            mesh = accelerator.torch_device_mesh if hasattr(accelerator, "torch_device_mesh") else accelerator.device_mesh
+            # (an Accelerator's ``torch_device_mesh`` is its AcceleratorState's ``device_mesh``: either is taken)
+            mesh = getattr(accelerator, "torch_device_mesh", None) or accelerator.device_mesh
             return cls("torch", mesh["cp"].get_group())
         if sp:
             if config.sp_backend != "deepspeed":
