@@ -203,10 +203,13 @@ class ContextParallelCallback(TrainerCallback):
     the Trainer's model how accelerate shards its sequences (:meth:`SequenceSharding.for_accelerator` of the
     process's ``AcceleratorState``), when the Trainer is built (torch CP) and again when training begins, after the
     Trainer prepared the model and before the first step (``model_init`` may have built a new one; DeepSpeed's
-    sequence-parallel group exists only then). The sites stay sharded afterwards: the Trainer's evaluation with labels
+    sequence-parallel group exists only then). A native decoder's ``layer_types`` (``hybrid``: full causal attention and
+    its PDE cache state) read ``full_attention`` in between, for accelerate's guard. The sites stay sharded afterwards: the Trainer's evaluation with labels
     runs under the same context parallelism; call ``cta.shard_sequences(model, None)`` before a plain forward or
     ``generate``. Without a sequence-sharding ``parallelism_config``, or on a model with no PDE sites, it does
     nothing."""
+
+    _hidden_layer_types = None  # (the native config and its layer_types while the Trainer prepares the model)
 
     def _tell(self, model, prepared=True):
         from accelerate.state import AcceleratorState
@@ -214,15 +217,25 @@ class ContextParallelCallback(TrainerCallback):
         state = AcceleratorState()  # (the Trainer's: it builds its Accelerator in __init__, before any callback)
         config = getattr(state, "parallelism_config", None)
         if not prepared and config is not None and config.sp_enabled:
-            return  # (DeepSpeed's sequence-parallel group exists once the Trainer has prepared the model)
+            return None  # (DeepSpeed's sequence-parallel group exists once the Trainer has prepared the model)
         sharding = SequenceSharding.for_accelerator(state)
         if sharding is not None and model is not None and any(True for _ in _site_holders(model)):
-            shard_sequences(model, sharding)
+            return shard_sequences(model, sharding)
+        return None
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        self._tell(model, prepared=False)
+        config = getattr(self._tell(model, prepared=False), "config", None)
+        if getattr(config, "model_type", None) == "cta" and set(config.layer_types or ()) == {"hybrid"}:
+            # accelerate's context-parallel guard (at prepare, in Trainer.train) refuses layer_types other than
+            # "full_attention"; a native layer's "hybrid" is full causal attention plus its PDE cache state, and its
+            # sites are told: the guard sees "full_attention" until training begins.
+            self._hidden_layer_types = (config, config.layer_types)
+            config.layer_types = ["full_attention"] * len(config.layer_types)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self._hidden_layer_types is not None:
+            config, config.layer_types = self._hidden_layer_types
+            self._hidden_layer_types = None
         self._tell(model)
 
 

@@ -1,7 +1,8 @@
 """A real ``transformers.Trainer`` under accelerate's context parallelism (``TrainingArguments(parallelism_config=
 ParallelismConfig(cp_size=2))``) with ``cta.ContextParallelCallback``: per model (a patched Llama, a native CTA
 decoder), the logged training losses of a few steps and the evaluation loss, to compare with the same script on one
-process. Then a run without the callback, the sites' forward guarded by ``refuse_untold_sites`` (the check proposed
+process (the native decoder's ``layer_types`` hidden from accelerate's guard while the Trainer prepares it, and
+restored). Then a run without the callback, the sites' forward guarded by ``refuse_untold_sites`` (the check proposed
 for ``SiteWalls.of_forward``): every rank raises before the first step.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 context_parallel_trainer_worker.py OUT cpu|cuda
@@ -84,7 +85,8 @@ def train(kind, device, world, told, out):
     except ValueError as error:
         return {"error": str(error), "steps_begun": len(seen)}
     return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-            "eval_loss": trainer.evaluate()["eval_loss"], "sites": seen}
+            "eval_loss": trainer.evaluate()["eval_loss"], "sites": seen,
+            "layer_types": getattr(net.config, "layer_types", None)}
 
 
 def main(out, device):

@@ -209,13 +209,19 @@ def test_trainer_refuses_untold_sites_on_every_rank(trainer_runs):
     assert first == second and "ContextParallelCallback" in first["error"] and first["steps_begun"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="accelerate (1.15) refuses context parallelism for a config whose layer_types "
-                   "are not all 'full_attention'; the native CTA decoder's are 'hybrid' (its PDE cache layout)")
 def test_trainer_context_parallel_native_decoder(trainer_runs):
+    """A native CTA decoder (every placement outside the attention matrix) under the same Trainer run: the one-process
+    losses and evaluation loss. accelerate's context-parallel guard refuses ``layer_types`` other than
+    ``full_attention``; the callback shows it ``full_attention`` for the native ``hybrid`` (full causal attention plus
+    the PDE cache state) while the Trainer prepares the model, and restores them when training begins."""
     *ranks, single = trainer_runs
+    assert single["native"]["layer_types"] == ["hybrid", "hybrid"]
     for results in ranks:
-        assert "error" not in results["native"], results["native"]["error"]
-        torch.testing.assert_close(results["native"]["losses"], single["native"]["losses"], rtol=0, atol=1e-5)
+        got = results["native"]
+        assert "error" not in got, got["error"]
+        assert got["sites"] == [["head_tail"]] * 4 and got["layer_types"] == ["hybrid", "hybrid"]
+        torch.testing.assert_close(got["losses"], single["native"]["losses"], rtol=0, atol=1e-5)
+        assert abs(got["eval_loss"] - single["native"]["eval_loss"]) < 1e-5
 
 
 class _Mesh(dict):
@@ -274,6 +280,26 @@ def test_callback_tells_the_sites_what_accelerate_shards(monkeypatch):
     _stand_in_state(monkeypatch, sp_size=2)  # DeepSpeed Ulysses: its group exists once the model is prepared
     callback.on_init_end(None, None, None, model=model)
     assert sharding() == {None}
+
+
+def test_callback_shows_accelerate_full_attention_for_a_native_decoder_while_it_is_prepared(monkeypatch):
+    import cta
+    from cta.pde_context_parallel import _site_holders
+
+    config = cta.CTAConfig.modern_decoder(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                         num_attention_heads=2, pde_steps=1, pde_placement=["block_output"])
+    model, callback = cta.CTAForCausalLM(config), cta.ContextParallelCallback()
+    assert model.config.layer_types == ["hybrid", "hybrid"]
+    _stand_in_state(monkeypatch, cp_size=2)
+    callback.on_init_end(None, None, None, model=model)  # (then Trainer.train prepares the model: accelerate's guard)
+    assert model.config.layer_types == ["full_attention", "full_attention"]
+    callback.on_train_begin(None, None, None, model=model)
+    assert model.config.layer_types == ["hybrid", "hybrid"]
+    assert {getattr(h, n) for h, n in _site_holders(model)} == {cta.SequenceSharding("torch", "cp-group")}
+    other = cta.CTAForCausalLM(config)
+    _stand_in_state(monkeypatch, cp_size=1)
+    cta.ContextParallelCallback().on_init_end(None, None, None, model=other)  # not sharded: nothing hidden
+    assert other.config.layer_types == ["hybrid", "hybrid"]
 
 
 def test_untold_sites_are_refused_while_accelerate_shards(monkeypatch):
