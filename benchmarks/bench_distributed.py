@@ -29,9 +29,8 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
-from results_io import ROOT, bootstrap_median, sync
+from results_io import ROOT, bootstrap_median, clocked
 
 import torch  # noqa: E402  (after results_io: it puts the repository on the path)
 import transformers  # noqa: E402
@@ -63,23 +62,17 @@ def parse_args(argv=None):
     p.add_argument("--lora_lr", type=float, default=1e-3, help="learning rate of the LoRA weights")
     p.add_argument("--pde_lr", type=float, default=1e-2, help="learning rate of the PDE coefficients")
     p.add_argument("--seed", type=int, default=0, help="seed of the model init and the batch")
-    p.add_argument("--overhead_rounds", type=int, default=0,
-                   help="after a phase with PDE sites: paired rounds of one step with the sites on and one with them "
-                        "at steps = 0, order alternating, same process and engine (the first two are warm-up)")
-    p.add_argument("--merge", action="store_true",
-                   help="add this run's phases to the result file of the same name (one phase per process: "
-                        "DeepSpeed engines of earlier phases stay in memory and slow the later ones)")
+    p.add_argument("--overhead_rounds", type=int, default=0, help="paired rounds, PDE sites on / at steps = 0 (notes)")
+    p.add_argument("--merge", action="store_true", help="add the phases to the result file (one phase per process)")
     p.add_argument("--no_save", action="store_true", help="skip the save / reload / generation checks")
     p.add_argument("--work_dir", default=None, help="base models and checkpoints (default: a temp dir; ~9 GB at 1b)")
     p.add_argument("--results_dir", default=os.path.join(ROOT, "results"), help="where the JSON files are")
     p.add_argument("--name", default=None, help="result file stem (default distributed_<engine>_<N><gpu|cpu>)")
-    p.add_argument("--summarize", action="store_true",
-                   help="only compare the run files in --results_dir with --reference: <results_dir>/distributed.*")
+    p.add_argument("--summarize", action="store_true", help="only render <results_dir>/distributed.* from the run files")
     p.add_argument("--reference", default="distributed_single_1gpu", help="stem of the one-process run")
     args = p.parse_args(argv)
-    for phase in args.phases.split(","):
-        if phase not in PHASES:
-            p.error(f"--phases: {phase!r} is not one of {PHASES}")
+    if set(args.phases.split(",")) - set(PHASES):
+        p.error(f"--phases: {sorted(set(args.phases.split(',')) - set(PHASES))} not in {PHASES}")
     if args.warmup >= args.steps:
         p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
     return args
@@ -135,17 +128,6 @@ def build(phase, paths, args):
     return model, torch.optim.AdamW(groups, weight_decay=0.0)
 
 
-def gathered(accelerator, params):
-    """DeepSpeed ZeRO-3: the full values of ``params`` inside the block (collective); otherwise a no-op."""
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params)
-
-
 def run_phase(accelerator, phase, paths, args, work_dir):
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -160,7 +142,9 @@ def run_phase(accelerator, phase, paths, args, work_dir):
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ds_numel: a ZeRO-3 partition
     pde_names = [n for n in pde_parameter_names(model) if "original_module" not in n]  # (PEFT: the trained copies)
     before = {n: p for n, p in model.named_parameters() if n in set(pde_names)}
-    with gathered(accelerator, list(before.values())):  # a native model loaded under zero.Init is partitioned
+    zero3 = accelerator.distributed_type == "DEEPSPEED"  # (ZeRO-3: the full values inside the block, collective)
+    with __import__("deepspeed").zero.GatheredParameters(list(before.values())) if zero3 else contextlib.nullcontext():
+        # A native model loaded under zero.Init is partitioned.
         # Rank 0 alone: with FSDP's CPU-RAM-efficient loading the other ranks may hold the model on the meta device.
         before = {n: p.detach().float().cpu().clone() for n, p in before.items()} if accelerator.is_main_process else {}
     ids = torch.randint(0, model.config.vocab_size, (args.global_batch, args.seq_len),
@@ -183,11 +167,8 @@ def run_phase(accelerator, phase, paths, args, work_dir):
         return loss
 
     def timed_step():
-        sync(device)
-        start = time.perf_counter()
-        loss = train_step()
-        sync(device)
-        return time.perf_counter() - start, loss
+        losses = []
+        return clocked(lambda: losses.append(train_step()), device), losses[0]
 
     losses, times = [], []
     for _ in range(args.steps):
@@ -268,8 +249,7 @@ def main(argv=None):
             if patched in phases and plain in phases:
                 phases[patched]["step_overhead_vs_" + plain] = (
                     phases[patched]["step_seconds_median"] / phases[plain]["step_seconds_median"] - 1)
-        result = dict(
-            name=name, engine=engine, num_processes=accelerator.num_processes, device_type=unit,
+        result = dict(name=name, engine=engine, num_processes=accelerator.num_processes, device_type=unit,
             device=torch.cuda.get_device_name(0) if unit == "gpu" else platform.processor() or "cpu",
             mixed_precision=accelerator.mixed_precision, size=args.size, model_shape=SIZES[args.size], patch=PATCH,
             global_batch=args.global_batch, per_process_batch=args.global_batch // accelerator.num_processes,
@@ -385,8 +365,7 @@ def _overhead(row):
 def render_md(summary):
     yes_no = lambda value: "" if value is None else ("yes" if value else "**no**")  # noqa: E731
     shape, patch = summary["model_shape"], summary["patch"]
-    lines = [
-        "# Sharded training vs one process (`benchmarks/bench_distributed.py`)", "",
+    lines = ["# Sharded training vs one process (`benchmarks/bench_distributed.py`)", "",
         f"Llama-shaped model: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, intermediate "
         f"{shape['intermediate_size']}, vocab {shape['vocab_size']}, random init (fixed seed); "
         f"{summary['mixed_precision']} mixed precision; global batch {summary['global_batch']} x {summary['seq_len']} "

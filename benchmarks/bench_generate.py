@@ -20,9 +20,8 @@ import os
 import shlex
 import statistics
 import sys
-import time
 
-from results_io import (RESULTS, TokenClock, bootstrap_median, device_name, llama_model, plot_rounds, sync,
+from results_io import (RESULTS, TokenClock, bootstrap_median, clocked, device_name, llama_model, plot_rounds, sync,
                         write_result_files)
 
 import torch  # noqa: E402  (after results_io: it puts the repository on the path)
@@ -46,8 +45,7 @@ def parse_args(argv=None, known=False):
     p.add_argument("--rounds", type=int, default=7, help="paired rounds per mode and batch")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
-    p.add_argument("--replot", default=None, metavar="JSON",
-                   help="only rewrite the markdown and the plot of an existing generate_<gpu>.json")
+    p.add_argument("--replot", metavar="JSON", help="only rewrite the .md and .png of a generate_<gpu>.json")
     p.add_argument("--device", default="cuda", help="'cpu': a smoke test of the script (no kernels counted)")
     return p.parse_known_args(argv)[0] if known else p.parse_args(argv)  # (known: an older file's command)
 
@@ -95,11 +93,7 @@ def generate_row(models, args, mode, batch, device):
     @torch.no_grad()
     def call(model):
         clock = TokenClock()
-        sync(device)
-        start = time.perf_counter()
-        model.generate(prompt, streamer=clock, **kwargs)
-        sync(device)
-        return time.perf_counter() - start, clock.median_step()
+        return clocked(lambda: model.generate(prompt, streamer=clock, **kwargs), device), clock.median_step()
 
     row = dict(mode=mode, batch=batch, new_tokens=args.new_tokens,
                first_call_s={name: call(model)[0] for name, model in models.items()})
@@ -125,8 +119,7 @@ def generate_row(models, args, mode, batch, device):
 
 
 def markdown(info, args):
-    lines = [
-        f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})", "",
+    lines = [f"# model.generate(), patched Llama-shaped model vs an unpatched copy ({info['gpu']})", "",
         f"{args.layers} layers x {args.hidden} hidden, {args.dtype}, sdpa; PDE after every block "
         f"({info['pde_sites']} sites): diffusion, {args.steps} steps, backend `{info['backend_used']}`. Greedy, "
         f"{args.new_tokens} new tokens after a {args.prompt}-token prompt. Step: the median time between a call's "

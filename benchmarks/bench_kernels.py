@@ -9,8 +9,7 @@ Per shape x steps x PDE type x {causal, bidirectional}, medians of ``triton.test
 bandwidth roof), the Triton forward and forward+backward (per-channel coefficients, or scalars), also replayed as a
 CUDA graph (``*_graph``: GPU time only) and as back-to-back eager calls (``*_loop``: host time included), the
 reference and ``torch.compile`` of it (``--compile`` cells), the memory held for backward; then the targets table
-(diffusion: forward <= 1.25x copy, forward+backward <= 3x, memory <= 1.1x). Host time per call: ``bench_train_step``
-(``--host-overhead``, and Nsight Compute counters ``kernel_profile_*.txt``: ``profile_kernels.py``, of commit b7e044a).
+(diffusion: forward <= 1.25x copy, forward+backward <= 3x, memory <= 1.1x). Host time per site: ``bench_train_step``.
 """
 
 import argparse
@@ -40,17 +39,14 @@ except ImportError:  # pragma: no cover
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--coefficients", default="per-channel", choices=("per-channel", "scalar"),
-                   help="alpha/beta shape: [channels] or scalars (files get a _scalar suffix)")
+    p.add_argument("--coefficients", default="per-channel", choices=("per-channel", "scalar"), help="(_scalar files)")
     p.add_argument("--shapes", default=SHAPES, help="BxLxC comma list")
     p.add_argument("--steps", default="1,2,4,8", help="comma list of steps")
     p.add_argument("--pde-types", default=",".join(PDE_TYPES), help="comma list")
-    p.add_argument("--compile", default="diffusion:4",
-                   help="'pde:steps,...' cells where torch.compile of the reference is timed, 'all' or 'none'")
+    p.add_argument("--compile", default="diffusion:4", help="'pde:steps,...' cells timing torch.compile, 'all', 'none'")
     p.add_argument("--rep-ms", type=float, default=60.0, help="do_bench repetition budget per measurement (ms)")
     p.add_argument("--loop-calls", type=int, default=50, help="back-to-back eager calls of the *_loop timings")
-    p.add_argument("--replot", default=None, metavar="JSON",
-                   help="only rewrite a sweep's .md, _targets.md and .png (into --out) from its kernels_<gpu>*.json")
+    p.add_argument("--replot", metavar="JSON", help="only rewrite .md, _targets.md, .png from a kernels_*.json")
     p.add_argument("--out", default=RESULTS)
     return p.parse_args(argv)
 

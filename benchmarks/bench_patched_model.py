@@ -19,10 +19,8 @@ import os
 import platform
 import statistics
 import sys
-import time
 
-from results_io import (RESULTS, bootstrap_median, device_name, llama_model, paired_decode, sync,
-                        write_result_files)
+from results_io import RESULTS, bootstrap_median, clocked, device_name, llama_model, paired_decode, write_result_files
 
 import torch  # noqa: E402  (after results_io: it puts the repository on the path)
 import transformers  # noqa: E402
@@ -96,15 +94,6 @@ def cpu_decode(args, build):
               f"{r['overhead_percent']:+.1f}% [{r['overhead_ci95_percent'][0]:+.1f}, {r['overhead_ci95_percent'][1]:+.1f}]"
               f" | {r['host_us_per_site']:.1f} | <= {r['target_percent']:.0f}% |" for r in rows]
     write_result_files(os.path.join(args.out, "cpu_decode"), info, lines)
-
-
-def clocked(fn, device):
-    """Seconds of one synchronised call of ``fn``."""
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
 
 
 def peak_gib(fn, device):

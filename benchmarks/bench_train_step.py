@@ -8,51 +8,54 @@ Host time per site: a tiny model (``--site_hidden``, 4 layers, batch 1 x 64 toke
 timed by a CPU clock around ``--calls`` forward + backward calls and one synchronisation; per site = (the model with
 its PDE sites - the same model without) / sites. The step: forward + backward + ``zero_grad`` of each model on
 ``--batch`` x ``--seq`` tokens, bf16 weights, the models in turn in each of ``--rounds`` rounds (paired: the
-overhead is the median of the per-round ratios). GPU kernel time of the PDE: ``torch.profiler`` over 3 steps.
+overhead is the median of the per-round ratios), and peak memory. GPU kernel time of the PDE: ``torch.profiler``
+over 3 steps.
+
+``torchrun --nproc_per_node N bench_train_step.py --context_parallel [--probe]``: torch's ``context_parallel`` (ring
+sdpa, head-tail) shards one ``--seq``-token sequence over N GPUs, the patched sites told by ``cta.shard_sequences``;
+a 0.95B Llama shape (16 x 2048, no GQA: torch 2.11's ring sdpa rejects it), both models resident; torch CP alone (no
+FSDP2, no gradient synchronisation: the same for both), rank 0's times and peak. ``--probe``: first the longest
+multiple of 8192 tokens one GPU trains (patched), then the longest N GPUs train sharded, which is then timed.
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import cta  # noqa: E402
+from results_io import clocked, sync
+
+import cta  # noqa: E402  (after results_io: it puts the repository on the path)
 from cta import CTAConfig, CTAForCausalLM  # noqa: E402
 
 PDE = dict(pde_type="diffusion", steps=4, placement="block_output")
 
 
-def _sync():
-    torch.cuda.synchronize() if torch.cuda.is_available() else None
-
-
-def build_models(hidden, layers, vocab, device, dtype, compile_models=False):
-    """{name: model}: transformers' Llama, that Llama patched, and the native model with 0 and with 4 PDE steps."""
+def build_models(hidden, layers, vocab, device, dtype, compile_models=False, with_native=True):
+    """{name: model}: transformers' Llama, that Llama patched, and (``with_native``) native models of 0 and 4 steps."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = max(1, hidden // 64)
     intermediate = 256 * ((int(hidden * 2.75) + 255) // 256)
-    llama_config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                               max_position_embeddings=8192, attn_implementation="sdpa")
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(llama_config)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                         max_position_embeddings=8192, attn_implementation="sdpa"))
     patched = cta.patch_model(copy.deepcopy(llama), pde_type=PDE["pde_type"], pde_steps=PDE["steps"],
                               placement=PDE["placement"], init="paper")
     native = {}
-    for steps in (0, PDE["steps"]):
+    for steps in (0, PDE["steps"]) if with_native else ():
         config = CTAConfig.modern_decoder(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                                           num_hidden_layers=layers, num_attention_heads=heads,
                                           max_position_embeddings=8192, pde_type=PDE["pde_type"], pde_steps=steps,
                                           pde_placement=PDE["placement"], attn_implementation="sdpa")
         native[steps] = CTAForCausalLM(config)
-    models = {"llama": llama, "patched": patched, "native_0": native[0], f"native_{PDE['steps']}": native[PDE["steps"]]}
+    models = {"llama": llama, "patched": patched, **{f"native_{steps}": model for steps, model in native.items()}}
     for name, model in models.items():
         model.to(device=device, dtype=dtype).train()
         if compile_models:
@@ -61,30 +64,28 @@ def build_models(hidden, layers, vocab, device, dtype, compile_models=False):
 
 
 def train_step(model, batch):
-    model(**batch).loss.backward()
+    batch(model) if callable(batch) else model(**batch).loss.backward()  # (callable: the context-parallel step)
     model.zero_grad(set_to_none=True)
 
 
 def time_steps(model, batch, steps):
     """Seconds per step of ``steps`` back-to-back steps (synchronised before and after)."""
-    _sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        train_step(model, batch)
-    _sync()
-    return (time.perf_counter() - start) / steps
+    return clocked(lambda: [train_step(model, batch) for _ in range(steps)]) / steps
 
 
 def paired_rounds(models, batch, rounds, steps):
-    """{name: [seconds per step, one per round]}, the models taking turns within each round."""
-    for model in models.values():  # warm-up: kernels compiled, caches filled
+    """({name: [seconds per step, one per round]}, {name: peak GiB of a step}), the models taking turns in a round."""
+    memory = {}
+    for name, model in models.items():  # warm-up: kernels compiled, caches filled
+        torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
         for _ in range(3):
             train_step(model, batch)
+        memory[name] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     times = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
             times[name].append(time_steps(model, batch, steps))
-    return times
+    return times, memory
 
 
 def overhead(times, name, reference):
@@ -103,36 +104,63 @@ def pde_kernel_ms(model, batch):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             train_step(model, batch)
-        _sync()
-    total = sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key)
-    return total / 3 / 1000
+        sync()
+    return sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key) / 3 / 1000
 
 
-def host_per_site(device, dtype, hidden, calls, rounds, profile_path=None):
-    """Host microseconds per PDE site and forward + backward (see the module notes); ``profile_path``: where to
-    write a cProfile of the patched model's calls (where the host time goes)."""
+def host_per_site(device, dtype, hidden, calls, rounds):
+    """Host microseconds per PDE site and forward + backward (see the module notes)."""
     models = build_models(hidden, 4, 512, device, dtype)
     batch = {"input_ids": torch.randint(0, 512, (1, 64), device=device)}
     batch["labels"] = batch["input_ids"]
-    times = paired_rounds(models, batch, rounds, calls)
-    if profile_path:
-        import cProfile
-        import pstats
-
-        for name in ("patched", f"native_{PDE['steps']}"):
-            profiler = cProfile.Profile()
-            profiler.runcall(time_steps, models[name], batch, calls)
-            with open(profile_path, "a") as f:
-                f.write(f"## {name}: {calls} training steps of a 4-layer model, hidden {hidden}\n")
-                pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(40)
-    sites = 4
+    times = paired_rounds(models, batch, rounds, calls)[0]
     result = {}
     for name, plain in (("patched", "llama"), (f"native_{PDE['steps']}", "native_0")):
-        per_round = [(a - b) / sites * 1e6 for a, b in zip(times[name], times[plain])]
+        per_round = [(a - b) / 4 * 1e6 for a, b in zip(times[name], times[plain])]  # (4 sites)
         result[name] = {"host_us_per_site": statistics.median(per_round),
                         "step_us": 1e6 * statistics.median(times[name]),
                         "step_us_without_pde": 1e6 * statistics.median(times[plain])}
     return result
+
+
+def context_parallel(args, record, device, dtype):
+    """The context-parallel mode's models and step (see the module notes); the probe's lengths go to ``record``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel as sharded
+
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    models = build_models(args.hidden, args.layers, args.vocab, device, dtype, with_native=False)
+    for layer in (layer for model in models.values() for layer in model.model.layers):  # accelerate's CP pre-hook
+        layer.self_attn.register_forward_pre_hook(  # (ring attention takes no mask: causal)
+            lambda module, a, kw: (a, {**kw, "attention_mask": None, "is_causal": True}), with_kwargs=True)
+
+    def batch(length, shard=True):
+        def step(model):
+            ids = torch.randint(0, args.vocab, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+            labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:]
+            buffers = [ids, torch.arange(length, device=device)[None], labels]
+            cta.shard_sequences(models["patched"], cta.SequenceSharding("torch", mesh.get_group()) if shard else None)
+            with sharded(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)) if shard \
+                    else contextlib.nullcontext():
+                model(input_ids=ids, position_ids=buffers[1], labels=labels, shift_labels=labels).loss.backward()
+        return step
+
+    def fits(length, shard):  # (out of memory on every rank alike: the same shapes, the same allocations)
+        try:
+            return train_step(models["patched"], batch(length, shard)) or True
+        except torch.OutOfMemoryError:
+            return models["patched"].zero_grad(set_to_none=True) or torch.cuda.empty_cache() or False
+
+    one = length = args.seq
+    if args.probe:
+        one = next(n for n in range(8192, 2**22, 8192) if not fits(n + 8192, False))
+        length = next(n for n in range(one, 2**22, 8192) if not fits(n + 8192, True))
+    args.batch, args.seq = 1, length
+    record.update(world_size=dist.get_world_size(), seq=length, local_seq=length // dist.get_world_size(),
+                  probe={"one_gpu_max_seq": one, "context_parallel_max_seq": length} if args.probe else None)
+    return models, batch(length)
 
 
 def main():
@@ -151,9 +179,15 @@ def main():
     parser.add_argument("--site_hidden", type=int, default=256, help="width of the host-time model")
     parser.add_argument("--site_calls", type=int, default=50, help="timed forward + backward calls per round")
     parser.add_argument("--skip_site", action="store_true", help="only the training step")
-    parser.add_argument("--profile", action="store_true", help="also write a cProfile of the host-time models")
+    parser.add_argument("--context_parallel", action="store_true", help="the context-parallel mode (torchrun)")
+    parser.add_argument("--probe", action="store_true", help="context parallel: the longest lengths, then time")
     args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.context_parallel:  # its shape and rounds, unless given
+        parser.set_defaults(layers=16, hidden=2048, seq=65536, rounds=7, steps=2, skip_site=True)
+        args = parser.parse_args()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
+        torch.device("cpu")
+    torch.cuda.set_device(device) if device.type == "cuda" else None
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     record = {"command": "python " + " ".join(sys.argv), "device": name, "torch": torch.__version__,
@@ -161,28 +195,29 @@ def main():
     stem = os.path.join(args.out, "train_step_" + name.replace(" ", "_") + ("_compiled" if args.compile else ""))
     os.makedirs(args.out, exist_ok=True)
     if not args.skip_site and not args.compile:
-        profile_path = stem + "_profile.txt" if args.profile else None
-        if profile_path and os.path.exists(profile_path):
-            os.remove(profile_path)
-        record["host_per_site"] = host_per_site(device, dtype, args.site_hidden, args.site_calls, args.rounds,
-                                                profile_path)
+        record["host_per_site"] = host_per_site(device, dtype, args.site_hidden, args.site_calls, args.rounds)
         print(json.dumps(record["host_per_site"], indent=1))
-    models = build_models(args.hidden, args.layers, args.vocab, device, dtype, args.compile)
-    batch = {"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), device=device)}
-    batch["labels"] = batch["input_ids"]
-    times = paired_rounds(models, batch, args.rounds, args.steps)
+    if args.context_parallel:
+        models, batch = context_parallel(args, record, device, dtype)
+        stem = os.path.join(args.out, f"train_step_cp{record['world_size']}_{name.replace(' ', '_')}")
+    else:
+        models = build_models(args.hidden, args.layers, args.vocab, device, dtype, args.compile)
+        batch = {"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), device=device)}
+        batch["labels"] = batch["input_ids"]
+    times, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps)
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
     record["step_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    record["overhead"] = {"patched_vs_llama": overhead(times, "patched", "llama"),
-                          "native_0_vs_llama": overhead(times, "native_0", "llama"),
-                          f"native_{PDE['steps']}_vs_native_0": overhead(times, f"native_{PDE['steps']}", "native_0")}
-    if not args.compile:
+    pairs = {"patched_vs_llama": ("patched", "llama"), "native_0_vs_llama": ("native_0", "llama"),
+             f"native_{PDE['steps']}_vs_native_0": (f"native_{PDE['steps']}", "native_0")}
+    record["overhead"] = {key: overhead(times, *pair) for key, pair in pairs.items() if pair[0] in times}
+    if not args.compile and not args.context_parallel:
         record["pde_kernel_ms_per_step"] = {k: pde_kernel_ms(models[k], batch)
                                             for k in ("patched", f"native_{PDE['steps']}")}
     print(json.dumps(record, indent=1))
-    with open(stem + ".json", "w") as f:
-        json.dump(record, f, indent=1)
+    if os.environ.get("RANK", "0") == "0":
+        with open(stem + ".json", "w") as f:
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":

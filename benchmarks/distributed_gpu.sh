@@ -19,8 +19,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 DATA=${DATA:-$([ -d .gpu_data ] && echo .gpu_data || echo ../shared)}
 LOG="$OUT/$MODE.log"
-FSDP=examples/accelerate/fsdp2.yaml
-ZERO3=examples/accelerate/deepspeed_zero3.yaml
+FSDP=examples/accelerate/fsdp2.yaml ZERO3=examples/accelerate/deepspeed_zero3.yaml
 launch=("$PY" -m accelerate.commands.launch)
 step() {  # step NAME COMMAND...: runs it (STEP_TIMEOUT seconds at most; 0: none), logs it, records its status
     local name=$1 start=$SECONDS; shift

@@ -1,5 +1,5 @@
 """What the benchmark scripts share (not a benchmark): ``sync()``, the GPU check, the model-level Llama, per-token
-paired decoding, a ``generate()`` token clock, the bootstrap interval of a median, result files and plots."""
+paired decoding, a clock of one call and of ``generate()``'s tokens, the bootstrap interval of a median, result files and plots."""
 
 import json
 import os
@@ -20,6 +20,15 @@ def sync(device=None):
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def clocked(fn, device=None) -> float:
+    """Seconds of one call of ``fn``, synchronised before and after."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
 
 
 def on_gpu(script: str) -> bool:

@@ -9,7 +9,7 @@ from transformers import (
 
 from .configuration_cta import LAYER_PLACEMENTS, PDE_PLACEMENTS, CTAConfig
 from .modeling_cta import CTAForCausalLM, CTAForSequenceClassification, CTAModel, CTAPreTrainedModel
-from .pde_context_parallel import SequenceSharding, shard_sequences
+from .pde_context_parallel import ContextParallelCallback, SequenceSharding, shard_sequences
 from .patching_cta import load_patched, mark_pde_trainable, patch_model, pde_modules_to_save, unpatch_model
 from .pde_cta import (
     COEFFICIENT_BOUNDS,

@@ -11,6 +11,9 @@ Layouts (:class:`SequenceShards`, the same on every rank): ``contiguous`` (rank 
 torch's ``head_tail`` load balancing (the sequence cut into ``2W`` chunks, rank ``r`` holds chunks ``r`` and
 ``2W - 1 - r``, concatenated in that order).
 
+Users turn it on with :func:`shard_sequences` (a plain accelerate or torch loop) or, under ``transformers.Trainer``,
+with :class:`ContextParallelCallback`; :func:`refuse_untold_sites` is the forward's check that they did.
+
 No hang: every rank runs the same collectives in the same order (one ``all_gather`` of every local chunk's last
 ``S`` rows and one of their walls forward, one ``all_gather`` of the halos' gradients backward), and everything that
 cannot be served is refused by :func:`check_sharded_refinement` from what all ranks share (the module's config, the
@@ -19,11 +22,13 @@ layout, the local shapes) before the first collective.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 from .pde_packing import packed_rows
 
@@ -133,7 +138,9 @@ class SequenceSharding:
         if cp:
             if config.cp_backend != "torch":
                 raise ValueError(f"cp_backend={config.cp_backend!r} is not supported; torch's is.")
-            return cls("torch", accelerator.torch_device_mesh["cp"].get_group())
+            # (an Accelerator's ``torch_device_mesh`` is its AcceleratorState's ``device_mesh``: either is taken)
+            mesh = getattr(accelerator, "torch_device_mesh", None) or accelerator.device_mesh
+            return cls("torch", mesh["cp"].get_group())
         if sp:
             if config.sp_backend != "deepspeed":
                 raise ValueError(f"sp_backend={config.sp_backend!r} is not supported; DeepSpeed's is.")
@@ -141,6 +148,16 @@ class SequenceSharding:
 
             return cls("contiguous", groups._get_sequence_parallel_group())
         return None
+
+
+def _site_holders(model):
+    """What holds a sharding in ``model``: each patched model's per-forward context and each native CTAModel."""
+    for module in model.modules():
+        context = module.__dict__.get("_cta_context")  # (a patched model's per-forward context)
+        if context is not None:
+            yield context, "sharding"
+        if hasattr(type(module), "pde_sharding"):  # (a native CTAModel)
+            yield module, "pde_sharding"
 
 
 def shard_sequences(model, sharding: Optional[SequenceSharding]):
@@ -151,16 +168,75 @@ def shard_sequences(model, sharding: Optional[SequenceSharding]):
     if sharding is not None and not isinstance(sharding, SequenceSharding):
         raise TypeError(f"`sharding` must be a cta SequenceSharding or None, got {type(sharding).__name__}.")
     found = False
-    for module in model.modules():
-        context = module.__dict__.get("_cta_context")  # (a patched model's per-forward context)
-        if context is not None:
-            context.sharding, found = sharding, True
-        if hasattr(type(module), "pde_sharding"):  # (a native CTAModel)
-            module.pde_sharding, found = sharding, True
+    for holder, name in _site_holders(model):
+        setattr(holder, name, sharding)
+        found = True
     if not found:
         raise ValueError(f"{type(model).__name__} has no CTA PDE sites: shard_sequences takes a CTA model or a model "
                          "patched with cta.patch_model.")
     return model
+
+
+def accelerate_shards_sequences() -> bool:
+    """Whether this process's accelerate state (the Trainer's / an Accelerator's ``parallelism_config``) shards
+    sequences (``cp_size`` or ``sp_size`` > 1). Reads the state without creating it, and without importing
+    accelerate: cheap enough for every forward."""
+    state = sys.modules.get("accelerate.state")
+    config = None if state is None else state.AcceleratorState._shared_state.get("parallelism_config")
+    return config is not None and bool(config.cp_enabled or config.sp_enabled)
+
+
+def refuse_untold_sites(sharding, training: bool, model_name: str = "model"):
+    """Raises when accelerate shards this training forward's sequences but the model's sites were not told
+    (``sharding`` None): each shard would be refined as a whole sequence, wrong in silence. Decided from what every
+    rank shares, so every rank raises before the sites' first collective."""
+    if sharding is None and training and accelerate_shards_sequences():
+        raise ValueError(
+            f"{model_name}: accelerate's parallelism_config shards the sequence across ranks (cp_size / sp_size > 1) "
+            "but the model's PDE sites were not told: pass `callbacks=[cta.ContextParallelCallback()]` to the "
+            "Trainer, or call `cta.shard_sequences(model, cta.SequenceSharding.for_accelerator(accelerator))`.")
+
+
+class ContextParallelCallback(TrainerCallback):
+    """``Trainer(..., callbacks=[cta.ContextParallelCallback()])``: under ``TrainingArguments(parallelism_config=
+    ParallelismConfig(cp_size=N))`` (or an accelerate config file's ``parallelism_config``) tells every PDE site of
+    the Trainer's model how accelerate shards its sequences (:meth:`SequenceSharding.for_accelerator` of the
+    process's ``AcceleratorState``), when the Trainer is built (torch CP) and again when training begins, after the
+    Trainer prepared the model and before the first step (``model_init`` may have built a new one; DeepSpeed's
+    sequence-parallel group exists only then). A native decoder's ``layer_types`` (``hybrid``: full causal attention and
+    its PDE cache state) read ``full_attention`` in between, for accelerate's guard. The sites stay sharded afterwards: the Trainer's evaluation with labels
+    runs under the same context parallelism; call ``cta.shard_sequences(model, None)`` before a plain forward or
+    ``generate``. Without a sequence-sharding ``parallelism_config``, or on a model with no PDE sites, it does
+    nothing."""
+
+    _hidden_layer_types = None  # (the native config and its layer_types while the Trainer prepares the model)
+
+    def _tell(self, model, prepared=True):
+        from accelerate.state import AcceleratorState
+
+        state = AcceleratorState()  # (the Trainer's: it builds its Accelerator in __init__, before any callback)
+        config = getattr(state, "parallelism_config", None)
+        if not prepared and config is not None and config.sp_enabled:
+            return None  # (DeepSpeed's sequence-parallel group exists once the Trainer has prepared the model)
+        sharding = SequenceSharding.for_accelerator(state)
+        if sharding is not None and model is not None and any(True for _ in _site_holders(model)):
+            return shard_sequences(model, sharding)
+        return None
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        config = getattr(self._tell(model, prepared=False), "config", None)
+        if getattr(config, "model_type", None) == "cta" and set(config.layer_types or ()) == {"hybrid"}:
+            # accelerate's context-parallel guard (at prepare, in Trainer.train) refuses layer_types other than
+            # "full_attention"; a native layer's "hybrid" is full causal attention plus its PDE cache state, and its
+            # sites are told: the guard sees "full_attention" until training begins.
+            self._hidden_layer_types = (config, config.layer_types)
+            config.layer_types = ["full_attention"] * len(config.layer_types)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self._hidden_layer_types is not None:
+            config, config.layer_types = self._hidden_layer_types
+            self._hidden_layer_types = None
+        self._tell(model)
 
 
 def check_sharded_refinement(pde_module, hidden_states, shards, token_mask=None, position_ids=None) -> int:
@@ -292,5 +368,5 @@ def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShar
     return refined.transpose(0, 1).reshape(batch, local_length, channels)
 
 
-__all__ = ["LAYOUTS", "SequenceSharding", "SequenceShards", "check_sharded_refinement", "exchange_halo",
-           "refine_sharded", "shard_sequences"]
+__all__ = ["LAYOUTS", "ContextParallelCallback", "SequenceSharding", "SequenceShards", "accelerate_shards_sequences",
+           "check_sharded_refinement", "exchange_halo", "refine_sharded", "refuse_untold_sites", "shard_sequences"]

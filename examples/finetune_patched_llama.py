@@ -22,6 +22,13 @@ Several GPUs (FSDP2 or DeepSpeed ZeRO-3; the configs are in ``examples/accelerat
 
     accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/finetune_patched_llama.py --bf16 ...
 
+Long sequences split across the GPUs (context parallelism, ``examples/accelerate/context_parallel.yaml``; the Trainer
+gets ``cta.ContextParallelCallback``, which tells the PDE sites; the model must not use grouped-query attention with
+torch 2.11, see docs/context_parallel.md)::
+
+    accelerate launch --config_file examples/accelerate/context_parallel.yaml examples/finetune_patched_llama.py \
+        --bf16 --modes pde --block_size 8192 --per_device_train_batch_size 1 --model_name_or_path my-mha-llama
+
 QLoRA (bitsandbytes, one GPU): ``--load_in_4bit`` loads the base in nf4 (bf16 compute), patches it after loading,
 runs ``peft.prepare_model_for_kbit_training`` (which freezes every parameter and upcasts the rest to fp32) and then
 adds LoRA through ``cta.CTALoraConfig``, whose PDE coefficients train in fp32 next to LoRA. ``--save_models`` saves
@@ -296,7 +303,8 @@ def main(argv=None):
             model = build(model_args, script, mode, seed, training_args)
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             trainer = PDETrainer(model=model, args=training_args, train_dataset=train, eval_dataset=valid,
-                                 data_collator=default_data_collator, cta_script=script)
+                                 data_collator=default_data_collator, cta_script=script,
+                                 callbacks=[cta.ContextParallelCallback()])  # (context parallelism: the PDE sites)
             # Sharded, Trainer (5.x) can evaluate only after training: evaluating first wraps the model without its
             # optimizer (FSDP2: accelerate refuses; DeepSpeed: the training engine is then never built). The
             # "before" perplexity is not measured there.

@@ -139,6 +139,30 @@ def test_train_step_cpu_smoke(tmp_path):
     assert set(record["overhead"]) == {"patched_vs_llama", "native_0_vs_llama", "native_4_vs_native_0"}
 
 
+def test_train_step_context_parallel_cpu_smoke(tmp_path):
+    """bench_train_step --context_parallel on 2 gloo processes: torch's context_parallel shards each step's buffers
+    and the patched sites exchange their halos (the attention made position-local, as tests/context_parallel_worker.py
+    does: torch has no CPU ring attention); one record of both models' steps and their overhead, from rank 0."""
+    wrapper = tmp_path / "position_local.py"
+    wrapper.write_text(
+        "import runpy, sys\n"
+        f"sys.path[:0] = [{str(ROOT / 'tests')!r}, {str(BENCH)!r}]\n"
+        "from context_parallel_worker import position_local_attention\n"
+        "from transformers import AttentionInterface\n"
+        "AttentionInterface.register('sdpa', position_local_attention)\n"
+        f"sys.argv[0] = {str(BENCH / 'bench_train_step.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(wrapper), "--context_parallel", "--layers", "1", "--hidden", "64", "--vocab", "128",
+                           "--seq", "32", "--rounds", "2", "--steps", "1", "--out", str(tmp_path)], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((tmp_path / "train_step_cp2_cpu.json").read_text())
+    assert (record["world_size"], record["seq"], record["local_seq"], record["probe"]) == (2, 32, 16, None)
+    assert set(record["step_ms"]) == {"llama", "patched"} and set(record["overhead"]) == {"patched_vs_llama"}
+    assert record["shape"]["layers"] == 1 and "host_per_site" not in record
+
+
 def test_distributed_summary_renders_the_committed_table(tmp_path):
     for path in (ROOT / "results").glob("distributed_*.json"):
         (tmp_path / path.name).write_text(path.read_text())

@@ -167,3 +167,166 @@ def test_zero_steps_is_the_identity():
     x = torch.randn(1, 4, 2)
     module = PDERefinement(2, steps=0, causal=True, backend="torch")
     assert refine_sharded(module, x, SequenceShards("contiguous", 1, 0)) is x
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The Trainer: TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2)) + cta.ContextParallelCallback
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """context_parallel_trainer_worker.py on 2 gloo ranks (a real Trainer, torch's context_parallel sharding its
+    buffers, position-local attention) and on one process."""
+    out = tmp_path_factory.mktemp("context_parallel_trainer")
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent), OMP_NUM_THREADS="1")
+    worker = str(TESTS / "context_parallel_trainer_worker.py")
+    for command in ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker],
+                    [sys.executable, worker]):
+        done = subprocess.run(command + [str(out), "cpu"], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [json.loads((out / name).read_text()) for name in ("rank0.json", "rank1.json", "single.json")]
+
+
+def test_trainer_context_parallel_matches_one_process(trainer_runs):
+    """A patched Llama trained 4 steps by the Trainer under cp_size=2 with the callback: every rank logs the
+    one-process losses and evaluation loss (position-local attention: the PDE sites are the only cross-position
+    operations, and their halos make the shards exact); the sites were sharded (head-tail) from the first step."""
+    *ranks, single = trainer_runs
+    expected = single["patched"]
+    assert len(expected["losses"]) == 4 and expected["sites"] == [["None"]] * 4
+    for results in ranks:
+        got = results["patched"]
+        assert got["sites"] == [["head_tail"]] * 4
+        torch.testing.assert_close(got["losses"], expected["losses"], rtol=0, atol=1e-5)
+        assert abs(got["eval_loss"] - expected["eval_loss"]) < 1e-5
+
+
+def test_trainer_refuses_untold_sites_on_every_rank(trainer_runs):
+    """Without the callback the proposed forward check (refuse_untold_sites) raises on both ranks at the first
+    forward: training stops instead of refining each shard as a whole sequence (the run exits, no hang)."""
+    first, second = (results["untold"] for results in trainer_runs[:2])
+    assert first == second and "ContextParallelCallback" in first["error"] and first["steps_begun"] == 1
+
+
+def test_trainer_context_parallel_native_decoder(trainer_runs):
+    """A native CTA decoder (every placement outside the attention matrix) under the same Trainer run: the one-process
+    losses and evaluation loss. accelerate's context-parallel guard refuses ``layer_types`` other than
+    ``full_attention``; the callback shows it ``full_attention`` for the native ``hybrid`` (full causal attention plus
+    the PDE cache state) while the Trainer prepares the model, and restores them when training begins."""
+    *ranks, single = trainer_runs
+    assert single["native"]["layer_types"] == ["hybrid", "hybrid"]
+    for results in ranks:
+        got = results["native"]
+        assert "error" not in got, got["error"]
+        assert got["sites"] == [["head_tail"]] * 4 and got["layer_types"] == ["hybrid", "hybrid"]
+        torch.testing.assert_close(got["losses"], single["native"]["losses"], rtol=0, atol=1e-5)
+        assert abs(got["eval_loss"] - single["native"]["eval_loss"]) < 1e-5
+
+
+class _Mesh(dict):
+    """accelerate's device mesh: ``mesh["cp"].get_group()``."""
+
+
+def _stand_in_state(monkeypatch, cp_size=1, sp_size=1, has_config=True):
+    import types
+
+    import accelerate.state
+
+    config = types.SimpleNamespace(cp_enabled=cp_size > 1, cp_backend="torch", sp_enabled=sp_size > 1,
+                                   sp_backend="deepspeed") if has_config else None
+    mesh = _Mesh(cp=types.SimpleNamespace(get_group=lambda: "cp-group"))
+
+    class State:  # (AcceleratorState: the shared dict, and an instance with parallelism_config / device_mesh)
+        _shared_state = {"parallelism_config": config}
+
+        def __init__(self):
+            self.parallelism_config, self.device_mesh = config, mesh
+
+    monkeypatch.setattr(accelerate.state, "AcceleratorState", State)
+
+
+def _tiny_patched_llama():
+    import cta
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2)
+    return cta.patch_model(LlamaForCausalLM(config), pde_steps=1, placement=["block_output"])
+
+
+def test_callback_tells_the_sites_what_accelerate_shards(monkeypatch):
+    import cta
+    from cta.pde_context_parallel import _site_holders
+
+    model = _tiny_patched_llama()
+    sharding = lambda: {getattr(h, n) for h, n in _site_holders(model)}  # noqa: E731
+    callback = cta.ContextParallelCallback()
+    _stand_in_state(monkeypatch, cp_size=1)
+    callback.on_init_end(None, None, None, model=model)
+    assert sharding() == {None}  # nothing sharded: nothing told
+    _stand_in_state(monkeypatch, cp_size=2)
+    callback.on_train_begin(None, None, None, model=model)
+    assert sharding() == {cta.SequenceSharding("torch", "cp-group")}  # torch's rule over the cp mesh's group
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    plain = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2))
+    callback.on_init_end(None, None, None, model=plain)  # no PDE sites: nothing to tell, no error
+    _stand_in_state(monkeypatch, cp_size=2, sp_size=2)
+    with pytest.raises(ValueError, match="both cp_size and sp_size"):
+        callback.on_train_begin(None, None, None, model=model)
+    cta.shard_sequences(model, None)
+    _stand_in_state(monkeypatch, sp_size=2)  # DeepSpeed Ulysses: its group exists once the model is prepared
+    callback.on_init_end(None, None, None, model=model)
+    assert sharding() == {None}
+
+
+def test_callback_shows_accelerate_full_attention_for_a_native_decoder_while_it_is_prepared(monkeypatch):
+    import cta
+    from cta.pde_context_parallel import _site_holders
+
+    config = cta.CTAConfig.modern_decoder(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                         num_attention_heads=2, pde_steps=1, pde_placement=["block_output"])
+    model, callback = cta.CTAForCausalLM(config), cta.ContextParallelCallback()
+    assert model.config.layer_types == ["hybrid", "hybrid"]
+    _stand_in_state(monkeypatch, cp_size=2)
+    callback.on_init_end(None, None, None, model=model)  # (then Trainer.train prepares the model: accelerate's guard)
+    assert model.config.layer_types == ["full_attention", "full_attention"]
+    callback.on_train_begin(None, None, None, model=model)
+    assert model.config.layer_types == ["hybrid", "hybrid"]
+    assert {getattr(h, n) for h, n in _site_holders(model)} == {cta.SequenceSharding("torch", "cp-group")}
+    other = cta.CTAForCausalLM(config)
+    _stand_in_state(monkeypatch, cp_size=1)
+    cta.ContextParallelCallback().on_init_end(None, None, None, model=other)  # not sharded: nothing hidden
+    assert other.config.layer_types == ["hybrid", "hybrid"]
+
+
+def test_untold_sites_are_refused_while_accelerate_shards(monkeypatch):
+    import cta
+    from cta.pde_context_parallel import accelerate_shards_sequences, refuse_untold_sites
+
+    _stand_in_state(monkeypatch, has_config=False)
+    assert not accelerate_shards_sequences()
+    refuse_untold_sites(None, True)
+    _stand_in_state(monkeypatch, cp_size=2)
+    assert accelerate_shards_sequences()
+    with pytest.raises(ValueError, match=r"M: accelerate's parallelism_config shards .*ContextParallelCallback"):
+        refuse_untold_sites(None, True, "M")
+    refuse_untold_sites(cta.SequenceSharding(), True)  # told
+    refuse_untold_sites(None, False)  # evaluation / generation outside the Trainer's sharded steps
+
+
+def test_the_context_parallel_accelerate_config_sets_cp_size():
+    """examples/accelerate/context_parallel.yaml reaches the processes as accelerate's parallelism_config: cp_size 2
+    (torch's backend) under FSDP2, which the Trainer then reads (what `accelerate launch --config_file` exports)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    config = TESTS.parent / "examples" / "accelerate" / "context_parallel.yaml"
+    args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
+    env = prepare_multi_gpu_env(_validate_launch_command(args)[0])
+    assert {key: env[key] for key in ("ACCELERATE_USE_PARALLELISM_CONFIG", "PARALLELISM_CONFIG_CP_SIZE",
+                                      "PARALLELISM_CONFIG_CP_BACKEND", "ACCELERATE_USE_FSDP", "FSDP_VERSION")} == {
+        "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2",
+        "PARALLELISM_CONFIG_CP_BACKEND": "torch", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}

@@ -46,6 +46,89 @@ def test_context_parallel_matches_one_gpu(tmp_path):
             assert error <= TOLERANCE, (case, name, error)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_trainer_context_parallel_matches_one_gpu(tmp_path):
+    """A real Trainer with TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2)), FSDP2 and
+    cta.ContextParallelCallback on 2 GPUs (torch's ring sdpa) trains a tiny fp32 patched Llama and a native CTA
+    decoder 4 steps each with the single-GPU loss curve and evaluation loss (1e-4); without the callback the proposed forward check stops it on
+    both ranks (tests/context_parallel_trainer_worker.py)."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1",
+               NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.pop("TRITON_INTERPRET", None)
+    worker = str(Path(__file__).resolve().parent / "context_parallel_trainer_worker.py")
+    for command, gpus in (([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            worker], "0,1"), ([sys.executable, worker], "0")):
+        done = subprocess.run(command + [str(tmp_path), "cuda"], env=dict(env, CUDA_VISIBLE_DEVICES=gpus),
+                              capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    single = json.loads((tmp_path / "single.json").read_text())
+    for results in ranks:
+        for kind in KINDS:
+            got, expected = results[kind], single[kind]
+            assert "error" not in got, (kind, got)
+            assert got["sites"] == [["head_tail"]] * 4 and len(expected["losses"]) == 4
+            torch.testing.assert_close(got["losses"], expected["losses"], rtol=0, atol=TOLERANCE)
+            assert abs(got["eval_loss"] - expected["eval_loss"]) < TOLERANCE, kind
+        assert "ContextParallelCallback" in results["untold"]["error"]
+    print(json.dumps({"ranks": ranks, "single": single}))
+
+
+def _mha_copy(source, target):
+    """``source`` (a GQA Llama) saved to ``target`` with every key / value head repeated for its query heads: the same
+    function, without grouped-query attention (which torch 2.11's ring sdpa rejects)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32)
+    config = model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                weight = proj.weight.view(config.num_key_value_heads, -1, proj.weight.shape[1])
+                proj.weight = torch.nn.Parameter(weight.repeat_interleave(groups, 0).flatten(0, 1).contiguous())
+                proj.out_features = proj.weight.shape[0]
+    config.num_key_value_heads = config.num_attention_heads
+    for layer in model.model.layers:
+        layer.self_attn.num_key_value_groups = 1
+    model.save_pretrained(target)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_finetune_example_under_the_context_parallel_config(tmp_path):
+    """examples/finetune_patched_llama.py launched with examples/accelerate/context_parallel.yaml (fp32:
+    ``--mixed_precision no``) fine-tunes stories260K (made MHA, the same function) 6 steps, PDE only and LoRA + PDE,
+    to the validation perplexity of the same command on one GPU. Needs the shared data (``$CTA_SHARED_DIR``)."""
+    root = Path(__file__).resolve().parents[1]
+    shared = Path(os.environ.get("CTA_SHARED_DIR") or root.parent / "shared")
+    if not (shared / "models" / "stories260K").exists():
+        pytest.skip(f"no stories260K in {shared} (set CTA_SHARED_DIR)")
+    _mha_copy(shared / "models" / "stories260K", tmp_path / "mha")
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1", CTA_SHARED_DIR=str(shared))
+    env.pop("TRITON_INTERPRET", None)
+    common = [str(root / "examples" / "finetune_patched_llama.py"), "--model_name_or_path", str(tmp_path / "mha"),
+              "--tokenizer_name", str(shared / "models" / "stories260K"), "--modes", "pde,lora_pde", "--seeds", "0",
+              "--max_steps", "6", "--block_size", "256", "--per_device_train_batch_size", "4",
+              "--per_device_eval_batch_size", "8", "--max_train_samples", "64", "--max_eval_samples", "16",
+              "--warmup_steps", "0", "--logging_steps", "1"]
+    config = str(root / "examples" / "accelerate" / "context_parallel.yaml")
+    runs = {"cp": [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--mixed_precision",
+                   "no", *common], "one": [sys.executable, *common]}
+    results = {}
+    for name, command in runs.items():
+        out = tmp_path / name
+        done = subprocess.run(command + ["--output_dir", str(out), "--results_dir", str(out)], env=dict(
+            env, CUDA_VISIBLE_DEVICES="0,1" if name == "cp" else "0"), capture_output=True, text=True, timeout=400)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        results[name] = json.loads((out / "finetune_patched_llama.json").read_text())
+    assert results["cp"]["training"]["world_size"] == 2
+    for mode in ("pde", "lora_pde"):
+        cp, one = (results[name]["summary"][mode]["ppl_after_mean"] for name in ("cp", "one"))
+        assert abs(cp / one - 1) < 1e-3, (mode, cp, one)
+    print(json.dumps({name: r["summary"] for name, r in results.items()}))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The torchrun worker
 # ----------------------------------------------------------------------------------------------------------------
