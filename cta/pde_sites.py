@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .pde_context_parallel import refine_sharded
+from .pde_context_parallel import refine_sharded, refuse_untold_sites
 from .pde_packing import packed_rows
 
 
@@ -33,9 +33,12 @@ class SiteWalls:
 
     @classmethod
     def of_forward(cls, attention_mask, position_ids=None, cu_seq_lens=None, cache=None, sharding=None,
-                   model_name: str = "model") -> "SiteWalls":
-        """The walls of a forward called with these arguments (a 4D mask gives no walls: none can be derived)."""
+                   model_name: str = "model", training: bool = False) -> "SiteWalls":
+        """The walls of a forward called with these arguments (a 4D mask gives no walls: none can be derived). A
+        training forward whose sequences accelerate shards raises unless the sites were told (``sharding``)."""
         mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
+        if not torch.compiler.is_compiling():
+            refuse_untold_sites(sharding, training, model_name)
         if sharding is not None:
             if cache is not None:  # (the same on every rank: refused before any collective)
                 raise ValueError(

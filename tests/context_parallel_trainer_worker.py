@@ -2,8 +2,8 @@
 ParallelismConfig(cp_size=2))``) with ``cta.ContextParallelCallback``: per model (a patched Llama, a native CTA
 decoder), the logged training losses of a few steps and the evaluation loss, to compare with the same script on one
 process (the native decoder's ``layer_types`` hidden from accelerate's guard while the Trainer prepares it, and
-restored). Then a run without the callback, the sites' forward guarded by ``refuse_untold_sites`` (the check proposed
-for ``SiteWalls.of_forward``): every rank raises before the first step.
+restored). Then a run without the callback: ``SiteWalls.of_forward`` refuses the untold sites on every rank before the first
+step.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 context_parallel_trainer_worker.py OUT cpu|cuda
     python context_parallel_trainer_worker.py OUT cpu|cuda         # the one-process reference
@@ -54,7 +54,7 @@ def data(count, seed):
 def train(kind, device, world, told, out):
     import cta
     from accelerate import ParallelismConfig
-    from cta.pde_context_parallel import _site_holders, refuse_untold_sites
+    from cta.pde_context_parallel import _site_holders
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     net = model(kind, device)
@@ -74,10 +74,6 @@ def train(kind, device, world, told, out):
                              per_device_eval_batch_size=BATCH, learning_rate=1e-2, logging_steps=1, report_to="none",
                              save_strategy="no", use_cpu=device == "cpu", dataloader_num_workers=0, seed=0, **extra)
     callbacks = [Recorder()] + ([cta.ContextParallelCallback()] if told else [])
-    if not told:  # the proposed check, at the forward's start (where SiteWalls.of_forward would make it)
-        holders = list(_site_holders(net))
-        net.register_forward_pre_hook(lambda module, args: refuse_untold_sites(
-            getattr(*holders[0]), module.training, type(module).__name__))
     trainer = Trainer(model=net, args=args, train_dataset=data(4 * BATCH * STEPS, 1), eval_dataset=data(2 * BATCH, 2),
                       callbacks=callbacks)
     try:
