@@ -15,7 +15,7 @@ over 3 steps.
 sdpa, head-tail) shards one ``--seq``-token sequence over N GPUs, the patched sites told by ``cta.shard_sequences``;
 a 0.95B Llama shape (16 x 2048, no GQA: torch 2.11's ring sdpa rejects it), both models resident; torch CP alone (no
 FSDP2, no gradient synchronisation: the same for both), rank 0's times and peak. ``--probe``: first the longest
-multiple of 8192 tokens one GPU trains (patched), then the longest N GPUs train sharded, which is then timed.
+8192 x 2^k tokens one GPU trains (patched), then the longest doubling of it N GPUs train sharded, then timed.
 """
 
 import argparse
@@ -155,8 +155,8 @@ def context_parallel(args, record, device, dtype):
 
     one = length = args.seq
     if args.probe:
-        one = next(n for n in range(8192, 2**22, 8192) if not fits(n + 8192, False))
-        length = next(n for n in range(one, 2**22, 8192) if not fits(n + 8192, True))
+        one = next(8192 << k for k in range(10) if not fits(16384 << k, False))  # (doubling: a few tries)
+        length = next(one << k for k in range(10) if not fits(one << (k + 1), True))
     args.batch, args.seq = 1, length
     record.update(world_size=dist.get_world_size(), seq=length, local_seq=length // dist.get_world_size(),
                   probe={"one_gpu_max_seq": one, "context_parallel_max_seq": length} if args.probe else None)
