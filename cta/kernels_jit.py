@@ -46,6 +46,16 @@ def is_available() -> bool:
     return HAS_TRITON and (INTERPRET or torch.cuda.is_available())
 
 
+def exec_jit(name: str, src: str, **names):
+    """The @triton.jit function ``name`` defined by the generated source ``src`` (kept in linecache, so that Triton
+    and tracebacks can read it); it sees this module's names (Triton, the helpers below) and ``names``."""
+    filename = f"<cta-triton-generated:{name}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    namespace = dict(globals(), **names)
+    exec(compile(src, filename, "exec"), namespace)
+    return namespace[name]
+
+
 if HAS_TRITON:
     _KEEP = tl.constexpr(1.0 - WAVE_DAMPING)
 
@@ -277,42 +287,12 @@ if HAS_TRITON:
             total += tl.load(SRC + r * C + cols, mask=cmask, other=0.0)
         tl.store(DST + cols, total, mask=cmask)
 
-    @triton.jit
-    def _level_pointer(s: tl.constexpr, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15):
-        """The pointer of level ``s`` (a separate buffer per step: see ``pde_cache``), chosen at compile time."""
-        if s == 0:
-            p = L0
-        elif s == 1:
-            p = L1
-        elif s == 2:
-            p = L2
-        elif s == 3:
-            p = L3
-        elif s == 4:
-            p = L4
-        elif s == 5:
-            p = L5
-        elif s == 6:
-            p = L6
-        elif s == 7:
-            p = L7
-        elif s == 8:
-            p = L8
-        elif s == 9:
-            p = L9
-        elif s == 10:
-            p = L10
-        elif s == 11:
-            p = L11
-        elif s == 12:
-            p = L12
-        elif s == 13:
-            p = L13
-        elif s == 14:
-            p = L14
-        else:
-            p = L15
-        return p
+    # The pointer of level ``s`` (a separate buffer per step: see ``pde_cache``) among ``L0 .. L15``, chosen at compile
+    # time: ``if s == 0: p = L0 elif s == 1: p = L1 ...``, generated.
+    _LEVELS = ", ".join(f"L{i}" for i in range(16))
+    _level_pointer = exec_jit("_level_pointer", f"@triton.jit\ndef _level_pointer(s: tl.constexpr, {_LEVELS}):\n"
+                              + "".join(f"    {'if' if i == 0 else 'elif'} s == {i}:\n        p = L{i}\n" for i in range(16))
+                              + "    return p\n")
 
     @triton.jit
     def _pde_decode_kernel(
@@ -345,16 +325,6 @@ else:  # pragma: no cover - without triton nothing here is launched
     _KEEP = _tanh = _widen = None
 
 
-def exec_jit(name: str, src: str, **names):
-    """The @triton.jit function ``name`` defined by the generated source ``src`` (kept in linecache, so that Triton
-    and tracebacks can read it); ``names``: what the source calls besides Triton and the helpers above."""
-    filename = f"<cta-triton-generated:{name}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    namespace = {"triton": triton, "tl": tl, "_tanh": _tanh, "tanh": _tanh, "_KEEP": _KEEP, "_widen": _widen, **names}
-    exec(compile(src, filename, "exec"), namespace)
-    return namespace[name]
-
-
 @functools.lru_cache(maxsize=None)
 def reaction_functions(scheme) -> tuple:
     """``(R, dR/du, dR/db)`` of a ``PDEScheme``'s reaction as @triton.jit functions of ``(u, b)`` (the kernels'
@@ -362,5 +332,6 @@ def reaction_functions(scheme) -> tuple:
     if scheme.reaction is None:
         return None, None, None
     stem = "_cta_reaction_" + re.sub(r"\W", "_", scheme.name)
-    return tuple(exec_jit(f"{stem}_{part}", f"@triton.jit\ndef {stem}_{part}(u, b):\n    return {expression}\n")
+    return tuple(exec_jit(f"{stem}_{part}", f"@triton.jit\ndef {stem}_{part}(u, b):\n    return {expression}\n",
+                          tanh=_tanh)
                  for part, expression in zip(("r", "du", "db"), scheme.reaction))
