@@ -150,19 +150,13 @@ if HAS_TRITON:
         return u, v
 
     @triton.jit
-    def _step(u, v, s, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask, a, b, bp, bm,
-              WAVE: tl.constexpr, ADV: tl.constexpr, REACT, CAUSAL: tl.constexpr, HAS_INIT: tl.constexpr,
-              STEPS: tl.constexpr, C):
-        if CAUSAL:
-            if HAS_INIT:
-                init_s = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
-            else:
-                init_s = 0.0
-            left = _causal_left(u, il, lv, is_first, init_s)
-            u, v = _causal_update(u, v, left - u, vl, a, b, WAVE, ADV, REACT)
+    def _init_at(INIT, init_off, s, C, cols, cmask, HAS_INIT: tl.constexpr):
+        """Level ``s`` of a causal initial state (0 without one)."""
+        if HAS_INIT:
+            level = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
         else:
-            u, v = _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, WAVE, ADV, REACT)
-        return u, v
+            level = 0.0
+        return level
 
     @triton.jit
     def _tile_setup(M, pid_l, pid_c, pid_b, L, C, HL: tl.constexpr, T: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -257,12 +251,12 @@ if HAS_TRITON:
             u = x
             v = zero_tile
             for j in range(s):
-                u, v = _step(u, v, j, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask,
-                             a, b, bp, bm, WAVE, ADV, REACT, CAUSAL, HAS_INIT, STEPS, C)
-            if CAUSAL and HAS_INIT:
-                init_s = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
-            else:
-                init_s = 0.0
+                if CAUSAL:
+                    left = _causal_left(u, il, lv, is_first, _init_at(INIT, init_off, j, C, cols, cmask, HAS_INIT))
+                    u, v = _causal_update(u, v, left - u, vl, a, b, WAVE, ADV, REACT)
+                else:
+                    u, v = _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, WAVE, ADV, REACT)
+            init_s = _init_at(INIT, init_off, s, C, cols, cmask, HAS_INIT and CAUSAL)
             g, gv, dac, dbc = _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm,
                                        WAVE, ADV, REACT_DU, REACT_DB, CAUSAL)
             da += tl.sum(tl.where(useful, dac, 0.0), axis=0)

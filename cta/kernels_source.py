@@ -38,17 +38,11 @@ from .kernels_config import LAST_TILE_SECOND, MMA_BLOCK, MMA_MAX_STEPS, WALK_MAX
 from .kernels_jit import INTERPRET, exec_jit, reaction_functions
 from .pde_spec import SCHEMES
 
-_GEN_CACHE = {}
-
-
 @dataclass(frozen=True)
 class StreamKernelSpec:
-    """The named configuration of one generated streaming kernel (what ``stream_source`` writes).
-
-    ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state); 'bwd': the schemes that filter only
-    (``PDEScheme.filters``: diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
-    ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``pde``: the scheme's name,
-    ``steps`` = S, ``prefetch`` = D (rows loaded ahead). ``has_mask`` (padding), ``a_vec`` / ``b_vec`` (per-channel
+    """The named configuration of one generated streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal
+    final state); 'bwd' (the schemes that filter, ``PDEScheme.filters``; no initial state): ``DX = adjoint^S(GY)`` and
+    per-program partial sums of ``dL/dc`` in ``DA``. ``steps`` = S, ``prefetch`` = D (rows loaded ahead). ``has_mask`` (padding), ``a_vec`` / ``b_vec`` (per-channel
     coefficients), ``has_init`` / ``write_final`` (causal states), ``even_c`` (whole channel blocks). ``fir_unroll``:
     the banded filter's loop unroll factor (0: interior programs walk). ``mma`` > 0: interior programs run the
     filter on tensor cores (``_mma_interior`` with ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs,
@@ -90,13 +84,10 @@ class StreamKernelSpec:
         return re.sub(r"\W+", "_", "_cta_stream_" + "_".join(map(str, values)).replace("-", "m"))
 
 
+@functools.lru_cache(maxsize=None)
 def stream_kernel(spec: StreamKernelSpec):
     """Builds (once) and returns the @triton.jit streaming kernel of ``spec``."""
-    fn = _GEN_CACHE.get(spec)
-    if fn is None:
-        fn = exec_jit(spec.name, stream_source(spec), _react=reaction_functions(SCHEMES[spec.pde])[0])
-        _GEN_CACHE[spec] = fn
-    return fn
+    return exec_jit(spec.name, stream_source(spec), _react=reaction_functions(SCHEMES[spec.pde])[0])
 
 
 class _Src:
