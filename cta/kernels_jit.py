@@ -1,14 +1,17 @@
 # coding=utf-8
 """The fixed Triton kernels of the CTA PDE operator and the Triton import (a leaf of the kernel files).
 
-* ``_pde_bwd_kernel``: the tile backward of the schemes the streaming backward does not cover (wave, reaction,
-  bidirectional advection, any causal scheme with an initial state). Each program loads ``x`` and ``grad`` with a
+* ``_pde_bwd_kernel``: the tile backward of the schemes the streaming backward does not cover (those that do not
+  filter, ``PDEScheme.filters``: wave, reaction, bidirectional advection; any causal scheme with an initial state). Each program loads ``x`` and ``grad`` with a
   halo that covers the forward trajectory the adjoint needs (``2*steps`` per side bidirectional, ``steps`` each
   side causal), recomputes ``u_s`` for each adjoint step on chip and takes neighbours with ``tl.gather``.
 * ``_pde_decode_kernel``: one new token per sequence; reads and updates the causal state ``[batch, steps,
   channels]`` in place.
 * ``_sum_rows_kernel``: the per-channel coefficient gradient's atomic rows summed.
 * ``_widen``, ``_tanh``: helpers the generated streaming kernels (``kernels_source``) call too.
+
+Both fixed kernels take the scheme as constexprs derived from its ``pde_spec.PDEScheme`` (``WAVE``, ``ADV``,
+``HAS_BETA``, and its reaction and the reaction's derivatives as @triton.jit functions, ``reaction_functions``).
 
 Optional: this module imports without triton (``is_available()`` is then False). With ``TRITON_INTERPRET=1`` (Triton's
 own switch, set before triton is imported) the kernels run on CPU tensors through Triton's interpreter; that is how CI
@@ -256,7 +259,7 @@ if HAS_TRITON:
                     u, v = _causal_update(u, v, left - u, vl, a, b, WAVE, ADV, REACT)
                 else:
                     u, v = _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, WAVE, ADV, REACT)
-            init_s = _init_at(INIT, init_off, s, C, cols, cmask, HAS_INIT and CAUSAL)
+            init_s = _init_at(INIT, init_off, s, C, cols, cmask, HAS_INIT)  # (an initial state is causal)
             g, gv, dac, dbc = _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm,
                                        WAVE, ADV, REACT_DU, REACT_DB, CAUSAL)
             da += tl.sum(tl.where(useful, dac, 0.0), axis=0)

@@ -65,6 +65,8 @@ def register_scheme(scheme: PDEScheme) -> PDEScheme:
     """Makes ``scheme`` a PDE type every entry point accepts (reference, decode, Triton kernels, models)."""
     if scheme.wave and (scheme.reaction or scheme.advection):
         raise ValueError("A wave scheme takes no reaction or advection term.")
+    if SCHEMES.get(scheme.name, scheme) != scheme:  # (kernels and launch plans are cached by name)
+        raise ValueError(f"Another scheme is registered as {scheme.name!r}.")
     SCHEMES[scheme.name] = scheme
     PDE_IDS.setdefault(scheme.name, len(PDE_IDS))
     PDE_TYPE_ALIASES.update(dict.fromkeys(scheme.aliases, scheme.name))
