@@ -84,9 +84,12 @@ def test_decode_steps_continue_the_sequence(scalar):
             "reference": pde_decode_step_reference(token, states["reference"], pde_type=DECAY.name, steps=steps,
                                                    alpha=alpha, beta=beta),
         }
-        if kernels is not None:
-            outs["triton"] = kernels.pde_decode_step_triton(token, states["triton"], pde_type=DECAY.name,
-                                                            steps=steps, alpha=alpha, beta=beta)
+        if kernels is not None:  # (on DEVICE: CUDA in a GPU run)
+            state_on_device = states["triton"].to(DEVICE)
+            outs["triton"] = kernels.pde_decode_step_triton(
+                token.to(DEVICE), state_on_device, pde_type=DECAY.name, steps=steps, alpha=alpha.to(DEVICE),
+                beta=beta.to(DEVICE)).cpu()
+            states["triton"].copy_(state_on_device)
         for name, out in outs.items():
             torch.testing.assert_close(out, full[:, t], rtol=1e-5, atol=1e-5, msg=f"{name} at {t}")
 
