@@ -2,9 +2,9 @@
 """The fixed Triton kernels of the CTA PDE operator and the Triton import (a leaf of the kernel files).
 
 * ``_pde_bwd_kernel``: the tile backward of the schemes the streaming backward does not cover (those that do not
-  filter, ``PDEScheme.filters``: wave, reaction, bidirectional advection; any causal scheme with an initial state). Each program loads ``x`` and ``grad`` with a
-  halo that covers the forward trajectory the adjoint needs (``2*steps`` per side bidirectional, ``steps`` each
-  side causal), recomputes ``u_s`` for each adjoint step on chip and takes neighbours with ``tl.gather``.
+  filter, ``PDEScheme.filters``: wave, reaction, bidirectional advection; any causal scheme with an initial state).
+  Each program loads ``x`` and ``grad`` with a halo that covers the forward trajectory the adjoint needs
+  (``2*steps`` per side bidirectional, ``steps`` each side causal), recomputes ``u_s`` for each adjoint step on chip and takes neighbours with ``tl.gather``.
 * ``_pde_decode_kernel``: one new token per sequence; reads and updates the causal state ``[batch, steps,
   channels]`` in place.
 * ``_sum_rows_kernel``: the per-channel coefficient gradient's atomic rows summed.
@@ -287,9 +287,9 @@ if HAS_TRITON:
     # The pointer of level ``s`` (a separate buffer per step: see ``pde_cache``) among ``L0 .. L15``, chosen at compile
     # time: ``if s == 0: p = L0 elif s == 1: p = L1 ...``, generated.
     _LEVELS = ", ".join(f"L{i}" for i in range(16))
+    _SELECT = "".join(f"    {'if' if i == 0 else 'elif'} s == {i}:\n        p = L{i}\n" for i in range(16))
     _level_pointer = exec_jit("_level_pointer", f"@triton.jit\ndef _level_pointer(s: tl.constexpr, {_LEVELS}):\n"
-                              + "".join(f"    {'if' if i == 0 else 'elif'} s == {i}:\n        p = L{i}\n" for i in range(16))
-                              + "    return p\n")
+                              f"{_SELECT}    return p\n")
 
     @triton.jit
     def _pde_decode_kernel(

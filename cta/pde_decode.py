@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .pde_spec import WAVE_DAMPING, scheme_of, torch_expression
+from .pde_spec import WAVE_DAMPING, scheme_of
 
 
 def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Optional[torch.Tensor],
@@ -125,7 +125,7 @@ def _levels(x, stored, scheme, alpha, beta):
     if torch.is_tensor(alpha):
         alpha, beta = alpha.to(x.dtype), (beta.to(x.dtype) if torch.is_tensor(beta) else beta)
     coefficient = alpha + beta if scheme.advection else alpha
-    reaction = torch_expression(scheme.reaction[0]) if scheme.reaction else None
+    reaction = scheme.torch_reaction
     u, velocity, levels = x, None, [x]
     for value in stored:
         if scheme.wave:

@@ -34,8 +34,7 @@ from typing import Optional
 
 import torch
 
-from .pde_spec import (WAVE_DAMPING, check_decode_arguments, check_pde_arguments, clamp_coefficients, scheme_of,
-                       torch_expression)
+from .pde_spec import WAVE_DAMPING, check_decode_arguments, check_pde_arguments, clamp_coefficients, scheme_of
 
 
 
@@ -50,7 +49,7 @@ def _bidirectional_step(u, v, scheme, alpha, beta, open_edge, valid):
         v = (1.0 - WAVE_DAMPING) * v + update
         return u + v, v
     if scheme.reaction:
-        update = update + torch_expression(scheme.reaction[0])(u, beta) * valid
+        update = update + scheme.torch_reaction(u, beta) * valid
     return u + update, v
 
 
@@ -62,7 +61,7 @@ def _causal_step(u, v, left, scheme, alpha, beta, valid):
         return u + v, v
     update = (alpha + beta if scheme.advection else alpha) * pull
     if scheme.reaction:
-        update = update + torch_expression(scheme.reaction[0])(u, beta)
+        update = update + scheme.torch_reaction(u, beta)
     return u + update * valid, v
 
 

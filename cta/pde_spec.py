@@ -9,9 +9,8 @@ A leaf module: the reference (``pde_reference``), the decode step (``pde_decode`
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -44,6 +43,11 @@ class PDEScheme:
     reaction: Optional[Tuple[str, str, str]] = None
     linear: bool = True
     aliases: Tuple[str, ...] = ()
+    torch_reaction: Optional[Callable] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):  # R(u, b) as a torch function, for the reference and the decode step
+        react = self.reaction and eval(f"lambda u, b: {self.reaction[0]}", {"tanh": torch.tanh})  # noqa: S307
+        object.__setattr__(self, "torch_reaction", react or None)
 
     @property
     def uses_beta(self) -> bool:
@@ -127,12 +131,6 @@ def uses_beta(pde_type: str) -> bool:
 def coefficient_bounds(pde_type: str, causal: bool):
     """``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` inside which the scheme is non-expansive."""
     return scheme_of(pde_type).bounds[bool(causal)]
-
-
-@functools.lru_cache(maxsize=None)
-def torch_expression(expression: str):
-    """A scheme's reaction expression in ``u`` and ``b`` as a torch function ``f(u, b)``."""
-    return eval(f"lambda u, b: {expression}", {"tanh": torch.tanh})  # noqa: S307 (a scheme's own definition)
 
 
 def _as_coefficient(value, name: str, channels: int, device, interval=None, scheme=None) -> Optional[torch.Tensor]:
