@@ -4,7 +4,8 @@
 * ``_pde_bwd_kernel``: the tile backward of the schemes the streaming backward does not cover (those that do not
   filter, ``PDEScheme.filters``: wave, reaction, bidirectional advection; any causal scheme with an initial state).
   Each program loads ``x`` and ``grad`` with a halo that covers the forward trajectory the adjoint needs
-  (``2*steps`` per side bidirectional, ``steps`` each side causal), recomputes ``u_s`` for each adjoint step on chip and takes neighbours with ``tl.gather``.
+  (``2*steps`` per side bidirectional, ``steps`` each side causal), recomputes ``u_s`` for each adjoint step on
+  chip and takes neighbours with ``tl.gather``.
 * ``_pde_decode_kernel``: one new token per sequence; reads and updates the causal state ``[batch, steps,
   channels]`` in place.
 * ``_sum_rows_kernel``: the per-channel coefficient gradient's atomic rows summed.
