@@ -296,7 +296,7 @@ if HAS_TRITON:
     def _pde_decode_kernel(
         X, Y, TM, A, Bc, C, sxb, slb, stm,
         L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15,
-        WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT, REACT_DU, REACT_DB,
+        WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT,
         CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
         STEPS: tl.constexpr, HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr, BLOCK_C: tl.constexpr,
     ):

@@ -252,7 +252,8 @@ def _token_mask_arg(token_mask: Optional[torch.Tensor], x: torch.Tensor) -> Tupl
 def _decode_launch(pde, steps, batch, channels, has_mask, a_vec, b_vec, bounds):
     """(launcher, constexpr arguments) of the decode kernel."""
     block_c = min(next_pow2(channels), 1024)
-    consts = (*_scheme_constexprs(pde, bounds), steps, has_mask, a_vec, b_vec, block_c)
+    scheme = _scheme_constexprs(pde, bounds)  # (the reaction's derivatives are the backward's)
+    consts = (*scheme[:4], *scheme[6:], steps, has_mask, a_vec, b_vec, block_c)
     return _pde_decode_kernel[(cdiv(channels, block_c), batch)], consts
 
 
