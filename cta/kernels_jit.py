@@ -114,7 +114,8 @@ if HAS_TRITON:
         return a, b
 
     @triton.jit
-    def _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, WAVE: tl.constexpr, ADV: tl.constexpr, REACT):
+    def _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, WAVE: tl.constexpr, ADV: tl.constexpr,
+                   REACT: tl.constexpr):
         ur = tl.gather(u, ir, 0)
         if WAVE:
             ul = tl.gather(u, il, 0)
@@ -137,7 +138,7 @@ if HAS_TRITON:
         return tl.where(is_first, init_s, tl.gather(u, il, 0) * lv)
 
     @triton.jit
-    def _causal_update(u, v, pull, vl, a, b, WAVE: tl.constexpr, ADV: tl.constexpr, REACT):
+    def _causal_update(u, v, pull, vl, a, b, WAVE: tl.constexpr, ADV: tl.constexpr, REACT: tl.constexpr):
         """One causal level from the pull towards the left neighbour (``left - u``): the one definition of the causal
         step shared by the tile kernels and the decode kernel (the generated kernels emit the same operations)."""
         if WAVE:
@@ -181,7 +182,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm, WAVE: tl.constexpr,
-                 ADV: tl.constexpr, REACT_DU, REACT_DB, CAUSAL: tl.constexpr):
+                 ADV: tl.constexpr, REACT_DU: tl.constexpr, REACT_DB: tl.constexpr,
+                 CAUSAL: tl.constexpr):
         """One adjoint step at the iterate ``u`` (= u_s): (g, gv) = grads of (u_{s+1}, v_{s+1}) -> those of step s,
         plus the per-element contributions to dL/da, dL/db of this step. The reaction's terms are the scheme's
         derivatives ``REACT_DU``, ``REACT_DB`` (``PDEScheme.reaction``)."""
@@ -224,9 +226,9 @@ if HAS_TRITON:
     def _pde_bwd_kernel(
         GY, X, DX, M, A, Bc, INIT, DA, DB,
         L, C, sxb, sxl, sgb, sgl, n_tiles,
-        WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT, REACT_DU, REACT_DB,
-        CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
-        CAUSAL: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
+        WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT: tl.constexpr, REACT_DU: tl.constexpr,
+        REACT_DB: tl.constexpr, CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr,
+        B_HI: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
         HAS_INIT: tl.constexpr, HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         pid_l = tl.program_id(0)
@@ -296,7 +298,7 @@ if HAS_TRITON:
     def _pde_decode_kernel(
         X, Y, TM, A, Bc, C, sxb, slb, stm,
         L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15,
-        WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT,
+        WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT: tl.constexpr,
         CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
         STEPS: tl.constexpr, HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
