@@ -228,8 +228,9 @@ if HAS_TRITON:
         L, C, sxb, sxl, sgb, sgl, n_tiles,
         WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT: tl.constexpr, REACT_DU: tl.constexpr,
         REACT_DB: tl.constexpr, CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr,
-        B_HI: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
-        HAS_INIT: tl.constexpr, HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+        B_HI: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr, A_VEC: tl.constexpr,
+        B_VEC: tl.constexpr, HAS_INIT: tl.constexpr, HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         pid_l = tl.program_id(0)
         pid_c = tl.program_id(1)
