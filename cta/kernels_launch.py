@@ -174,10 +174,7 @@ def _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal, bounds):
         pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
         x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(), bounds,
     )
-    if atomic:
-        da = torch.zeros(da_shape, device=x.device, dtype=torch.float32)
-    else:
-        da = torch.empty(da_shape, device=x.device, dtype=torch.float32)
+    da = (torch.zeros if atomic else torch.empty)(da_shape, device=x.device, dtype=torch.float32)  # (atomics add)
     launch(gy, x, dx, m if m is not None else x, a, b, da, *ints, num_warps=warps)
     if atomic:
         return da[0] if groups == 1 else _sum_rows(da)

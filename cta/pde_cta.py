@@ -33,7 +33,6 @@ from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names
     clamp_coefficients,
     coefficient_bounds,
     normalize_pde_type,
-    register_scheme,
     scheme_of,
     uses_beta,
 )
