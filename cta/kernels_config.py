@@ -28,13 +28,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-def is_linear(pde: str, causal: bool, has_init: bool) -> bool:
-    """Whether the scheme is a constant-coefficient linear stencil (banded filters, streaming backward)."""
-    if has_init:
-        return False
-    return pde == "diffusion" or (pde == "advection_diffusion" and causal)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The tile backward (``kernels_jit._pde_bwd_kernel``): wave, reaction, bidirectional advection, causal states
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,14 +1,18 @@
 # coding=utf-8
 """The fixed Triton kernels of the CTA PDE operator and the Triton import (a leaf of the kernel files).
 
-* ``_pde_bwd_kernel``: the tile backward of the schemes the streaming backward does not cover (wave, reaction,
-  bidirectional advection, any causal scheme with an initial state). Each program loads ``x`` and ``grad`` with a
-  halo that covers the forward trajectory the adjoint needs (``2*steps`` per side bidirectional, ``steps`` each
-  side causal), recomputes ``u_s`` for each adjoint step on chip and takes neighbours with ``tl.gather``.
+* ``_pde_bwd_kernel``: the tile backward of the schemes the streaming backward does not cover (those that do not
+  filter, ``PDEScheme.filters``: wave, reaction, bidirectional advection; any causal scheme with an initial state).
+  Each program loads ``x`` and ``grad`` with a halo that covers the forward trajectory the adjoint needs
+  (``2*steps`` per side bidirectional, ``steps`` each side causal), recomputes ``u_s`` for each adjoint step on
+  chip and takes neighbours with ``tl.gather``.
 * ``_pde_decode_kernel``: one new token per sequence; reads and updates the causal state ``[batch, steps,
   channels]`` in place.
 * ``_sum_rows_kernel``: the per-channel coefficient gradient's atomic rows summed.
 * ``_widen``, ``_tanh``: helpers the generated streaming kernels (``kernels_source``) call too.
+
+Both fixed kernels take the scheme as constexprs derived from its ``pde_spec.PDEScheme`` (``WAVE``, ``ADV``,
+``HAS_BETA``, and its reaction and the reaction's derivatives as @triton.jit functions, ``reaction_functions``).
 
 Optional: this module imports without triton (``is_available()`` is then False). With ``TRITON_INTERPRET=1`` (Triton's
 own switch, set before triton is imported) the kernels run on CPU tensors through Triton's interpreter; that is how CI
@@ -18,6 +22,8 @@ checks parity.
 from __future__ import annotations
 
 import functools
+import linecache
+import re
 
 import torch
 
@@ -44,11 +50,17 @@ def is_available() -> bool:
     return HAS_TRITON and (INTERPRET or torch.cuda.is_available())
 
 
+def exec_jit(name: str, src: str, **names):
+    """The @triton.jit function ``name`` defined by the generated source ``src`` (kept in linecache, so that Triton
+    and tracebacks can read it); it sees this module's names (Triton, the helpers below) and ``names``."""
+    filename = f"<cta-triton-generated:{name}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    namespace = dict(globals(), **names)
+    exec(compile(src, filename, "exec"), namespace)
+    return namespace[name]
+
+
 if HAS_TRITON:
-    _DIFF = tl.constexpr(0)
-    _WAVE = tl.constexpr(1)
-    _REACT = tl.constexpr(2)
-    _ADV = tl.constexpr(3)
     _KEEP = tl.constexpr(1.0 - WAVE_DAMPING)
 
     # bf16 -> fp32 of the per-channel filters' rows: a bf16 is the top half of an fp32, so each packed pair widens
@@ -86,33 +98,38 @@ if HAS_TRITON:
         return c.to(tl.float32)
 
     @triton.jit
-    def _load_coefs(A, Bc, cols, cmask, A_VEC: tl.constexpr, B_VEC: tl.constexpr, PDE: tl.constexpr):
-        """(alpha, beta) of a kernel; beta is zero for the schemes without one."""
+    def _load_coefs(A, Bc, cols, cmask, A_VEC: tl.constexpr, B_VEC: tl.constexpr, HAS_BETA: tl.constexpr,
+                    CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr,
+                    B_HI: tl.constexpr):
+        """(alpha, beta) of a kernel (beta zero for the schemes without one), clamped into the scheme's bounds with
+        ``CLAMP``: the learnable module's projection, done where the coefficient is read (no clamp launch)."""
         a = _load_coef(A, cols, cmask, A_VEC)
-        if PDE == _DIFF:
-            b = a * 0.0
-        elif PDE == _WAVE:
-            b = a * 0.0
-        else:
+        if HAS_BETA:
             b = _load_coef(Bc, cols, cmask, B_VEC)
+        else:
+            b = a * 0.0
+        if CLAMP:
+            a = tl.minimum(tl.maximum(a, A_LO), A_HI)
+            b = tl.minimum(tl.maximum(b, B_LO), B_HI)
         return a, b
 
     @triton.jit
-    def _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, PDE: tl.constexpr):
+    def _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, WAVE: tl.constexpr, ADV: tl.constexpr,
+                   REACT: tl.constexpr):
         ur = tl.gather(u, ir, 0)
-        if PDE == _WAVE:
+        if WAVE:
             ul = tl.gather(u, il, 0)
             v = _KEEP * v + a * (orr * (ur - u) - ol * (u - ul))
             u = u + v
         else:
-            if PDE == _ADV:
+            if ADV:
                 gr = orr * (a * (ur - u) - bp * u - bm * ur)
             else:
                 gr = orr * (a * (ur - u))
             gl = tl.gather(gr, il, 0)  # flux through the left edge = flux of the row before (mask included)
             upd = gr - gl
-            if PDE == _REACT:
-                upd = upd - b * _tanh(u) * vl
+            if REACT is not None:
+                upd = upd + REACT(u, b) * vl
             u = u + upd
         return u, v
 
@@ -121,38 +138,30 @@ if HAS_TRITON:
         return tl.where(is_first, init_s, tl.gather(u, il, 0) * lv)
 
     @triton.jit
-    def _causal_update(u, v, pull, vl, a, b, PDE: tl.constexpr):
+    def _causal_update(u, v, pull, vl, a, b, WAVE: tl.constexpr, ADV: tl.constexpr, REACT: tl.constexpr):
         """One causal level from the pull towards the left neighbour (``left - u``): the one definition of the causal
         step shared by the tile kernels and the decode kernel (the generated kernels emit the same operations)."""
-        if PDE == _WAVE:
+        if WAVE:
             v = _KEEP * v + a * pull * vl
             u = u + v
         else:
-            if PDE == _ADV:
+            if ADV:
                 upd = (a + b) * pull
             else:
                 upd = a * pull
-            if PDE == _REACT:
-                upd = upd - b * _tanh(u)
+            if REACT is not None:
+                upd = upd + REACT(u, b)
             u = u + upd * vl
         return u, v
 
     @triton.jit
-    def _causal_step(u, v, il, lv, vl, is_first, init_s, a, b, PDE: tl.constexpr):
-        return _causal_update(u, v, _causal_left(u, il, lv, is_first, init_s) - u, vl, a, b, PDE)
-
-    @triton.jit
-    def _step(u, v, s, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask, a, b, bp, bm,
-              PDE: tl.constexpr, CAUSAL: tl.constexpr, HAS_INIT: tl.constexpr, STEPS: tl.constexpr, C):
-        if CAUSAL:
-            if HAS_INIT:
-                init_s = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
-            else:
-                init_s = 0.0
-            u, v = _causal_step(u, v, il, lv, vl, is_first, init_s, a, b, PDE)
+    def _init_at(INIT, init_off, s, C, cols, cmask, HAS_INIT: tl.constexpr):
+        """Level ``s`` of a causal initial state (0 without one)."""
+        if HAS_INIT:
+            level = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
         else:
-            u, v = _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, PDE)
-        return u, v
+            level = 0.0
+        return level
 
     @triton.jit
     def _tile_setup(M, pid_l, pid_c, pid_b, L, C, HL: tl.constexpr, T: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -172,82 +181,56 @@ if HAS_TRITON:
         return rows, cols, cmask, b64, pos, inseq, vl, vprev, vnext, il, ir
 
     @triton.jit
-    def _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm,
-                 PDE: tl.constexpr, CAUSAL: tl.constexpr, COEF: tl.constexpr):
+    def _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm, WAVE: tl.constexpr,
+                 ADV: tl.constexpr, REACT_DU: tl.constexpr, REACT_DB: tl.constexpr,
+                 CAUSAL: tl.constexpr):
         """One adjoint step at the iterate ``u`` (= u_s): (g, gv) = grads of (u_{s+1}, v_{s+1}) -> those of step s,
-        plus the per-element contributions to dL/da, dL/db of this step (zeros when COEF is False)."""
-        dac = g * 0.0
+        plus the per-element contributions to dL/da, dL/db of this step. The reaction's terms are the scheme's
+        derivatives ``REACT_DU``, ``REACT_DB`` (``PDEScheme.reaction``)."""
         dbc = g * 0.0
         if CAUSAL:
-            if PDE == _WAVE:
-                h = gv + g
-                w = h * vl
-                gv = _KEEP * h
-                g = g + a * (vl * tl.gather(w, ir, 0) - w)
-                if COEF:
-                    dac = w * (_causal_left(u, il, lv, is_first, init_s) - u)
-            else:
-                if PDE == _ADV:
-                    c = a + b
-                else:
-                    c = a
-                w = g * vl
-                if PDE == _REACT:
-                    th = _tanh(u)
-                    gnew = g - w * (c + b * (1.0 - th * th)) + c * vl * tl.gather(w, ir, 0)
-                    if COEF:
-                        dbc = -w * th
-                else:
-                    gnew = g - w * c + c * vl * tl.gather(w, ir, 0)
-                if COEF:
-                    dac = w * (_causal_left(u, il, lv, is_first, init_s) - u)
-                    if PDE == _ADV:
-                        dbc = dac
-                g = gnew
+            w = g * vl  # (wave: the velocity's gradient joins the position's)
+            if WAVE:
+                w = (gv + g) * vl
+                gv = _KEEP * (gv + g)
+            c = a + b if ADV else a
+            dac = w * (_causal_left(u, il, lv, is_first, init_s) - u)
+            g = g + c * (vl * tl.gather(w, ir, 0) - w)
+            if ADV:
+                dbc = dac
         else:
-            if PDE == _WAVE:
+            h = g
+            if WAVE:
                 h = gv + g
-                hl = tl.gather(h, il, 0)
-                hr = tl.gather(h, ir, 0)
                 gv = _KEEP * h
-                g = g + a * (orr * (hr - h) - ol * (h - hl))
-                if COEF:
-                    ul = tl.gather(u, il, 0)
-                    ur = tl.gather(u, ir, 0)
-                    dac = h * (orr * (ur - u) - ol * (u - ul))
+            ul = tl.gather(u, il, 0)
+            ur = tl.gather(u, ir, 0)
+            dac = h * (orr * (ur - u) - ol * (u - ul))
+            hl = tl.gather(h, il, 0)
+            hr = tl.gather(h, ir, 0)
+            if ADV:
+                d = 1.0 - orr * (a + bp) - ol * (a - bm)
+                g = g * d + ol * (a - bm) * hl + orr * (a + bp) * hr
+                dbp = h * (ol * ul - orr * u)
+                dbm = h * (ol * u - orr * ur)
+                dbc = tl.where(b >= 0.0, dbp, 0.0) + tl.where(b <= 0.0, dbm, 0.0)
             else:
-                gl = tl.gather(g, il, 0)
-                gr = tl.gather(g, ir, 0)
-                if PDE == _ADV:
-                    d = 1.0 - orr * (a + bp) - ol * (a - bm)
-                    gnew = g * d + ol * (a - bm) * gl + orr * (a + bp) * gr
-                elif PDE == _REACT:
-                    th = _tanh(u)
-                    d = 1.0 - (orr + ol) * a - b * (1.0 - th * th) * vl
-                    gnew = g * d + a * (ol * gl + orr * gr)
-                    if COEF:
-                        dbc = -g * th * vl
-                else:
-                    gnew = g * (1.0 - (orr + ol) * a) + a * (ol * gl + orr * gr)
-                if COEF:
-                    ul = tl.gather(u, il, 0)
-                    ur = tl.gather(u, ir, 0)
-                    dac = g * (orr * (ur - u) - ol * (u - ul))
-                    if PDE == _ADV:
-                        dbp = g * (ol * ul - orr * u)
-                        dbm = g * (ol * u - orr * ur)
-                        dbc = tl.where(b >= 0.0, dbp, 0.0) + tl.where(b <= 0.0, dbm, 0.0)
-                g = gnew
+                g = g + a * (orr * (hr - h) - ol * (h - hl))
+            w = h * vl
+        if REACT_DU is not None:
+            g = g + w * REACT_DU(u, b)
+            dbc = w * REACT_DB(u, b)
         return g, gv, dac, dbc
 
     @triton.jit
     def _pde_bwd_kernel(
         GY, X, DX, M, A, Bc, INIT, DA, DB,
         L, C, sxb, sxl, sgb, sgl, n_tiles,
-        PDE: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr,
-        HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
-        HAS_INIT: tl.constexpr, LINEAR: tl.constexpr,
-        HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+        WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT: tl.constexpr, REACT_DU: tl.constexpr,
+        REACT_DB: tl.constexpr, CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr,
+        B_HI: tl.constexpr, CAUSAL: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr, A_VEC: tl.constexpr,
+        B_VEC: tl.constexpr, HAS_INIT: tl.constexpr, HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr,
+        BLOCK_C: tl.constexpr,
     ):
         pid_l = tl.program_id(0)
         pid_c = tl.program_id(1)
@@ -257,7 +240,7 @@ if HAS_TRITON:
         lmask = inseq & cmask
         x = tl.load(X + b64 * sxb + pos * sxl + cols, mask=lmask, other=0.0).to(tl.float32)
         g = tl.load(GY + b64 * sgb + pos * sgl + cols, mask=lmask, other=0.0).to(tl.float32)
-        a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, PDE)
+        a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, HAS_BETA, CLAMP, A_LO, A_HI, B_LO, B_HI)
         bp = tl.maximum(b, 0.0)
         bm = tl.minimum(b, 0.0)
         ol = vl * vprev
@@ -268,49 +251,31 @@ if HAS_TRITON:
         useful = (rows >= HL) & (rows < HL + T) & inseq
         zero_tile = tl.zeros([BLOCK_L, BLOCK_C], dtype=tl.float32)
         gv = zero_tile
-        if LINEAR:
-            # u -> u + c A u: dL/dc = STEPS * <g_S, A u_{S-1}>, and the adjoint needs no trajectory.
+        da = tl.sum(zero_tile, axis=0)
+        db = da
+        for k in range(STEPS):  # the adjoint of step s at its iterate u_s, recomputed from x (no trajectory kept)
+            s = STEPS - 1 - k
             u = x
             v = zero_tile
-            for s in range(STEPS - 1):
-                u, v = _step(u, v, s, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask, a, b, bp, bm,
-                             PDE, CAUSAL, False, STEPS, C)
-            if CAUSAL:
-                au = vl * (_causal_left(u, il, lv, is_first, 0.0) - u)
-            else:
-                au = orr * (tl.gather(u, ir, 0) - u) - ol * (u - tl.gather(u, il, 0))
-            da = tl.sum(tl.where(useful, g * au, 0.0), axis=0) * STEPS
-            db = da
-            for k in range(STEPS):
-                g, gv, dac, dbc = _adjoint(g, gv, x, il, ir, vl, ol, orr, lv, is_first, 0.0, a, b, bp, bm,
-                                           PDE, CAUSAL, False)
-        else:
-            da = tl.sum(zero_tile, axis=0)
-            db = da
-            for k in range(STEPS):
-                s = STEPS - 1 - k
-                u = x
-                v = zero_tile
-                for j in range(s):
-                    u, v = _step(u, v, j, il, ir, vl, ol, orr, lv, is_first, INIT, init_off, cols, cmask,
-                                 a, b, bp, bm, PDE, CAUSAL, HAS_INIT, STEPS, C)
-                if CAUSAL and HAS_INIT:
-                    init_s = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
+            for j in range(s):
+                if CAUSAL:
+                    left = _causal_left(u, il, lv, is_first, _init_at(INIT, init_off, j, C, cols, cmask, HAS_INIT))
+                    u, v = _causal_update(u, v, left - u, vl, a, b, WAVE, ADV, REACT)
                 else:
-                    init_s = 0.0
-                g, gv, dac, dbc = _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm,
-                                           PDE, CAUSAL, True)
-                da += tl.sum(tl.where(useful, dac, 0.0), axis=0)
-                db += tl.sum(tl.where(useful, dbc, 0.0), axis=0)
+                    u, v = _bidi_step(u, v, il, ir, vl, ol, orr, a, b, bp, bm, WAVE, ADV, REACT)
+            init_s = _init_at(INIT, init_off, s, C, cols, cmask, HAS_INIT)  # (an initial state is causal)
+            g, gv, dac, dbc = _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm,
+                                       WAVE, ADV, REACT_DU, REACT_DB, CAUSAL)
+            da += tl.sum(tl.where(useful, dac, 0.0), axis=0)
+            db += tl.sum(tl.where(useful, dbc, 0.0), axis=0)
         out_mask = useful & cmask
         tl.store(DX + (b64 * L + pos) * C + cols, g.to(DX.dtype.element_ty), mask=out_mask)
         ccols = tl.reshape(cols, [BLOCK_C])
         ccmask = tl.reshape(cmask, [BLOCK_C])
         poff = (b64 * n_tiles + pid_l) * C
         tl.store(DA + poff + ccols, da, mask=ccmask)
-        if PDE != _DIFF:
-            if PDE != _WAVE:
-                tl.store(DB + poff + ccols, db, mask=ccmask)
+        if HAS_BETA:
+            tl.store(DB + poff + ccols, db, mask=ccmask)
 
     @triton.jit
     def _sum_rows_kernel(SRC, DST, rows, C, BLOCK: tl.constexpr):
@@ -323,50 +288,20 @@ if HAS_TRITON:
             total += tl.load(SRC + r * C + cols, mask=cmask, other=0.0)
         tl.store(DST + cols, total, mask=cmask)
 
-    @triton.jit
-    def _level_pointer(s: tl.constexpr, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15):
-        """The pointer of level ``s`` (a separate buffer per step: see ``pde_cache``), chosen at compile time."""
-        if s == 0:
-            p = L0
-        elif s == 1:
-            p = L1
-        elif s == 2:
-            p = L2
-        elif s == 3:
-            p = L3
-        elif s == 4:
-            p = L4
-        elif s == 5:
-            p = L5
-        elif s == 6:
-            p = L6
-        elif s == 7:
-            p = L7
-        elif s == 8:
-            p = L8
-        elif s == 9:
-            p = L9
-        elif s == 10:
-            p = L10
-        elif s == 11:
-            p = L11
-        elif s == 12:
-            p = L12
-        elif s == 13:
-            p = L13
-        elif s == 14:
-            p = L14
-        else:
-            p = L15
-        return p
+    # The pointer of level ``s`` (a separate buffer per step: see ``pde_cache``) among ``L0 .. L15``, chosen at compile
+    # time: ``if s == 0: p = L0 elif s == 1: p = L1 ...``, generated.
+    _LEVELS = ", ".join(f"L{i}" for i in range(16))
+    _SELECT = "".join(f"    {'if' if i == 0 else 'elif'} s == {i}:\n        p = L{i}\n" for i in range(16))
+    _level_pointer = exec_jit("_level_pointer", f"@triton.jit\ndef _level_pointer(s: tl.constexpr, {_LEVELS}):\n"
+                              f"{_SELECT}    return p\n")
 
     @triton.jit
     def _pde_decode_kernel(
         X, Y, TM, A, Bc, C, sxb, slb, stm,
         L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15,
-        PDE: tl.constexpr, STEPS: tl.constexpr, HAS_MASK: tl.constexpr,
-        A_VEC: tl.constexpr, B_VEC: tl.constexpr, BLOCK_C: tl.constexpr,
+        WAVE: tl.constexpr, ADV: tl.constexpr, HAS_BETA: tl.constexpr, REACT: tl.constexpr,
         CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr, B_HI: tl.constexpr,
+        STEPS: tl.constexpr, HAS_MASK: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
         pid_c = tl.program_id(0)
         b64 = tl.program_id(1).to(tl.int64)
@@ -378,17 +313,26 @@ if HAS_TRITON:
             vl = tl.load(TM + b64 * stm + cols * 0).to(tl.float32)
         else:
             vl = 1.0
-        a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, PDE)
-        if CLAMP:  # the learnable module's projection onto the stable bounds (no clamp launch per token)
-            a = tl.minimum(tl.maximum(a, A_LO), A_HI)
-            b = tl.minimum(tl.maximum(b, B_LO), B_HI)
+        a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, HAS_BETA, CLAMP, A_LO, A_HI, B_LO, B_HI)
         for s in tl.static_range(STEPS):  # level s: its own buffer, `slb` apart between sequences
             level = _level_pointer(s, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15)
             sp = level + b64 * slb + cols
             left = tl.load(sp, mask=cmask, other=0.0)
             tl.store(sp, u * vl, mask=cmask)
-            u, v = _causal_update(u, v, left - u, vl, a, b, PDE)
+            u, v = _causal_update(u, v, left - u, vl, a, b, WAVE, ADV, REACT)
         tl.store(Y + b64 * C + cols, u.to(Y.dtype.element_ty), mask=cmask)
 
 else:  # pragma: no cover - without triton nothing here is launched
     _KEEP = _tanh = _widen = None
+
+
+@functools.lru_cache(maxsize=None)
+def reaction_functions(scheme) -> tuple:
+    """``(R, dR/du, dR/db)`` of a ``PDEScheme``'s reaction as @triton.jit functions of ``(u, b)`` (the kernels'
+    constexpr arguments ``REACT``, ``REACT_DU``, ``REACT_DB``), or Nones for a scheme without one."""
+    if scheme.reaction is None:
+        return None, None, None
+    stem = "_cta_reaction_" + re.sub(r"\W", "_", scheme.name)
+    return tuple(exec_jit(f"{stem}_{part}", f"@triton.jit\ndef {stem}_{part}(u, b):\n    return {expression}\n",
+                          tanh=_tanh)
+                 for part, expression in zip(("r", "du", "db"), scheme.reaction))

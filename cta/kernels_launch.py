@@ -19,16 +19,15 @@ from .kernels_config import (
     MAX_FUSED_STEPS,
     cdiv,
     coef_grad_groups,
-    is_linear,
     next_pow2,
     static_rows,
     stream_plan,
     tile_config,
     walls_mode,
 )
-from .kernels_jit import _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel
-from .kernels_source import stream_args, stream_kernel
-from .pde_spec import PDE_IDS
+from .kernels_jit import _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
+from .kernels_source import StreamKernelSpec, stream_args, stream_kernel
+from .pde_spec import SCHEMES
 
 SUM_ROWS_BLOCK = 512  # channels per program of the coefficient gradient's row sum
 DECODE_WARPS = 4
@@ -89,6 +88,17 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _scheme_constexprs(pde: str, bounds) -> tuple:
+    """The fixed kernels' scheme and bounds constexprs, in their order: (WAVE, ADV, HAS_BETA, REACT, REACT_DU,
+    REACT_DB, CLAMP, A_LO, A_HI, B_LO, B_HI), from the scheme's definition (``pde_spec.PDEScheme``)."""
+    scheme = SCHEMES[pde]
+    unbounded = (-FLOAT32_MAX, FLOAT32_MAX)
+    (a_lo, a_hi), (b_lo, b_hi) = (bounds[0], bounds[1] or unbounded) if bounds is not None else (unbounded,) * 2
+    return (scheme.wave, scheme.advection, scheme.uses_beta, *reaction_functions(scheme), bounds is not None,
+            float(a_lo), float(a_hi), float(b_lo), float(b_hi))
+
+
 # Eager calls are host-bound at small shapes: everything a streaming launch derives from its inputs' metadata (the
 # configuration, the generated kernel, the grid, the integer arguments) is computed once per distinct metadata and
 # cached, so that a repeated call costs a dict lookup and Triton's launch.
@@ -96,43 +106,44 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4096)
 def _forward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, dtype, on_gpu, a_vec, b_vec, has_mask,
-                    has_init, write_final):
+                    has_init, write_final, bounds):
     """(launcher, integer arguments, num_warps) of the streaming forward for one input's metadata."""
     per_channel = a_vec or b_vec
+    filters = SCHEMES[pde].filters(causal) and not has_init
     t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "fwd", steps, causal, per_channel,
-                                                    has_mask, is_linear(pde, causal, has_init))
-    static = static_rows("fwd", causal, per_channel, unroll, mma)
-    kernel = stream_kernel((
-        "fwd", pde, causal, steps, d, has_mask, a_vec, b_vec, has_init, write_final, channels % block_c == 0,
-        unroll, mma, walls_mode("fwd", seq, steps, causal, has_init, write_final, per_channel, mma > 0), False,
-        ("fwd", causal, per_channel) in FIR_POINTER_STEPS, static,
-    ))
-    ints, consts = stream_args("fwd", static, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl)
-    return kernel[(cdiv(channels, block_c), cdiv(seq, t), batch)], ints + consts, warps
+                                                    has_mask, filters)
+    spec = StreamKernelSpec(
+        "fwd", pde, causal, steps, d, has_mask=has_mask, a_vec=a_vec, b_vec=b_vec, has_init=has_init,
+        write_final=write_final, even_c=channels % block_c == 0, fir_unroll=unroll, mma=mma,
+        walls=walls_mode("fwd", seq, steps, causal, has_init, write_final, per_channel, mma > 0),
+        pointers=("fwd", causal, per_channel) in FIR_POINTER_STEPS,
+        static_rows=static_rows("fwd", causal, per_channel, unroll, mma), bounds=bounds)
+    ints, consts = stream_args("fwd", spec.static_rows, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl)
+    return stream_kernel(spec)[(cdiv(channels, block_c), cdiv(seq, t), batch)], ints + consts, warps
 
 
-def _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal):
+def _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal, bounds):
     batch, seq, channels = x.shape
     a, a_vec = _coef_arg(alpha, x)
     b, b_vec = _coef_arg(beta, x)
     m = _mask_arg(mask)
     has_init = init is not None and causal
     launch, ints, warps = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1),
-                                          x.dtype, x.is_cuda, a_vec, b_vec, m is not None, has_init, fin is not None)
+                                          x.dtype, x.is_cuda, a_vec, b_vec, m is not None, has_init, fin is not None,
+                                          bounds)
     ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else x
     launch(x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints, num_warps=warps)
 
 
 @functools.lru_cache(maxsize=4096)
 def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sgl, dtype, on_gpu, a_vec, b_vec,
-                     has_mask, deterministic):
+                     has_mask, deterministic, bounds):
     """(launcher, integer arguments, num_warps, shape of the coefficient-gradient buffer, atomic, groups) of the
     streaming backward for one input's metadata."""
     per_channel = a_vec or b_vec
     t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "bwd", steps, causal, per_channel,
                                                     has_mask, True)
     n_tiles = cdiv(seq, t)
-    static = static_rows("bwd", causal, per_channel, unroll, mma)
     # per channel: atomics into a few [channels] rows; deterministic: [tiles, channels] partial sums in fixed order
     atomic = per_channel and not deterministic
     groups = coef_grad_groups(channels, batch * n_tiles) if atomic else 1
@@ -140,18 +151,18 @@ def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sg
         da_shape = (groups, channels)
     else:
         da_shape = (batch * n_tiles, channels if per_channel else cdiv(channels, block_c))
-    kernel = stream_kernel((
-        "bwd", pde, causal, steps, d, has_mask, a_vec, b_vec, False, False, channels % block_c == 0,
-        unroll, mma, walls_mode("bwd", seq, steps, causal, False, False, per_channel, mma > 0), atomic,
-        ("bwd", causal, per_channel) in FIR_POINTER_STEPS, static,
-    ))
-    ints, consts = stream_args("bwd", static, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl, sgb=sgb, sgl=sgl,
-                               n_tiles=n_tiles, n_groups=groups)
-    launch = kernel[(cdiv(channels, block_c), n_tiles, batch)]
+    spec = StreamKernelSpec(
+        "bwd", pde, causal, steps, d, has_mask=has_mask, a_vec=a_vec, b_vec=b_vec, even_c=channels % block_c == 0,
+        fir_unroll=unroll, mma=mma, walls=walls_mode("bwd", seq, steps, causal, False, False, per_channel, mma > 0),
+        coef_atomic=atomic, pointers=("bwd", causal, per_channel) in FIR_POINTER_STEPS,
+        static_rows=static_rows("bwd", causal, per_channel, unroll, mma), bounds=bounds)
+    ints, consts = stream_args("bwd", spec.static_rows, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl, sgb=sgb,
+                               sgl=sgl, n_tiles=n_tiles, n_groups=groups)
+    launch = stream_kernel(spec)[(cdiv(channels, block_c), n_tiles, batch)]
     return launch, ints + consts, warps, da_shape, atomic, groups
 
 
-def _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal):
+def _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal, bounds):
     """Runs the streaming backward; returns the gradient of the kernel's coefficient summed to [channels] when it is
     per channel, to one value (0-d) when it is a scalar (each program then writes one partial sum, not one per
     channel)."""
@@ -161,47 +172,48 @@ def _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal):
     m = _mask_arg(mask)
     launch, ints, warps, da_shape, atomic, groups = _backward_launch(
         pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
-        x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(),
+        x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(), bounds,
     )
-    if atomic:
-        da = torch.zeros(da_shape, device=x.device, dtype=torch.float32)
-    else:
-        da = torch.empty(da_shape, device=x.device, dtype=torch.float32)
+    da = (torch.zeros if atomic else torch.empty)(da_shape, device=x.device, dtype=torch.float32)  # (atomics add)
     launch(gy, x, dx, m if m is not None else x, a, b, da, *ints, num_warps=warps)
     if atomic:
         return da[0] if groups == 1 else _sum_rows(da)
     return da.sum(0) if (a_vec or b_vec) else da.sum()
 
 
-def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, want_final: bool):
+def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, want_final: bool, bounds=None):
     """(y, final state): ``steps`` fused steps (1..MAX_FUSED_STEPS) of ``pde`` on ``x``; the final state is
-    ``[batch, steps, channels]`` fp32 for a causal ``want_final``, else None."""
+    ``[batch, steps, channels]`` fp32 for a causal ``want_final``, else None. ``bounds``: ``((alpha_min,
+    alpha_max), (beta_min, beta_max) | None)`` the kernel clamps the coefficients into as it reads them, or None."""
     x = _channels_contiguous(x)
     y = x.new_empty(x.shape)
     fin = x.new_zeros((x.shape[0], steps, x.shape[2]), dtype=torch.float32) if causal and want_final else None
     if y.numel():
-        _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal)
+        _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal, bounds)
     return y, fin
 
 
-def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, need_db: bool = True):
-    """(dx, dalpha in ``coef_grad_shape(alpha)``, dbeta likewise), fp32 coefficient gradients. ``need_db=False``
-    (eager autograd without a ``beta``) returns None for dbeta of the streaming backward instead of a zero."""
+def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, need_db: bool = True,
+                    bounds=None):
+    """(dx, dalpha in ``coef_grad_shape(alpha)``, dbeta likewise), fp32 coefficient gradients: those of the
+    coefficients clamped into ``bounds`` (see :func:`launch_forward`), returned for the raw ones unchanged (the
+    straight-through projection). ``need_db=False`` (eager autograd without a ``beta``) returns None for dbeta of the
+    streaming backward instead of a zero."""
     x = _channels_contiguous(x)
     gy = _channels_contiguous(gy)
     batch, seq, channels = x.shape
     dx = x.new_empty(x.shape)
-    linear = is_linear(pde, causal, init is not None)
-    if dx.numel() > 0 and steps > 0 and linear:
-        dc = _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal)
+    filters = SCHEMES[pde].filters(causal) and init is None
+    if dx.numel() > 0 and steps > 0 and filters:
+        dc = _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal, bounds)
         da = _fit_coef_grad(dc, alpha, channels)
-        if pde == "advection_diffusion":  # causal advection-diffusion is diffusion with a + b: d/db = d/da
+        if SCHEMES[pde].advection:  # causal advection-diffusion is diffusion with a + b: d/db = d/da
             db = _fit_coef_grad(dc, beta, channels)
             return dx, da, (db.clone() if db is da else db)  # (a custom op may not return one tensor twice)
         if not need_db:
             return dx, da, None
         return dx, da, torch.zeros(coef_grad_shape(beta, channels), device=x.device, dtype=torch.float32)
-    hl, t, block_l, block_c, warps = tile_config(seq, channels, causal, steps, linear, x.device)
+    hl, t, block_l, block_c, warps = tile_config(seq, channels, causal, steps, filters, x.device)
     n_tiles = cdiv(seq, t)
     da = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
     db = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
@@ -209,20 +221,13 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
         a, b = _fp32_coef(alpha, x), _fp32_coef(beta, x)
         m = mask.to(device=x.device, dtype=torch.float32).contiguous() if mask is not None else a
         ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else a
-        grid = (n_tiles, cdiv(channels, block_c), batch)
-        _pde_bwd_kernel[grid](
-            gy, x, dx, m, a, b, ini, da, db,
-            seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), n_tiles,
-            PDE=PDE_IDS[pde], CAUSAL=bool(causal), STEPS=steps,
-            HAS_MASK=mask is not None, A_VEC=a.numel() > 1, B_VEC=b.numel() > 1,
-            HAS_INIT=init is not None, LINEAR=linear,
-            HL=hl, T=t, BLOCK_L=block_l, BLOCK_C=block_c, num_warps=warps,
+        _pde_bwd_kernel[(n_tiles, cdiv(channels, block_c), batch)](
+            gy, x, dx, m, a, b, ini, da, db, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1),
+            n_tiles, *_scheme_constexprs(pde, bounds), CAUSAL=bool(causal), STEPS=steps, HAS_MASK=mask is not None,
+            A_VEC=a.numel() > 1, B_VEC=b.numel() > 1, HAS_INIT=init is not None, HL=hl, T=t, BLOCK_L=block_l,
+            BLOCK_C=block_c, num_warps=warps,
         )
-    da = da.sum(0)
-    db = db.sum(0)
-    if pde == "advection_diffusion" and causal and linear:
-        db = da.clone()
-    return dx, _fit_coef_grad(da, alpha, channels), _fit_coef_grad(db, beta, channels)
+    return dx, _fit_coef_grad(da.sum(0), alpha, channels), _fit_coef_grad(db.sum(0), beta, channels)
 
 
 def _token_mask_arg(token_mask: Optional[torch.Tensor], x: torch.Tensor) -> Tuple[torch.Tensor, int]:
@@ -244,10 +249,8 @@ def _token_mask_arg(token_mask: Optional[torch.Tensor], x: torch.Tensor) -> Tupl
 def _decode_launch(pde, steps, batch, channels, has_mask, a_vec, b_vec, bounds):
     """(launcher, constexpr arguments) of the decode kernel."""
     block_c = min(next_pow2(channels), 1024)
-    unbounded = (-FLOAT32_MAX, FLOAT32_MAX)
-    (a_lo, a_hi), (b_lo, b_hi) = (bounds[0], bounds[1] or unbounded) if bounds is not None else (unbounded,) * 2
-    consts = (PDE_IDS[pde], steps, has_mask, a_vec, b_vec, block_c, bounds is not None,
-              float(a_lo), float(a_hi), float(b_lo), float(b_hi))
+    scheme = _scheme_constexprs(pde, bounds)  # (the reaction's derivatives are the backward's)
+    consts = (*scheme[:4], *scheme[6:], steps, has_mask, a_vec, b_vec, block_c)
     return _pde_decode_kernel[(cdiv(channels, block_c), batch)], consts
 
 

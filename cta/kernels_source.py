@@ -30,55 +30,87 @@ The measurements behind each choice are in ``docs/kernels.md``; the launch confi
 from __future__ import annotations
 
 import functools
-import linecache
 import re
-from typing import Tuple
+from dataclasses import astuple, dataclass
+from typing import Optional, Tuple
 
-from .kernels_config import LAST_TILE_SECOND, MMA_BLOCK, MMA_MAX_STEPS, WALK_MAX_PREFETCH, is_linear
-from .kernels_jit import INTERPRET, _KEEP, _tanh, _widen, tl, triton
+from .kernels_config import LAST_TILE_SECOND, MMA_BLOCK, MMA_MAX_STEPS, WALK_MAX_PREFETCH
+from .kernels_jit import INTERPRET, exec_jit, reaction_functions
+from .pde_spec import SCHEMES
 
-_GEN_CACHE = {}
+@dataclass(frozen=True)
+class StreamKernelSpec:
+    """The named configuration of one generated streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final
+    state); 'bwd' (the schemes that filter, ``PDEScheme.filters``; no initial state): ``DX = adjoint^S(GY)`` and
+    per-program partial sums of ``dL/dc`` in ``DA``. ``steps`` = S, ``prefetch`` = D (rows loaded ahead).
+    ``has_mask`` (padding), ``a_vec`` / ``b_vec`` (per-channel coefficients), ``has_init`` / ``write_final`` (causal
+    states), ``even_c`` (whole channel blocks). ``fir_unroll``: the banded filter's loop unroll factor (0: interior
+    programs walk). ``mma`` > 0: interior programs run the filter on tensor cores (``_mma_interior`` with
+    ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs, ``S <= MMA_MAX_STEPS``, ``T`` a multiple of
+    ``MMA_BLOCK``). ``walls`` (see ``kernels_config.walls_mode``): 1, programs at the sequence ends run the same
+    filter, reading the walls as an extension of the input (``_wall_load``), and walk only where that does not apply
+    (the programs a causal initial or final state reaches; a bidirectional sequence shorter than ``S``, which
+    ``walls_mode`` sends to 0); 2, the launch has none of those, and the kernel no walk; 3, as 2 with one copy of
+    the filter, which every program runs (no interior branch; the bidirectional tensor-core forward).
+    ``coef_atomic`` (backward, per-channel coefficient): each program adds its partial sums into a row of
+    ``DA[n_groups, channels]`` with atomics instead of storing a row of ``DA[tiles, channels]`` (see
+    ``COEF_GRAD_ATOMIC_SPREAD``). ``pointers``: the interior filter steps its row pointers (``FIR_POINTER_STEPS``).
+    ``static_rows``: the channels and the row strides are constexprs (``STATIC_ROWS``), so that the unrolled filter
+    addresses its rows as one pointer plus constant offsets. ``bounds``: ``((alpha_min, alpha_max), (beta_min,
+    beta_max) | None)`` the coefficients are clamped into as they are loaded (the learnable module's projection; the
+    gradient is the clamped coefficient's), or None."""
+
+    kind: str
+    pde: str
+    causal: bool
+    steps: int
+    prefetch: int
+    has_mask: bool = False
+    a_vec: bool = False
+    b_vec: bool = False
+    has_init: bool = False
+    write_final: bool = False
+    even_c: bool = False
+    fir_unroll: int = 0
+    mma: int = 0
+    walls: int = 0
+    coef_atomic: bool = False
+    pointers: bool = False
+    static_rows: bool = False
+    bounds: Optional[tuple] = None
+
+    @property
+    def name(self) -> str:
+        values = (int(v) if isinstance(v, bool) else v for v in astuple(self))
+        return re.sub(r"\W+", "_", "_cta_stream_" + "_".join(map(str, values)).replace("-", "m"))
 
 
-def stream_kernel(key):
-    """Builds (once) and returns the @triton.jit streaming kernel for ``key`` (``stream_source``'s arguments after
-    the name)."""
-    fn = _GEN_CACHE.get(key)
-    if fn is None:
-        name = "_cta_stream_" + "_".join(str(int(k)) if isinstance(k, bool) else str(k) for k in key)
-        fn = _exec_kernel(name, stream_source(name, *key))
-        _GEN_CACHE[key] = fn
-    return fn
-
-
-def _exec_kernel(name: str, src: str):
-    """The @triton.jit function ``name`` defined by the generated source ``src`` (kept in linecache, so that Triton
-    and tracebacks can read it)."""
-    filename = f"<cta-triton-generated:{name}>"
-    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    namespace = {"triton": triton, "tl": tl, "_tanh": _tanh, "_KEEP": _KEEP, "_widen": _widen}
-    exec(compile(src, filename, "exec"), namespace)
-    return namespace[name]
+@functools.lru_cache(maxsize=None)
+def stream_kernel(spec: StreamKernelSpec):
+    """Builds (once) and returns the @triton.jit streaming kernel of ``spec``."""
+    return exec_jit(spec.name, stream_source(spec), _react=reaction_functions(SCHEMES[spec.pde])[0])
 
 
 class _Src:
-    def __init__(self):
+    def __init__(self, depth=1):
         self.lines = []
-        self.depth = 1
+        self.depth = depth
         self.widen = False  # the register filters' 16-bit rows widen through ``_widen`` (see ``_widened``)
 
     def __call__(self, line):
         self.lines.append("    " * self.depth + line)
 
 
-def _coef_lines(w, name, ptr, vec):
+def _coef_lines(w, name, ptr, vec, bounds):
     if vec:
         w(f"{name} = tl.load({ptr} + cols, mask=cmask, other=0.0).to(tl.float32)")
     else:  # one scalar load, broadcast by the arithmetic
         w(f"{name} = tl.load({ptr}).to(tl.float32)")
+    if bounds is not None:  # the module's projection onto the stable bounds, in the kernel (no clamp launch)
+        w(f"{name} = tl.minimum(tl.maximum({name}, {float(bounds[0])!r}), {float(bounds[1])!r})")
 
 
-def _bidi_levels(w, pre, pde, first, last, carry, c="a", interior=False):
+def _bidi_levels(w, pre, scheme, first, last, carry, c="a", interior=False):
     """Bidirectional levels ``first..last`` of pipeline ``pre``: level s at row q-s from ``{pre}p{s-1}`` (row q-s)
     and ``{pre}n{s-1}`` (row q-s+1). ``vv{k}`` = validity of row q-k. Appends the loop-carried names to ``carry``.
     ``interior``: every row the program touches is a valid token, so the validity factors (all exactly 1) are left
@@ -90,7 +122,7 @@ def _bidi_levels(w, pre, pde, first, last, carry, c="a", interior=False):
         if not interior:
             w(f"{e} = vv{s} * vv{s - 1}")
         w(f"{pre}d{s} = {n} - {p}")
-        if pde == "wave":
+        if scheme.wave:
             w(f"{pre}D{s} = {pre}d{s}{times_e}")
             w(f"{pre}lap{s} = {pre}D{s} - {pre}dl{s}")
             w(f"{pre}dl{s} = {pre}D{s}")
@@ -103,13 +135,13 @@ def _bidi_levels(w, pre, pde, first, last, carry, c="a", interior=False):
             w(f"{pre}n{s} = {p} + {pre}nv{s}")
             carry.append(f"{pre}dl{s}")
         else:
-            if pde == "advection_diffusion":
+            if scheme.advection:
                 w(f"{pre}G{s} = ({c} * {pre}d{s} - bp * {p} - bm * {n}){times_e}")
             else:
                 w(f"{pre}G{s} = {c} * {pre}d{s}{times_e}")
             w(f"{pre}up{s} = {pre}G{s} - {pre}gl{s}")
-            if pde == "reaction_diffusion":
-                w(f"{pre}up{s} = {pre}up{s} - b * _tanh({p})" + ("" if interior else f" * vv{s}"))
+            if scheme.reaction:  # the scheme's reaction R(u, b) (``_react``)
+                w(f"{pre}up{s} = {pre}up{s} + _react({p}, b)" + ("" if interior else f" * vv{s}"))
             w(f"{pre}gl{s} = {pre}G{s}")
             w(f"{pre}n{s} = {p} + {pre}up{s}")
             carry.append(f"{pre}gl{s}")
@@ -117,7 +149,7 @@ def _bidi_levels(w, pre, pde, first, last, carry, c="a", interior=False):
         carry.append(p)
 
 
-def _causal_levels(w, pre, pde, first, last, carry, has_init=False, c="a", interior=False):
+def _causal_levels(w, pre, scheme, first, last, carry, has_init=False, c="a", interior=False):
     """Causal levels at row q: level s from ``{pre}n{s-1}`` (row q) and ``{pre}p{s-1}`` (row q-1). ``interior``: as
     in :func:`_bidi_levels` (and row 0, where the initial state enters, is never in an interior program)."""
     times_v0 = "" if interior else " * vv0"
@@ -127,17 +159,16 @@ def _causal_levels(w, pre, pde, first, last, carry, has_init=False, c="a", inter
         if has_init and not interior:
             w(f"{pre}left{s} = tl.where(q == 0, ini{s - 1}, {pre}left{s})")
         w(f"{pre}pull{s} = {pre}left{s} - {n}")
-        if pde == "wave":
+        if scheme.wave:
             if s == 1:
                 w(f"{pre}nv{s} = {c} * {pre}pull{s}{times_v0}")
             else:
                 w(f"{pre}nv{s} = _KEEP * {pre}nv{s - 1} + {c} * {pre}pull{s}{times_v0}")
             w(f"{pre}n{s} = {n} + {pre}nv{s}")
         else:
-            cc = "ab" if pde == "advection_diffusion" else c
-            w(f"{pre}up{s} = {cc} * {pre}pull{s}")
-            if pde == "reaction_diffusion":
-                w(f"{pre}up{s} = {pre}up{s} - b * _tanh({n})")
+            w(f"{pre}up{s} = {'ab' if scheme.advection else c} * {pre}pull{s}")
+            if scheme.reaction:
+                w(f"{pre}up{s} = {pre}up{s} + _react({n}, b)")
             w(f"{pre}n{s} = {n} + {pre}up{s}{times_v0}")
         w(f"{p} = {n}")
         carry.append(p)
@@ -324,13 +355,13 @@ def _fir_prefetch(w, pre, rows, lead, D):
         rows.load(f"{pre}f{k}", f"start + {lead + k}")
 
 
-def _fir_interior(w, kind, pde, causal, S, D, unroll, walls=False, pointers=False):
+def _fir_interior(w, kind, c, causal, S, D, unroll, walls=False, pointers=False):
     """The interior branch of a linear scheme's streaming kernel as a banded filter (see above). Returns the
     condition under which a program may take it (every row it reads lies inside the sequence). ``walls``: the same
-    filter for programs at the sequence ends (rows beyond them read as the walls' extension, see ``_wall_load``)."""
+    filter for programs at the sequence ends (rows beyond them read as the walls' extension, see ``_wall_load``).
+    ``c``: the name of the stencil's coefficient."""
     if kind == "bwd":
         return _fir_backward(w, causal, S, D, unroll, walls, pointers)
-    c = "ab" if (causal and pde == "advection_diffusion") else "a"
     wide = S + 1 if causal else 2 * S + 1
     lead = 0 if causal else S  # newest window row - output row
     wall = _wall_kind(causal, walls)
@@ -491,13 +522,12 @@ def _mma_blocks_end(w, streams, ahead):
     w.depth -= 1
 
 
-def _mma_interior(w, kind, pde, causal, S, ahead=0, walls=False):
+def _mma_interior(w, kind, c, causal, S, ahead=0, walls=False):
     """The interior branch of a linear scheme's streaming kernel as the banded filter on tensor cores (see above;
     the same taps, and in the backward the same per-row split of the coefficient gradient, as ``_fir_interior``).
     ``ahead``: see ``_mma_blocks``. ``walls``: the same for programs at the sequence ends (see ``_wall_load``; tiles
     past the end are computed, not stored). Returns the condition under which an interior program may take it."""
     assert 1 <= S <= MMA_MAX_STEPS
-    c = "ab" if (kind == "fwd" and causal and pde == "advection_diffusion") else "a"
     half = MMA_BLOCK // 2
     wall = _wall_kind(causal, walls)
     store_mask = ", mask=t0 + mi < L" if walls else ""
@@ -555,39 +585,87 @@ def stream_args(kind: str, static_rows: bool, t: int, block_c: int, **values) ->
     return tuple(values[n] for n in ints), tuple(values[n] for n in statics) + (t, block_c)
 
 
-def stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_init, write_final, even_c=False,
-                   fir_unroll=0, mma=0, walls=False, coef_atomic=False, pointers=False, static_rows=False):
-    """Source of one streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state);
-    'bwd': linear schemes only (diffusion; causal advection-diffusion = diffusion with ``a + b``), no initial state:
-    ``DX = adjoint^S(GY)`` and per-program partial sums of ``dL/dc`` in ``DA``. ``mma`` > 0: interior programs run the
-    filter on tensor cores (``_mma_interior`` with ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs,
-    ``S <= MMA_MAX_STEPS``, ``T`` a multiple of ``MMA_BLOCK``). ``walls`` (see ``kernels_config.walls_mode``): 1, programs at the
-    sequence ends run the same filter, reading the walls as an extension of the input (``_wall_load``), and walk
-    only where that does not apply (the programs a causal initial or final state reaches; a bidirectional
-    sequence shorter than ``S``, which ``walls_mode`` sends to 0); 2, the launch has none of those, and the kernel
-    no walk; 3, as 2 with one copy of the filter, which every program runs (no interior branch; the bidirectional tensor-core forward).
-    ``coef_atomic`` (backward, per-channel coefficient): each program adds its partial sums into a row of
-    ``DA[n_groups, channels]`` with atomics instead of storing a row of ``DA[tiles, channels]`` (see
-    ``COEF_GRAD_ATOMIC_SPREAD``). ``pointers``: the interior filter steps its row pointers (``FIR_POINTER_STEPS``).
-    ``static_rows``: the channels and the row strides are constexprs (``STATIC_ROWS``), so that the unrolled
-    filter addresses its rows as one pointer plus constant offsets."""
-    w = _Src()
-    walk_d = min(D, WALK_MAX_PREFETCH)  # (a rolled loop: its prefetch registers move every row)
-    ints, statics = stream_int_args(kind, static_rows)
+def stream_source(spec: StreamKernelSpec) -> str:
+    """Source of the streaming kernel ``spec`` (see :class:`StreamKernelSpec`): the walk, and for the schemes that
+    filter the banded filters of the interior (and end) programs."""
+    w = _Src(depth=0)
+    walk = _stream_head(w, spec)
+    # Programs whose rows (loads, prefetches and validity lookups) all lie inside the sequence run a copy of the loop
+    # with no masks and no validity factors: the kernels are instruction-issue bound, and those are most of the
+    # instructions. Needs no padding mask and whole channel blocks.
+    interior_path = not spec.has_mask and spec.even_c
+    carry = []
+    general = _stream_body(spec, walk, carry, depth=3 if interior_path else 2, interior=False)
+    # ... and the schemes that filter run the banded filter in their interior programs instead (``fir_unroll`` > 0:
+    # its loop's unroll factor; 0: the walk's interior copy).
+    filters = _stream_filters(spec) if interior_path else None
+    inner = _stream_body(spec, walk, [], depth=3, interior=True) if interior_path and filters is None else None
+    seen = set()  # initialise the loop-carried state (prefetch registers are loaded above)
+    for v in carry:
+        if v not in seen and not re.match(r"^[xgm]f\d+$", v):
+            w(f"{v} = fz")
+        seen.add(v)
+    if filters is not None and spec.walls == 3:
+        w.lines += filters[0].lines
+    elif filters is not None:
+        fir, edge, fir_condition, edge_condition = filters
+        w(f"interior = {fir_condition}")
+        w("if interior:")
+        w.lines += fir.lines
+        if spec.walls == 2:  # every other program: no walk in this kernel (it cost the filters registers)
+            w("else:")
+            w.lines += edge.lines
+        elif spec.walls:
+            w(f"elif {edge_condition}:")
+            w.lines += edge.lines
+    elif interior_path:
+        lowest = walk.back + max(walk.nvv - 1, spec.steps if spec.kind == "bwd" else 0)  # validity; backward's x rows
+        w(f"interior = (start - {lowest} >= 0) & (start - {walk.back} + T + {walk.lag + walk.prefetch} <= L)")
+        w("if interior:")
+        w("    for j in range(0, n_it):")
+        w.lines += inner.lines
+    if interior_path and not (filters is not None and spec.walls >= 2):
+        w("else:")
+        w("    for j in range(0, n_it):")
+        w.lines += general.lines
+    elif not interior_path:
+        w("for j in range(0, n_it):")
+        w.lines += general.lines
+    return "\n".join(w.lines) + _coef_grad_store(spec) + "\n"
+
+
+class _Walk:
+    """What the walk's loop body needs from the kernel's head: ``back`` (rows it starts before the program's first:
+    the bidirectional levels' lag; the causal forward needs rows behind, the causal backward's adjoint only rows
+    ahead), ``lag`` (iterations beyond T), ``nvv`` (validity lookups), ``prefetch`` and ``srcs``: (prefix, row
+    pointer, row stride, row offset) of each input, iteration q reading row q + offset (the backward reads x at its
+    output row, S rows behind g)."""
+
+    def __init__(self, spec: StreamKernelSpec):
+        S, bwd = spec.steps, spec.kind == "bwd"
+        self.back = 0 if (bwd and spec.causal) else S
+        self.lag = self.back + (S if (bwd or not spec.causal) else 0)  # output row = q - lag + back
+        self.nvv = 2 if (spec.causal and not bwd) else S + 1
+        self.prefetch = min(spec.prefetch, WALK_MAX_PREFETCH)  # (a rolled loop: its prefetch registers move every row)
+        self.srcs = [("x", "xrow", "sxl", -S), ("g", "grow", "sgl", 0)] if bwd else [("x", "xrow", "sxl", 0)]
+
+
+def _stream_head(w, spec: StreamKernelSpec) -> _Walk:
+    """The kernel's signature and everything before its loops: program ids, rows, coefficients (clamped into
+    ``spec.bounds``), prefetched rows, the initial state."""
+    kind, causal, S, walk = spec.kind, spec.causal, spec.steps, _Walk(spec)
+    scheme = SCHEMES[spec.pde]
+    ints, statics = stream_int_args(kind, spec.static_rows)
     tensors = "X, Y, M, A, Bc, INIT, FIN" if kind == "fwd" else "GY, X, DX, M, A, Bc, DA"
     params = list(ints) + [f"{n}: tl.constexpr" for n in statics + ("T", "BLOCK_C")]
-    head = f"def {name}({tensors}, {', '.join(params)}):"
-    w.depth = 0
     w("@triton.jit")
-    w(head)
+    w(f"def {spec.name}({tensors}, {', '.join(params)}):")
     w.depth = 1
-    w("pid_c = tl.program_id(0)")
-    w("pid_l = tl.program_id(1)")
-    w("b64 = tl.program_id(2).to(tl.int64)")
-    w("cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)")
-    w("cmask = cols < C")
-    w("cz = cols.to(tl.int64) * 0")
-    if mma or ((kind, bool(causal), bool(a_vec or b_vec)) in LAST_TILE_SECOND and fir_unroll > 0 and walls < 3):
+    for line in ("pid_c = tl.program_id(0)", "pid_l = tl.program_id(1)", "b64 = tl.program_id(2).to(tl.int64)",
+                 "cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)", "cmask = cols < C", "cz = cols.to(tl.int64) * 0"):
+        w(line)
+    if spec.mma or ((kind, causal, spec.a_vec or spec.b_vec) in LAST_TILE_SECOND and spec.fir_unroll > 0
+                    and spec.walls < 3):
         # The end programs walk, or run the walls' filter as a rolled loop: either takes longer than an interior
         # tile, so the last one is scheduled second (program 1) rather than last, not to run alone at the end.
         w("n_t = (L + T - 1) // T")
@@ -595,130 +673,90 @@ def stream_source(name, kind, pde, causal, S, D, has_mask, a_vec, b_vec, has_ini
         w("start = tile.to(tl.int64) * T")
     else:
         w("start = pid_l.to(tl.int64) * T")
-    # The walk starts ``back`` rows before the program's first row: the bidirectional levels' lag; the causal forward
-    # needs rows behind (its levels carry no lag); the causal backward's adjoint only rows ahead.
-    back = 0 if (kind == "bwd" and causal) else S
-    w(f"p0 = start - {back}")
+    w(f"p0 = start - {walk.back}")
     w("fz = tl.zeros([BLOCK_C], dtype=tl.float32)")
     w("xrow = X + b64 * sxb + cols")
     if kind == "bwd":
         w("grow = GY + b64 * sgb + cols")
-    if has_mask:
+    if spec.has_mask:
         w("mrow = M + b64 * L")
-    _coef_lines(w, "a", "A", a_vec)
-    if pde in ("reaction_diffusion", "advection_diffusion"):
-        _coef_lines(w, "b", "Bc", b_vec)
+    bounds = spec.bounds or (None, None)
+    _coef_lines(w, "a", "A", spec.a_vec, bounds[0])
+    if scheme.uses_beta:
+        _coef_lines(w, "b", "Bc", spec.b_vec, bounds[1])
         w("bp = tl.maximum(b, 0.0)")
         w("bm = tl.minimum(b, 0.0)")
         w("ab = a + b")
-    if kind == "bwd" and pde == "advection_diffusion":
+    if kind == "bwd" and scheme.advection:
         w("a = ab")  # causal advection-diffusion is diffusion with a + b
-    lag = back + (S if (kind == "bwd" or not causal) else 0)  # iterations beyond T; output row = q - lag + back
-    w(f"n_it = (tl.minimum(L - start, T) + {lag}).to(tl.int32)")
-    # (prefix, row pointer, row stride, row offset): iteration q reads row q + offset of each input. The backward
-    # reads x at its output row, S rows behind g (see _stream_body).
-    srcs = [("x", "xrow", "sxl", 0)] if kind == "fwd" else [("x", "xrow", "sxl", -S), ("g", "grow", "sgl", 0)]
-    # prefetch
-    for k in range(walk_d):
-        for pre, row, stride, off in srcs:
+    w(f"n_it = (tl.minimum(L - start, T) + {walk.lag}).to(tl.int32)")
+    for k in range(walk.prefetch):
+        for pre, row, stride, off in walk.srcs:
             r = _rows(f"p0 + {k + off}")
             w(f"{pre}f{k} = tl.load({row} + (p0 + {k + off}) * {stride}, mask=cmask & ({r} >= 0) & ({r} < L), "
               f"other=0.0)")
-        if has_mask:
+        if spec.has_mask:
             w(f"mf{k} = tl.load(mrow + p0 + {k}, mask=(p0 + {k} >= 0) & (p0 + {k} < L), other=0)")
-    if has_init:
-        for s in range(S):
-            w(f"ini{s} = tl.load(INIT + b64 * {S} * C + {s} * C + cols, mask=cmask, other=0.0)")
+    for s in range(S if spec.has_init else 0):
+        w(f"ini{s} = tl.load(INIT + b64 * {S} * C + {s} * C + cols, mask=cmask, other=0.0)")
     if kind == "bwd":
         w("acc = fz")
         w("end = tl.minimum(start + T, L)")
-    nvv = S + 1 if not (causal and kind == "fwd") else 2
-    # Programs whose rows (loads, prefetches and validity lookups) all lie inside the sequence run a copy of the loop
-    # with no masks and no validity factors: the kernels are instruction-issue bound, and those are most of the
-    # instructions. Needs no padding mask and whole channel blocks.
-    interior_path = not has_mask and even_c
-    carry = []
-    general = _stream_body(kind, pde, causal, S, walk_d, has_mask, has_init, write_final, srcs, nvv, carry,
-                           depth=3 if interior_path else 2, interior=False)
-    # ... and the linear schemes' interior programs run the banded filter instead (``fir_unroll`` > 0: its loop's
-    # unroll factor; 0: the walk's interior copy).
-    fir = edge = None
-    linear = kind == "bwd" or is_linear(pde, causal, has_init=False)
-    tensor_cores = bool(mma) and not a_vec and not b_vec
-    if interior_path and (tensor_cores or fir_unroll > 0) and linear:
-        fir, edge = _Src(), _Src()
-        fir.widen = edge.widen = bool(a_vec or b_vec)
-        fir.depth = edge.depth = 2
-        if walls == 3:  # one copy of the filter, on the walls' extension, that every program runs
-            fir.depth = 1
-            _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1, walls=True)
-        elif tensor_cores:
-            fir_condition = _mma_interior(fir, kind, pde, causal, S, ahead=mma - 1)
-            if walls:
-                _mma_interior(edge, kind, pde, causal, S, ahead=mma - 1, walls=True)
-        else:
-            fir_condition = _fir_interior(fir, kind, pde, causal, S, D, fir_unroll, pointers=pointers)
-            if walls:  # a rolled loop: few programs run it, and a second unrolled copy cost the interior registers
-                _fir_interior(edge, kind, pde, causal, S, D, 1, walls=True)
-        # which end programs may filter: one reflection covers S rows; the causal final state and the rows an
-        # initial state reaches are the walk's
-        edge_condition = " & ".join(([] if causal else [f"(L >= {S})"])
-                                    + (["(start + T < L)"] if write_final and causal else [])
-                                    + ([f"(start >= {S})"] if has_init else [])) or "True"
-    elif interior_path:
-        inner = _stream_body(kind, pde, causal, S, walk_d, has_mask, has_init, write_final, srcs, nvv, [],
-                             depth=3, interior=True)
-    # initialise the loop-carried state (prefetch registers are loaded above)
-    seen = set()
-    for v in carry:
-        if v in seen or re.match(r"^[xg]f\d+$", v) or re.match(r"^mf\d+$", v):
-            seen.add(v)
-            continue
-        seen.add(v)
-        w(f"{v} = fz")
-    if fir is not None and walls == 3:
-        w.lines += fir.lines
-    elif fir is not None:
-        w(f"interior = {fir_condition}")
-        w("if interior:")
-        w.lines += fir.lines
-        if walls == 2:  # every other program: no walk in this kernel (it cost the filters registers)
-            w("else:")
-            w.lines += edge.lines
-        elif walls:
-            w(f"elif {edge_condition}:")
-            w.lines += edge.lines
-    elif interior_path:
-        lowest = back + max(nvv - 1, S if kind == "bwd" else 0)  # validity lookups; the backward's x rows
-        w(f"interior = (start - {lowest} >= 0) & (start - {back} + T + {lag + walk_d} <= L)")
-        w("if interior:")
-        w("    for j in range(0, n_it):")
-        w.lines += inner.lines
-    if interior_path and not (fir is not None and walls >= 2):
-        w("else:")
-        w("    for j in range(0, n_it):")
-        w.lines += general.lines
-    elif not interior_path:
-        w("for j in range(0, n_it):")
-        w.lines += general.lines
-    src = "\n".join(w.lines)
-    if kind == "bwd" and (a_vec or b_vec) and coef_atomic:  # summed in place (relaxed: only the sum is wanted)
-        src += (f"\n    tl.atomic_add(DA + ((b64 * n_tiles + pid_l) % n_groups) * C + cols, acc * {S}, mask=cmask, "
+    return walk
+
+
+def _stream_filters(spec: StreamKernelSpec):
+    """(interior filter source, end programs' filter source, the conditions under which a program takes each) of a
+    scheme that filters (``PDEScheme.filters``; the backward always does), or None: the walk's interior copy."""
+    kind, causal, S, mma = spec.kind, spec.causal, spec.steps, spec.mma
+    tensor_cores = bool(mma) and not spec.a_vec and not spec.b_vec
+    filters = kind == "bwd" or SCHEMES[spec.pde].filters(causal)
+    if not (filters and (tensor_cores or spec.fir_unroll > 0)):
+        return None
+    c = "ab" if (kind == "fwd" and causal and SCHEMES[spec.pde].advection) else "a"
+    fir, edge = _Src(depth=2), _Src(depth=2)
+    fir.widen = edge.widen = bool(spec.a_vec or spec.b_vec)
+    fir_condition = None
+    if spec.walls == 3:  # one copy of the filter, on the walls' extension, that every program runs
+        fir.depth = 1
+        _mma_interior(fir, kind, c, causal, S, ahead=mma - 1, walls=True)
+    elif tensor_cores:
+        fir_condition = _mma_interior(fir, kind, c, causal, S, ahead=mma - 1)
+        if spec.walls:
+            _mma_interior(edge, kind, c, causal, S, ahead=mma - 1, walls=True)
+    else:
+        fir_condition = _fir_interior(fir, kind, c, causal, S, spec.prefetch, spec.fir_unroll, pointers=spec.pointers)
+        if spec.walls:  # a rolled loop: few programs run it, and a second unrolled copy cost the interior registers
+            _fir_interior(edge, kind, c, causal, S, spec.prefetch, 1, walls=True)
+    # which end programs may filter: one reflection covers S rows; the causal final state and the rows an initial
+    # state reaches are the walk's
+    edge_condition = " & ".join(([] if causal else [f"(L >= {S})"])
+                                + (["(start + T < L)"] if spec.write_final and causal else [])
+                                + ([f"(start >= {S})"] if spec.has_init else [])) or "True"
+    return fir, edge, fir_condition, edge_condition
+
+
+def _coef_grad_store(spec: StreamKernelSpec) -> str:
+    """The backward's store of its coefficient-gradient partial sums (``acc``, times S)."""
+    S = spec.steps
+    if spec.kind != "bwd":
+        return ""
+    if (spec.a_vec or spec.b_vec) and spec.coef_atomic:  # summed in place (relaxed: only the sum is wanted)
+        return (f"\n    tl.atomic_add(DA + ((b64 * n_tiles + pid_l) % n_groups) * C + cols, acc * {S}, mask=cmask, "
                 f"sem='relaxed')")
-    elif kind == "bwd" and (a_vec or b_vec):  # per-channel partial sums (causal advection's coefficient is a + b)
-        src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)"
-    elif kind == "bwd":  # a scalar coefficient: one partial sum per program (masked channels hold zeros)
-        src += f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, 0) * {S})"
-    return src + "\n"
+    if spec.a_vec or spec.b_vec:  # per-channel partial sums (causal advection's coefficient is a + b)
+        return f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)"
+    # a scalar coefficient: one partial sum per program (masked channels hold zeros)
+    return f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, 0) * {S})"
 
 
-def _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs, nvv, carry, depth, interior):
+def _stream_body(spec: StreamKernelSpec, walk: _Walk, carry, depth, interior):
     """The loop body of :func:`stream_source` (one row), appending the loop-carried names to ``carry``.
     ``interior``: every row touched is inside the sequence (no masks, validity factors left out)."""
-    b = _Src()
-    b.depth = depth
+    b = _Src(depth)
     b("q = p0 + j")
-    for pre, row, stride, off in srcs:
+    D = walk.prefetch
+    for pre, row, stride, off in walk.srcs:
         b(f"{pre}q = {pre}f0")
         for k in range(D - 1):
             b(f"{pre}f{k} = {pre}f{k + 1}")
@@ -729,7 +767,7 @@ def _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs,
             b(f"{pre}f{D - 1} = tl.load({row} + (q + {D + off}) * {stride}, mask=cmask & ({rq} >= 0) & ({rq} < L), "
               f"other=0.0)")
         carry += [f"{pre}f{k}" for k in range(D)]
-    if has_mask:
+    if spec.has_mask:
         b("mq = mf0")
         for k in range(D - 1):
             b(f"mf{k} = mf{k + 1}")
@@ -743,55 +781,61 @@ def _stream_body(kind, pde, causal, S, D, has_mask, has_init, write_final, srcs,
         # than shifted from iteration to iteration: a chain of loop-carried scalars is what the lagged kernels, wrong
         # on an H200 while exact in the interpreter, had and the lag-free causal forward (which passes there) did not.
         b("vv0 = vq")
-        for k in range(1, nvv):
-            if has_mask:
+        for k in range(1, walk.nvv):
+            if spec.has_mask:
                 b(f"vv{k} = tl.load(mrow + (q - {k}), mask=(q - {k} >= 0) & (q - {k} < L), other=0).to(tl.float32)")
             else:
                 b(f"vv{k} = ((q - {k} >= 0) & (q - {k} < L)).to(tl.float32)")
     store_mask = f"{_rows('ro')} >= start" if interior else f"cmask & ({_rows('ro')} >= start) & ({_rows('ro')} < L)"
-    if kind == "fwd":
-        b("xn0 = xq.to(tl.float32)")
-        if causal:
-            _causal_levels(b, "x", pde, 1, S, carry, has_init, interior=interior)
-            if write_final and not interior:  # row L-1 is never in an interior program
-                b("if q == L - 1:")
-                b.depth += 1
-                for s in range(S):
-                    b(f"tl.store(FIN + b64 * {S} * C + {s} * C + cols, xn{s} * vq, mask=cmask)")
-                b.depth -= 1
-            b("ro = q")
-        else:
-            _bidi_levels(b, "x", pde, 1, S, carry, interior=interior)
-            b(f"ro = q - {S}")
-        b(f"tl.store(Y + (b64 * L + ro) * C + cols, xn{S}.to(Y.dtype.element_ty), mask={store_mask})")
-    else:
-        # dc = S * <g, L M^(S-1) x> = S * <L^T (M^T)^(S-1) g, x> (L and M commute: M = I + a L). The adjoint walk
-        # on g yields the factor at the output row ro = q - S as the last level's flux difference, paired with x
-        # read at that row (the x stream lags S rows): no walk on x at all.
-        b("gn0 = gq.to(tl.float32)")
-        p, n = f"gp{S - 1}", f"gn{S - 1}"  # level S-1 at rows q-S and q-S+1
-        if causal:
-            # adjoint (anti-causal): level s at row q-s from g rows q-s (p) and q-s+1 (n)
-            for s in range(1, S):
-                ps, ns = f"gp{s - 1}", f"gn{s - 1}"
-                if interior:
-                    b(f"gn{s} = {ps} + a * ({ns} - {ps})")
-                else:
-                    b(f"gn{s} = {ps} + a * vv{s} * ({ns} * vv{s - 1} - {ps})")
-                b(f"{ps} = {ns}")
-                carry.append(ps)
-            b(f"lu = {n} - {p}" if interior else f"lu = vv{S} * ({n} * vv{S - 1} - {p})")  # (L^T u)_ro
-        else:
-            _bidi_levels(b, "g", "diffusion", 1, S - 1, carry, c="a", interior=interior)
-            b(f"gF = {n} - {p}" if interior else f"gF = ({n} - {p}) * vv{S} * vv{S - 1}")  # flux ro -> ro+1
-            b("lu = gF - gFl")  # (L u)_ro, L symmetric
-            b("gFl = gF")
-            carry.append("gFl")
-        b(f"gn{S} = {p} + a * lu")
-        b(f"{p} = {n}")
-        carry.append(p)
-        b(f"ro = q - {S}")
-        acc_mask = f"{_rows('ro')} >= start" if interior else f"({_rows('ro')} >= start) & ({_rows('ro')} < end)"
-        b(f"acc += tl.where({acc_mask}, xq.to(tl.float32) * lu, 0.0)")
-        b(f"tl.store(DX + (b64 * L + ro) * C + cols, gn{S}.to(DX.dtype.element_ty), mask={store_mask})")
+    (_forward_levels if spec.kind == "fwd" else _backward_levels)(b, spec, carry, interior, store_mask)
     return b
+
+
+def _forward_levels(b, spec: StreamKernelSpec, carry, interior, store_mask):
+    """The forward walk's levels at row q and the store of its output row."""
+    S, scheme = spec.steps, SCHEMES[spec.pde]
+    b("xn0 = xq.to(tl.float32)")
+    if spec.causal:
+        _causal_levels(b, "x", scheme, 1, S, carry, spec.has_init, interior=interior)
+        if spec.write_final and not interior:  # row L-1 is never in an interior program
+            b("if q == L - 1:")
+            for s in range(S):
+                b(f"    tl.store(FIN + b64 * {S} * C + {s} * C + cols, xn{s} * vq, mask=cmask)")
+        b("ro = q")
+    else:
+        _bidi_levels(b, "x", scheme, 1, S, carry, interior=interior)
+        b(f"ro = q - {S}")
+    b(f"tl.store(Y + (b64 * L + ro) * C + cols, xn{S}.to(Y.dtype.element_ty), mask={store_mask})")
+
+
+def _backward_levels(b, spec: StreamKernelSpec, carry, interior, store_mask):
+    """The backward walk: dc = S * <g, L M^(S-1) x> = S * <L^T (M^T)^(S-1) g, x> (L and M commute: M = I + a L). The
+    adjoint walk on g yields the factor at the output row ro = q - S as the last level's flux difference, paired
+    with x read at that row (the x stream lags S rows): no walk on x at all."""
+    S = spec.steps
+    b("gn0 = gq.to(tl.float32)")
+    p, n = f"gp{S - 1}", f"gn{S - 1}"  # level S-1 at rows q-S and q-S+1
+    if spec.causal:
+        # adjoint (anti-causal): level s at row q-s from g rows q-s (p) and q-s+1 (n)
+        for s in range(1, S):
+            ps, ns = f"gp{s - 1}", f"gn{s - 1}"
+            if interior:
+                b(f"gn{s} = {ps} + a * ({ns} - {ps})")
+            else:
+                b(f"gn{s} = {ps} + a * vv{s} * ({ns} * vv{s - 1} - {ps})")
+            b(f"{ps} = {ns}")
+            carry.append(ps)
+        b(f"lu = {n} - {p}" if interior else f"lu = vv{S} * ({n} * vv{S - 1} - {p})")  # (L^T u)_ro
+    else:
+        _bidi_levels(b, "g", SCHEMES["diffusion"], 1, S - 1, carry, c="a", interior=interior)
+        b(f"gF = {n} - {p}" if interior else f"gF = ({n} - {p}) * vv{S} * vv{S - 1}")  # flux ro -> ro+1
+        b("lu = gF - gFl")  # (L u)_ro, L symmetric
+        b("gFl = gF")
+        carry.append("gFl")
+    b(f"gn{S} = {p} + a * lu")
+    b(f"{p} = {n}")
+    carry.append(p)
+    b(f"ro = q - {S}")
+    acc_mask = f"{_rows('ro')} >= start" if interior else f"({_rows('ro')} >= start) & ({_rows('ro')} < end)"
+    b(f"acc += tl.where({acc_mask}, xq.to(tl.float32) * lu, 0.0)")
+    b(f"tl.store(DX + (b64 * L + ro) * C + cols, gn{S}.to(DX.dtype.element_ty), mask={store_mask})")

@@ -33,6 +33,7 @@ from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names
     clamp_coefficients,
     coefficient_bounds,
     normalize_pde_type,
+    scheme_of,
     uses_beta,
 )
 
@@ -288,7 +289,7 @@ class PDERefinement(nn.Module):
             # step). (A step mask of ones was dropped by the patched model's hooks, once per token.)
             alpha = min(max(self.alpha.item(), self.alpha_bounds[0]), self.alpha_bounds[1])
             beta = None if self.beta is None else min(max(self.beta.item(), self.beta_bounds[0]), self.beta_bounds[1])
-            if self.pde_type != "reaction_diffusion":
+            if scheme_of(self.pde_type).linear:
                 decode_map = self._scalar_decode_map(alpha, beta, levels[0].dtype)
         else:
             alpha, beta = self.coefficients()

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from .pde_spec import WAVE_DAMPING
+from .pde_spec import WAVE_DAMPING, scheme_of
 
 
 def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Optional[torch.Tensor],
@@ -44,7 +44,7 @@ def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Opti
     width = max(alpha.shape[1], 1 if beta is None else beta.shape[1])
     basis = torch.eye(steps + 1, device=alpha.device, dtype=dtype).unsqueeze(-1)  # [S+1, S+1, 1]
     token = basis[0].expand(steps + 1, width)  # the token's own level: u_0 = x
-    return torch.stack(_linear_levels(token, basis[1:], pde_type, alpha, beta))
+    return torch.stack(_levels(token, basis[1:], scheme_of(pde_type), alpha, beta))
 
 
 def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int,
@@ -74,7 +74,8 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
     if x.dim() == 2:
         x = x.unsqueeze(1)  # [batch, 1, channels]: broadcasts against the levels
     valid = None if token_mask is None else token_mask.reshape(-1, 1, 1).to(dtype)
-    if decode_map is not None and pde_type != "reaction_diffusion":
+    scheme = scheme_of(pde_type)
+    if decode_map is not None and scheme.linear:
         # the caller's map (the CPU's, for scalar coefficients: one concatenation and one small matrix product)
         inputs = torch.cat([x, *stored], dim=1)  # [batch, S+1, channels]
         if decode_map.dim() == 2:
@@ -85,10 +86,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
         _write_state(target, levels.narrow(1, 0, steps).split(1, dim=1), valid)
     else:
         # the scheme's recurrence on the token, pointwise on [batch, 1, channels] (the stored values read as views)
-        if pde_type == "reaction_diffusion":
-            levels = _reaction_levels(x, stored, alpha, beta)
-        else:
-            levels = _linear_levels(x, stored, pde_type, alpha, beta)
+        levels = _levels(x, stored, scheme, alpha, beta)
         refined = levels[steps]
         _write_state(target, levels[:steps], valid)
     if valid is not None:
@@ -119,36 +117,24 @@ def _as_input(refined, hidden_states):
     return refined if refined.dtype == hidden_states.dtype else refined.to(hidden_states.dtype)
 
 
-def _linear_levels(x, stored, pde_type, alpha, beta):
-    """The levels ``[u_0 = x, ..., u_S]`` (each ``[batch, 1, channels]``) of a linear causal scheme for one token: the
-    reference's causal step (``pull = stored_s - u``; diffusion / advection-diffusion ``u += c * pull`` with ``c =
-    alpha`` / ``alpha + beta``; wave ``v = (1 - damping) v + alpha * pull``, ``u += v``) over the stored values."""
-    coefficient = alpha + beta if pde_type == "advection_diffusion" else alpha
-    if torch.is_tensor(coefficient):
-        coefficient = coefficient.to(x.dtype)
+def _levels(x, stored, scheme, alpha, beta):
+    """The levels ``[u_0 = x, ..., u_S]`` (each ``[batch, 1, channels]``) of a causal scheme for one token: the
+    reference's causal step (``pull = stored_s - u``; ``u += c * pull + R(u, b)`` with ``c = alpha`` / ``alpha + beta``
+    (advection) and the scheme's reaction ``R``; wave ``v = (1 - damping) v + alpha * pull``, ``u += v``) over the
+    stored values ``stored`` (``S`` tensors ``[batch, 1, channels]``); ``alpha``, ``beta``: tensors or floats."""
+    if torch.is_tensor(alpha):
+        alpha, beta = alpha.to(x.dtype), (beta.to(x.dtype) if torch.is_tensor(beta) else beta)
+    coefficient = alpha + beta if scheme.advection else alpha
+    reaction = scheme.torch_reaction
     u, velocity, levels = x, None, [x]
     for value in stored:
-        if pde_type == "wave":
+        if scheme.wave:
             pull = value - u
             velocity = coefficient * pull if velocity is None else (1.0 - WAVE_DAMPING) * velocity + coefficient * pull
             u = u + velocity
+        elif reaction is not None:
+            u = torch.lerp(u, value, coefficient) + reaction(u, beta)
         else:
             u = torch.lerp(u, value, coefficient)  # u + c * (value - u): one op
-        levels.append(u)
-    return levels
-
-
-def _reaction_levels(x, stored, alpha, beta):
-    """The levels ``[u_0 = x, ..., u_S]`` (each ``[batch, 1, channels]``) of causal reaction-diffusion for one token:
-    the exact recurrence ``u += alpha * (stored_s - u) - beta * tanh(u)`` over the stored values ``stored`` (``S``
-    tensors ``[batch, 1, channels]``); ``alpha``, ``beta``: tensors or floats."""
-    if torch.is_tensor(alpha):
-        alpha, beta = alpha.to(x.dtype), beta.to(x.dtype)
-    u = x
-    levels = [u]
-    for value in stored:
-        decay = torch.tanh(u)
-        u = torch.lerp(u, value, alpha)
-        u = u.sub_(decay, alpha=beta) if not torch.is_tensor(beta) else u - beta * decay
         levels.append(u)
     return levels

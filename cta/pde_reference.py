@@ -5,42 +5,24 @@ backend (the Triton kernels are tested against it), vectorised, fp32, on any dev
 Layout: ``u`` is ``[batch, seq, channels]``; an optional ``attention_mask`` ``[batch, seq]`` marks real tokens with 1.
 Everything is accumulated in fp32 and returned in the input dtype. ``steps == 0`` is the identity.
 
-Schemes (explicit pseudo-time steps, written in flux form so that walls are exact)
+Schemes (explicit pseudo-time steps in flux form, so that walls are exact; each type is a ``pde_spec.PDEScheme``)
 -------------------------------------------------------------------------------
 Let ``e(i, i+1)`` be 1 when the edge between positions ``i`` and ``i+1`` is open (both are real tokens inside the
 sequence) and 0 otherwise: sequence ends and padding are *walls*. A padded position never changes and is never read.
 
-Bidirectional (encoders), zero-flux walls. With the edge flux into ``i`` from its right neighbour
-``G(i+1/2) = e(i,i+1) * (a * (u[i+1] - u[i]) - b+ * u[i] - b- * u[i+1])`` (``b+ = max(b, 0)``, ``b- = min(b, 0)``):
-
-* ``diffusion``:            ``u[i] += G(i+1/2) - G(i-1/2)`` with ``b = 0`` (the 3-point Laplacian).
-* ``advection_diffusion``:  the same with ``b != 0``: upwind transport with velocity ``b`` (``b > 0`` moves
-  information towards later positions), mass-conservative at walls.
-* ``reaction_diffusion``:   diffusion plus ``b * R(u)`` with the bounded reaction ``R(u) = -tanh(u)`` (a saturating
-  decay towards 0: linear for small ``u``, at most ``b`` per step for large ``u``), ``b >= 0``.
-* ``wave``:                 ``v = (1 - WAVE_DAMPING) * v + a * lap(u); u += v`` with ``v = 0`` at the start and
-  ``a = c**2``. The damping is not optional: with any causal (one-sided) stencil the undamped scheme has a root of
-  modulus > 1 (the product of the two roots is 1 and they are not on the unit circle), so it grows exponentially.
+Bidirectional (encoders), zero-flux walls: ``u[i] += G(i+1/2) - G(i-1/2) + R(u[i], b)`` with the edge flux
+``G(i+1/2) = e(i,i+1) * (a * (u[i+1] - u[i]) - b+ * u[i] - b- * u[i+1])`` (``b+ = max(b, 0)``, ``b- = min(b, 0)``;
+the ``b`` terms only for a scheme with ``advection``: upwind transport with velocity ``b``, mass-conservative at
+walls; ``R`` the scheme's ``reaction``, if any). ``wave``: ``v = (1 - WAVE_DAMPING) * v + a * lap(u); u += v`` with
+``v = 0`` at the start and ``a = c**2``.
 
 Causal (decoders), zero-inflow walls: position ``i`` reads only its left neighbour ``l = u[i-1]`` (0 at the start of
 the sequence and after padding: the sequence behaves as if preceded by zeros, like causal-conv1d's zero initial
-state), so after any number of steps it depends only on positions ``<= i``:
+state), so after any number of steps it depends only on positions ``<= i``: ``u[i] += c * (l - u[i]) + R(u[i], b)``
+with ``c = a`` (``a + b`` with ``advection``: the upwind stencil of causal transport is the same left difference);
+``wave``: ``v[i] = (1 - WAVE_DAMPING) * v[i] + a * (l - u[i]); u[i] += v[i]``.
 
-* ``diffusion``:            ``u[i] += a * (l - u[i])``                  (left flux of the 3-point Laplacian)
-* ``advection_diffusion``:  ``u[i] += (a + b) * (l - u[i])``, ``b >= 0`` (the upwind stencil for causal transport is
-  the same left difference, so causal advection-diffusion is diffusion with coefficient ``a + b``)
-* ``reaction_diffusion``:   ``u[i] += a * (l - u[i]) - b * tanh(u[i])``
-* ``wave``:                 ``v[i] = (1 - WAVE_DAMPING) * v[i] + a * (l - u[i]); u[i] += v[i]``
-
-Stability (the bounds in ``COEFFICIENT_BOUNDS``): every linear scheme above, at every coefficient inside its
-bounds, maps ``u`` by a matrix with non-negative entries whose rows and columns sum to at most 1 (diffusion,
-advection, reaction -- for the reaction write ``tanh(u) = d * u`` with ``0 < d <= 1``), hence its L1, L2 and
-L-infinity operator norms are ``<= 1``: no input grows, whatever the sequence length, padding or step count. The
-amplification factor of a Fourier mode ``exp(i k x)`` is ``1 - 4 a sin^2(k/2)`` (bidirectional diffusion, ``a <= 1/2``)
-and ``1 - a + a exp(-i k)`` (causal diffusion, ``|.| <= 1`` for ``0 <= a <= 1``). For the damped wave the bound was
-found by computing ``max_n ||u_n|| / ||u_0||`` over 64 steps for the worst input (the spectral norm of the step
-matrix power), which stays ``<= 1`` up to ``a = 1/2`` (bidirectional) and ``a = 0.15`` (causal).
-
+The bounds and why the steps are stable inside them: ``PDEScheme.bounds`` and ``.stability``.
 The authors' public causal stencil ``u[i] += a * (u[i] - 2 u[i-1] + u[i-2])`` has amplification ``|1 + 4a| > 1`` at
 the alternating mode and is deliberately not provided.
 """
@@ -52,41 +34,34 @@ from typing import Optional
 
 import torch
 
-from .pde_spec import WAVE_DAMPING, check_decode_arguments, check_pde_arguments, clamp_coefficients
+from .pde_spec import WAVE_DAMPING, check_decode_arguments, check_pde_arguments, clamp_coefficients, scheme_of
 
 
 
-def _bidirectional_step(u, v, pde_type, alpha, beta, open_edge, valid):
+def _bidirectional_step(u, v, scheme, alpha, beta, open_edge, valid):
     """One explicit step of the bidirectional scheme in flux form (fp32, [B, L, C])."""
-    diff = u[:, 1:] - u[:, :-1]  # u[i+1] - u[i] on the L-1 edges
-    if pde_type == "wave":
-        lap = torch.nn.functional.pad(diff * open_edge, (0, 0, 0, 1)) - torch.nn.functional.pad(
-            diff * open_edge, (0, 0, 1, 0)
-        )
-        v = (1.0 - WAVE_DAMPING) * v + alpha * lap
-        return u + v, v
-    flux = alpha * diff  # flux into the left cell of each edge
-    if pde_type == "advection_diffusion":
+    flux = alpha * (u[:, 1:] - u[:, :-1])  # into the left cell of each edge, from u[i+1] - u[i] on the L-1 edges
+    if scheme.advection:
         flux = flux - beta.clamp(min=0) * u[:, :-1] - beta.clamp(max=0) * u[:, 1:]
     flux = flux * open_edge
     update = torch.nn.functional.pad(flux, (0, 0, 0, 1)) - torch.nn.functional.pad(flux, (0, 0, 1, 0))
-    if pde_type == "reaction_diffusion":
-        update = update - beta * torch.tanh(u) * valid
+    if scheme.wave:
+        v = (1.0 - WAVE_DAMPING) * v + update
+        return u + v, v
+    if scheme.reaction:
+        update = update + scheme.torch_reaction(u, beta) * valid
     return u + update, v
 
 
-def _causal_step(u, v, left, pde_type, alpha, beta, valid):
+def _causal_step(u, v, left, scheme, alpha, beta, valid):
     """One explicit causal step; ``left`` holds u[i-1] (already zero at walls)."""
     pull = left - u
-    if pde_type == "wave":
+    if scheme.wave:
         v = (1.0 - WAVE_DAMPING) * v + alpha * pull * valid
         return u + v, v
-    if pde_type == "advection_diffusion":
-        update = (alpha + beta) * pull
-    else:
-        update = alpha * pull
-    if pde_type == "reaction_diffusion":
-        update = update - beta * torch.tanh(u)
+    update = (alpha + beta if scheme.advection else alpha) * pull
+    if scheme.reaction:
+        update = update + scheme.torch_reaction(u, beta)
     return u + update * valid, v
 
 
@@ -136,7 +111,8 @@ def _reference(hidden_states, *, pde_type, steps, alpha, beta, causal, attention
         valid = torch.ones(batch, seq, 1, device=u.device, dtype=compute_dtype)
     else:
         valid = attention_mask.to(device=u.device, dtype=compute_dtype).unsqueeze(-1)
-    v = torch.zeros_like(u) if pde_type == "wave" else None
+    scheme = scheme_of(pde_type)
+    v = torch.zeros_like(u) if scheme.wave else None
     final_state = []
     if causal:
         if initial_state is None:
@@ -145,11 +121,11 @@ def _reference(hidden_states, *, pde_type, steps, alpha, beta, causal, attention
         for step in range(steps):
             final_state.append(u * valid if return_state_history else u[:, -1] * valid[:, -1])
             left = torch.cat([initial_state[:, step : step + 1].to(compute_dtype), u[:, :-1]], dim=1) * left_valid
-            u, v = _causal_step(u, v, left, pde_type, alpha, beta, valid)
+            u, v = _causal_step(u, v, left, scheme, alpha, beta, valid)
     else:
         open_edge = valid[:, 1:] * valid[:, :-1]
         for step in range(steps):
-            u, v = _bidirectional_step(u, v, pde_type, alpha, beta, open_edge, valid)
+            u, v = _bidirectional_step(u, v, scheme, alpha, beta, open_edge, valid)
     out = u.to(hidden_states.dtype)
     if return_state_history:
         if not final_state:

@@ -1,72 +1,136 @@
 # coding=utf-8
-"""The CTA PDE operator's specification: its types, coefficient bounds, paper defaults and argument validation.
+"""The CTA PDE operator's specification: its schemes (one :class:`PDEScheme` per type: update rule, the local terms
+of its vector-Jacobian product, coefficient bounds and their stability argument, paper defaults; ``register_scheme``
+adds one) and argument validation.
 
-A leaf module: the reference (``pde_reference``), the kernels (``kernels_*``, ``triton_cta``) and the learnable module
-(``pde_cta``) import from here. The schemes and the derivation of the bounds are in ``pde_reference``'s docstring.
+A leaf module: the reference (``pde_reference``), the decode step (``pde_decode``), the kernels (``kernels_*``,
+``triton_cta``) and the learnable module (``pde_cta``) import from here. The flux form is in ``pde_reference``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
 
 import torch
 
-PDE_TYPES = ("diffusion", "wave", "reaction_diffusion", "advection_diffusion")
-PDE_TYPE_ALIASES = {
-    "reaction-diffusion": "reaction_diffusion",
-    "advection-diffusion": "advection_diffusion",
-    "heat": "diffusion",
-}
 PDE_BACKENDS = ("auto", "torch", "triton")
 WAVE_DAMPING = 0.5
 MAX_PDE_STEPS = 64
 
-# (alpha_min, alpha_max), (beta_min, beta_max) or None, for (pde_type, causal).
-COEFFICIENT_BOUNDS = {
-    ("diffusion", False): ((0.0, 0.5), None),
-    ("diffusion", True): ((0.0, 0.5), None),
-    ("wave", False): ((0.0, 0.5), None),
-    ("wave", True): ((0.0, 0.15), None),
-    ("reaction_diffusion", False): ((0.0, 0.25), (0.0, 0.5)),
-    ("reaction_diffusion", True): ((0.0, 0.25), (0.0, 0.5)),
-    ("advection_diffusion", False): ((0.0, 0.25), (-0.5, 0.5)),
-    ("advection_diffusion", True): ((0.0, 0.25), (0.0, 0.5)),
-}
 
-_KNOWN_BOUNDS = frozenset(COEFFICIENT_BOUNDS.values())
+@dataclass(frozen=True)
+class PDEScheme:
+    """One PDE type, the single definition the reference (``pde_reference``), the decode step (``pde_decode``) and
+    every Triton kernel (``kernels_*``) derive their code from.
+
+    Update rule, in flux form (see ``pde_reference``): a diffusion flux ``a * (u[i+1] - u[i])``; ``advection``: plus
+    the upwind flux of velocity ``b`` (bidirectional; causal transport is the same left difference, so causally it is
+    diffusion with ``a + b``); ``wave``: the flux difference drives a velocity ``v = (1 - WAVE_DAMPING) v + a lap(u)``,
+    ``u += v``; ``reaction``: ``(R, dR/du, dR/db)``, expressions in ``u`` and ``b`` (and ``tanh``) that torch and
+    Triton both evaluate: ``R(u, b)`` is added to every real token's update, and its two derivatives are the local
+    terms of the vector-Jacobian product the backward kernels apply. ``bounds[causal]``: ``((alpha_min,
+    alpha_max), (beta_min, beta_max) | None)``, the coefficients inside which the explicit steps are non-expansive,
+    for the reason ``stability`` gives. ``linear``: the step is linear in ``u`` (a decode step is then one fixed
+    matrix, ``pde_decode.causal_decode_map``). ``paper``: the default ``(alpha, beta)``."""
+
+    name: str
+    bounds: Tuple[tuple, tuple]
+    paper: Tuple[float, Optional[float]]
+    stability: str
+    wave: bool = False
+    advection: bool = False
+    reaction: Optional[Tuple[str, str, str]] = None
+    linear: bool = True
+    aliases: Tuple[str, ...] = ()
+    torch_reaction: Optional[Callable] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self):  # R(u, b) as a torch function, for the reference and the decode step
+        react = self.reaction and eval(f"lambda u, b: {self.reaction[0]}", {"tanh": torch.tanh})  # noqa: S307
+        object.__setattr__(self, "torch_reaction", react or None)
+
+    @property
+    def uses_beta(self) -> bool:
+        return self.bounds[True][1] is not None
+
+    def filters(self, causal: bool) -> bool:
+        """A constant-coefficient flux stencil (``M = I + c L``): banded filters and the streaming backward apply."""
+        return not self.wave and self.reaction is None and (causal or not self.advection)
+
+
+SCHEMES = {}  # name -> PDEScheme, in registration order (a kernel's scheme id is its index)
+PDE_TYPE_ALIASES = {}
+COEFFICIENT_BOUNDS = {}  # (pde_type, causal) -> ((alpha_min, alpha_max), (beta_min, beta_max) or None)
+PAPER_COEFFICIENTS = {}  # pde_type -> (alpha, beta or None)
+PDE_IDS = {}  # pde_type -> its integer id (the custom ops' argument)
+
+
+def register_scheme(scheme: PDEScheme) -> PDEScheme:
+    """Makes ``scheme`` a PDE type every entry point accepts (reference, decode, Triton kernels, models)."""
+    if scheme.wave and (scheme.reaction or scheme.advection):
+        raise ValueError("A wave scheme takes no reaction or advection term.")
+    if SCHEMES.get(scheme.name, scheme) != scheme:  # (kernels and launch plans are cached by name)
+        raise ValueError(f"Another scheme is registered as {scheme.name!r}.")
+    SCHEMES[scheme.name] = scheme
+    PDE_IDS.setdefault(scheme.name, len(PDE_IDS))
+    PDE_TYPE_ALIASES.update(dict.fromkeys(scheme.aliases, scheme.name))
+    COEFFICIENT_BOUNDS.update({(scheme.name, False): scheme.bounds[False], (scheme.name, True): scheme.bounds[True]})
+    PAPER_COEFFICIENTS[scheme.name] = scheme.paper
+    return scheme
+
 
 # Coefficients of the paper (Zhang & Zhou 2025): alpha = 0.1 for diffusion; beta values are ours (the paper gives none).
-PAPER_COEFFICIENTS = {
-    "diffusion": (0.1, None),
-    "wave": (0.1, None),
-    "reaction_diffusion": (0.1, 0.05),
-    "advection_diffusion": (0.1, 0.05),
-}
+# Stability: each linear scheme inside its bounds maps u by a matrix with non-negative entries whose rows and columns
+# sum to at most 1, hence operator norms (L1, L2, L-infinity) <= 1: no input grows, whatever the length, padding or
+# step count.
+register_scheme(PDEScheme(
+    "diffusion", (((0.0, 0.5), None), ((0.0, 0.5), None)), (0.1, None), aliases=("heat",),
+    stability="Fourier amplification 1 - 4 a sin^2(k/2) (bidirectional, a <= 1/2) and 1 - a + a exp(-i k) "
+              "(causal, |.| <= 1 for 0 <= a <= 1); non-negative rows summing to 1."))
+register_scheme(PDEScheme(
+    "wave", (((0.0, 0.5), None), ((0.0, 0.15), None)), (0.1, None), wave=True,
+    stability="max_n ||u_n|| / ||u_0|| over 64 steps for the worst input (the spectral norm of the step matrix "
+              "power) stays <= 1 up to a = 1/2 (bidirectional) and 0.15 (causal). The damping is not optional: "
+              "undamped, a causal stencil has a root of modulus > 1 (the roots' product is 1, off the unit circle)."))
+register_scheme(PDEScheme(
+    "reaction_diffusion", (((0.0, 0.25), (0.0, 0.5)),) * 2, (0.1, 0.05),
+    reaction=("-b * tanh(u)", "-b * (1.0 - tanh(u) * tanh(u))", "-tanh(u)"), linear=False,
+    aliases=("reaction-diffusion",),
+    stability="The bounded reaction -b tanh(u) saturates (at most b per step); writing tanh(u) = d u with "
+              "0 < d <= 1, rows 1 - 2a - b d >= 0 stay non-negative and sum to at most 1."))
+register_scheme(PDEScheme(
+    "advection_diffusion", (((0.0, 0.25), (-0.5, 0.5)), ((0.0, 0.25), (0.0, 0.5))), (0.1, 0.05), advection=True,
+    aliases=("advection-diffusion",),
+    stability="Upwind transport, mass-conservative at walls: rows 1 - 2a - |b| >= 0 (bidirectional), 1 - a - b >= 0 "
+              "(causal, b >= 0: the same left difference)."))
+PDE_TYPES = tuple(SCHEMES)  # the built-in types
+
+
+def scheme_of(pde_type: str) -> PDEScheme:
+    """The :class:`PDEScheme` of ``pde_type`` (any spelling :func:`normalize_pde_type` accepts)."""
+    return SCHEMES[normalize_pde_type(pde_type)]
 
 
 def normalize_pde_type(pde_type: str, argument: str = "pde_type") -> str:
     """Returns the canonical spelling of ``pde_type`` or raises a ValueError naming ``argument``."""
     if isinstance(pde_type, str):
-        if pde_type in PDE_TYPES:  # (the canonical spelling: every call after the first in a model)
+        if pde_type in SCHEMES:  # (the canonical spelling: every call after the first in a model)
             return pde_type
         name = PDE_TYPE_ALIASES.get(pde_type.lower(), pde_type.lower())
-        if name in PDE_TYPES:
+        if name in SCHEMES:
             return name
     raise ValueError(
-        f"`{argument}` must be one of {PDE_TYPES} (aliases: {sorted(PDE_TYPE_ALIASES)}), got {pde_type!r}."
+        f"`{argument}` must be one of {tuple(SCHEMES)} (aliases: {sorted(PDE_TYPE_ALIASES)}), got {pde_type!r}."
     )
 
 
 def uses_beta(pde_type: str) -> bool:
-    return COEFFICIENT_BOUNDS[(normalize_pde_type(pde_type), False)][1] is not None
+    return scheme_of(pde_type).uses_beta
 
 
 def coefficient_bounds(pde_type: str, causal: bool):
     """``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` inside which the scheme is non-expansive."""
-    return COEFFICIENT_BOUNDS[(normalize_pde_type(pde_type), bool(causal))]
-
-# Integer ids of the PDE types in the kernels' constexprs.
-PDE_IDS = {name: i for i, name in enumerate(PDE_TYPES)}
+    return scheme_of(pde_type).bounds[bool(causal)]
 
 
 def _as_coefficient(value, name: str, channels: int, device, interval=None, scheme=None) -> Optional[torch.Tensor]:
@@ -165,7 +229,7 @@ def check_attention_mask(attention_mask, batch: int, seq: int) -> None:
 
 def _check_bounds(bounds):
     """``coefficient_bounds`` as a hashable ``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` of floats."""
-    if bounds is None or (type(bounds) is tuple and bounds in _KNOWN_BOUNDS):
+    if bounds is None or (type(bounds) is tuple and bounds in COEFFICIENT_BOUNDS.values()):
         return bounds
     try:
         alpha_bounds, beta_bounds = bounds

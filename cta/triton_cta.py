@@ -37,13 +37,15 @@ from .pde_spec import (
     check_decode_arguments,
     check_decode_levels,
     check_pde_arguments,
-    clamp_coefficients,
 )
 
 __all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton",
            "pde_refine_module_triton", "pde_refine_triton"]
 
-_PDE_NAMES = {v: k for k, v in PDE_IDS.items()}
+
+
+def _pde_name(pde_id: int) -> str:
+    return list(PDE_IDS)[pde_id]  # (ids are registration indices: ``pde_spec.register_scheme``)
 
 
 def _op_registered(name: str) -> bool:
@@ -65,7 +67,7 @@ _REFINE_OPERANDS = ("Tensor x, Tensor alpha, Tensor? beta, Tensor? mask, Tensor?
 
 
 def _pde_refine_fwd_impl(x, alpha, beta, mask, init, pde, steps, causal, want_final):
-    y, fin = launch_forward(x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal, want_final)
+    y, fin = launch_forward(x, alpha, beta, mask, init, _pde_name(pde), steps, causal, want_final)
     return y, (fin if fin is not None else _no_state(x))
 
 
@@ -82,7 +84,7 @@ def _pde_refine_fwd_fake(x, alpha, beta, mask, init, pde, steps, causal, want_fi
 
 
 def _pde_refine_bwd_impl(gy, x, alpha, beta, mask, init, pde, steps, causal):
-    return launch_backward(gy, x, alpha, beta, mask, init, _PDE_NAMES[pde], steps, causal)
+    return launch_backward(gy, x, alpha, beta, mask, init, _pde_name(pde), steps, causal)
 
 
 def _pde_refine_bwd_fake(gy, x, alpha, beta, mask, init, pde, steps, causal):
@@ -97,24 +99,26 @@ def _pde_refine_bwd_fake(gy, x, alpha, beta, mask, init, pde, steps, causal):
 def _fwd_setup_context(ctx, inputs, output):
     x, alpha, beta, mask, init, pde, steps, causal, want_final = inputs
     ctx.save_for_backward(x, alpha, beta, mask, init)
-    ctx.meta = (_PDE_NAMES[pde], steps, causal)
+    ctx.meta = (_pde_name(pde), steps, causal, None)  # (no bounds: see _PDERefineFunction)
     ctx.set_materialize_grads(False)  # None for an unused output: the final state's gradient decides the path
     if output[1] is not None and not (causal and want_final):
         ctx.mark_non_differentiable(output[1])
 
 
 def _coef_grad(c: Optional[torch.Tensor], g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A coefficient's fp32 gradient (in ``coef_grad_shape``: the coefficient's own shape) in its dtype."""
+    """A coefficient's fp32 gradient (in ``coef_grad_shape``) in its dtype and shape (a one-element parameter's
+    comes back 0-d)."""
     if c is None or g is None:
         return None
-    return g if g.dtype == c.dtype else g.to(c.dtype)
+    g = g if g.dtype == c.dtype else g.to(c.dtype)
+    return g if g.shape == c.shape else g.reshape(c.shape)
 
 
 def _state_backward(ctx, gy, gfin):
     """(dx, dalpha, dbeta, dinit) through the reference's autograd on the saved inputs, for gradients that involve
     the streamed state: the kernels' backward has no initial-state gradient and no final-state input."""
     x, alpha, beta, mask, init = ctx.saved_tensors
-    pde, steps, causal = ctx.meta
+    pde, steps, causal, _ = ctx.meta
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[4])
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(need) if t is not None else None
@@ -140,11 +144,12 @@ def _kernel_backward(ctx, gy, gfin, eager=False):
         dx, dalpha, dbeta, dinit = _state_backward(ctx, gy, gfin)
         return dx, dalpha, dbeta, None, dinit, None, None, None, None
     x, alpha, beta, mask, init = ctx.saved_tensors
-    pde, steps, causal = ctx.meta
+    pde, steps, causal, bounds = ctx.meta
     if gy is None:
         gy = torch.zeros_like(x)
     if eager:
-        dx, da, db = launch_backward(gy, x, alpha, beta, mask, init, pde, steps, causal, need_db=beta is not None)
+        dx, da, db = launch_backward(gy, x, alpha, beta, mask, init, pde, steps, causal, need_db=beta is not None,
+                                     bounds=bounds)
     else:
         dx, da, db = _pde_refine_bwd(gy, x, alpha, beta, mask, init, PDE_IDS[pde], steps, causal)
     return dx, _coef_grad(alpha, da), _coef_grad(beta, db), None, None, None, None, None, None
@@ -152,43 +157,24 @@ def _kernel_backward(ctx, gy, gfin, eager=False):
 
 class _PDERefineFunction(torch.autograd.Function):
     """Eager-mode twin of the ``cta::pde_refine_fwd`` custom op and its registered autograd (same kernels), with
-    fewer arguments: the options travel as one tuple, and no final state is made when none is asked for."""
+    fewer arguments: the options ``(pde, steps, causal, want_final, bounds)`` travel as one tuple, and no final state
+    is made when none is asked for. ``bounds`` (:class:`PDERefinement`'s stateless call): the kernels clamp the raw
+    coefficients onto them as they read them and return the projected coefficients' gradient for the raw ones
+    unchanged (the straight-through projection of ``pde_cta.project_coefficient``): one Python autograd node per
+    site, no clamp op."""
 
     @staticmethod
     def forward(ctx, x, alpha, beta, mask, init, options):
-        pde, steps, causal, want_final = options
-        y, fin = launch_forward(x, alpha, beta, mask, init, pde, steps, causal, want_final)
+        pde, steps, causal, want_final, bounds = options
+        y, fin = launch_forward(x, alpha, beta, mask, init, pde, steps, causal, want_final, bounds)
         ctx.save_for_backward(x, alpha, beta, mask, init)
-        ctx.meta = options[:3]
+        ctx.meta = (pde, steps, causal, bounds)
         ctx.set_materialize_grads(False)  # None for an unused output: the final state's gradient decides the path
         return y, fin
 
     @staticmethod
     def backward(ctx, gy, gfin):
         return _kernel_backward(ctx, gy, gfin, eager=True)[:6]
-
-
-class _ProjectedPDERefineFunction(torch.autograd.Function):
-    """:class:`PDERefinement`'s stateless call in one autograd node: the raw coefficients are projected onto their
-    bounds here and get the projected coefficients' gradient unchanged (the straight-through projection of
-    ``pde_cta.project_coefficient``), so a training step pays one Python autograd node per site, not two."""
-
-    @staticmethod
-    def forward(ctx, x, alpha, beta, mask, options):
-        pde, steps, causal, bounds = options
-        alpha, beta = clamp_coefficients(alpha, beta, bounds)
-        y, _ = launch_forward(x, alpha, beta, mask, None, pde, steps, causal, False)
-        ctx.save_for_backward(x, alpha, beta, mask, None)
-        ctx.meta = (pde, steps, causal)
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        dx, da, db = _kernel_backward(ctx, gy, None, eager=True)[:3]
-        _, alpha, beta, _, _ = ctx.saved_tensors  # (a scalar's gradient comes back 0-d; the parameter is [1])
-        da = da.reshape(alpha.shape) if da is not None else None
-        db = db.reshape(beta.shape) if db is not None else None
-        return dx, da, db, None, None
 
 
 if _REGISTER:
@@ -258,7 +244,8 @@ def pde_refine_triton(
         hidden_states.requires_grad or alpha.requires_grad or (beta is not None and beta.requires_grad)
         or (init is not None and init.requires_grad)
     ):  # eager training: the same kernels through a plain autograd.Function (less dispatch overhead per call)
-        y, fin = _PDERefineFunction.apply(hidden_states, alpha, beta, mask, init, (pde, steps, causal, want_final))
+        y, fin = _PDERefineFunction.apply(hidden_states, alpha, beta, mask, init,
+                                          (pde, steps, causal, want_final, None))
     else:  # eager inference: launch directly
         y, fin = launch_forward(hidden_states, alpha, beta, mask, init, pde, steps, causal, want_final)
     if want_final:
@@ -283,10 +270,10 @@ def pde_refine_module_triton(hidden_states, alpha, beta, attention_mask, pde_typ
             attention_mask = attention_mask.to(hidden_states.device)
     if torch.is_grad_enabled() and (hidden_states.requires_grad or alpha.requires_grad
                                     or (beta is not None and beta.requires_grad)):
-        return _ProjectedPDERefineFunction.apply(hidden_states, alpha, beta, attention_mask,
-                                                 (pde_type, steps, bool(causal), bounds))
-    alpha, beta = clamp_coefficients(alpha, beta, bounds)
-    return launch_forward(hidden_states, alpha, beta, attention_mask, None, pde_type, steps, bool(causal), False)[0]
+        return _PDERefineFunction.apply(hidden_states, alpha, beta, attention_mask, None,
+                                        (pde_type, steps, bool(causal), False, bounds))[0]
+    return launch_forward(hidden_states, alpha, beta, attention_mask, None, pde_type, steps, bool(causal), False,
+                          bounds)[0]
 
 
 def pde_decode_step_triton(
