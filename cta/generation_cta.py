@@ -32,6 +32,10 @@ from .transformers_compat import (ASSISTANT_ROLLBACK_SINCE, GENERATING, Generati
 
 # The cache implementations that build a static (compileable) cache.
 STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
+# Architectures whose generation builds its own 2D attention mask sized by a static cache's length (BLOOM's ALiBi
+# reads it: create_masks_for_generate on newer transformers, its own prepare_inputs_for_generation on older ones),
+# which the PDE-holding hybrid static layers cannot report (their get_max_length is -1).
+STATIC_CACHE_2D_MASK = {"bloom"}
 # Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
 REFUSED_CACHES = {
     "quantized": "transformers' quantized cache has key/value layers only, with no room for the PDE sites' conv "
@@ -109,10 +113,13 @@ class PDEGenerationMixin(GenerationHooks):
             )
         cache = find_cache(kwargs, CACHE_ARGUMENTS)
         static = implementation in STATIC_CACHES or getattr(cache, "is_compileable", False)
-        refusal = self.pde_static_cache_refusal() if static else None
-        if refusal is not None:
-            raise ValueError(f"{type(self).__name__}: a static cache is refused: {refusal} "
-                             "Use cache_implementation='dynamic' (the default).")
+        base_type = getattr(type(self.config), "_cta_base_model_type", None)  # (a patched model's)
+        if static and base_type in STATIC_CACHE_2D_MASK:
+            raise ValueError(
+                f"{type(self).__name__}: a static cache is refused: {base_type} builds its own 2D attention mask for a "
+                "static cache, sized by the cache's length, which a cache whose layers hold the PDE state does not "
+                "report. Use cache_implementation='dynamic' (the default)."
+            )
         if getattr(config, "is_assistant", False) and transformers_before(ASSISTANT_ROLLBACK_SINCE):
             raise ValueError(
                 f"{type(self).__name__} as the assistant (draft) model of assisted decoding needs transformers >= "
@@ -120,10 +127,6 @@ class PDEGenerationMixin(GenerationHooks):
                 "cache roll its conv states back after rejected drafts. Upgrade transformers, or use this model as the "
                 "main model (prompt lookup and a plain assistant work)."
             )
-
-    def pde_static_cache_refusal(self):
-        """Why this model cannot decode through a static cache, or None."""
-        return None
 
 
 __all__ = ["PDEGenerationMixin", "check_cache_holds_pde_states", "compiled_calls", "drop_compiled_calls"]

@@ -10,7 +10,7 @@ import transformers
 from .checkpoint_conversion import SAVES_CURRENT_NAMES, hub_arguments, from_pretrained_with_pde_check, saved_as_own_class
 from .generation_cta import PDEGenerationMixin
 from .patching_sites import apply_patch, state_indices_of
-from .patching_structure import STATIC_CACHE_2D_MASK, base_model_type, config_is_decoder
+from .patching_structure import base_model_type, config_is_decoder
 from .pde_cache import conv_states_per_layer
 from .transformers_compat import auto_classes_naming, config_view, get_layer_types_and_kwargs, head_names
 
@@ -65,12 +65,6 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
     ``generate()`` keeps the PDE sites exact (``generation_cta``)."""
 
     _cta_patched = {}  # base model class -> its patched class
-
-    def pde_static_cache_refusal(self):
-        if base_model_type(self.config) in STATIC_CACHE_2D_MASK:
-            return (f"{base_model_type(self.config)} builds its own 2D attention mask for a static cache, sized by the "
-                    "cache's length, which a cache whose layers hold the PDE state does not report.")
-        return None
 
     def pde_cache_sites(self):
         """``[(site, cache layer, conv state)]`` of this model's causal PDE sites."""

@@ -56,6 +56,7 @@ import copy
 
 import transformers
 
+from .configuration_cta import check_choice, check_coefficient, check_layers, normalize_placements
 from .patching_classes import (  # noqa: F401  (the patched classes' module: `auto_map` names them here)
     PATCHED_CLASS_PREFIX, PATCHED_MODEL_TYPE_PREFIX, CTAPatchedConfigMixin, CTAPatchedModelMixin, auto_map_for,
     is_patched_config, load_patched, patched_class, patched_class_named, patched_config_class, register_auto_classes)
@@ -63,39 +64,12 @@ from .patching_sites import apply_patch, layer_indices, remove_patch_modules
 from .patching_structure import (  # noqa: F401  (REFUSED, supported_placements: importable here)
     ALL_PLACEMENTS as PATCH_PLACEMENTS, REFUSED, architecture_name, config_is_decoder, config_refusal, plan_patch,
     supported_placements)
-from .pde_cta import (PAPER_COEFFICIENTS, PDE_BACKENDS, PDERefinement, check_steps, coefficient_bounds,
-                      normalize_pde_type, uses_beta)
+from .pde_cta import PAPER_COEFFICIENTS, PDE_BACKENDS, PDERefinement, check_steps, normalize_pde_type, uses_beta
 from .transformers_compat import drop_compiled_calls, register_recorded_outputs
 
 PATCH_INITS = ("identity", "paper")
 PATCH_FORMAT_VERSION = 1
 __getattr__ = patched_class_named  # `CTAPatched<Base>`, made on first access (auto_map, architectures, pickling)
-
-
-def _normalize_placements(placement):
-    items = [placement] if isinstance(placement, str) else placement
-    if not isinstance(items, (list, tuple)) or not items:
-        raise ValueError(f"`placement` must be one of {PATCH_PLACEMENTS} or a non-empty list of them, got {placement!r}.")
-    for item in items:
-        if item == "attention_matrix":
-            raise ValueError(
-                "`placement='attention_matrix'` is not available for patched models (it needs CTA's own attention); "
-                f"use one of {PATCH_PLACEMENTS} or a native `cta.CTAForCausalLM`."
-            )
-        if item not in PATCH_PLACEMENTS:
-            raise ValueError(f"`placement` must be one of {PATCH_PLACEMENTS} or a list of them, got {item!r}.")
-    return [p for p in PATCH_PLACEMENTS if p in items]
-
-
-def _check_coefficient(value, name, bounds, pde_type, causal):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"`{name}` must be a float, got {value!r}.")
-    if not bounds[0] <= value <= bounds[1]:
-        kind = "causal" if causal else "bidirectional"
-        raise ValueError(
-            f"`{name}` must lie in the stable interval {bounds} of the {kind} {pde_type} scheme, got {value!r}."
-        )
-    return float(value)
 
 
 def make_patch_spec(config, pde_type="diffusion", pde_steps=1, placement="block_output", layers=None,
@@ -108,29 +82,21 @@ def make_patch_spec(config, pde_type="diffusion", pde_steps=1, placement="block_
     causal = config_is_decoder(config)
     pde_type = normalize_pde_type(pde_type, "pde_type")
     check_steps(pde_steps, "pde_steps")
-    placements = _normalize_placements(placement)
-    num_layers = config.num_hidden_layers
-    if layers is not None:
-        if not isinstance(layers, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers
-        ):
-            raise ValueError(f"`layers` must be a list of layer indices in [0, {num_layers}), got {layers!r}.")
-        layers = sorted(set(layers))
-    if init not in PATCH_INITS:
-        raise ValueError(f"`init` must be one of {PATCH_INITS}, got {init!r}.")
-    if backend not in PDE_BACKENDS:
-        raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
+    if "attention_matrix" in (placement if isinstance(placement, (list, tuple)) else [placement]):
+        raise ValueError(
+            "`placement='attention_matrix'` is not available for patched models (it needs CTA's own attention); "
+            f"use one of {PATCH_PLACEMENTS} or a native `cta.CTAForCausalLM`."
+        )
+    placements = normalize_placements(placement, "placement", PATCH_PLACEMENTS)
+    layers = check_layers(layers, "layers", config.num_hidden_layers)
+    check_choice(init, "init", PATCH_INITS)
+    check_choice(backend, "backend", PDE_BACKENDS)
     if not isinstance(per_channel, bool):
         raise ValueError(f"`per_channel` must be a bool, got {per_channel!r}.")
-    alpha_bounds, beta_bounds = coefficient_bounds(pde_type, causal)
-    paper_alpha, paper_beta = PAPER_COEFFICIENTS[pde_type]
-    if alpha is None:
-        alpha = 0.0 if init == "identity" else paper_alpha
-    alpha = _check_coefficient(alpha, "alpha", alpha_bounds, pde_type, causal)
+    paper_alpha, paper_beta = PAPER_COEFFICIENTS[pde_type] if init == "paper" else (0.0, 0.0)
+    alpha = check_coefficient(paper_alpha if alpha is None else alpha, "alpha", pde_type, 0, causal)
     if uses_beta(pde_type):
-        if beta is None:
-            beta = 0.0 if init == "identity" else paper_beta
-        beta = _check_coefficient(beta, "beta", beta_bounds, pde_type, causal)
+        beta = check_coefficient(paper_beta if beta is None else beta, "beta", pde_type, 1, causal)
     elif beta is not None:
         raise ValueError(f"`beta` is only used by reaction_diffusion / advection_diffusion, not {pde_type!r}.")
     return {"format_version": PATCH_FORMAT_VERSION, "pde_type": pde_type, "pde_steps": pde_steps, "placement": placements,

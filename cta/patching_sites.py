@@ -12,7 +12,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
 from .patching_structure import plan_patch
-from .pde_cache import CACHE_ARGUMENTS, pde_sites, pde_state_indices
+from .pde_cache import CACHE_ARGUMENTS, layer_state_indices, pde_sites
 from .pde_cta import PDERefinement
 
 # The cache keywords of layers that still call it by an older name: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode,
@@ -44,9 +44,9 @@ def layer_indices(spec, num_layers):
 
 def state_indices_of(spec, num_layers):
     """``layer index -> {placement: first cache conv-state index}`` of the causal PDE sites of ``spec``
-    (``pde_cache.pde_state_indices``: a site owns one conv state per step)."""
+    (``pde_cache.layer_state_indices``: a site owns one conv state per step)."""
     selected = set(layer_indices(spec, num_layers))
-    return lambda i: pde_state_indices(spec["placement"], spec["pde_steps"], i in selected, i)
+    return lambda i: layer_state_indices(spec["placement"], spec["pde_steps"], i in selected, i)
 
 
 def _make_pde(spec, channels, layer_idx, state_idx, like: nn.Module):

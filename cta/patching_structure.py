@@ -101,12 +101,6 @@ REFUSED = {
 }
 
 
-# Architectures whose generation builds its own 2D attention mask sized by a static cache's length (BLOOM's ALiBi
-# reads it: create_masks_for_generate on newer transformers, its own prepare_inputs_for_generation on older ones),
-# which the PDE-holding hybrid static layers cannot report (their get_max_length is -1): generate() refuses a static
-# cache for them before it starts (generation_cta).
-STATIC_CACHE_2D_MASK = {"bloom"}
-
 # model_type -> (the first transformers release whose model code works, why patch_model refuses it on earlier ones):
 # refusals whose cause is the installed release, not the architecture (version-gated).
 REFUSED_BEFORE = {

@@ -55,7 +55,7 @@ def deprecate_past_key_values(forward):
 STATE_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
 
 
-def pde_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
+def layer_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
     """The first cache conv-state index of every causal PDE site of one layer (placement -> index; a site owns
     ``pde_steps`` consecutive states, one per step): its per-layer sites in :data:`STATE_PLACEMENTS` order, then, in
     layer 0, the ``embedding`` site."""
@@ -68,13 +68,13 @@ def pde_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx
 
 
 def conv_states_per_layer(state_indices: dict, pde_steps: int) -> int:
-    """How many conv states the cache layer of one layer's :func:`pde_state_indices` holds (one per site and step)."""
+    """How many conv states the cache layer of one layer's :func:`layer_state_indices` holds (one per site and step)."""
     return len(state_indices) * pde_steps
 
 
 def pde_sites(num_layers: int, state_indices) -> list:
     """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites; ``state_indices(i)`` is layer ``i``'s
-    :func:`pde_state_indices`. What :func:`check_pde_states` checks."""
+    :func:`layer_state_indices`. What :func:`check_pde_states` checks."""
     return [(f"{placement} of layer {i}", i, state) for i in range(num_layers)
             for placement, state in state_indices(i).items()]
 
@@ -202,7 +202,7 @@ def missing_cache_error(site: str) -> ValueError:
 
 
 __all__ = [
-    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
+    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "layer_state_indices",
     "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "has_pde_state",
     "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
     "refuse_export_with_cache", "check_pde_states", "missing_cache_error",
