@@ -1,24 +1,13 @@
 # coding=utf-8
-"""``generate()`` for models with causal PDE sites (native ``CTAForCausalLM`` and patched decoders): what
-transformers' generation does that a PDE site must know about, each made exact or refused before a token is
-generated.
+"""``generate()`` for models with causal PDE sites (native ``CTAForCausalLM`` and patched decoders): every cache and
+decoding strategy of transformers' generation is exact or refused before a token is generated (the paths, and why
+each is exact or refused: ``docs/generation.md``). Here:
 
-* **Padding walls with a compileable cache.** For a StaticCache, ``prepare_inputs_for_generation`` turns the 2D padding
-  mask into 4D masks (one per layer type) for the compiled decode step. A PDE site reads its walls from the 2D mask:
-  the steps that hold several tokens (the prefill, a chunk, a verification of draft tokens, all run eagerly) keep it;
-  a one-token decode step keeps transformers' 4D masks (the new token is never padding; the walls of earlier
-  padding live in the PDE state).
-* **A compiled forward bound to another model.** ``get_compiled_call`` keeps ``torch.compile(self.__call__)`` on the
-  instance, and ``copy.deepcopy`` copies that attribute as it is: still bound to the original model (functions are
-  not copied). A patched copy would decode with the original's forward. Such a compiled forward is dropped before
-  transformers looks for it (:func:`drop_compiled_calls`), so it compiles what this model is.
-* **Caches that cannot hold a PDE state** (``cache_implementation="quantized"``, a cache built without the model's
-  config) and the offloaded static cache (whose prefetch fails when every layer holds a conv state) are refused before
-  the first step with an error naming the cache.
-* **Continuous batching** keeps no per-request conv state: refused.
-
-Assisted and prompt-lookup decoding crop the cache after rejected draft tokens: the PDE state follows transformers'
-own rollback of conv states (``pde_cache``).
+* a step of several tokens keeps its 2D padding mask (the PDE walls) where transformers turned it into 4D masks for
+  a static cache; a one-token step keeps transformers' masks (the new token is never padding);
+* a compiled forward copied from another model (``copy.deepcopy``) is dropped before transformers looks for it
+  (:func:`drop_compiled_calls`), so it compiles what this model is;
+* caches that cannot hold a PDE state, the offloaded static cache and continuous batching are refused, naming why.
 """
 
 from __future__ import annotations

@@ -180,8 +180,7 @@ def coefficient_text(t) -> Optional[str]:
 
 
 def card_pde_fields(src: dict) -> dict:
-    """The card's PDE fields of a patch: ``cta_patch`` or a native config's ``pde_*`` values, keys without ``pde_``
-    (``type``, ``steps``, ``placement``, ..., ``causal``)."""
+    """The card's PDE fields of a ``cta_patch`` or a native config's ``pde_*`` values (keys without ``pde_``)."""
     from .pde_spec import coefficient_bounds
 
     alpha_bounds, beta_bounds = coefficient_bounds(src["type"], bool(src.get("causal")))
@@ -256,8 +255,9 @@ def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_i
         language=language or None, datasets=datasets or None)
     return render_card(
         "adapter.md", templates, card_data, task, title=title or repo_id.split("/")[-1], repo_id=repo_id,
-        base_model=base_model, auto_class=auto_class, peft_auto_class=peft_auto_class, task_type=config.get("task_type"),
-        patch=config["cta_patch"], pde=pde, lora=lora, pip_spec=pip_spec, datasets=datasets)
+        base_model=base_model, auto_class=auto_class, peft_auto_class=peft_auto_class,
+        task_type=config.get("task_type"), patch=config["cta_patch"], pde=pde, lora=lora, pip_spec=pip_spec,
+        datasets=datasets)
 
 
 def render_card(template: str, templates, card_data: ModelCardData, task, **fields) -> ModelCard:
@@ -432,8 +432,7 @@ sys.exit(3)
 
 
 def padded_batch(vocab: int, causal: bool):
-    """``(input_ids, attention_mask)`` of two rows of 12 tokens, the second padded: on the left for decoders, on the
-    right for encoders."""
+    """Two rows of 12 tokens, the second padded: left padding for decoders, right padding for encoders."""
     import torch
 
     ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -452,8 +451,7 @@ def model_output(model, ids, mask):
 
 
 def compare_outputs(got, expected, mask, atol: float):
-    """``(max abs difference on the unpadded positions, the problem or None)``: within ``atol`` relative to the
-    outputs' scale."""
+    """``(max abs difference on the unpadded positions, the problem or None)``; ``atol`` is relative to their scale."""
     import torch
 
     if got.shape != expected.shape:
@@ -467,8 +465,7 @@ def compare_outputs(got, expected, mask, atol: float):
 
 
 def isolated_python(script: str, spec_path: Path) -> dict:
-    """The ``subprocess`` arguments that run ``script`` on ``spec_path`` in ``python -I`` in its folder, offline and
-    without ``PYTHONPATH`` (``cta`` is the installed package, not a checkout on the path)."""
+    """``subprocess`` arguments: ``python -I`` runs ``script`` on ``spec_path`` offline, without ``PYTHONPATH``."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     return dict(args=[sys.executable, "-I", "-c", script, str(spec_path)], cwd=spec_path.parent,
                 env=dict(env, HF_HUB_OFFLINE="1"), text=True)

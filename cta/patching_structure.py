@@ -80,14 +80,12 @@ PLACEMENT_EXCEPTIONS = {
 
 # model_type -> why patch_model refuses it (what the structure alone would not tell).
 REFUSED = {
-    "mamba": "keeps its own recurrent (selective state-space) state in its cache",
-    "mamba2": "keeps its own recurrent (selective state-space) state in its cache",
-    "falcon_mamba": "keeps its own recurrent (selective state-space) state in its cache",
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"),
+                    "keeps its own recurrent (selective state-space) state in its cache"),
     "rwkv": "keeps its own recurrent (RWKV time-mixing) state in its cache",
     "recurrent_gemma": "keeps its own recurrent (RG-LRU) state in its cache",
     "xlstm": "keeps its own recurrent (xLSTM) state in its cache",
-    "lfm2": "keeps its own short-convolution state in its cache",
-    "lfm2_moe": "keeps its own short-convolution state in its cache",
+    **dict.fromkeys(("lfm2", "lfm2_moe"), "keeps its own short-convolution state in its cache"),
     "hrm_text": "has two layer stacks (its hierarchical H and L modules), run several times per token",
     "bert-generation": "its layers are BERT encoder layers (bidirectional attention) whatever the config says",
     "longformer": "pads the input to a multiple of its attention window inside the model, so the padding walls "
@@ -267,11 +265,16 @@ def find_layer_stack(model):
     return _input_owner(base, name), layers, name
 
 
-def _takes_model_inputs(module) -> bool:
+def parameters_of(function) -> dict:
+    """``inspect.signature(function).parameters``, empty where it has no signature."""
     try:
-        parameters = inspect.signature(module.forward).parameters
+        return dict(inspect.signature(function).parameters)
     except (TypeError, ValueError):
-        return False
+        return {}
+
+
+def _takes_model_inputs(module) -> bool:
+    parameters = parameters_of(module.forward)
     return "attention_mask" in parameters and ("input_ids" in parameters or "inputs_embeds" in parameters)
 
 
@@ -289,13 +292,6 @@ def _input_owner(base, layers_name):
 
 def _children_named(module, names):
     return [(n, getattr(module, n)) for n in names if isinstance(getattr(module, n, None), nn.Module)]
-
-
-def _takes_residual(module) -> bool:
-    try:
-        return "residual" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _last_linear(module):
@@ -318,7 +314,7 @@ def _output_module(module):
     dropout = _post_ln_dropout(module)
     if dropout is not None:
         return dropout
-    if _takes_residual(module):
+    if "residual" in parameters_of(module.forward):
         return _last_linear(module)
     return module
 

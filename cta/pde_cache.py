@@ -1,23 +1,16 @@
 # coding=utf-8
 """The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
 
-A causal PDE site keeps its state in transformers' hybrid cache layers (``conv_states`` / ``has_previous_state`` /
-``update_conv_state``): one conv state per step ``s`` of the scheme, an fp32 ``[batch, 1, channels, 1]`` buffer holding
-the step-``s`` iterate at the last position (its last axis is the conv state's time axis, with a kernel of one
-position). Site ``k`` of a layer owns the conv states ``k * steps .. k * steps + steps - 1``. One buffer per step, not
-one ``[batch, steps, channels]`` buffer: a compiled decode step writes each of them at the index it reads it, so
-Inductor fuses the whole site, state writes included, into the kernel of the norm that follows (a single buffer is
-read at one step and written at another: a kernel of its own and a copy into the cache). Keeping time on the last axis
-is what lets transformers roll the state back: while a cache records its past (``activate_past_recording``: assisted
-and prompt-lookup decoding), a site appends one column per position and the cache's ``crop`` keeps the column of the
-last accepted token, as it does for the conv states of Mamba-like layers. A decode step that cannot find its state
-would refine the new token as if it started a sequence: wrong outputs without an error. Everything here raises
-instead.
+A causal PDE site keeps its state in transformers' hybrid cache layers: one conv state per step of the scheme, an fp32
+``[batch, 1, channels, 1]`` buffer holding that step's iterate at the last position; site ``k`` of a layer owns the
+conv states ``k * steps .. k * steps + steps - 1``. Time is the last axis: while a cache records its past (assisted
+and prompt-lookup decoding) a site appends one column per position, and the cache's ``crop`` rolls the state back as
+it does for Mamba-like layers. Why one buffer per step: ``docs/decoding.md``. A decode step that cannot find its state
+would refine the new token as if it started a sequence, wrong without an error: everything here raises instead.
 
-transformers renamed the cache argument of its models from ``past_key_values`` to ``cache`` (5.24; the old name is
-accepted, deprecated, until 5.40). Models read the cache under either name; what they pass on to transformers'
-functions (mask builders, gradient-checkpointing layers) and what they return uses :data:`CACHE_ARGUMENT`, the name
-of the installed release.
+transformers renamed its models' cache argument ``past_key_values`` to ``cache`` in 5.24 (the old name is accepted,
+deprecated, until 5.40). Models read either; what they pass on and return uses :data:`CACHE_ARGUMENT`, the installed
+release's name.
 """
 
 from __future__ import annotations
