@@ -286,15 +286,10 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
                            datasets=None, language=None, templates=None, title: Optional[str] = None,
                            pip_spec: str = DEFAULT_PIP_SPEC, overwrite: bool = False, verify: bool = True,
                            verify_load: bool = True, atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Writes a Hub folder for the CTA adapter in ``adapter_dir`` (``PeftModel.save_pretrained`` of a model trained
-    with ``cta.CTALoraConfig``): ``adapter_config.json`` (``base_model_name_or_path``: the base model's Hub id),
-    ``adapter_model.safetensors`` and the card ``README.md``. Then :func:`verify_adapter_folder`: static checks, and
-    unless ``verify_load=False`` and given ``base_model_dir`` (the plain base model's local folder), the load checks,
-    comparing with ``reference_model`` (default: the original folder loaded onto ``base_model_dir`` here).
-
-    Returns the verification report with ``folder`` (``out_dir``) and ``base_model``; ``load_check`` says why the
-    load checks were skipped, if they were.
-    """
+    """Writes a Hub folder for the CTA adapter in ``adapter_dir``: ``adapter_config.json`` (``base_model_name_or_path``:
+    the base model's Hub id), ``adapter_model.safetensors`` and the card ``README.md``; then
+    :func:`verify_adapter_folder` (its load checks where ``verify_load`` and ``base_model_dir`` are given). Returns its
+    report with ``folder`` and ``base_model``; ``load_check`` says why the load checks were skipped, if they were."""
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     check_export_arguments(adapter_dir, "ADAPTER_DIR", out_dir, overwrite, repo_id, AdapterExportError)
     info = read_adapter(adapter_dir)
@@ -327,17 +322,12 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
 
 def verify_adapter_folder(folder, *, base_model_dir=None, reference_adapter=None, reference_model=None,
                           atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Checks an exported adapter folder; raises :class:`AdapterExportError` naming every problem.
-
-    Static: a CTA adapter (``read_adapter``), safetensors only, a README.md card with ``library_name: peft`` and a
-    ``base_model``. With ``base_model_dir`` (the plain base model's local folder), two ``python -I`` subprocesses
-    started in a temporary folder (``cta`` is the installed package, not a checkout on the path): after ``import cta``
-    the plain base + this adapter (``PeftModel.from_pretrained``) is patched, holds the saved coefficients, and its
-    logits on a padded batch match those of ``reference_model`` (default: ``reference_adapter``, else ``folder``,
-    loaded the same way in this process) within ``atol`` (relative to their scale); where ``import cta`` fails,
-    loading the adapter raises. Returns a report: ``files``, ``sites``, and with the load checks
-    ``max_abs_diff``, ``with_cta``, ``without_cta``.
-    """
+    """Checks an exported adapter folder; raises :class:`AdapterExportError` naming every problem. Static: a CTA
+    adapter (:func:`read_adapter`), safetensors only, a card with ``library_name: peft`` and a ``base_model``. With
+    ``base_model_dir`` (the plain base's local folder), the load checks of the module docstring, against
+    ``reference_model`` (default: ``reference_adapter``, else ``folder``, loaded here) within ``atol`` (relative to
+    the logits' scale). Returns a report: ``files``, ``sites``, and with the load checks ``max_abs_diff``,
+    ``with_cta``, ``without_cta``."""
     folder = Path(folder)
     if not folder.is_dir():
         raise AdapterExportError(f"{folder} is not a folder.")

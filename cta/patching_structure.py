@@ -4,27 +4,19 @@
 ``patching_cta.patch_model`` asks :func:`plan_patch` for the modules each placement refines before it changes
 anything; every refusal is a ``ValueError`` raised here, naming the placement, the architecture and what it supports.
 
-* **The layer stack**: the one ``nn.ModuleList`` of the base model whose items are transformers'
-  ``GradientCheckpointingLayer`` s (every decoder / encoder layer of transformers 5.x is one) or the class the model
-  names in ``_no_split_modules``. ``block_output`` refines each item's output, ``embedding`` the first item's input (what
-  ``get_input_embeddings()`` produced, after any scaling or projection the model applies before its first layer).
-* **Decoder or encoder** (causal or bidirectional stencil), from the config: ``is_decoder`` / ``is_causal`` where it
-  sets them, else the model's heads (a masked-LM head: an encoder; a causal-LM head only: a decoder); where the
-  attention modules say ``is_causal`` too, it must agree.
-* **value**: the layer's one value projection (an ``nn.Linear`` / ``Conv1D`` named ``v_proj``, ``value``,
-  ``value_proj``, ``v_lin`` or ``v``), or the value columns of a fused QKV projection whose layout the config
-  determines (:data:`FUSED_VALUE`). **attention_output** / **mlp_output**: the attention module (the layer's child that
-  holds the value projection) and the MLP / mixture-of-experts block (a child named ``mlp``, ``feed_forward``, ``ffn``,
-  ``block_sparse_moe``, ``moe``; or the second feed-forward ``Linear`` ``fc2`` of OPT-style layers): their outputs
-  before the residual add. Where such a module adds the residual itself (its ``forward`` takes ``residual``), its output
-  projection (its last ``Linear``) is refined instead; in BERT-style post-LN layers, the dropout before Add & Norm.
-* **Refused up front**: architectures whose cache holds their own recurrent or convolution state (the PDE state
-  cannot share it: Mamba, Jamba, Falcon-H1, LFM2, Qwen3-Next, RecurrentGemma, RWKV, ...), composite (multimodal) and
-  encoder-decoder configs, and the types listed in :data:`REFUSED` with their reason.
-
-The per-architecture knowledge is :data:`FUSED_VALUE`, :data:`PLACEMENT_EXCEPTIONS`, :data:`REFUSED` and
-:data:`REFUSED_BEFORE` (refused on the transformers releases whose own model code cannot work): one line per
-architecture, like PEFT's default LoRA target table.
+* **The layer stack**: the one ``nn.ModuleList`` of the base model whose items are ``GradientCheckpointingLayer`` s
+  (every layer of transformers 5.x) or of a class in ``_no_split_modules``. ``block_output`` refines each item's
+  output, ``embedding`` the first item's input (after any scaling or projection before the first layer).
+* **Decoder or encoder** (causal or bidirectional stencil): the config's ``is_decoder`` / ``is_causal``, else its
+  heads (a masked-LM head: an encoder; a causal-LM head only: a decoder); attention modules' ``is_causal`` must agree.
+* **value**: the layer's one value projection (:data:`VALUE_NAMES`) or the value columns of a fused QKV projection
+  whose layout the config determines (:data:`FUSED_VALUE`). **attention_output** / **mlp_output**: the output, before
+  the residual add, of the attention module (the layer's child holding the value projection) and of the MLP / MoE
+  block (:data:`MLP_NAMES`, or OPT-style ``fc2``); where such a module adds the residual itself, its last ``Linear``;
+  in BERT-style post-LN layers, the dropout before Add & Norm.
+* **Refused up front**: architectures whose cache holds their own recurrent or convolution state, composite
+  (multimodal) and encoder-decoder configs, :data:`REFUSED` / :data:`REFUSED_BEFORE` (the releases whose own model
+  code cannot work) and, per placement, :data:`PLACEMENT_EXCEPTIONS`: one line per architecture with its reason.
 """
 
 from __future__ import annotations
