@@ -8,7 +8,7 @@ from functools import partial
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .pde_cache import STATE_PLACEMENTS, conv_states_per_layer, layer_state_indices
+from .pde_cache import STATE_PLACEMENTS, hybrid_cache_layout, layer_state_indices
 from .pde_cta import PAPER_COEFFICIENTS, PDE_BACKENDS, check_steps, coefficient_bounds, normalize_pde_type
 
 
@@ -224,13 +224,10 @@ class CTAConfig(PretrainedConfig):
 
     def update_cache_layout(self):
         """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state."""
-        counts = [conv_states_per_layer(self.pde_state_indices(i), self.pde_steps)
-                  for i in range(self.num_hidden_layers)]
-        stateful = self.is_causal and any(counts)
         attention = "sliding_attention" if self.sliding_window is not None else "full_attention"
-        hybrid = "hybrid_sliding" if self.sliding_window is not None else "hybrid"
-        self.layer_types = [hybrid if stateful else attention for _ in range(self.num_hidden_layers)]
-        self.number_of_conv_states = max(counts + [1]) if stateful else 1
+        attention_types = [attention] * self.num_hidden_layers
+        layout = hybrid_cache_layout(attention_types, self.pde_state_indices, self.pde_steps) if self.is_causal else None
+        self.layer_types, self.number_of_conv_states = layout or (attention_types, 1)
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod

@@ -32,7 +32,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .transformers_compat import get_layer_types_and_kwargs, has_head, transformers_before
 
 
-LAYER_PLACEMENTS = ("value", "attention_output", "mlp_output")
+# The placements refined in a submodule of each layer (found per layer by :func:`layer_targets`).
+MODULE_PLACEMENTS = ("value", "attention_output", "mlp_output")
 ALL_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output")
 
 VALUE_NAMES = ("v_proj", "value", "value_proj", "v_lin", "v")
@@ -440,13 +441,13 @@ def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
             "is_decoder=True."
         )
     indices = range(len(layers)) if layer_indices is None else layer_indices
-    wanted = [p for p in LAYER_PLACEMENTS if p in placements]
+    wanted = [p for p in MODULE_PLACEMENTS if p in placements]
     targets = [None] * len(layers)
     for idx in indices:
         found = layer_targets(layers[idx], config)
         for placement in wanted:
             if getattr(found, placement) is None:
-                supported = [p for p in ALL_PLACEMENTS if p not in LAYER_PLACEMENTS or getattr(found, p) is not None]
+                supported = [p for p in ALL_PLACEMENTS if p not in MODULE_PLACEMENTS or getattr(found, p) is not None]
                 raise refuse(placement, model, found.reasons[placement] + f" (layer {idx}, {type(layers[idx]).__name__})",
                              supported)
         targets[idx] = found
@@ -458,7 +459,7 @@ def supported_placements(model) -> list:
     plan = plan_patch(model, ())
     supported = []
     for placement in ALL_PLACEMENTS:
-        if placement not in LAYER_PLACEMENTS or all(
+        if placement not in MODULE_PLACEMENTS or all(
                 getattr(layer_targets(layer, model.config), placement) is not None for layer in plan.layers):
             supported.append(placement)
     return supported

@@ -60,9 +60,22 @@ def layer_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_i
     return {name: number * pde_steps for number, name in enumerate(sites)}
 
 
-def conv_states_per_layer(state_indices: dict, pde_steps: int) -> int:
-    """How many conv states the cache layer of one layer's :func:`layer_state_indices` holds (one per site and step)."""
-    return len(state_indices) * pde_steps
+# The cache layer type that holds conv states beside the keys and values of each attention layer type.
+HYBRID_LAYER_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
+
+
+def hybrid_cache_layout(attention_types, state_indices, pde_steps: int):
+    """``(layer_types, number_of_conv_states)`` that make ``DynamicCache(config=...)`` hold the PDE states: each
+    layer's attention type (``attention_types``) made hybrid, with room for the most states a layer holds
+    (``state_indices(i)``: layer ``i``'s :func:`layer_state_indices`); None where no layer holds one."""
+    counts = [len(state_indices(i)) * pde_steps for i in range(len(attention_types))]
+    if not any(counts):
+        return None
+    unsupported = sorted(set(attention_types) - set(HYBRID_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(f"CTA patch: cache layer types {unsupported} cannot hold the PDE state (supported: "
+                         f"{list(HYBRID_LAYER_TYPES)}).")
+    return [HYBRID_LAYER_TYPES[t] for t in attention_types], max(counts)
 
 
 def pde_sites(num_layers: int, state_indices) -> list:
@@ -195,8 +208,8 @@ def missing_cache_error(site: str) -> ValueError:
 
 
 __all__ = [
-    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "layer_state_indices",
-    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "has_pde_state",
-    "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
+    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
+    "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
+    "has_pde_state", "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
     "refuse_export_with_cache", "check_pde_states", "missing_cache_error",
 ]
