@@ -168,7 +168,8 @@ class CTAConfig(PretrainedConfig):
         pde_alpha=0.1, pde_beta=None, pde_per_channel=False, pde_backend="auto", pad_token_id=0, bos_token_id=None,
         eos_token_id=None, **kwargs,
     ):
-        fields = {name: value for name, value in locals().items() if name in _CHECKS}
+        arguments = locals()
+        fields = {name: arguments[name] for name in _CHECKS}
         if num_key_value_heads is None:
             fields["num_key_value_heads"] = num_attention_heads
         for name, check in _CHECKS.items():
