@@ -4,20 +4,17 @@
 What changed since 0.1.0, and how a checkpoint of that release is read (no file is rewritten; ``save_pretrained``
 afterwards writes the current format):
 
-* A scalar PDE coefficient was a 0-d tensor; it is a 1-element tensor now (FSDP1/2 and DeepSpeed refuse 0-d
-  parameters). transformers' loader would report a 0-d checkpoint tensor as a size mismatch of ``[1]``:
-  :func:`from_pretrained_with_pde_check` reads the checkpoint's safetensors headers first, and where it finds 0-d
-  coefficients it loads with ``ignore_mismatched_sizes=True``, copies exactly those coefficients in their new shape,
-  and raises for every other mismatch as transformers itself does (unless the caller passed
-  ``ignore_mismatched_sizes=True``). Current checkpoints load through transformers unchanged. ``state_dict``s and PEFT adapters go
-  through ``load_state_dict``, where ``PDERefinement``'s pre-hook reshapes them.
-* Weight names that changed are renamed through ``from_pretrained``'s public ``key_mapping`` (``LEGACY_KEY_MAPPING``:
-  patterns that match only names of earlier releases), passed only for a checkpoint that has such names. transformers'
-  ``save_pretrained`` would write the loaded names back (it reverts the load's ``key_mapping``): a model loaded that
-  way saves with ``save_original_format=False`` (:data:`SAVES_CURRENT_NAMES`), i.e. in the current names.
+* A scalar PDE coefficient was a 0-d tensor; it is a 1-element tensor now (FSDP and DeepSpeed refuse 0-d parameters).
+  :func:`from_pretrained_with_pde_check` reads the safetensors headers first; where it finds 0-d coefficients it loads
+  with ``ignore_mismatched_sizes=True``, copies exactly those in their new shape and raises for every other mismatch
+  as transformers does (unless the caller ignores them). ``state_dict``s and PEFT adapters go through
+  ``load_state_dict``, where ``PDERefinement``'s pre-hook reshapes them.
+* Renamed weights load through ``from_pretrained``'s public ``key_mapping`` (:data:`LEGACY_KEY_MAPPING`), passed only
+  for a checkpoint that has old names; such a model saves in the current names (:data:`SAVES_CURRENT_NAMES`:
+  ``save_original_format=False``, since transformers would otherwise revert the mapping).
 
-A checkpoint whose PDE weights are missing, unexpected or of another shape than the config declares raises, naming
-them: a model whose PDE sites silently kept their initial coefficients would be another model, with no error.
+Missing, unexpected or misshapen PDE weights raise, naming them: a model whose PDE sites silently kept their initial
+coefficients would be another model.
 """
 
 from __future__ import annotations

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from functools import partial
 
-from .pde_cache import STATE_PLACEMENTS, conv_states_per_layer, pde_state_indices
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from .pde_cache import STATE_PLACEMENTS, hybrid_cache_layout, layer_state_indices
 from .pde_cta import PAPER_COEFFICIENTS, PDE_BACKENDS, check_steps, coefficient_bounds, normalize_pde_type
 
 
@@ -19,7 +22,7 @@ MLP_TYPES = ("standard", "gated")
 POOLING_TYPES = ("mean", "cls", "last")
 
 
-def _choice(value, field, allowed):
+def check_choice(value, field, allowed):
     if value not in allowed:
         raise ValueError(f"`{field}` must be one of {allowed}, got {value!r}.")
     return value
@@ -31,6 +34,12 @@ def _positive_int(value, field, minimum=1):
     return value
 
 
+def _positive_float(value, field):
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"`{field}` must be a positive float, got {value!r}.")
+    return float(value)
+
+
 def _probability(value, field):
     if value is None:
         return value
@@ -39,14 +48,60 @@ def _probability(value, field):
     return float(value)
 
 
-def normalize_placements(placement, field="pde_placement"):
+def normalize_placements(placement, field="pde_placement", allowed=PDE_PLACEMENTS):
     """``str`` or list of placements -> sorted unique list (validated)."""
     items = [placement] if isinstance(placement, str) else placement
-    if not isinstance(items, (list, tuple)) or len(items) == 0:
-        raise ValueError(f"`{field}` must be one of {PDE_PLACEMENTS} or a non-empty list of them, got {placement!r}.")
-    for item in items:
-        _choice(item, field, PDE_PLACEMENTS)
-    return [p for p in PDE_PLACEMENTS if p in items]
+    if not isinstance(items, (list, tuple)) or not items or any(item not in allowed for item in items):
+        raise ValueError(f"`{field}` must be one of {allowed} or a non-empty list of them, got {placement!r}.")
+    return [p for p in allowed if p in items]
+
+
+def check_layers(layers, field, num_layers):
+    """``None`` (every layer) or the sorted unique layer indices of ``layers``."""
+    if layers is None:
+        return None
+    if not isinstance(layers, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in layers):
+        raise ValueError(f"`{field}` must be a list of layer indices in [0, {num_layers}), got {layers!r}.")
+    return sorted(set(layers))
+
+
+def check_coefficient(value, field, pde_type, which, causal=None):
+    """``value`` (coefficient ``which``: 0 alpha, 1 beta) as a float inside the stable interval of ``pde_type``'s
+    causal or bidirectional scheme, or (``causal=None``: a config that may serve either) of one of them."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"`{field}` must be a float, got {value!r}.")
+    kinds = ("bidirectional", "causal") if causal is None else ("causal" if causal else "bidirectional",)
+    intervals = {kind: coefficient_bounds(pde_type, kind == "causal")[which] for kind in kinds}
+    if None in intervals.values():  # e.g. pde_beta of a diffusion: unused
+        return float(value)
+    if not min(low for low, _ in intervals.values()) <= value <= max(high for _, high in intervals.values()):
+        stable = " / ".join(f"{bounds} ({kind})" for kind, bounds in intervals.items())
+        raise ValueError(f"`{field}` must lie in the stable interval {stable} of the {pde_type} scheme, got {value!r}.")
+    return float(value)
+
+
+# Argument -> its check (value, argument name) -> the value to keep.
+_CHECKS = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+                     "max_position_embeddings"), _positive_int),
+    "num_hidden_layers": partial(_positive_int, minimum=0),
+    "hidden_act": partial(check_choice, allowed=tuple(ACT2FN.keys())),
+    "mlp_type": partial(check_choice, allowed=MLP_TYPES),
+    "norm_type": partial(check_choice, allowed=NORM_TYPES),
+    "norm_position": partial(check_choice, allowed=NORM_POSITIONS),
+    "position_embedding_type": partial(check_choice, allowed=POSITION_EMBEDDING_TYPES),
+    "rope_theta": _positive_float, "layer_norm_eps": _positive_float,
+    **dict.fromkeys(("hidden_dropout_prob", "attention_dropout", "classifier_dropout"), _probability),
+    **dict.fromkeys(("attention_bias", "mlp_bias", "is_causal", "use_cache", "pde_per_channel"),
+                    lambda value, field: bool(value)),
+    "sliding_window": lambda value, field: value if value is None else _positive_int(value, field),
+    "initializer_range": lambda value, field: float(value),
+    "pooling": partial(check_choice, allowed=POOLING_TYPES),
+    "pde_type": normalize_pde_type,
+    "pde_steps": check_steps,
+    "pde_backend": partial(check_choice, allowed=PDE_BACKENDS),
+}
 
 
 class CTAConfig(PretrainedConfig):
@@ -104,143 +159,44 @@ class CTAConfig(PretrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values"]
 
     def __init__(
-        self,
-        vocab_size=30522,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=None,
-        intermediate_size=256,
-        hidden_act="gelu",
-        mlp_type="standard",
-        norm_type="layernorm",
-        norm_position="post",
-        position_embedding_type="absolute",
-        max_position_embeddings=512,
-        rope_theta=10000.0,
-        layer_norm_eps=1e-12,
-        hidden_dropout_prob=0.1,
-        attention_dropout=0.0,
-        attention_bias=True,
-        mlp_bias=True,
-        sliding_window=None,
-        initializer_range=0.02,
-        is_causal=False,
-        pooling="mean",
-        classifier_dropout=None,
-        use_cache=True,
-        tie_word_embeddings=True,
-        pde_type="diffusion",
-        pde_steps=1,
-        pde_placement="block_output",
-        pde_layers=None,
-        pde_alpha=0.1,
-        pde_beta=None,
-        pde_per_channel=False,
-        pde_backend="auto",
-        pad_token_id=0,
-        bos_token_id=None,
-        eos_token_id=None,
-        **kwargs,
+        self, vocab_size=30522, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=None,
+        intermediate_size=256, hidden_act="gelu", mlp_type="standard", norm_type="layernorm", norm_position="post",
+        position_embedding_type="absolute", max_position_embeddings=512, rope_theta=10000.0, layer_norm_eps=1e-12,
+        hidden_dropout_prob=0.1, attention_dropout=0.0, attention_bias=True, mlp_bias=True, sliding_window=None,
+        initializer_range=0.02, is_causal=False, pooling="mean", classifier_dropout=None, use_cache=True,
+        tie_word_embeddings=True, pde_type="diffusion", pde_steps=1, pde_placement="block_output", pde_layers=None,
+        pde_alpha=0.1, pde_beta=None, pde_per_channel=False, pde_backend="auto", pad_token_id=0, bos_token_id=None,
+        eos_token_id=None, **kwargs,
     ):
-        # Derived fields are recomputed below; drop stale copies coming back from a saved config.json.
-        kwargs.pop("layer_types", None)
-        kwargs.pop("number_of_conv_states", None)
-        kwargs.pop("head_dim", None)
-        self.vocab_size = _positive_int(vocab_size, "vocab_size")
-        self.hidden_size = _positive_int(hidden_size, "hidden_size")
-        self.num_hidden_layers = _positive_int(num_hidden_layers, "num_hidden_layers", minimum=0)
-        self.num_attention_heads = _positive_int(num_attention_heads, "num_attention_heads")
-        if hidden_size % num_attention_heads != 0:
-            raise ValueError(
-                f"`hidden_size` ({hidden_size}) must be divisible by `num_attention_heads` ({num_attention_heads})."
-            )
+        arguments = locals()
+        fields = {name: arguments[name] for name in _CHECKS}
         if num_key_value_heads is None:
-            num_key_value_heads = num_attention_heads
-        self.num_key_value_heads = _positive_int(num_key_value_heads, "num_key_value_heads")
-        if num_attention_heads % num_key_value_heads != 0:
+            fields["num_key_value_heads"] = num_attention_heads
+        for name, check in _CHECKS.items():
+            fields[name] = check(fields[name], name)
+        heads, kv_heads = fields["num_attention_heads"], fields["num_key_value_heads"]
+        if hidden_size % heads != 0:
+            raise ValueError(f"`hidden_size` ({hidden_size}) must be divisible by `num_attention_heads` ({heads}).")
+        if heads % kv_heads != 0:
             raise ValueError(
-                f"`num_attention_heads` ({num_attention_heads}) must be divisible by `num_key_value_heads` "
-                f"({num_key_value_heads})."
-            )
-        self.head_dim = hidden_size // num_attention_heads
-        self.intermediate_size = _positive_int(intermediate_size, "intermediate_size")
-        from transformers.activations import ACT2FN
-
-        _choice(hidden_act, "hidden_act", tuple(ACT2FN.keys()))
-        self.hidden_act = hidden_act
-        self.mlp_type = _choice(mlp_type, "mlp_type", MLP_TYPES)
-        self.norm_type = _choice(norm_type, "norm_type", NORM_TYPES)
-        self.norm_position = _choice(norm_position, "norm_position", NORM_POSITIONS)
-        self.position_embedding_type = _choice(
-            position_embedding_type, "position_embedding_type", POSITION_EMBEDDING_TYPES
-        )
-        self.max_position_embeddings = _positive_int(max_position_embeddings, "max_position_embeddings")
-        if not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
-            raise ValueError(f"`rope_theta` must be a positive float, got {rope_theta!r}.")
-        self.rope_theta = float(rope_theta)
-        if position_embedding_type == "rope" and self.head_dim % 2 != 0:
-            raise ValueError(f"`position_embedding_type='rope'` needs an even head dim, got {self.head_dim}.")
-        if not isinstance(layer_norm_eps, (int, float)) or layer_norm_eps <= 0:
-            raise ValueError(f"`layer_norm_eps` must be a positive float, got {layer_norm_eps!r}.")
-        self.layer_norm_eps = float(layer_norm_eps)
-        self.hidden_dropout_prob = _probability(hidden_dropout_prob, "hidden_dropout_prob")
-        self.attention_dropout = _probability(attention_dropout, "attention_dropout")
-        self.classifier_dropout = _probability(classifier_dropout, "classifier_dropout")
-        self.attention_bias = bool(attention_bias)
-        self.mlp_bias = bool(mlp_bias)
-        if sliding_window is not None:
-            _positive_int(sliding_window, "sliding_window")
-        self.sliding_window = sliding_window
-        self.initializer_range = float(initializer_range)
-        self.is_causal = bool(is_causal)
-        self.pooling = _choice(pooling, "pooling", POOLING_TYPES)
-        self.use_cache = bool(use_cache)
-
-        self.pde_type = normalize_pde_type(pde_type, "pde_type")
-        check_steps(pde_steps, "pde_steps")
-        self.pde_steps = pde_steps
+                f"`num_attention_heads` ({heads}) must be divisible by `num_key_value_heads` ({kv_heads}).")
+        if position_embedding_type == "rope" and (hidden_size // heads) % 2 != 0:
+            raise ValueError(f"`position_embedding_type='rope'` needs an even head dim, got {hidden_size // heads}.")
+        for name, value in fields.items():  # the checked arguments; the derived fields follow
+            setattr(self, name, value)
+        self.head_dim = hidden_size // heads
         placements = normalize_placements(pde_placement)
         self.pde_placement = placements[0] if len(placements) == 1 else placements
-        if pde_layers is not None:
-            if not isinstance(pde_layers, (list, tuple)) or not all(
-                isinstance(i, int) and 0 <= i < num_hidden_layers for i in pde_layers
-            ):
-                raise ValueError(
-                    f"`pde_layers` must be a list of layer indices in [0, {num_hidden_layers}), got {pde_layers!r}."
-                )
-            pde_layers = sorted(set(pde_layers))
-        self.pde_layers = pde_layers
-        self.pde_alpha = self._check_coefficient(pde_alpha, "pde_alpha", 0)
+        self.pde_layers = check_layers(pde_layers, "pde_layers", num_hidden_layers)
+        self.pde_alpha = check_coefficient(pde_alpha, "pde_alpha", self.pde_type, 0)
         if pde_beta is None:
             pde_beta = PAPER_COEFFICIENTS[self.pde_type][1]
-        self.pde_beta = None if pde_beta is None else self._check_coefficient(pde_beta, "pde_beta", 1)
-        self.pde_per_channel = bool(pde_per_channel)
-        self.pde_backend = _choice(pde_backend, "pde_backend", PDE_BACKENDS)
-
-        super().__init__(
-            pad_token_id=pad_token_id,
-            bos_token_id=bos_token_id,
-            eos_token_id=eos_token_id,
-            tie_word_embeddings=tie_word_embeddings,
-            **kwargs,
-        )
+        self.pde_beta = None if pde_beta is None else check_coefficient(pde_beta, "pde_beta", self.pde_type, 1)
+        for derived in ("layer_types", "number_of_conv_states", "head_dim"):  # recomputed: stale in a saved config
+            kwargs.pop(derived, None)
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.update_cache_layout()
-
-    def _check_coefficient(self, value, field, which):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"`{field}` must be a float, got {value!r}.")
-        bounds = coefficient_bounds(self.pde_type, False)[which]
-        causal_bounds = coefficient_bounds(self.pde_type, True)[which]
-        if bounds is None:  # e.g. pde_beta of a diffusion: unused
-            return float(value)
-        low, high = min(bounds[0], causal_bounds[0]), max(bounds[1], causal_bounds[1])
-        if not low <= value <= high:
-            raise ValueError(
-                f"`{field}` must lie in the stable interval {bounds} (bidirectional) / {causal_bounds} (causal) "
-                f"for pde_type={self.pde_type!r}, got {value!r}."
-            )
-        return float(value)
 
     # ------------------------------------------------------------------------------------------------------------
     @property
@@ -265,17 +221,14 @@ class CTAConfig(PretrainedConfig):
         state: each query row is evolved on its own.
         """
         layer_has_pde = layer_idx in self.pde_layer_indices()
-        return pde_state_indices(self.pde_placements, self.pde_steps, layer_has_pde, layer_idx)
+        return layer_state_indices(self.pde_placements, self.pde_steps, layer_has_pde, layer_idx)
 
     def update_cache_layout(self):
         """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state."""
-        counts = [conv_states_per_layer(self.pde_state_indices(i), self.pde_steps)
-                  for i in range(self.num_hidden_layers)]
-        stateful = self.is_causal and any(counts)
         attention = "sliding_attention" if self.sliding_window is not None else "full_attention"
-        hybrid = "hybrid_sliding" if self.sliding_window is not None else "hybrid"
-        self.layer_types = [hybrid if stateful else attention for _ in range(self.num_hidden_layers)]
-        self.number_of_conv_states = max(counts + [1]) if stateful else 1
+        attention_types = [attention] * self.num_hidden_layers
+        layout = hybrid_cache_layout(attention_types, self.pde_state_indices, self.pde_steps) if self.is_causal else None
+        self.layer_types, self.number_of_conv_states = layout or (attention_types, 1)
 
     # ------------------------------------------------------------------------------------------------------------
     @classmethod
@@ -286,20 +239,9 @@ class CTAConfig(PretrainedConfig):
     @classmethod
     def modern_decoder(cls, **kwargs):
         """A Llama-style decoder: RoPE, RMSNorm, pre-norm, SwiGLU, no biases, causal."""
-        defaults = dict(
-            hidden_act="silu",
-            mlp_type="gated",
-            norm_type="rmsnorm",
-            norm_position="pre",
-            position_embedding_type="rope",
-            layer_norm_eps=1e-6,
-            hidden_dropout_prob=0.0,
-            attention_bias=False,
-            mlp_bias=False,
-            is_causal=True,
-            pooling="last",
-            tie_word_embeddings=False,
-        )
+        defaults = dict(hidden_act="silu", mlp_type="gated", norm_type="rmsnorm", norm_position="pre",
+                        position_embedding_type="rope", layer_norm_eps=1e-6, hidden_dropout_prob=0.0,
+                        attention_bias=False, mlp_bias=False, is_causal=True, pooling="last", tie_word_embeddings=False)
         defaults.update(kwargs)
         return cls(**defaults)
 

@@ -1,24 +1,13 @@
 # coding=utf-8
-"""``generate()`` for models with causal PDE sites (native ``CTAForCausalLM`` and patched decoders): what
-transformers' generation does that a PDE site must know about, each made exact or refused before a token is
-generated.
+"""``generate()`` for models with causal PDE sites (native ``CTAForCausalLM`` and patched decoders): every cache and
+decoding strategy of transformers' generation is exact or refused before a token is generated (the paths, and why
+each is exact or refused: ``docs/generation.md``). Here:
 
-* **Padding walls with a compileable cache.** For a StaticCache, ``prepare_inputs_for_generation`` turns the 2D padding
-  mask into 4D masks (one per layer type) for the compiled decode step. A PDE site reads its walls from the 2D mask:
-  the steps that hold several tokens (the prefill, a chunk, a verification of draft tokens, all run eagerly) keep it;
-  a one-token decode step keeps transformers' 4D masks (the new token is never padding; the walls of earlier
-  padding live in the PDE state).
-* **A compiled forward bound to another model.** ``get_compiled_call`` keeps ``torch.compile(self.__call__)`` on the
-  instance, and ``copy.deepcopy`` copies that attribute as it is: still bound to the original model (functions are
-  not copied). A patched copy would decode with the original's forward. Such a compiled forward is dropped before
-  transformers looks for it (:func:`drop_compiled_calls`), so it compiles what this model is.
-* **Caches that cannot hold a PDE state** (``cache_implementation="quantized"``, a cache built without the model's
-  config) and the offloaded static cache (whose prefetch fails when every layer holds a conv state) are refused before
-  the first step with an error naming the cache.
-* **Continuous batching** keeps no per-request conv state: refused.
-
-Assisted and prompt-lookup decoding crop the cache after rejected draft tokens: the PDE state follows transformers'
-own rollback of conv states (``pde_cache``).
+* a step of several tokens keeps its 2D padding mask (the PDE walls) where transformers turned it into 4D masks for
+  a static cache; a one-token step keeps transformers' masks (the new token is never padding);
+* a compiled forward copied from another model (``copy.deepcopy``) is dropped before transformers looks for it
+  (:func:`drop_compiled_calls`), so it compiles what this model is;
+* caches that cannot hold a PDE state, the offloaded static cache and continuous batching are refused, naming why.
 """
 
 from __future__ import annotations
@@ -32,6 +21,10 @@ from .transformers_compat import (ASSISTANT_ROLLBACK_SINCE, GENERATING, Generati
 
 # The cache implementations that build a static (compileable) cache.
 STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
+# Architectures whose generation builds its own 2D attention mask sized by a static cache's length (BLOOM's ALiBi
+# reads it: create_masks_for_generate on newer transformers, its own prepare_inputs_for_generation on older ones),
+# which the PDE-holding hybrid static layers cannot report (their get_max_length is -1).
+STATIC_CACHE_2D_MASK = {"bloom"}
 # Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
 REFUSED_CACHES = {
     "quantized": "transformers' quantized cache has key/value layers only, with no room for the PDE sites' conv "
@@ -109,10 +102,13 @@ class PDEGenerationMixin(GenerationHooks):
             )
         cache = find_cache(kwargs, CACHE_ARGUMENTS)
         static = implementation in STATIC_CACHES or getattr(cache, "is_compileable", False)
-        refusal = self.pde_static_cache_refusal() if static else None
-        if refusal is not None:
-            raise ValueError(f"{type(self).__name__}: a static cache is refused: {refusal} "
-                             "Use cache_implementation='dynamic' (the default).")
+        base_type = getattr(type(self.config), "_cta_base_model_type", None)  # (a patched model's)
+        if static and base_type in STATIC_CACHE_2D_MASK:
+            raise ValueError(
+                f"{type(self).__name__}: a static cache is refused: {base_type} builds its own 2D attention mask for a "
+                "static cache, sized by the cache's length, which a cache whose layers hold the PDE state does not "
+                "report. Use cache_implementation='dynamic' (the default)."
+            )
         if getattr(config, "is_assistant", False) and transformers_before(ASSISTANT_ROLLBACK_SINCE):
             raise ValueError(
                 f"{type(self).__name__} as the assistant (draft) model of assisted decoding needs transformers >= "
@@ -120,10 +116,6 @@ class PDEGenerationMixin(GenerationHooks):
                 "cache roll its conv states back after rejected drafts. Upgrade transformers, or use this model as the "
                 "main model (prompt lookup and a plain assistant work)."
             )
-
-    def pde_static_cache_refusal(self):
-        """Why this model cannot decode through a static cache, or None."""
-        return None
 
 
 __all__ = ["PDEGenerationMixin", "check_cache_holds_pde_states", "compiled_calls", "drop_compiled_calls"]

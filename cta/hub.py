@@ -17,11 +17,9 @@ PEFT adapters of patched models (``cta.CTALoraConfig``): ``--adapter``, code in 
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import json
 import logging
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -29,14 +27,14 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-import jinja2
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
 
 from . import hub_adapter
-from .hub_adapter import (BLOCK_CTA, PICKLE_SUFFIXES, AdapterExportError, check_export_arguments, coefficient_text,
-                          templates_dir)
+from .hub_adapter import (BLOCK_CTA, PICKLE_SUFFIXES, AdapterExportError, card_pde_fields, check_export_arguments,
+                          coefficient_text, compare_outputs, hub_id_or_none, isolated_python, model_output,
+                          padded_batch, render_card)
 from .transformers_compat import get_relative_import_files
 
 HUB_TAGS = ["custom_code", "continuous-time-attention", "pde", "cta"]
@@ -101,15 +99,6 @@ def _datasets(names) -> list:
     return out
 
 
-def _hub_id_or_none(name) -> Optional[str]:
-    """``name`` if it is a valid Hub repo id and not a local path (``_name_or_path`` often is one)."""
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return None
-    return None if name is None or os.path.exists(name) else name
-
-
 # -- Checkpoint -------------------------------------------------------------------------------------------------------
 
 
@@ -145,26 +134,16 @@ def _load_model(model_dir: Path, config: dict):
 
 def pde_summary(config: dict, model=None, max_sites: int = 24) -> dict:
     """The PDE settings of a native (``pde_*`` keys) or patched (``cta_patch``) config, plus learned coefficients."""
-    from .pde_cta import PDERefinement, coefficient_bounds
+    from .pde_cta import PDERefinement
 
     patched = _is_patched(config)
     src = {k.removeprefix("pde_"): v for k, v in (config["cta_patch"] if patched else config).items()
            if patched or k.startswith("pde_")}
     src.setdefault("causal", config.get("is_causal", False))
-    alpha_bounds, beta_bounds = coefficient_bounds(src["type"], src["causal"])
-    placement = src.get("placement", "block_output")
     sites = [(n, m) for n, m in (model.named_modules() if model is not None else []) if isinstance(m, PDERefinement)]
-    return dict(
-        type=src["type"], steps=src.get("steps", 1), causal=bool(src["causal"]),
-        placements=[placement] if isinstance(placement, str) else list(placement),
-        layers="all" if src.get("layers") is None else ", ".join(map(str, src["layers"])),
-        per_channel=bool(src.get("per_channel")), backend=src.get("backend", "auto"),
-        alpha_init=src.get("alpha"), beta_init=src.get("beta") if beta_bounds else None,
-        alpha_bounds=list(alpha_bounds), beta_bounds=list(beta_bounds) if beta_bounds else None,
-        num_sites=len(sites),
-        sites=[dict(name=n, **{k: coefficient_text(c) or "—" for k, c in zip(("alpha", "beta"), m.coefficients())})
-               for n, m in sites[:max_sites]],
-    )
+    return dict(card_pde_fields(src), num_sites=len(sites), sites=[
+        dict(name=n, **{k: coefficient_text(c) or "—" for k, c in zip(("alpha", "beta"), m.coefficients())})
+        for n, m in sites[:max_sites]])
 
 
 # -- Model card -------------------------------------------------------------------------------------------------------
@@ -185,7 +164,7 @@ def render_model_card(model_dir, *, repo_id: Optional[str] = None, results=None,
     auto_class = _auto_class(config)
     task = PIPELINE_TAGS.get(auto_class, "feature-extraction")
     patched = _is_patched(config)
-    base_model = (base_model or _hub_id_or_none(config.get("_name_or_path"))) if patched else None
+    base_model = (base_model or hub_id_or_none(config.get("_name_or_path"))) if patched else None
     base_type = str(config.get("model_type")).removeprefix("cta_patched_")
     pde = pde_summary(config, model)
     datasets = _datasets(datasets)
@@ -206,21 +185,16 @@ def render_model_card(model_dir, *, repo_id: Optional[str] = None, results=None,
     tok_config = model_dir / "tokenizer_config.json"
     n_params = model.num_parameters() if model is not None else None
     id2label = config.get("id2label") or {}
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates or templates_dir())))
     name = "patched_model.md" if patched else {"text-classification": "cta_classifier.md",
                                                "text-generation": "cta_causal_lm.md"}.get(task, "cta_base_model.md")
-    content = env.get_template(name).render(
-        card_data=card_data.to_yaml(), title=title or repo_id.split("/")[-1], repo_id=repo_id, task=task,
-        auto_class=auto_class, architecture=(config.get("architectures") or ["CTAModel"])[0], arch=config,
-        has_tokenizer=tok_config.is_file(),
+    return render_card(
+        name, templates, card_data, task, title=title or repo_id.split("/")[-1], repo_id=repo_id, auto_class=auto_class,
+        architecture=(config.get("architectures") or ["CTAModel"])[0], arch=config, has_tokenizer=tok_config.is_file(),
         tokenizer_name=json.loads(tok_config.read_text()).get("tokenizer_class") if tok_config.is_file() else None,
-        example_text="The film was a quiet, patient delight." if task == "text-classification" else "Once upon a time",
         pde=pde, patched=patched, patch=config.get("cta_patch") or {}, base_model=base_model, base_model_type=base_type,
         labels=[id2label[k] for k in sorted(id2label, key=int)], datasets=[d[0] for d in datasets],
         num_parameters=f"{n_params / 1e6:.2f}M ({n_params:,})" if n_params else None,
-        results=results, metric_rows=metric_rows, eval_dataset=hub_id, eval_config=ds_config,
-    )
-    return ModelCard(content)
+        results=results, metric_rows=metric_rows, eval_dataset=hub_id, eval_config=ds_config)
 
 
 # -- Export and verification ------------------------------------------------------------------------------------------
@@ -310,30 +284,22 @@ torch.save((out.logits if getattr(out, "logits", None) is not None else out.last
 def _verify_load(folder: Path, config: dict, reference_model, atol: float, timeout: int) -> float:
     import torch
 
-    ids = torch.randint(3, int(config.get("vocab_size") or 100), (2, 12), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones_like(ids)
     causal = PIPELINE_TAGS.get(_auto_class(config)) == "text-generation"
-    (mask[1, :4] if causal else mask[1, -4:]).zero_()  # left padding for decoders, right padding for encoders
-    with torch.no_grad():
-        out = reference_model(input_ids=ids, attention_mask=mask)
-    expected = (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()
+    ids, mask = padded_batch(int(config.get("vocab_size") or 100), causal)
+    expected = model_output(reference_model, ids, mask)
     with tempfile.TemporaryDirectory(prefix="cta-hub-verify-") as work:
         spec = dict(folder=str(folder.resolve()), auto=_auto_class(config), ids=ids.tolist(), mask=mask.tolist(),
                     out=str(Path(work) / "out.pt"))
         (Path(work) / "spec.json").write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        proc = subprocess.run([sys.executable, "-I", "-c", _LOAD_SCRIPT, str(Path(work) / "spec.json")], cwd=work,
-                              env=dict(env, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(**isolated_python(_LOAD_SCRIPT, Path(work) / "spec.json"), capture_output=True,
+                              timeout=timeout)
         if proc.returncode != 0:
             raise HubExportError(f"{folder} does not load with trust_remote_code=True without the cta package:\n"
                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
         got = torch.load(spec["out"])
-    valid = mask.bool() if got.dim() >= 2 and tuple(got.shape[:2]) == tuple(mask.shape) else torch.ones((), dtype=bool)
-    if got.shape != expected.shape:
-        raise HubExportError(f"{folder}: reloaded output shape {tuple(got.shape)} != original {tuple(expected.shape)}")
-    diff = (got - expected)[valid].abs().max().item()
-    if not diff <= atol * max(1.0, expected[valid].abs().max().item()):
-        raise HubExportError(f"{folder}: outputs after reload differ from the original model's by {diff:.3e}.")
+    diff, problem = compare_outputs(got, expected, mask, atol)
+    if problem:
+        raise HubExportError(f"{folder}: outputs after reload differ from the original model's: {problem}.")
     return diff
 
 

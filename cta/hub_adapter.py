@@ -133,6 +133,15 @@ def _natural(name: str):
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
+def hub_id_or_none(name) -> Optional[str]:
+    """``name`` if it is a valid Hub repo id and not a local path (``_name_or_path`` often is one)."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return None
+    return None if name is None or os.path.exists(name) else name
+
+
 def base_model_id(config: dict, base_model: Optional[str] = None) -> str:
     """The Hub id of the adapter's base model: ``base_model`` if given, else ``base_model_name_or_path`` when that
     is a Hub id; a local path is refused, naming ``--base-model``."""
@@ -140,12 +149,7 @@ def base_model_id(config: dict, base_model: Optional[str] = None) -> str:
         validate_repo_id(base_model)
         return base_model
     recorded = config.get("base_model_name_or_path")
-    try:
-        validate_repo_id(recorded)
-        local = recorded is None or os.path.exists(recorded)
-    except HFValidationError:
-        local = True
-    if local:
+    if hub_id_or_none(recorded) is None:
         where = f"the local path {recorded!r}" if recorded else "no base model"
         raise AdapterExportError(
             f"adapter_config.json's base_model_name_or_path is {where}, not a Hub id: pass --base-model ORG/NAME (in "
@@ -175,34 +179,38 @@ def coefficient_text(t) -> Optional[str]:
     return f"mean {t.mean().item():.4g} (min {t.min().item():.4g}, max {t.max().item():.4g})"
 
 
+def card_pde_fields(src: dict) -> dict:
+    """The card's PDE fields of a ``cta_patch`` or a native config's ``pde_*`` values (keys without ``pde_``)."""
+    from .pde_spec import coefficient_bounds
+
+    alpha_bounds, beta_bounds = coefficient_bounds(src["type"], bool(src.get("causal")))
+    placement = src.get("placement", "block_output")
+    return dict(
+        type=src["type"], steps=src.get("steps", 1), causal=bool(src.get("causal")),
+        placements=[placement] if isinstance(placement, str) else list(placement),
+        layers="all" if src.get("layers") is None else ", ".join(map(str, src["layers"])),
+        per_channel=bool(src.get("per_channel")), backend=src.get("backend", "auto"),
+        alpha_init=src.get("alpha"), beta_init=src.get("beta") if beta_bounds else None,
+        alpha_bounds=list(alpha_bounds), beta_bounds=list(beta_bounds) if beta_bounds else None,
+    )
+
+
 def adapter_pde_summary(config: dict, coefficients: dict, max_sites: int = 24) -> dict:
     """The patch (``config["cta_patch"]``) and the coefficients per site as saved (``values``) and as the scheme
     uses them (``effective``: projected onto the stable interval), in the keys of ``cta.hub.pde_summary``."""
-    from .pde_spec import coefficient_bounds
-
     patch = config["cta_patch"]
-    causal = bool(patch.get("causal"))
-    alpha_bounds, beta_bounds = coefficient_bounds(patch["pde_type"], causal)
-    placement = patch.get("placement", "block_output")
+    pde = card_pde_fields({key.removeprefix("pde_"): value for key, value in patch.items()})
     sites = []
     for name, coeffs in coefficients.items():
         site = dict(name=name)
-        for key, bounds in (("alpha", alpha_bounds), ("beta", beta_bounds)):
-            raw = coeffs.get(key)
+        for key in ("alpha", "beta"):
+            raw, bounds = coeffs.get(key), pde[f"{key}_bounds"]
             effective = raw.float().clamp(*bounds) if raw is not None and bounds else raw
             site.update({key: raw.float().flatten().tolist() if raw is not None else None,
                          f"{key}_effective": effective.flatten().tolist() if effective is not None else None,
                          f"{key}_text": coefficient_text(effective)})
         sites.append(site)
-    return dict(
-        type=patch["pde_type"], steps=patch.get("pde_steps", 1), causal=causal,
-        placements=[placement] if isinstance(placement, str) else list(placement),
-        layers="all" if patch.get("layers") is None else ", ".join(map(str, patch["layers"])),
-        per_channel=bool(patch.get("per_channel")), backend=patch.get("backend", "auto"), init=patch.get("init"),
-        alpha_init=patch.get("alpha"), beta_init=patch.get("beta") if beta_bounds else None,
-        alpha_bounds=list(alpha_bounds), beta_bounds=list(beta_bounds) if beta_bounds else None,
-        num_sites=len(sites), sites=sites, shown_sites=sites[:max_sites],
-    )
+    return dict(pde, init=patch.get("init"), num_sites=len(sites), sites=sites, shown_sites=sites[:max_sites])
 
 
 def _lora_summary(config: dict, info: dict) -> dict:
@@ -245,14 +253,19 @@ def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_i
         tags=ADAPTER_TAGS + [f"pde-{pde['type'].replace('_', '-')}"] + (["lora"] if lora["has_lora"] else [])
         + [f"base_model:adapter:{base_model}"],
         language=language or None, datasets=datasets or None)
+    return render_card(
+        "adapter.md", templates, card_data, task, title=title or repo_id.split("/")[-1], repo_id=repo_id,
+        base_model=base_model, auto_class=auto_class, peft_auto_class=peft_auto_class,
+        task_type=config.get("task_type"), patch=config["cta_patch"], pde=pde, lora=lora, pip_spec=pip_spec,
+        datasets=datasets)
+
+
+def render_card(template: str, templates, card_data: ModelCardData, task, **fields) -> ModelCard:
+    """The card ``template`` of ``templates`` (default :func:`templates_dir`) rendered with ``fields``."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates or templates_dir())))
-    content = env.get_template("adapter.md").render(
-        card_data=card_data.to_yaml(), title=title or repo_id.split("/")[-1], repo_id=repo_id, base_model=base_model,
-        task=task, auto_class=auto_class, peft_auto_class=peft_auto_class, task_type=config.get("task_type"),
-        patch=config["cta_patch"], pde=pde, lora=lora, pip_spec=pip_spec, datasets=datasets,
-        example_text="The film was a quiet, patient delight." if task == "text-classification" else "Once upon a time",
-    )
-    return ModelCard(content)
+    example = "The film was a quiet, patient delight." if task == "text-classification" else "Once upon a time"
+    return ModelCard(env.get_template(template).render(card_data=card_data.to_yaml(), task=task, example_text=example,
+                                                       **fields))
 
 
 # -- Export and verification ------------------------------------------------------------------------------------------
@@ -273,15 +286,10 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
                            datasets=None, language=None, templates=None, title: Optional[str] = None,
                            pip_spec: str = DEFAULT_PIP_SPEC, overwrite: bool = False, verify: bool = True,
                            verify_load: bool = True, atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Writes a Hub folder for the CTA adapter in ``adapter_dir`` (``PeftModel.save_pretrained`` of a model trained
-    with ``cta.CTALoraConfig``): ``adapter_config.json`` (``base_model_name_or_path``: the base model's Hub id),
-    ``adapter_model.safetensors`` and the card ``README.md``. Then :func:`verify_adapter_folder`: static checks, and
-    unless ``verify_load=False`` and given ``base_model_dir`` (the plain base model's local folder), the load checks,
-    comparing with ``reference_model`` (default: the original folder loaded onto ``base_model_dir`` here).
-
-    Returns the verification report with ``folder`` (``out_dir``) and ``base_model``; ``load_check`` says why the
-    load checks were skipped, if they were.
-    """
+    """Writes a Hub folder for the CTA adapter in ``adapter_dir``: ``adapter_config.json`` (``base_model_name_or_path``:
+    the base model's Hub id), ``adapter_model.safetensors`` and the card ``README.md``; then
+    :func:`verify_adapter_folder` (its load checks where ``verify_load`` and ``base_model_dir`` are given). Returns its
+    report with ``folder`` and ``base_model``; ``load_check`` says why the load checks were skipped, if they were."""
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     check_export_arguments(adapter_dir, "ADAPTER_DIR", out_dir, overwrite, repo_id, AdapterExportError)
     info = read_adapter(adapter_dir)
@@ -314,17 +322,12 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
 
 def verify_adapter_folder(folder, *, base_model_dir=None, reference_adapter=None, reference_model=None,
                           atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Checks an exported adapter folder; raises :class:`AdapterExportError` naming every problem.
-
-    Static: a CTA adapter (``read_adapter``), safetensors only, a README.md card with ``library_name: peft`` and a
-    ``base_model``. With ``base_model_dir`` (the plain base model's local folder), two ``python -I`` subprocesses
-    started in a temporary folder (``cta`` is the installed package, not a checkout on the path): after ``import cta``
-    the plain base + this adapter (``PeftModel.from_pretrained``) is patched, holds the saved coefficients, and its
-    logits on a padded batch match those of ``reference_model`` (default: ``reference_adapter``, else ``folder``,
-    loaded the same way in this process) within ``atol`` (relative to their scale); where ``import cta`` fails,
-    loading the adapter raises. Returns a report: ``files``, ``sites``, and with the load checks
-    ``max_abs_diff``, ``with_cta``, ``without_cta``.
-    """
+    """Checks an exported adapter folder; raises :class:`AdapterExportError` naming every problem. Static: a CTA
+    adapter (:func:`read_adapter`), safetensors only, a card with ``library_name: peft`` and a ``base_model``. With
+    ``base_model_dir`` (the plain base's local folder), the load checks of the module docstring, against
+    ``reference_model`` (default: ``reference_adapter``, else ``folder``, loaded here) within ``atol`` (relative to
+    the logits' scale). Returns a report: ``files``, ``sites``, and with the load checks ``max_abs_diff``,
+    ``with_cta``, ``without_cta``."""
     folder = Path(folder)
     if not folder.is_dir():
         raise AdapterExportError(f"{folder} is not a folder.")
@@ -418,39 +421,58 @@ sys.exit(3)
 """
 
 
-def _batch(base_config: dict, causal: bool, task_type: Optional[str]):
+def padded_batch(vocab: int, causal: bool):
+    """Two rows of 12 tokens, the second padded: left padding for decoders, right padding for encoders."""
     import torch
 
-    vocab = base_config.get("vocab_size") or (base_config.get("text_config") or {}).get("vocab_size") or 100
-    ids = torch.randint(3, min(int(vocab), 1000), (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    (mask[1, :4] if causal else mask[1, -4:]).zero_()  # left padding for decoders, right padding for encoders
-    if task_type == "SEQ_CLS" and base_config.get("pad_token_id") is None:
-        ids, mask = ids[:1], mask[:1]  # decoders' classification heads refuse a padded batch without a pad token
+    (mask[1, :4] if causal else mask[1, -4:]).zero_()
     return ids, mask
 
 
-def _reference_logits(reference_model, reference_adapter, base_dir: Path, auto: str, ids, mask):
+def model_output(model, ids, mask):
+    """The logits (or last hidden states) of ``model`` on the batch, in float32."""
     import torch
-    import transformers
 
-    if reference_model is None:
-        from peft import PeftModel
-
-        base = getattr(transformers, auto).from_pretrained(str(base_dir), dtype="auto")
-        reference_model = PeftModel.from_pretrained(base, str(reference_adapter))
     with torch.no_grad():
-        out = reference_model.eval()(input_ids=ids, attention_mask=mask)
+        out = model.eval()(input_ids=ids, attention_mask=mask)
     return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()
+
+
+def compare_outputs(got, expected, mask, atol: float):
+    """``(max abs difference on the unpadded positions, the problem or None)``; ``atol`` is relative to their scale."""
+    import torch
+
+    if got.shape != expected.shape:
+        return float("nan"), f"output shape {tuple(got.shape)} != the reference's {tuple(expected.shape)}"
+    per_token = got.dim() >= 2 and tuple(got.shape[:2]) == tuple(mask.shape)
+    valid = mask.bool() if per_token else torch.ones((), dtype=torch.bool)
+    diff = (got - expected)[valid].abs().max().item()
+    if not diff <= atol * max(1.0, expected[valid].abs().max().item()):
+        return diff, f"logits differ from the reference's by {diff:.3e} (atol {atol:g})"
+    return diff, None
+
+
+def isolated_python(script: str, spec_path: Path) -> dict:
+    """``subprocess`` arguments: ``python -I`` runs ``script`` on ``spec_path`` offline, without ``PYTHONPATH``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return dict(args=[sys.executable, "-I", "-c", script, str(spec_path)], cwd=spec_path.parent,
+                env=dict(env, HF_HUB_OFFLINE="1"), text=True)
 
 
 def _verify_adapter_load(folder: Path, info: dict, base_dir: Path, reference_adapter, reference_model,
                          atol: float, timeout: int) -> dict:
     import torch
+    import transformers
 
-    config = info["config"]
-    auto = TASKS.get(config.get("task_type"), _NO_TASK)[0]
-    ids, mask = _batch(_check_base_dir(base_dir), bool(config["cta_patch"].get("causal")), config.get("task_type"))
+    config, task_type = info["config"], info["config"].get("task_type")
+    auto = TASKS.get(task_type, _NO_TASK)[0]
+    base_config = _check_base_dir(base_dir)
+    vocab = base_config.get("vocab_size") or (base_config.get("text_config") or {}).get("vocab_size") or 100
+    ids, mask = padded_batch(min(int(vocab), 1000), bool(config["cta_patch"].get("causal")))
+    if task_type == "SEQ_CLS" and base_config.get("pad_token_id") is None:
+        ids, mask = ids[:1], mask[:1]  # decoders' classification heads refuse a padded batch without a pad token
     with tempfile.TemporaryDirectory(prefix="cta-hub-adapter-verify-") as work:
         spec = dict(folder=str(folder.resolve()), base=str(base_dir.resolve()), auto=auto, ids=ids.tolist(),
                     mask=mask.tolist(), out=str(Path(work) / "out.pt"), report=str(Path(work) / "report.json"),
@@ -458,14 +480,17 @@ def _verify_adapter_load(folder: Path, info: dict, base_dir: Path, reference_ada
                     pde_keys=[f"{_PEFT_PREFIX}{site}.{name}" for site, coeffs in info["coefficients"].items()
                               for name in coeffs])
         (Path(work) / "spec.json").write_text(json.dumps(spec))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         # Both subprocesses run while the reference is computed here (each spends seconds importing torch & co).
-        procs = {name: subprocess.Popen([sys.executable, "-I", "-c", script, str(Path(work) / "spec.json")], cwd=work,
-                                        env=dict(env, HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True)
+        procs = {name: subprocess.Popen(**isolated_python(script, Path(work) / "spec.json"), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE)
                  for name, script in (("with", _WITH_CTA_SCRIPT), ("without", _WITHOUT_CTA_SCRIPT))}
         try:
-            expected = _reference_logits(reference_model, reference_adapter or folder, base_dir, auto, ids, mask)
+            if reference_model is None:
+                from peft import PeftModel
+
+                base = getattr(transformers, auto).from_pretrained(str(base_dir), dtype="auto")
+                reference_model = PeftModel.from_pretrained(base, str(reference_adapter or folder))
+            expected = model_output(reference_model, ids, mask)
             outputs = {name: (*proc.communicate(timeout=timeout), proc.returncode) for name, proc in procs.items()}
         finally:
             for proc in procs.values():
@@ -491,15 +516,8 @@ def _verify_adapter_load(folder: Path, info: dict, base_dir: Path, reference_ada
                         f"{list(info['coefficients'])}")
     if loaded["unequal"]:
         problems.append(f"coefficients not loaded as saved: {loaded['unequal']}")
-    diff = float("nan")
-    if got.shape != expected.shape:
-        problems.append(f"output shape {tuple(got.shape)} != the reference's {tuple(expected.shape)}")
-    else:
-        per_token = got.dim() >= 2 and tuple(got.shape[:2]) == tuple(mask.shape)
-        valid = mask.bool() if per_token else torch.ones((), dtype=torch.bool)
-        diff = (got - expected)[valid].abs().max().item()
-        if not diff <= atol * max(1.0, expected[valid].abs().max().item()):
-            problems.append(f"logits differ from the reference's by {diff:.3e} (atol {atol:g})")
+    diff, problem = compare_outputs(got, expected, mask, atol)
+    problems += [problem] if problem else []
     if problems:
         raise AdapterExportError(f"{folder} failed the load check with cta:\n- " + "\n- ".join(problems))
     return dict(max_abs_diff=diff, with_cta=dict(cls=loaded["cls"], cta=loaded["cta"], sites=len(loaded["sites"])),

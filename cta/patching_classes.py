@@ -10,8 +10,8 @@ import transformers
 from .checkpoint_conversion import SAVES_CURRENT_NAMES, hub_arguments, from_pretrained_with_pde_check, saved_as_own_class
 from .generation_cta import PDEGenerationMixin
 from .patching_sites import apply_patch, state_indices_of
-from .patching_structure import STATIC_CACHE_2D_MASK, base_model_type, config_is_decoder
-from .pde_cache import conv_states_per_layer
+from .patching_structure import base_model_type, config_is_decoder
+from .pde_cache import hybrid_cache_layout
 from .transformers_compat import auto_classes_naming, config_view, get_layer_types_and_kwargs, head_names
 
 PATCHED_MODEL_TYPE_PREFIX = "cta_patched_"
@@ -32,18 +32,11 @@ def _cache_view(config):
     spec = getattr(config, "cta_patch", None)
     if not isinstance(spec, dict) or not spec.get("causal") or spec["pde_steps"] == 0:
         return None
-    num_layers = config.num_hidden_layers
-    states_of = state_indices_of(spec, num_layers)
-    counts = [conv_states_per_layer(states_of(i), spec["pde_steps"]) for i in range(num_layers)]
-    if not any(counts):
+    attention_types = get_layer_types_and_kwargs(config)[0]
+    layout = hybrid_cache_layout(attention_types, state_indices_of(spec, config.num_hidden_layers), spec["pde_steps"])
+    if layout is None:
         return None
-    base_types = get_layer_types_and_kwargs(config)[0]
-    mapping = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
-    unsupported = sorted(set(base_types) - set(mapping))
-    if unsupported:
-        raise ValueError(f"CTA patch: cache layer types {unsupported} cannot hold the PDE state (supported: {list(mapping)}).")
-    return config_view(config, layer_types=[mapping[t] for t in base_types], number_of_conv_states=max(counts),
-                       _cta_cache_view=True)
+    return config_view(config, layer_types=layout[0], number_of_conv_states=layout[1], _cta_cache_view=True)
 
 
 class CTAPatchedConfigMixin:
@@ -65,12 +58,6 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
     ``generate()`` keeps the PDE sites exact (``generation_cta``)."""
 
     _cta_patched = {}  # base model class -> its patched class
-
-    def pde_static_cache_refusal(self):
-        if base_model_type(self.config) in STATIC_CACHE_2D_MASK:
-            return (f"{base_model_type(self.config)} builds its own 2D attention mask for a static cache, sized by the "
-                    "cache's length, which a cache whose layers hold the PDE state does not report.")
-        return None
 
     def pde_cache_sites(self):
         """``[(site, cache layer, conv state)]`` of this model's causal PDE sites."""

@@ -5,14 +5,12 @@ forward hooks of ``patching_hooks`` (their handles kept in the base model's ``_c
 
 from __future__ import annotations
 
-import inspect
-
 from torch import nn
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
-from .patching_structure import plan_patch
-from .pde_cache import CACHE_ARGUMENTS, pde_sites, pde_state_indices
+from .patching_structure import parameters_of, plan_patch
+from .pde_cache import CACHE_ARGUMENTS, layer_state_indices, pde_sites
 from .pde_cta import PDERefinement
 
 # The cache keywords of layers that still call it by an older name: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode,
@@ -20,22 +18,11 @@ from .pde_cta import PDERefinement
 _LAYER_CACHE_ALIASES = ("layer_past", "past_key_value")
 
 
-def _cache_index(function, names=CACHE_ARGUMENTS):
-    """Position of the cache among ``function``'s positional parameters, under either of its names."""
-    for name in names:
-        index = _signature_index(function, name)
-        if index is not None:
-            return index
-    return None
-
-
-def _signature_index(function, name):
-    try:
-        params = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return names.index(name) if name in names else None
+def _positional_index(function, names):
+    """Position of the first of ``names`` among ``function``'s positional parameters, or None."""
+    positional = [p.name for p in parameters_of(function).values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return next((positional.index(name) for name in names if name in positional), None)
 
 
 def layer_indices(spec, num_layers):
@@ -44,9 +31,9 @@ def layer_indices(spec, num_layers):
 
 def state_indices_of(spec, num_layers):
     """``layer index -> {placement: first cache conv-state index}`` of the causal PDE sites of ``spec``
-    (``pde_cache.pde_state_indices``: a site owns one conv state per step)."""
+    (``pde_cache.layer_state_indices``: a site owns one conv state per step)."""
     selected = set(layer_indices(spec, num_layers))
-    return lambda i: pde_state_indices(spec["placement"], spec["pde_steps"], i in selected, i)
+    return lambda i: layer_state_indices(spec["placement"], spec["pde_steps"], i in selected, i)
 
 
 def _make_pde(spec, channels, layer_idx, state_idx, like: nn.Module):
@@ -93,11 +80,11 @@ def apply_patch(model, spec, plan=None):
 def _add_sites(model, spec, plan):
     base, layers = plan.base, plan.layers
     num_layers = len(layers)
-    mask_position = _signature_index(base.forward, "attention_mask")
+    mask_position = _positional_index(base.forward, ("attention_mask",))
     states_of = state_indices_of(spec, num_layers)
     sites = pde_sites(num_layers, states_of) if spec["causal"] else []
-    context = PatchContext(mask_position, _cache_index(base.forward), sites, type(model).__name__,
-                           _signature_index(base.forward, "position_ids"))
+    context = PatchContext(mask_position, _positional_index(base.forward, CACHE_ARGUMENTS), sites,
+                           type(model).__name__, _positional_index(base.forward, ("position_ids",)))
     base._cta_context = context
     context.handles = [base.register_forward_pre_hook(context.enter, with_kwargs=True),
                        base.register_forward_hook(context.exit, with_kwargs=True, always_call=True)]
@@ -135,7 +122,7 @@ def _add_layer_sites(context, spec, hidden, layer, idx, targets, states, per_lay
         _add_pde(layer, "embedding", _make_pde(spec, hidden, 0, states["embedding"], layer))
     if "block_output" in per_layer:
         _add_pde(layer, "block_output", _make_pde(spec, hidden, idx, states["block_output"], layer))
-    cache_position = _cache_index(type(layer).forward, CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
+    cache_position = _positional_index(type(layer).forward, CACHE_ARGUMENTS + _LAYER_CACHE_ALIASES)
     layer_site = LayerSite(context, layer, f"layer {idx}", spec["causal"],
                            None if cache_position is None else cache_position - 1,
                            embedding="embedding" in states, block_output="block_output" in per_layer,

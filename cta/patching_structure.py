@@ -4,27 +4,19 @@
 ``patching_cta.patch_model`` asks :func:`plan_patch` for the modules each placement refines before it changes
 anything; every refusal is a ``ValueError`` raised here, naming the placement, the architecture and what it supports.
 
-* **The layer stack**: the one ``nn.ModuleList`` of the base model whose items are transformers'
-  ``GradientCheckpointingLayer`` s (every decoder / encoder layer of transformers 5.x is one) or the class the model
-  names in ``_no_split_modules``. ``block_output`` refines each item's output, ``embedding`` the first item's input (what
-  ``get_input_embeddings()`` produced, after any scaling or projection the model applies before its first layer).
-* **Decoder or encoder** (causal or bidirectional stencil), from the config: ``is_decoder`` / ``is_causal`` where it
-  sets them, else the model's heads (a masked-LM head: an encoder; a causal-LM head only: a decoder); where the
-  attention modules say ``is_causal`` too, it must agree.
-* **value**: the layer's one value projection (an ``nn.Linear`` / ``Conv1D`` named ``v_proj``, ``value``,
-  ``value_proj``, ``v_lin`` or ``v``), or the value columns of a fused QKV projection whose layout the config
-  determines (:data:`FUSED_VALUE`). **attention_output** / **mlp_output**: the attention module (the layer's child that
-  holds the value projection) and the MLP / mixture-of-experts block (a child named ``mlp``, ``feed_forward``, ``ffn``,
-  ``block_sparse_moe``, ``moe``; or the second feed-forward ``Linear`` ``fc2`` of OPT-style layers): their outputs
-  before the residual add. Where such a module adds the residual itself (its ``forward`` takes ``residual``), its output
-  projection (its last ``Linear``) is refined instead; in BERT-style post-LN layers, the dropout before Add & Norm.
-* **Refused up front**: architectures whose cache holds their own recurrent or convolution state (the PDE state
-  cannot share it: Mamba, Jamba, Falcon-H1, LFM2, Qwen3-Next, RecurrentGemma, RWKV, ...), composite (multimodal) and
-  encoder-decoder configs, and the types listed in :data:`REFUSED` with their reason.
-
-The per-architecture knowledge is :data:`FUSED_VALUE`, :data:`PLACEMENT_EXCEPTIONS`, :data:`REFUSED` and
-:data:`REFUSED_BEFORE` (refused on the transformers releases whose own model code cannot work): one line per
-architecture, like PEFT's default LoRA target table.
+* **The layer stack**: the one ``nn.ModuleList`` of the base model whose items are ``GradientCheckpointingLayer`` s
+  (every layer of transformers 5.x) or of a class in ``_no_split_modules``. ``block_output`` refines each item's
+  output, ``embedding`` the first item's input (after any scaling or projection before the first layer).
+* **Decoder or encoder** (causal or bidirectional stencil): the config's ``is_decoder`` / ``is_causal``, else its
+  heads (a masked-LM head: an encoder; a causal-LM head only: a decoder); attention modules' ``is_causal`` must agree.
+* **value**: the layer's one value projection (:data:`VALUE_NAMES`) or the value columns of a fused QKV projection
+  whose layout the config determines (:data:`FUSED_VALUE`). **attention_output** / **mlp_output**: the output, before
+  the residual add, of the attention module (the layer's child holding the value projection) and of the MLP / MoE
+  block (:data:`MLP_NAMES`, or OPT-style ``fc2``); where such a module adds the residual itself, its last ``Linear``;
+  in BERT-style post-LN layers, the dropout before Add & Norm.
+* **Refused up front**: architectures whose cache holds their own recurrent or convolution state, composite
+  (multimodal) and encoder-decoder configs, :data:`REFUSED` / :data:`REFUSED_BEFORE` (the releases whose own model
+  code cannot work) and, per placement, :data:`PLACEMENT_EXCEPTIONS`: one line per architecture with its reason.
 """
 
 from __future__ import annotations
@@ -40,7 +32,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .transformers_compat import get_layer_types_and_kwargs, has_head, transformers_before
 
 
-LAYER_PLACEMENTS = ("value", "attention_output", "mlp_output")
+# The placements refined in a submodule of each layer (found per layer by :func:`layer_targets`).
+MODULE_PLACEMENTS = ("value", "attention_output", "mlp_output")
 ALL_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output")
 
 VALUE_NAMES = ("v_proj", "value", "value_proj", "v_lin", "v")
@@ -80,14 +73,12 @@ PLACEMENT_EXCEPTIONS = {
 
 # model_type -> why patch_model refuses it (what the structure alone would not tell).
 REFUSED = {
-    "mamba": "keeps its own recurrent (selective state-space) state in its cache",
-    "mamba2": "keeps its own recurrent (selective state-space) state in its cache",
-    "falcon_mamba": "keeps its own recurrent (selective state-space) state in its cache",
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"),
+                    "keeps its own recurrent (selective state-space) state in its cache"),
     "rwkv": "keeps its own recurrent (RWKV time-mixing) state in its cache",
     "recurrent_gemma": "keeps its own recurrent (RG-LRU) state in its cache",
     "xlstm": "keeps its own recurrent (xLSTM) state in its cache",
-    "lfm2": "keeps its own short-convolution state in its cache",
-    "lfm2_moe": "keeps its own short-convolution state in its cache",
+    **dict.fromkeys(("lfm2", "lfm2_moe"), "keeps its own short-convolution state in its cache"),
     "hrm_text": "has two layer stacks (its hierarchical H and L modules), run several times per token",
     "bert-generation": "its layers are BERT encoder layers (bidirectional attention) whatever the config says",
     "longformer": "pads the input to a multiple of its attention window inside the model, so the padding walls "
@@ -100,12 +91,6 @@ REFUSED = {
         "albert", "cpmant", "ctrl", "flaubert", "ibert", "mpnet", "openai-gpt", "perceiver", "xlm")},
 }
 
-
-# Architectures whose generation builds its own 2D attention mask sized by a static cache's length (BLOOM's ALiBi
-# reads it: create_masks_for_generate on newer transformers, its own prepare_inputs_for_generation on older ones),
-# which the PDE-holding hybrid static layers cannot report (their get_max_length is -1): generate() refuses a static
-# cache for them before it starts (generation_cta).
-STATIC_CACHE_2D_MASK = {"bloom"}
 
 # model_type -> (the first transformers release whose model code works, why patch_model refuses it on earlier ones):
 # refusals whose cause is the installed release, not the architecture (version-gated).
@@ -273,11 +258,16 @@ def find_layer_stack(model):
     return _input_owner(base, name), layers, name
 
 
-def _takes_model_inputs(module) -> bool:
+def parameters_of(function) -> dict:
+    """``inspect.signature(function).parameters``, empty where it has no signature."""
     try:
-        parameters = inspect.signature(module.forward).parameters
+        return dict(inspect.signature(function).parameters)
     except (TypeError, ValueError):
-        return False
+        return {}
+
+
+def _takes_model_inputs(module) -> bool:
+    parameters = parameters_of(module.forward)
     return "attention_mask" in parameters and ("input_ids" in parameters or "inputs_embeds" in parameters)
 
 
@@ -295,13 +285,6 @@ def _input_owner(base, layers_name):
 
 def _children_named(module, names):
     return [(n, getattr(module, n)) for n in names if isinstance(getattr(module, n, None), nn.Module)]
-
-
-def _takes_residual(module) -> bool:
-    try:
-        return "residual" in inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _last_linear(module):
@@ -324,7 +307,7 @@ def _output_module(module):
     dropout = _post_ln_dropout(module)
     if dropout is not None:
         return dropout
-    if _takes_residual(module):
+    if "residual" in parameters_of(module.forward):
         return _last_linear(module)
     return module
 
@@ -458,13 +441,13 @@ def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
             "is_decoder=True."
         )
     indices = range(len(layers)) if layer_indices is None else layer_indices
-    wanted = [p for p in LAYER_PLACEMENTS if p in placements]
+    wanted = [p for p in MODULE_PLACEMENTS if p in placements]
     targets = [None] * len(layers)
     for idx in indices:
         found = layer_targets(layers[idx], config)
         for placement in wanted:
             if getattr(found, placement) is None:
-                supported = [p for p in ALL_PLACEMENTS if p not in LAYER_PLACEMENTS or getattr(found, p) is not None]
+                supported = [p for p in ALL_PLACEMENTS if p not in MODULE_PLACEMENTS or getattr(found, p) is not None]
                 raise refuse(placement, model, found.reasons[placement] + f" (layer {idx}, {type(layers[idx]).__name__})",
                              supported)
         targets[idx] = found
@@ -476,7 +459,7 @@ def supported_placements(model) -> list:
     plan = plan_patch(model, ())
     supported = []
     for placement in ALL_PLACEMENTS:
-        if placement not in LAYER_PLACEMENTS or all(
+        if placement not in MODULE_PLACEMENTS or all(
                 getattr(layer_targets(layer, model.config), placement) is not None for layer in plan.layers):
             supported.append(placement)
     return supported

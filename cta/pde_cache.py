@@ -1,23 +1,16 @@
 # coding=utf-8
 """The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
 
-A causal PDE site keeps its state in transformers' hybrid cache layers (``conv_states`` / ``has_previous_state`` /
-``update_conv_state``): one conv state per step ``s`` of the scheme, an fp32 ``[batch, 1, channels, 1]`` buffer holding
-the step-``s`` iterate at the last position (its last axis is the conv state's time axis, with a kernel of one
-position). Site ``k`` of a layer owns the conv states ``k * steps .. k * steps + steps - 1``. One buffer per step, not
-one ``[batch, steps, channels]`` buffer: a compiled decode step writes each of them at the index it reads it, so
-Inductor fuses the whole site, state writes included, into the kernel of the norm that follows (a single buffer is
-read at one step and written at another: a kernel of its own and a copy into the cache). Keeping time on the last axis
-is what lets transformers roll the state back: while a cache records its past (``activate_past_recording``: assisted
-and prompt-lookup decoding), a site appends one column per position and the cache's ``crop`` keeps the column of the
-last accepted token, as it does for the conv states of Mamba-like layers. A decode step that cannot find its state
-would refine the new token as if it started a sequence: wrong outputs without an error. Everything here raises
-instead.
+A causal PDE site keeps its state in transformers' hybrid cache layers: one conv state per step of the scheme, an fp32
+``[batch, 1, channels, 1]`` buffer holding that step's iterate at the last position; site ``k`` of a layer owns the
+conv states ``k * steps .. k * steps + steps - 1``. Time is the last axis: while a cache records its past (assisted
+and prompt-lookup decoding) a site appends one column per position, and the cache's ``crop`` rolls the state back as
+it does for Mamba-like layers. Why one buffer per step: ``docs/decoding.md``. A decode step that cannot find its state
+would refine the new token as if it started a sequence, wrong without an error: everything here raises instead.
 
-transformers renamed the cache argument of its models from ``past_key_values`` to ``cache`` (5.24; the old name is
-accepted, deprecated, until 5.40). Models read the cache under either name; what they pass on to transformers'
-functions (mask builders, gradient-checkpointing layers) and what they return uses :data:`CACHE_ARGUMENT`, the name
-of the installed release.
+transformers renamed its models' cache argument ``past_key_values`` to ``cache`` in 5.24 (the old name is accepted,
+deprecated, until 5.40). Models read either; what they pass on and return uses :data:`CACHE_ARGUMENT`, the installed
+release's name.
 """
 
 from __future__ import annotations
@@ -55,7 +48,7 @@ def deprecate_past_key_values(forward):
 STATE_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
 
 
-def pde_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
+def layer_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
     """The first cache conv-state index of every causal PDE site of one layer (placement -> index; a site owns
     ``pde_steps`` consecutive states, one per step): its per-layer sites in :data:`STATE_PLACEMENTS` order, then, in
     layer 0, the ``embedding`` site."""
@@ -67,14 +60,27 @@ def pde_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx
     return {name: number * pde_steps for number, name in enumerate(sites)}
 
 
-def conv_states_per_layer(state_indices: dict, pde_steps: int) -> int:
-    """How many conv states the cache layer of one layer's :func:`pde_state_indices` holds (one per site and step)."""
-    return len(state_indices) * pde_steps
+# The cache layer type that holds conv states beside the keys and values of each attention layer type.
+HYBRID_LAYER_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
+
+
+def hybrid_cache_layout(attention_types, state_indices, pde_steps: int):
+    """``(layer_types, number_of_conv_states)`` that make ``DynamicCache(config=...)`` hold the PDE states: each
+    layer's attention type (``attention_types``) made hybrid, with room for the most states a layer holds
+    (``state_indices(i)``: layer ``i``'s :func:`layer_state_indices`); None where no layer holds one."""
+    counts = [len(state_indices(i)) * pde_steps for i in range(len(attention_types))]
+    if not any(counts):
+        return None
+    unsupported = sorted(set(attention_types) - set(HYBRID_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(f"CTA patch: cache layer types {unsupported} cannot hold the PDE state (supported: "
+                         f"{list(HYBRID_LAYER_TYPES)}).")
+    return [HYBRID_LAYER_TYPES[t] for t in attention_types], max(counts)
 
 
 def pde_sites(num_layers: int, state_indices) -> list:
     """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites; ``state_indices(i)`` is layer ``i``'s
-    :func:`pde_state_indices`. What :func:`check_pde_states` checks."""
+    :func:`layer_state_indices`. What :func:`check_pde_states` checks."""
     return [(f"{placement} of layer {i}", i, state) for i in range(num_layers)
             for placement, state in state_indices(i).items()]
 
@@ -202,8 +208,8 @@ def missing_cache_error(site: str) -> ValueError:
 
 
 __all__ = [
-    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "deprecate_past_key_values", "pde_state_indices",
-    "conv_states_per_layer", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache", "has_pde_state",
-    "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
+    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
+    "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
+    "has_pde_state", "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
     "refuse_export_with_cache", "check_pde_states", "missing_cache_error",
 ]

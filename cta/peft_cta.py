@@ -1,27 +1,16 @@
 # coding=utf-8
-"""PEFT adapters of patched models that carry their patch.
+"""PEFT adapters of patched models that carry their patch (``docs/adapters.md``).
 
-A LoRA adapter saved the usual way holds the LoRA weights and, through ``modules_to_save``, the PDE coefficients; but
-loaded onto a plain base (``PeftModel.from_pretrained(base, dir)``, what every adapter page tells people to do) the
-coefficients match no module and PEFT drops them in silence. So the adapters of patched models are of a PEFT type of
-their own, ``CTA_LORA``: LoRA (any of its options: DoRA, QLoRA bases, ...) plus the patch.
+Loaded onto a plain base (``PeftModel.from_pretrained(base, dir)``), a LoRA adapter's PDE coefficients
+(``modules_to_save``) match no module and PEFT drops them in silence. So the adapters of patched models are of a PEFT
+type of their own, ``CTA_LORA``: :class:`CTALoraConfig` takes LoraConfig's arguments (DoRA, QLoRA bases, ...;
+``target_modules=[]``: the PDE alone) and records the patch. ``import cta`` registers the type; then every PEFT way of
+loading builds :class:`CTALoraModel`, which, before PEFT injects anything, patches a plain base with the recorded patch,
+accepts a base patched alike and raises for another. Without ``import cta`` PEFT refuses the unknown type. A patched
+model refuses adapter configs that do not record its patch (``CTAPatchedModelMixin.peft_config``).
 
-* :class:`CTALoraConfig` takes LoraConfig's arguments and records the patch spec (type, steps, placements, layers,
-  stencil, per-channel) and the package version; the PDE modules are always among ``modules_to_save``.
-  ``target_modules=[]`` trains the PDE alone.
-* ``import cta`` registers the type with PEFT. Then every PEFT way of loading (``PeftModel.from_pretrained``,
-  ``AutoPeftModelFor*.from_pretrained``, transformers' ``model.load_adapter``) builds :class:`CTALoraModel`, which,
-  before PEFT injects anything, patches a plain base with the recorded spec, accepts a base patched with the same
-  spec and raises, naming both, for a base patched with another. The adapter's coefficients then load into the PDE
-  modules: the trained model exactly.
-* Without ``import cta`` PEFT does not know the type and refuses the adapter (``KeyError: 'CTA_LORA'``): loud, never
-  a silent drop.
-* A patched model refuses an adapter config that does not record its patch (a plain ``LoraConfig``, IA3, ...):
-  ``CTAPatchedModelMixin.peft_config`` (``patching_cta``), where PEFT hands every model its adapter configs.
-
-PEFT registers its methods with ``peft.utils.register_peft_method``, which needs a member of PEFT's own ``PeftType``
-enum; this type is a member of :class:`CTAPeftType` instead and is put into the same three tables that function fills
-(``peft.mapping``). Checked on the peft releases in ``setup.py`` (``.ci/run`` tests the lowest and the newest).
+The type is a member of :class:`CTAPeftType`, not of PEFT's own ``PeftType``, put into the tables that
+``peft.utils.register_peft_method`` fills (``transformers_compat.register_peft_tables``).
 """
 
 from __future__ import annotations
