@@ -168,7 +168,7 @@ class PatchContext:
         self.cache = None
         self.walls = NO_WALLS
 
-    def refine(self, pde, hidden_states, layer, cache=None):
+    def refine_site(self, pde, hidden_states, layer, cache=None):
         """Refines one site of ``layer`` with ``pde`` behind the current forward's walls (``SiteWalls.refine``)."""
         if self.active:
             return self.walls.refine(pde, hidden_states, cache)
@@ -268,7 +268,7 @@ class LayerSite(_Site):
             return None
         context = self.context
         hidden = args[0] if args else kwargs["hidden_states"]
-        refined = context.refine(module.cta_embedding_pde, hidden, module, cache)
+        refined = context.refine_site(module.cta_embedding_pde, hidden, module, cache)
         if args:
             return (refined, *args[1:]), kwargs
         kwargs["hidden_states"] = refined
@@ -282,7 +282,7 @@ class LayerSite(_Site):
             cache = self._layer_cache(module, args, kwargs)
         plain = type(output) is torch.Tensor
         hidden = output if plain else _first_tensor(output)
-        refined = context.refine(module.cta_block_output_pde, hidden, module, cache)
+        refined = context.refine_site(module.cta_block_output_pde, hidden, module, cache)
         return refined if plain else _replace_first(output, refined)
 
 
@@ -302,7 +302,7 @@ class OutputSite(_Site):
         hidden = output if plain else _first_tensor(output)
         # Looked up per call: PEFT's `modules_to_save` replaces the PDE module by its own wrapper.
         pde = getattr(module, self.pde_name)
-        refined = context.refine(pde, hidden, self.layer, cache)
+        refined = context.refine_site(pde, hidden, self.layer, cache)
         return refined if plain else _replace_first(output, refined)
 
 
@@ -331,7 +331,7 @@ class ValueSite(_Site):
         cache = context.cache if context.active else None
         pde = self.owner.cta_value_pde
         if self.value_slice is None:
-            return context.refine(pde, output, self.layer, cache)
+            return context.refine_site(pde, output, self.layer, cache)
         low, high = self.value_slice
-        refined = context.refine(pde, output[..., low:high], self.layer, cache)
+        refined = context.refine_site(pde, output[..., low:high], self.layer, cache)
         return torch.cat([output[..., :low], refined, output[..., high:]], dim=-1)
