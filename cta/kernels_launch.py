@@ -23,10 +23,11 @@ from .kernels_config import (
     static_rows,
     stream_plan,
     tile_config,
+    StreamKernelSpec,
     walls_mode,
 )
 from .kernels_jit import _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
-from .kernels_source import StreamKernelSpec, stream_args, stream_kernel
+from .kernels_source import stream_args, stream_kernel
 from .pde_spec import SCHEMES
 
 SUM_ROWS_BLOCK = 512  # channels per program of the coefficient gradient's row sum

@@ -31,59 +31,11 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import astuple, dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
-from .kernels_config import LAST_TILE_SECOND, MMA_BLOCK, MMA_MAX_STEPS, WALK_MAX_PREFETCH
+from .kernels_config import LAST_TILE_SECOND, MMA_BLOCK, MMA_MAX_STEPS, WALK_MAX_PREFETCH, StreamKernelSpec
 from .kernels_jit import INTERPRET, exec_jit, reaction_functions
 from .pde_spec import SCHEMES
-
-@dataclass(frozen=True)
-class StreamKernelSpec:
-    """The named configuration of one generated streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final
-    state); 'bwd' (the schemes that filter, ``PDEScheme.filters``; no initial state): ``DX = adjoint^S(GY)`` and
-    per-program partial sums of ``dL/dc`` in ``DA``. ``steps`` = S, ``prefetch`` = D (rows loaded ahead).
-    ``has_mask`` (padding), ``a_vec`` / ``b_vec`` (per-channel coefficients), ``has_init`` / ``write_final`` (causal
-    states), ``even_c`` (whole channel blocks). ``fir_unroll``: the banded filter's loop unroll factor (0: interior
-    programs walk). ``mma`` > 0: interior programs run the filter on tensor cores (``_mma_interior`` with
-    ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs, ``S <= MMA_MAX_STEPS``, ``T`` a multiple of
-    ``MMA_BLOCK``). ``walls`` (see ``kernels_config.walls_mode``): 1, programs at the sequence ends run the same
-    filter, reading the walls as an extension of the input (``_wall_load``), and walk only where that does not apply
-    (the programs a causal initial or final state reaches; a bidirectional sequence shorter than ``S``, which
-    ``walls_mode`` sends to 0); 2, the launch has none of those, and the kernel no walk; 3, as 2 with one copy of
-    the filter, which every program runs (no interior branch; the bidirectional tensor-core forward).
-    ``coef_atomic`` (backward, per-channel coefficient): each program adds its partial sums into a row of
-    ``DA[n_groups, channels]`` with atomics instead of storing a row of ``DA[tiles, channels]`` (see
-    ``COEF_GRAD_ATOMIC_SPREAD``). ``pointers``: the interior filter steps its row pointers (``FIR_POINTER_STEPS``).
-    ``static_rows``: the channels and the row strides are constexprs (``STATIC_ROWS``), so that the unrolled filter
-    addresses its rows as one pointer plus constant offsets. ``bounds``: ``((alpha_min, alpha_max), (beta_min,
-    beta_max) | None)`` the coefficients are clamped into as they are loaded (the learnable module's projection; the
-    gradient is the clamped coefficient's), or None."""
-
-    kind: str
-    pde: str
-    causal: bool
-    steps: int
-    prefetch: int
-    has_mask: bool = False
-    a_vec: bool = False
-    b_vec: bool = False
-    has_init: bool = False
-    write_final: bool = False
-    even_c: bool = False
-    fir_unroll: int = 0
-    mma: int = 0
-    walls: int = 0
-    coef_atomic: bool = False
-    pointers: bool = False
-    static_rows: bool = False
-    bounds: Optional[tuple] = None
-
-    @property
-    def name(self) -> str:
-        values = (int(v) if isinstance(v, bool) else v for v in astuple(self))
-        return re.sub(r"\W+", "_", "_cta_stream_" + "_".join(map(str, values)).replace("-", "m"))
-
 
 @functools.lru_cache(maxsize=None)
 def stream_kernel(spec: StreamKernelSpec):
