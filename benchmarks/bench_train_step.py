@@ -15,7 +15,7 @@ over 3 steps.
 sdpa, head-tail) shards one ``--seq``-token sequence over N GPUs, the patched sites told by ``cta.shard_sequences``;
 a 0.95B Llama shape (16 x 2048, no GQA: torch 2.11's ring sdpa rejects it), both models resident; torch CP alone (no
 FSDP2, no gradient synchronisation: the same for both), rank 0's times and peak. ``--probe``: first the longest
-8192 x 2^k tokens one GPU trains (patched), then the longest doubling of it N GPUs train sharded, then timed.
+8192 x 2^k tokens one GPU trains (patched, unsharded), then N times that length, sharded, timed.
 """
 
 import argparse
@@ -154,12 +154,12 @@ def context_parallel(args, record, device, dtype):
             return models["patched"].zero_grad(set_to_none=True) or torch.cuda.empty_cache() or False
 
     one = length = args.seq
-    if args.probe:
+    if args.probe:  # (unsharded only: an allocation failing inside a ring collective is no OutOfMemoryError)
         one = next(8192 << k for k in range(10) if not fits(16384 << k, False))  # (doubling: a few tries)
-        length = next(one << k for k in range(10) if not fits(one << (k + 1), True))
+        length = one * dist.get_world_size()
     args.batch, args.seq = 1, length
     record.update(world_size=dist.get_world_size(), seq=length, local_seq=length // dist.get_world_size(),
-                  probe={"one_gpu_max_seq": one, "context_parallel_max_seq": length} if args.probe else None)
+                  probe={"one_gpu_max_seq": one, "context_parallel_seq": length} if args.probe else None)
     return models, batch(length)
 
 
