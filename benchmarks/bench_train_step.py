@@ -131,6 +131,8 @@ def context_parallel(args, record, device, dtype):
 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # NCCL allocates its buffers outside torch's caching allocator: set them up before the probe fills that cache
+    dist.all_reduce(torch.zeros(1, device=device), group=mesh.get_group())
     models = build_models(args.hidden, args.layers, args.vocab, device, dtype, with_native=False)
     for layer in (layer for model in models.values() for layer in model.model.layers):  # accelerate's CP pre-hook
         layer.self_attn.register_forward_pre_hook(  # (ring attention takes no mask: causal)
@@ -157,6 +159,8 @@ def context_parallel(args, record, device, dtype):
     if args.probe:  # (unsharded only: an allocation failing inside a ring collective is no OutOfMemoryError)
         one = next(8192 << k for k in range(10) if not fits(16384 << k, False))  # (doubling: a few tries)
         length = one * dist.get_world_size()
+        torch.cuda.empty_cache()  # (the probe's cached blocks back to the device, for the collectives' buffers)
+        print(f"probe: one GPU trains {one} tokens unsharded; timing {length} over {dist.get_world_size()}", flush=True)
     args.batch, args.seq = 1, length
     record.update(world_size=dist.get_world_size(), seq=length, local_seq=length // dist.get_world_size(),
                   probe={"one_gpu_max_seq": one, "context_parallel_seq": length} if args.probe else None)
