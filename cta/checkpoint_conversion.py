@@ -1,16 +1,14 @@
 # coding=utf-8
 """Loading CTA checkpoints, those of earlier releases included, and refusing ones whose PDE weights do not fit.
 
-What changed since 0.1.0, and how a checkpoint of that release is read (no file is rewritten; ``save_pretrained``
-afterwards writes the current format):
+Checkpoints of 0.1.0 are read as they are (``save_pretrained`` afterwards writes the current format):
 
-* A scalar PDE coefficient was a 0-d tensor; it is a 1-element tensor now (FSDP and DeepSpeed refuse 0-d parameters).
-  :func:`from_pretrained_with_pde_check` reads the safetensors headers first; where it finds 0-d coefficients it loads
-  with ``ignore_mismatched_sizes=True``, copies exactly those in their new shape and raises for every other mismatch
-  as transformers does (unless the caller ignores them). ``state_dict``s and PEFT adapters go through
-  ``load_state_dict``, where ``PDERefinement``'s pre-hook reshapes them.
+* Scalar PDE coefficients were 0-d tensors (FSDP and DeepSpeed refuse 0-d parameters; they are 1-element now). Where
+  the safetensors headers show some, :func:`from_pretrained_with_pde_check` loads with ``ignore_mismatched_sizes=True``,
+  copies exactly those in their new shape and raises for other mismatches as transformers does. ``state_dict``s and
+  PEFT adapters go through ``PDERefinement``'s ``load_state_dict`` pre-hook.
 * Renamed weights load through ``from_pretrained``'s public ``key_mapping`` (:data:`LEGACY_KEY_MAPPING`), passed only
-  for a checkpoint that has old names; such a model saves in the current names (:data:`SAVES_CURRENT_NAMES`:
+  for a checkpoint with old names; such a model saves in the current names (:data:`SAVES_CURRENT_NAMES`:
   ``save_original_format=False``, since transformers would otherwise revert the mapping).
 
 Missing, unexpected or misshapen PDE weights raise, naming them: a model whose PDE sites silently kept their initial
@@ -32,11 +30,9 @@ from .transformers_compat import HOLD_BACK_LOAD_REPORT, is_scalar_mismatch, mism
 
 logger = logging.get_logger(__name__)
 
-# regex on a checkpoint's weight name -> replacement (re.sub), applied in order; names of earlier releases only.
-# 0.1.0 wrapped every patched module (`model.layers.3.wrapped.self_attn.wrapped.q_proj.weight`, the PDE modules
-# beside `wrapped`); patched models now keep the base model's names and hold each PDE module inside the module it
-# refines, so deleting `.wrapped` maps every 0.1.0 name to the current one. transformers renames the first match of
-# each pattern: one pattern per wrapper level (a layer's, then the attention / MLP / output module's inside it).
+# regex -> replacement on 0.1.0's weight names, which wrapped every patched module
+# (`model.layers.3.wrapped.self_attn.wrapped.q_proj.weight`): deleting `.wrapped` gives the current name. transformers
+# renames the first match of each pattern, hence one pattern per wrapper level (the layer's, then the module's in it).
 LEGACY_KEY_MAPPING: dict = {r"\.wrapped(?=\.)": "", r"(?<=\.)wrapped\.": ""}
 
 # A PDE coefficient's weight name ends like this, in every release.
@@ -55,30 +51,26 @@ def hub_arguments(kwargs: dict) -> dict:
 
 def check_pde_weights_loaded(loading_info: dict, model_class: str, source) -> None:
     """Raises if a checkpoint's PDE coefficients did not load exactly (``from_pretrained``'s ``loading_info``)."""
-    problems = {
-        kind: sorted(mismatch_name(k) for k in loading_info.get(kind, ()) if "_pde." in mismatch_name(k))
-        for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
-    }
+    problems = {kind: sorted(mismatch_name(k) for k in loading_info.get(kind, ()) if "_pde." in mismatch_name(k))
+                for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if any(problems.values()):
-        raise ValueError(
-            f"Loading {model_class} from {source!r}: the checkpoint's PDE weights do not match the config "
-            f"(PDE placements / layers / steps / per-channel coefficients): missing weights {problems['missing_keys']}, "
-            f"unexpected weights {problems['unexpected_keys']}, mismatched {problems['mismatched_keys']}."
-        )
+        raise ValueError(f"Loading {model_class} from {source!r}: the checkpoint's PDE weights do not match the config "
+                         "(PDE placements / layers / steps / per-channel coefficients): missing weights "
+                         f"{problems['missing_keys']}, unexpected weights {problems['unexpected_keys']}, mismatched "
+                         f"{problems['mismatched_keys']}.")
 
 
 def from_pretrained_with_pde_check(load, cls, args, kwargs):
     """``load(*args, **kwargs)`` (the parent class's ``from_pretrained``) reading 0.1.0 checkpoints too, then
-    :func:`check_pde_weights_loaded`. Returns what ``from_pretrained`` returns for the caller's
-    ``output_loading_info``."""
+    :func:`check_pde_weights_loaded`; returns what ``from_pretrained`` returns for ``output_loading_info``."""
     output_loading_info = kwargs.pop("output_loading_info", False)
     key_mapping = dict(kwargs.pop("key_mapping", None) or {})
     source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
-    keys = _checkpoint_keys(source, kwargs) if source is not None else {}
+    keys, scalars = _checkpoint_keys(source, kwargs) if source is not None else ([], {})
     legacy_names = any(re.search(pattern, key) for key in keys for pattern in LEGACY_KEY_MAPPING)
     if legacy_names:
         key_mapping = {**LEGACY_KEY_MAPPING, **key_mapping}
-    legacy = _legacy_scalars(keys, key_mapping)
+    legacy = {_renamed(key, key_mapping): tensor for key, tensor in scalars.items()}
     if not legacy:
         model, info = load(*args, output_loading_info=True, key_mapping=key_mapping or None, **kwargs)
     else:
@@ -99,7 +91,7 @@ def from_pretrained_with_pde_check(load, cls, args, kwargs):
         info["mismatched_keys"] = [k for k in info["mismatched_keys"] if k not in converted]
         logger.warning(f"{cls.__name__}: {source!r} was saved by cta 0.1.0; its {len(converted)} 0-d PDE coefficients "
                        "were read as 1-element tensors (save_pretrained writes the current format).")
-        others = {kind: sorted(mismatch_name(k) for k in info.get(kind, ())) for kind in ("missing_keys", "unexpected_keys")}
+        others = {kind: sorted(map(mismatch_name, info.get(kind, ()))) for kind in ("missing_keys", "unexpected_keys")}
         if any(others.values()):
             logger.warning(f"{cls.__name__} from {source!r}: missing weights {others['missing_keys']}, unexpected "
                            f"weights {others['unexpected_keys']}.")
@@ -115,30 +107,21 @@ def from_pretrained_with_pde_check(load, cls, args, kwargs):
     return (model, info) if output_loading_info else model
 
 
-def _checkpoint_keys(source, kwargs) -> dict:
-    """``{weight name: (safetensors file, shape)}`` of a safetensors checkpoint, read from its headers; empty for
-    anything else (transformers reports those)."""
+def _checkpoint_keys(source, kwargs) -> tuple:
+    """The weight names of a safetensors checkpoint (read from its headers) and ``{name: tensor}`` of the PDE
+    coefficients it saved as 0-d tensors (0.1.0); both empty for anything else (transformers reports those)."""
     try:
         files = _checkpoint_files(source, kwargs)
     except (OSError, ValueError):
-        return {}
-    keys = {}
+        return [], {}
+    keys, scalars = [], {}
     for path in files:
         with safe_open(path, framework="pt") as checkpoint:
             for key in checkpoint.keys():
-                keys[key] = (path, tuple(checkpoint.get_slice(key).get_shape()))
-    return keys
-
-
-def _legacy_scalars(keys: dict, key_mapping: dict) -> dict:
-    """``{model's weight name: 0-d tensor}`` of the PDE coefficients that the checkpoint saved as 0-d tensors
-    (0.1.0); empty for current checkpoints."""
-    found = {}
-    for key, (path, shape) in keys.items():
-        if _PDE_COEFFICIENT.search(key) and not shape:
-            with safe_open(path, framework="pt") as checkpoint:
-                found[_renamed(key, key_mapping)] = checkpoint.get_tensor(key)
-    return found
+                keys.append(key)
+                if _PDE_COEFFICIENT.search(key) and not checkpoint.get_slice(key).get_shape():
+                    scalars[key] = checkpoint.get_tensor(key)
+    return keys, scalars
 
 
 def _renamed(key: str, key_mapping: dict) -> str:
@@ -179,9 +162,8 @@ def _resolve(source, filename, hub):
 def saved_as_own_class(model, own_module: str):
     """For the duration of a save, ``model`` is an instance of the first class of its MRO defined in ``own_module``.
 
-    FSDP2's ``fully_shard`` swaps a module's class for a subclass it builds (``FSDPCTAForCausalLM``, defined in
-    torch); transformers' ``save_pretrained`` names the instance's class in ``auto_map`` and copies the file that
-    defines it, so a checkpoint saved from a sharded model would point ``trust_remote_code`` at torch's files."""
+    FSDP2's ``fully_shard`` swaps a module's class for a subclass defined in torch; ``save_pretrained`` names the
+    instance's class in ``auto_map`` and copies its file, so ``trust_remote_code`` would point at torch's files."""
     cls = type(model)
     own = next((c for c in cls.__mro__ if c.__module__ == own_module), cls)
     if own is cls:

@@ -3,15 +3,12 @@
     cta-hub export MODEL_DIR OUT_DIR [--results all_results.json] [--tokenizer DIR] [--dataset imdb] ...
     cta-hub push OUT_DIR REPO_ID [--private] [--revision BRANCH] [--commit-message MSG] [--token TOKEN]
     cta-hub card MODEL_DIR [--results all_results.json]       # print the rendered README.md only
-    cta-hub export --adapter ADAPTER_DIR OUT_DIR [--base-model ORG/NAME] [--base-model-dir DIR]   # a CTA adapter
+    cta-hub export --adapter ADAPTER_DIR OUT_DIR [--base-model ORG/NAME] [--base-model-dir DIR]   # cta.hub_adapter
 
-``export`` re-saves a native or patched (``cta.patch_model``) checkpoint with its code files, ``auto_map``,
-safetensors weights and tokenizer, writes a model card from the Jinja templates in ``hub_cards/`` (``model-index``
-from the metrics JSON that ``Trainer.save_metrics`` writes), and checks that the folder loads with
-``trust_remote_code=True`` in a process where ``import cta`` fails. ``push`` uploads it with ``huggingface_hub.HfApi``.
-Trainer hooks (``examples/common.py``): :func:`write_model_card` and :func:`publish_trainer_model` (instead of
-``trainer.push_to_hub()``, which would replace the card with Trainer's generic one and upload pickles).
-PEFT adapters of patched models (``cta.CTALoraConfig``): ``--adapter``, code in :mod:`cta.hub_adapter`.
+``export`` re-saves a native or patched checkpoint with its code files, ``auto_map``, safetensors weights, tokenizer
+and a card from ``hub_cards/`` (``model-index`` from ``Trainer.save_metrics``' JSON), and checks that the folder loads
+with ``trust_remote_code=True`` where ``import cta`` fails. Trainer hooks: :func:`write_model_card` and
+:func:`publish_trainer_model` (``trainer.push_to_hub()`` would replace the card with Trainer's and upload pickles).
 """
 
 from __future__ import annotations
@@ -59,13 +56,10 @@ class HubPushError(RuntimeError):
     """The folder cannot be pushed (missing, or fails verification). Hub errors are huggingface_hub's own."""
 
 
-# -- Metrics (the JSON Trainer.save_metrics writes) and datasets ------------------------------------------------------
-
-
 def load_results(path_or_dict) -> dict:
-    """Reads a flat ``Trainer.save_metrics`` JSON (path or dict) into ``{"metrics": {name: (value, split)},
-    "training": {key: value}, "source": name}``: ``eval_*``/``test_*`` numbers are metrics (``test_`` wins; runtimes,
-    throughputs, step counters dropped), other scalars (``train_loss``, ``epoch``...) the training record."""
+    """Reads a ``Trainer.save_metrics`` JSON (path or dict) into ``{"metrics": {name: (value, split)}, "training",
+    "source"}``: ``eval_*``/``test_*`` numbers are metrics (``test_`` wins; runtimes, throughputs, step counters
+    dropped), other scalars (``train_loss``, ``epoch``...) the training record."""
     if isinstance(path_or_dict, dict):
         data, source = path_or_dict, "<metrics>"
     else:
@@ -99,9 +93,6 @@ def _datasets(names) -> list:
     return out
 
 
-# -- Checkpoint -------------------------------------------------------------------------------------------------------
-
-
 def _read_config(model_dir: Path) -> dict:
     if not (model_dir / "config.json").is_file():
         hint = " It is a PEFT adapter folder: pass --adapter." if hub_adapter.is_adapter_folder(model_dir) else ""
@@ -113,11 +104,14 @@ def _is_patched(config: dict) -> bool:
     return isinstance(config.get("cta_patch"), dict) and config.get("model_type") != "cta"
 
 
+def _architecture(config: dict) -> str:
+    return (config.get("architectures") or ["CTAModel"])[0]
+
+
 def _auto_class(config: dict) -> str:
     """The Auto class of ``auto_map`` that loads the saved architecture."""
-    architecture = (config.get("architectures") or ["CTAModel"])[0]
     return next((auto for auto, ref in (config.get("auto_map") or {}).items()
-                 if str(ref).rsplit(".", 1)[-1] == architecture), "AutoModel")
+                 if str(ref).rsplit(".", 1)[-1] == _architecture(config)), "AutoModel")
 
 
 def _load_model(model_dir: Path, config: dict):
@@ -128,8 +122,7 @@ def _load_model(model_dir: Path, config: dict):
     if config.get("model_type") != "cta":
         raise HubExportError(f"{model_dir} holds a {config.get('model_type')!r} model without PDE refinement: export a "
                              "native CTA model or one patched with `cta.patch_model` and saved with `save_pretrained`.")
-    architecture = (config.get("architectures") or ["CTAModel"])[0]
-    return getattr(cta, architecture).from_pretrained(str(model_dir), dtype="auto")
+    return getattr(cta, _architecture(config)).from_pretrained(str(model_dir), dtype="auto")
 
 
 def pde_summary(config: dict, model=None, max_sites: int = 24) -> dict:
@@ -144,9 +137,6 @@ def pde_summary(config: dict, model=None, max_sites: int = 24) -> dict:
     return dict(card_pde_fields(src), num_sites=len(sites), sites=[
         dict(name=n, **{k: coefficient_text(c) or "—" for k, c in zip(("alpha", "beta"), m.coefficients())})
         for n, m in sites[:max_sites]])
-
-
-# -- Model card -------------------------------------------------------------------------------------------------------
 
 
 def render_model_card(model_dir, *, repo_id: Optional[str] = None, results=None, license: Optional[str] = None,
@@ -189,15 +179,12 @@ def render_model_card(model_dir, *, repo_id: Optional[str] = None, results=None,
                                                "text-generation": "cta_causal_lm.md"}.get(task, "cta_base_model.md")
     return render_card(
         name, templates, card_data, task, title=title or repo_id.split("/")[-1], repo_id=repo_id, auto_class=auto_class,
-        architecture=(config.get("architectures") or ["CTAModel"])[0], arch=config, has_tokenizer=tok_config.is_file(),
+        architecture=_architecture(config), arch=config, has_tokenizer=tok_config.is_file(),
         tokenizer_name=json.loads(tok_config.read_text()).get("tokenizer_class") if tok_config.is_file() else None,
         pde=pde, patched=patched, patch=config.get("cta_patch") or {}, base_model=base_model, base_model_type=base_type,
         labels=[id2label[k] for k in sorted(id2label, key=int)], datasets=[d[0] for d in datasets],
         num_parameters=f"{n_params / 1e6:.2f}M ({n_params:,})" if n_params else None,
         results=results, metric_rows=metric_rows, eval_dataset=hub_id, eval_config=ds_config)
-
-
-# -- Export and verification ------------------------------------------------------------------------------------------
 
 
 def export_for_hub(model_dir, out_dir, *, results=None, tokenizer=None, license: Optional[str] = None,
@@ -232,11 +219,10 @@ def export_for_hub(model_dir, out_dir, *, results=None, tokenizer=None, license:
 
 
 def verify_hub_folder(folder, *, reference_model=None, atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Checks an exported folder; raises :class:`HubExportError` naming every problem. Static: ``auto_map`` loads
-    the architecture, its modules and their relative imports are present, safetensors only, README.md. With
-    ``reference_model``: the folder loads with ``trust_remote_code=True`` in a subprocess where ``import cta`` fails,
-    and its outputs on a padded batch match the reference's within ``atol`` (relative to their scale). An adapter
-    folder (``adapter_config.json``) gets the static checks of :func:`cta.hub_adapter.verify_adapter_folder`."""
+    """Checks an exported folder (``auto_map``, its code files and their relative imports, safetensors only, a card);
+    with ``reference_model``, that it loads with ``trust_remote_code=True`` where ``import cta`` fails and matches the
+    reference's outputs within ``atol`` (relative to their scale). Raises :class:`HubExportError` naming every problem.
+    An adapter folder gets the static checks of :func:`cta.hub_adapter.verify_adapter_folder`."""
     folder = Path(folder)
     if hub_adapter.is_adapter_folder(folder):
         if reference_model is not None:
@@ -260,8 +246,9 @@ def verify_hub_folder(folder, *, reference_model=None, atol: float = 1e-4, timeo
         problems.append("README.md missing")
     if not any(f.endswith(".safetensors") for f in files):
         problems.append("no .safetensors weights")
-    if any(f.endswith(PICKLE_SUFFIXES) for f in files):
-        problems.append(f"pickle files present (safetensors only): {[f for f in files if f.endswith(PICKLE_SUFFIXES)]}")
+    pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        problems.append(f"pickle files present (safetensors only): {pickles}")
     if problems:
         raise HubExportError(f"{folder} failed verification:\n- " + "\n- ".join(problems))
     report = {"files": files, "code_files": sorted(code_files)}
@@ -303,15 +290,11 @@ def _verify_load(folder: Path, config: dict, reference_model, atol: float, timeo
     return diff
 
 
-# -- Push and Trainer hooks -------------------------------------------------------------------------------------------
-
-
 def push_to_hub_folder(folder, repo_id: str, *, private: bool = False, revision: Optional[str] = None,
                        commit_message: Optional[str] = None, token: Optional[str] = None,
                        endpoint: Optional[str] = None, create_pr: bool = False, check: bool = True) -> str:
-    """``HfApi.create_repo`` (+ ``create_branch`` for ``revision``) + ``upload_folder``; returns the commit URL.
-    ``token``/``endpoint`` default to huggingface_hub's (``HF_TOKEN`` or the saved login, ``HF_ENDPOINT``). The static
-    checks of :func:`verify_hub_folder` run first unless ``check=False``; Hub errors are huggingface_hub's own."""
+    """``HfApi.create_repo`` (+ ``create_branch`` for ``revision``) + ``upload_folder`` after the static checks of
+    :func:`verify_hub_folder` (unless ``check=False``); returns the commit URL. Hub errors are huggingface_hub's own."""
     validate_repo_id(repo_id)
     folder = Path(folder)
     if not folder.is_dir():
@@ -335,11 +318,8 @@ def push_to_hub_folder(folder, repo_id: str, *, private: bool = False, revision:
 def write_model_card(output_dir, *, results=None, task: Optional[str] = None, dataset=None,
                      repo_id: Optional[str] = None, **card_kwargs) -> Optional[Path]:
     """Example-script hook: writes ``output_dir/README.md`` for the checkpoint saved there; returns its path.
-
-    ``results``: the run's metrics (save_metrics schema); ``dataset``: an example task key or Hub dataset id;
-    ``task`` is informational (the pipeline tag comes from the architecture). Never raises: a card problem is
-    logged, not fatal to a finished training run.
-    """
+    ``task`` is informational (the pipeline tag comes from the architecture). Never raises: a card problem is logged,
+    not fatal to a finished training run."""
     try:
         card = render_model_card(output_dir, repo_id=repo_id, results=results, datasets=dataset, **card_kwargs)
         card.save(Path(output_dir) / "README.md")
@@ -351,10 +331,9 @@ def write_model_card(output_dir, *, results=None, task: Optional[str] = None, da
 
 def publish_trainer_model(trainer, *, results=None, task: Optional[str] = None, dataset=None, tokenizer=None,
                           export_dir=None, **export_kwargs) -> Optional[str]:
-    """Trainer hook: exports ``output_dir`` (after ``save_model``) to ``export_dir`` (default
-    ``output_dir/hub_export``) and, when ``args.push_to_hub``, pushes it to ``hub_model_id`` (default: the output
-    folder's name) with ``hub_private_repo``, ``hub_revision``, ``hub_token``. Returns the commit URL or None. Only
-    the main process exports."""
+    """Trainer hook (main process only): exports ``output_dir`` to ``export_dir`` (default ``output_dir/hub_export``)
+    and, with ``args.push_to_hub``, pushes it to ``hub_model_id`` (default: the output folder's name) with the other
+    ``hub_*`` arguments. Returns the commit URL or None."""
     args = trainer.args
     if not trainer.is_world_process_zero():
         return None
@@ -369,15 +348,11 @@ def publish_trainer_model(trainer, *, results=None, task: Optional[str] = None, 
                               revision=getattr(args, "hub_revision", None))
 
 
-# -- Command line -----------------------------------------------------------------------------------------------------
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cta-hub", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Export CTA checkpoints (native or patched) as self-contained Hugging Face Hub folders with a "
-                    "model card, or CTA adapters (cta.CTALoraConfig, --adapter) as PEFT adapter folders with an "
-                    "adapter card; verify them, and push them.",
+        description="Export CTA checkpoints (native or patched) or CTA adapters (--adapter) as Hugging Face Hub "
+                    "folders with a card, verify them, and push them.",
         epilog="examples:\n  cta-hub export runs/imdb-cta hub/imdb-cta --results runs/imdb-cta/all_results.json "
                "--dataset imdb --repo-id me/imdb-cta\n  cta-hub push hub/imdb-cta me/imdb-cta --private\n"
                "  cta-hub export --adapter runs/llama-cta/adapter hub/llama-cta-adapter --base-model "
@@ -386,50 +361,38 @@ def _parser() -> argparse.ArgumentParser:
 
     def model_options(p):
         p.add_argument("model_dir", metavar="MODEL_DIR", help="saved checkpoint (save_pretrained / Trainer "
-                       "output_dir); with --adapter, a CTA adapter folder (PeftModel.save_pretrained)")
-        p.add_argument("--adapter", action="store_true",
-                       help="MODEL_DIR is a PEFT adapter of a patched model, saved with cta.CTALoraConfig (peft_type "
-                            "CTA_LORA): publish adapter_config.json + adapter_model.safetensors with an adapter card "
-                            "(library_name: peft, base_model) whose snippet loads it onto the plain base after "
-                            "`import cta`. A plain LoRA adapter is refused: it would load without its PDE")
-        p.add_argument("--results", metavar="JSON", help="metrics JSON written by Trainer.save_metrics "
-                       "(all_results.json, eval_results.json...): its eval_*/test_* values fill the card's model-index "
-                       "(not with --adapter)")
-        p.add_argument("--dataset", action="append", dest="datasets", metavar="DATASET_ID",
-                       help="Hub dataset id (or example task key: imdb, sst2, wikitext...) the model was trained and "
-                            "evaluated on; repeatable, the first is the model-index's evaluation dataset")
-        p.add_argument("--license", help=f"license id (default: {DEFAULT_LICENSE} for native models, 'other' for "
-                                         "patched ones and adapters, whose base model's license applies)")
+                       "output_dir); with --adapter, a PeftModel.save_pretrained folder")
+        p.add_argument("--adapter", action="store_true", help="MODEL_DIR is an adapter of a patched model saved with "
+                       "cta.CTALoraConfig: publish it with an adapter card (library_name: peft). A plain LoRA adapter "
+                       "is refused: it would load without its PDE")
+        p.add_argument("--results", metavar="JSON", help="Trainer.save_metrics JSON (all_results.json...) whose "
+                       "eval_*/test_* values fill the card's model-index (not with --adapter)")
+        p.add_argument("--dataset", action="append", dest="datasets", metavar="DATASET_ID", help="Hub dataset id or "
+                       "example task key (imdb, sst2...); repeatable, the first is the model-index's")
+        p.add_argument("--license", help=f"license id (default: {DEFAULT_LICENSE}; 'other' for patched models and "
+                                         "adapters, whose base model's license applies)")
         p.add_argument("--language", action="append", help="language code of the training data (repeatable), e.g. en")
-        p.add_argument("--base-model", help="Hub id of the base model of a patched checkpoint or an adapter "
-                                            "(default: its _name_or_path / base_model_name_or_path when that is a "
-                                            "Hub id; an adapter trained on a local folder needs it)")
+        p.add_argument("--base-model", help="Hub id of the base model of a patched checkpoint or an adapter (default: "
+                                            "the recorded _name_or_path / base_model_name_or_path if a Hub id)")
         p.add_argument("--repo-id", help="repository id the card's usage snippet loads (default: the folder's name)")
         p.add_argument("--templates", metavar="DIR", help="folder with model-card templates named like hub_cards/")
-        p.add_argument("--pip-spec", default=hub_adapter.DEFAULT_PIP_SPEC, metavar="SPEC",
-                       help="with --adapter: what the card's `pip install` line installs, e.g. 'cta[peft] @ "
-                            f"git+https://github.com/ORG/cta' (default: {hub_adapter.DEFAULT_PIP_SPEC!r})")
+        p.add_argument("--pip-spec", default=hub_adapter.DEFAULT_PIP_SPEC, metavar="SPEC", help="with --adapter: "
+                       f"what the card's `pip install` line installs (default: {hub_adapter.DEFAULT_PIP_SPEC!r})")
 
     p = sub.add_parser("export", help="write a self-contained Hub folder (or an adapter's, --adapter) and verify it",
-                       description="Write OUT_DIR (config.json with auto_map, flat code files, safetensors weights, "
-                                   "tokenizer, README.md card), then check that it loads with trust_remote_code=True "
-                                   "without the cta package and gives the same outputs. With --adapter: write the "
-                                   "adapter (adapter_config.json, adapter_model.safetensors, README.md adapter card), "
-                                   "then, given --base-model-dir, check that the plain base + the adapter loads after "
-                                   "`import cta` with the original adapter's logits and is refused without cta.")
+                       description="Write OUT_DIR (code files, safetensors weights, tokenizer, README.md card), then "
+                                   "check that it loads with trust_remote_code=True without the cta package and gives "
+                                   "the same outputs. With --adapter and --base-model-dir: check that the plain base + "
+                                   "the adapter loads after `import cta` with the same logits and is refused without.")
     model_options(p)
     p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (flat; must be empty unless --overwrite)")
     p.add_argument("--tokenizer", metavar="DIR", help="tokenizer to save with the model (default: MODEL_DIR's, if "
-                                                      "any; not with --adapter: the base model's tokenizer is used)")
+                                                      "any; not with --adapter)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty OUT_DIR")
-    p.add_argument("--base-model-dir", metavar="DIR",
-                   help="with --adapter: local folder of the plain base model, for the load checks (python -I "
-                        "subprocesses: base + exported adapter after `import cta` gives the original adapter's logits; "
-                        "without cta, PEFT refuses the adapter); without it those checks are skipped")
-    p.add_argument("--no-verify-load", action="store_true",
-                   help="skip the load-and-compare check in a cta-free subprocess, or an adapter's load checks "
-                        "(static checks still run)")
-    p.add_argument("--atol", type=float, default=1e-4, help="tolerance of that comparison (default: 1e-4)")
+    p.add_argument("--base-model-dir", metavar="DIR", help="with --adapter: local folder of the plain base model for "
+                                                           "the load checks (skipped without it)")
+    p.add_argument("--no-verify-load", action="store_true", help="skip the load checks (static checks still run)")
+    p.add_argument("--atol", type=float, default=1e-4, help="tolerance of the output comparison (default: 1e-4)")
 
     p = sub.add_parser("push", help="upload an exported folder to the Hub",
                        description="HfApi.create_repo + upload_folder. Token: --token, else HF_TOKEN, else the token "

@@ -1,18 +1,11 @@
-"""Publishing CTA adapters (``cta.CTALoraConfig``, PEFT type ``CTA_LORA``) on the Hugging Face Hub.
-
-    cta-hub export --adapter ADAPTER_DIR OUT_DIR [--base-model ORG/NAME] [--base-model-dir DIR] ...
-    cta-hub card --adapter ADAPTER_DIR [--base-model ORG/NAME]      # print the rendered README.md only
-    cta-hub push OUT_DIR REPO_ID                                    # the same command as for full checkpoints
+"""Publishing CTA adapters (``cta.CTALoraConfig``, PEFT type ``CTA_LORA``) on the Hub: ``cta-hub export --adapter``.
 
 An adapter folder (``PeftModel.save_pretrained`` of a patched model) holds the LoRA weights and the PDE coefficients
-(``modules_to_save``); its ``adapter_config.json`` records the patch (``cta_patch``). :func:`export_adapter_for_hub`
-copies those two files (safetensors only; ``base_model_name_or_path`` set to the base model's Hub id, which
-``AutoPeftModelFor*`` loads), writes an adapter card (``hub_cards/adapter.md``: ``library_name: peft``,
-``base_model``, the patch and the coefficients per site) and, given the plain base model's local folder, checks in
-``python -I`` subprocesses that the exported adapter loads onto the plain base after ``import cta`` with the original
-adapter's logits, and that without ``cta`` PEFT refuses it (it never returns the base model without the PDE).
-
-The command line is ``cta.hub``'s (``cta-hub``), which imports this module; this module does not import ``cta.hub``.
+(``modules_to_save``); its ``adapter_config.json`` records the patch. :func:`export_adapter_for_hub` copies those two
+files (``base_model_name_or_path`` set to the base's Hub id, which ``AutoPeftModelFor*`` loads), writes an adapter card
+(``hub_cards/adapter.md``) and, given the plain base's local folder, checks in ``python -I`` subprocesses that the
+adapter loads onto the plain base after ``import cta`` with the original logits, and that without ``cta`` PEFT refuses
+it (never returning the base without the PDE). ``cta.hub`` imports this module, not the other way round.
 """
 
 from __future__ import annotations
@@ -58,9 +51,6 @@ class AdapterExportError(RuntimeError):
     """The folder is not a CTA adapter, cannot be exported, or an exported adapter folder failed verification."""
 
 
-# -- Reading an adapter -----------------------------------------------------------------------------------------------
-
-
 def is_adapter_folder(folder) -> bool:
     """Whether ``folder`` is a PEFT adapter folder (``adapter_config.json``) rather than a full checkpoint."""
     folder = Path(folder)
@@ -78,11 +68,9 @@ def _not_an_adapter(folder: Path, argument: str) -> str:
 
 
 def read_adapter(adapter_dir, argument: str = "ADAPTER_DIR") -> dict:
-    """Reads a CTA adapter folder; raises :class:`AdapterExportError` naming what makes it something else (a plain
-    LoRA adapter, a full checkpoint, pickle weights, no PDE coefficients). Returns ``{"config": adapter_config,
-    "coefficients": {site: {"alpha": tensor, "beta": tensor}}, "lora_tensors": n, "pde_parameters": n,
-    "lora_parameters": n, "other_parameters": n}``; sites are module paths without PEFT's ``base_model.model.``.
-    ``argument``: how errors name the folder."""
+    """Reads a CTA adapter folder into ``{"config", "coefficients": {site: {"alpha", "beta"}}, "lora_tensors",
+    "pde_parameters", "lora_parameters", "other_parameters"}`` (sites without PEFT's ``base_model.model.``); raises
+    :class:`AdapterExportError` naming ``argument`` and what the folder is instead (plain LoRA, pickles...)."""
     from safetensors import safe_open
 
     folder = Path(adapter_dir)
@@ -118,10 +106,9 @@ def read_adapter(adapter_dir, argument: str = "ADAPTER_DIR") -> dict:
                 coefficients.setdefault(match["site"].removeprefix(_PEFT_PREFIX), {})[match["name"]] = tensor
                 counts["pde_parameters"] += tensor.numel()
                 continue
+            counts["lora_tensors"] += "lora_" in key
             numel = math.prod(f.get_slice(key).get_shape())
-            lora = "lora_" in key
-            counts["lora_tensors"] += lora
-            counts["lora_parameters" if lora else "other_parameters"] += numel
+            counts["lora_parameters" if "lora_" in key else "other_parameters"] += numel
     if not coefficients:
         raise AdapterExportError(f"{weights} holds no PDE coefficients (keys `...cta_<placement>_pde.alpha`): the PDE "
                                  "modules were not among the adapter's modules_to_save.")
@@ -158,9 +145,6 @@ def base_model_id(config: dict, base_model: Optional[str] = None) -> str:
     return recorded
 
 
-# -- Model card -------------------------------------------------------------------------------------------------------
-
-
 def templates_dir() -> Path:
     """``hub_cards/``: next to the package in a source checkout, else the installed package data ``cta.hub_cards``."""
     checkout = Path(__file__).resolve().parent.parent / "hub_cards"
@@ -185,14 +169,12 @@ def card_pde_fields(src: dict) -> dict:
 
     alpha_bounds, beta_bounds = coefficient_bounds(src["type"], bool(src.get("causal")))
     placement = src.get("placement", "block_output")
-    return dict(
-        type=src["type"], steps=src.get("steps", 1), causal=bool(src.get("causal")),
-        placements=[placement] if isinstance(placement, str) else list(placement),
-        layers="all" if src.get("layers") is None else ", ".join(map(str, src["layers"])),
-        per_channel=bool(src.get("per_channel")), backend=src.get("backend", "auto"),
-        alpha_init=src.get("alpha"), beta_init=src.get("beta") if beta_bounds else None,
-        alpha_bounds=list(alpha_bounds), beta_bounds=list(beta_bounds) if beta_bounds else None,
-    )
+    return dict(type=src["type"], steps=src.get("steps", 1), causal=bool(src.get("causal")),
+                placements=[placement] if isinstance(placement, str) else list(placement),
+                layers="all" if src.get("layers") is None else ", ".join(map(str, src["layers"])),
+                per_channel=bool(src.get("per_channel")), backend=src.get("backend", "auto"),
+                alpha_init=src.get("alpha"), beta_init=src.get("beta") if beta_bounds else None,
+                alpha_bounds=list(alpha_bounds), beta_bounds=list(beta_bounds) if beta_bounds else None)
 
 
 def adapter_pde_summary(config: dict, coefficients: dict, max_sites: int = 24) -> dict:
@@ -215,44 +197,34 @@ def adapter_pde_summary(config: dict, coefficients: dict, max_sites: int = 24) -
 
 def _lora_summary(config: dict, info: dict) -> dict:
     targets = config.get("target_modules")
-    has_lora = info["lora_tensors"] > 0
     return dict(
-        has_lora=has_lora, r=config.get("r"), lora_alpha=config.get("lora_alpha"),
-        dropout=config.get("lora_dropout"), use_dora=bool(config.get("use_dora")),
-        use_rslora=bool(config.get("use_rslora")),
+        {key: config.get(key) for key in ("r", "lora_alpha", "cta_version", "peft_version")},
+        has_lora=info["lora_tensors"] > 0, dropout=config.get("lora_dropout"), use_dora=bool(config.get("use_dora")),
+        use_rslora=bool(config.get("use_rslora")), modules_to_save=sorted(config.get("modules_to_save") or []),
         targets=", ".join(f"`{t}`" for t in (sorted(targets) if isinstance(targets, list) else [targets])),
-        modules_to_save=sorted(config.get("modules_to_save") or []),
-        cta_version=config.get("cta_version"), peft_version=config.get("peft_version"),
         lora_parameters=f"{info['lora_parameters']:,}", pde_parameters=f"{info['pde_parameters']:,}",
-        other_parameters=f"{info['other_parameters']:,}" if info["other_parameters"] else None,
-    )
+        other_parameters=f"{info['other_parameters']:,}" if info["other_parameters"] else None)
 
 
 def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_id: Optional[str] = None,
                         license: Optional[str] = None, datasets=None, language=None, templates=None,
                         title: Optional[str] = None, pip_spec: str = DEFAULT_PIP_SPEC) -> ModelCard:
-    """The README card (``huggingface_hub.ModelCard``) of the CTA adapter in ``adapter_dir``: PEFT adapter metadata
-    (``library_name: peft``, ``base_model``, tags ``base_model:adapter:<id>``...), the patch and the learned
-    coefficients per site, and a usage snippet that loads it onto the plain base after ``import cta``.
-
-    ``base_model``: the base model's Hub id (default: ``base_model_name_or_path`` when it is one); ``datasets``: Hub
-    dataset ids; ``pip_spec``: what the card's ``pip install`` line installs; ``templates``: a folder like
-    ``hub_cards/`` holding ``adapter.md``."""
-    adapter_dir = Path(adapter_dir)
+    """The README card (``huggingface_hub.ModelCard``) of the CTA adapter in ``adapter_dir``: PEFT metadata
+    (``library_name: peft``, ``base_model``: default ``base_model_name_or_path`` if a Hub id), the patch, the learned
+    coefficients and a snippet loading it onto the plain base after ``import cta`` (``pip install pip_spec``)."""
     info = read_adapter(adapter_dir)
     config = info["config"]
     validate_repo_id(repo_id)  # None passes
     base_model = base_model_id(config, base_model)
-    repo_id = repo_id or adapter_dir.resolve().name
+    repo_id = repo_id or Path(adapter_dir).resolve().name
     auto_class, peft_auto_class, task = TASKS.get(config.get("task_type"), _NO_TASK)
     pde = adapter_pde_summary(config, info["coefficients"])
     lora = _lora_summary(config, info)
     datasets = [datasets] if isinstance(datasets, str) else list(datasets or [])
-    card_data = ModelCardData(
-        library_name="peft", base_model=base_model, pipeline_tag=task, license=license or "other",
-        tags=ADAPTER_TAGS + [f"pde-{pde['type'].replace('_', '-')}"] + (["lora"] if lora["has_lora"] else [])
-        + [f"base_model:adapter:{base_model}"],
-        language=language or None, datasets=datasets or None)
+    tags = ADAPTER_TAGS + [f"pde-{pde['type'].replace('_', '-')}"] + (["lora"] if lora["has_lora"] else [])
+    card_data = ModelCardData(library_name="peft", base_model=base_model, pipeline_tag=task, license=license or "other",
+                              tags=tags + [f"base_model:adapter:{base_model}"], language=language or None,
+                              datasets=datasets or None)
     return render_card(
         "adapter.md", templates, card_data, task, title=title or repo_id.split("/")[-1], repo_id=repo_id,
         base_model=base_model, auto_class=auto_class, peft_auto_class=peft_auto_class,
@@ -266,9 +238,6 @@ def render_card(template: str, templates, card_data: ModelCardData, task, **fiel
     example = "The film was a quiet, patient delight." if task == "text-classification" else "Once upon a time"
     return ModelCard(env.get_template(template).render(card_data=card_data.to_yaml(), task=task, example_text=example,
                                                        **fields))
-
-
-# -- Export and verification ------------------------------------------------------------------------------------------
 
 
 def check_export_arguments(source: Path, source_name: str, out_dir: Path, overwrite: bool, repo_id, error) -> None:
@@ -286,10 +255,9 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
                            datasets=None, language=None, templates=None, title: Optional[str] = None,
                            pip_spec: str = DEFAULT_PIP_SPEC, overwrite: bool = False, verify: bool = True,
                            verify_load: bool = True, atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Writes a Hub folder for the CTA adapter in ``adapter_dir``: ``adapter_config.json`` (``base_model_name_or_path``:
-    the base model's Hub id), ``adapter_model.safetensors`` and the card ``README.md``; then
-    :func:`verify_adapter_folder` (its load checks where ``verify_load`` and ``base_model_dir`` are given). Returns its
-    report with ``folder`` and ``base_model``; ``load_check`` says why the load checks were skipped, if they were."""
+    """Writes the Hub folder of the CTA adapter in ``adapter_dir`` (config, safetensors weights, card), then
+    :func:`verify_adapter_folder` (load checks with ``verify_load`` and ``base_model_dir``). Returns its report with
+    ``folder``, ``base_model`` and, where the load checks were skipped, why (``load_check``)."""
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     check_export_arguments(adapter_dir, "ADAPTER_DIR", out_dir, overwrite, repo_id, AdapterExportError)
     info = read_adapter(adapter_dir)
@@ -309,25 +277,20 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
     report = dict(folder=out_dir, base_model=base_model)
     if not verify:
         return dict(report, load_check="skipped (verify=False)")
-    if not verify_load:
-        base_model_dir, reason = None, "skipped (--no-verify-load)"
-    else:
-        reason = ("skipped: pass --base-model-dir DIR (the plain base model's local folder) to load the adapter onto "
-                  "it with and without cta")
-    report.update(verify_adapter_folder(out_dir, base_model_dir=base_model_dir, reference_adapter=adapter_dir,
-                                        reference_model=reference_model, atol=atol, timeout=timeout))
-    report.setdefault("load_check", reason)
+    report.update(verify_adapter_folder(out_dir, base_model_dir=base_model_dir if verify_load else None,
+                                        reference_adapter=adapter_dir, reference_model=reference_model, atol=atol,
+                                        timeout=timeout))
+    report.setdefault("load_check", "skipped (--no-verify-load)" if not verify_load else "skipped: pass "
+                      "--base-model-dir DIR (the plain base model's local folder) to load the adapter onto it with and "
+                      "without cta")
     return report
 
 
 def verify_adapter_folder(folder, *, base_model_dir=None, reference_adapter=None, reference_model=None,
                           atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Checks an exported adapter folder; raises :class:`AdapterExportError` naming every problem. Static: a CTA
-    adapter (:func:`read_adapter`), safetensors only, a card with ``library_name: peft`` and a ``base_model``. With
-    ``base_model_dir`` (the plain base's local folder), the load checks of the module docstring, against
-    ``reference_model`` (default: ``reference_adapter``, else ``folder``, loaded here) within ``atol`` (relative to
-    the logits' scale). Returns a report: ``files``, ``sites``, and with the load checks ``max_abs_diff``,
-    ``with_cta``, ``without_cta``."""
+    """Checks an exported adapter folder (a CTA adapter, safetensors only, a card with ``library_name: peft`` and
+    ``base_model``); with ``base_model_dir``, the load checks of the module docstring against ``reference_model``
+    (default: ``reference_adapter`` or ``folder`` loaded here). Raises :class:`AdapterExportError`; returns a report."""
     folder = Path(folder)
     if not folder.is_dir():
         raise AdapterExportError(f"{folder} is not a folder.")
@@ -371,7 +334,7 @@ def _check_base_dir(base_model_dir) -> dict:
 
 
 _WITH_CTA_SCRIPT = r"""
-import json, sys
+import json, re, sys
 import cta  # registers the CTA_LORA adapter type with PEFT: what the card tells users to do
 import torch, transformers
 from peft import PeftModel
@@ -379,16 +342,11 @@ from safetensors.torch import load_file
 spec = json.load(open(sys.argv[1]))
 base = getattr(transformers, spec["auto"]).from_pretrained(spec["base"], dtype="auto")
 model = PeftModel.from_pretrained(base, spec["folder"]).eval()
-sites = set()
-for name, module in model.named_modules():
-    if isinstance(module, cta.PDERefinement):
-        sites.add(name.split(".modules_to_save.")[0].removesuffix(".original_module").removeprefix("base_model.model."))
-state, unequal = model.state_dict(), []
-for key, saved in load_file(spec["weights"]).items():
-    if key in spec["pde_keys"]:
-        site, name = key.rsplit(".", 1)
-        if not torch.equal(state[f"{site}.modules_to_save.default.{name}"], saved):
-            unequal.append(key)
+sites = {name.split(".modules_to_save.")[0].removesuffix(".original_module").removeprefix("base_model.model.")
+         for name, module in model.named_modules() if isinstance(module, cta.PDERefinement)}
+state = model.state_dict()
+unequal = [key for key, saved in load_file(spec["weights"]).items() if key in spec["pde_keys"]
+           and not torch.equal(state[re.sub(r"\.(\w+)$", r".modules_to_save.default.\1", key)], saved)]
 with torch.no_grad():
     out = model(input_ids=torch.tensor(spec["ids"]), attention_mask=torch.tensor(spec["mask"]))
 torch.save((out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float(), spec["out"])
@@ -534,10 +492,9 @@ def report_lines(report: dict) -> list:
                      f"{report['lora_tensors']} LoRA tensors, safetensors only, card with library_name peft.")
     if "max_abs_diff" in report:
         loaded = report["with_cta"]
-        lines.append(f"Load with cta (python -I, plain base + adapter): {loaded['cls']} with {loaded['sites']} PDE "
-                     "sites as saved; logits match the original adapter's "
-                     f"(max abs diff {report['max_abs_diff']:.2e}).")
-        lines.append(f"Load without cta: refused, as it must be ({report['without_cta']}).")
+        lines += [f"Load with cta (python -I, plain base + adapter): {loaded['cls']} with {loaded['sites']} PDE sites "
+                  f"as saved; logits match the original adapter's (max abs diff {report['max_abs_diff']:.2e}).",
+                  f"Load without cta: refused, as it must be ({report['without_cta']})."]
     else:
         lines.append(f"Load checks {report['load_check']}.")
     return lines

@@ -1,16 +1,11 @@
 # coding=utf-8
 """PEFT adapters of patched models that carry their patch (``docs/adapters.md``).
 
-Loaded onto a plain base (``PeftModel.from_pretrained(base, dir)``), a LoRA adapter's PDE coefficients
-(``modules_to_save``) match no module and PEFT drops them in silence. So the adapters of patched models are of a PEFT
-type of their own, ``CTA_LORA``: :class:`CTALoraConfig` takes LoraConfig's arguments (DoRA, QLoRA bases, ...;
-``target_modules=[]``: the PDE alone) and records the patch. ``import cta`` registers the type; then every PEFT way of
-loading builds :class:`CTALoraModel`, which, before PEFT injects anything, patches a plain base with the recorded patch,
-accepts a base patched alike and raises for another. Without ``import cta`` PEFT refuses the unknown type. A patched
-model refuses adapter configs that do not record its patch (``CTAPatchedModelMixin.peft_config``).
-
-The type is a member of :class:`CTAPeftType`, not of PEFT's own ``PeftType``, put into the tables that
-``peft.utils.register_peft_method`` fills (``transformers_compat.register_peft_tables``).
+Loaded onto a plain base, a LoRA adapter's PDE coefficients (``modules_to_save``) match no module and PEFT drops them
+in silence. So these adapters are of a PEFT type of their own, ``CTA_LORA``: :class:`CTALoraConfig` takes LoraConfig's
+arguments and records the patch; after ``import cta`` every PEFT way of loading builds :class:`CTALoraModel`, which
+patches a plain base with it (a base patched alike is accepted, another refused). Without ``import cta`` PEFT refuses
+the unknown type. ``CTAPeftType`` is not PEFT's own ``PeftType``, hence ``transformers_compat.register_peft_tables``.
 """
 
 from __future__ import annotations
@@ -56,11 +51,8 @@ class CTALoraConfig(LoraConfig):
     """``LoraConfig`` of a CTA-patched model: the same arguments, plus the patch it was trained with (filled from the
     model by ``get_peft_model``). ``target_modules=[]`` trains the PDE coefficients alone."""
 
-    cta_patch: Optional[dict] = field(
-        default=None,
-        metadata={"help": "The patch of the model the adapter was trained on (`config.cta_patch`; filled in by "
-                          "`get_peft_model` from the patched model). Loading re-applies it to a plain base."},
-    )
+    cta_patch: Optional[dict] = field(default=None, metadata={
+        "help": "The patch of the model the adapter was trained on (filled in by `get_peft_model`)."})
     cta_version: Optional[str] = field(default=None, metadata={"help": "The cta release that saved the adapter."})
 
     def __post_init__(self):
@@ -83,46 +75,34 @@ class CTALoraConfig(LoraConfig):
         return super().save_pretrained(save_directory, **kwargs)
 
 
-def _refuse_load_adapter_without_modules_to_save():
-    """transformers before 5.18 loads no ``modules_to_save`` weights in ``model.load_adapter`` (it only warns of
-    them in its load report): there the PDE coefficients would keep their initial values. Raises when called from it.
-    """
-    if transformers_before("5.18") and inside_load_adapter():
-        raise ValueError(
-            f"transformers {transformers.__version__}'s `model.load_adapter` does not load an adapter's "
-            "`modules_to_save`, which hold a CTA adapter's PDE coefficients (5.18 and later do): use "
-            "`peft.PeftModel.from_pretrained(model, adapter)` or upgrade transformers."
-        )
-
-
 def ensure_patched(model, config) -> None:
     """Makes ``model`` carry ``config``'s patch: records the patch of a patched model in a config that has none,
     patches a plain model with the recorded one, raises for a model patched with another; then lists the PDE modules
     in ``modules_to_save`` (their coefficients are part of the adapter)."""
     from . import __version__
 
-    if config.cta_patch is None:
+    spec = config.cta_patch
+    if spec is None:
         if not is_patched(model):
-            raise ValueError(
-                f"CTALoraConfig: {type(model).__name__} is not patched with CTA and the config records no patch; "
-                "call `cta.patch_model(model, ...)` first (or use peft.LoraConfig for a plain model)."
-            )
+            raise ValueError(f"CTALoraConfig: {type(model).__name__} is not patched with CTA and the config records "
+                             "no patch; call `cta.patch_model(model, ...)` first (or use peft.LoraConfig for a plain "
+                             "model).")
         config.cta_patch = dict(model.config.cta_patch)
         config.cta_version = __version__
-    else:
-        _refuse_load_adapter_without_modules_to_save()
-        if not is_patched(model):
-            spec = config.cta_patch
-            patch_model(model, **{key: spec[key] for key in _PATCH_ARGUMENTS if key in spec})
-            if patch_summary(model.config.cta_patch) != patch_summary(spec):  # e.g. an encoder given a causal patch
-                raise ValueError(f"The adapter's patch ({_describe(spec)}) does not fit {type(model).__name__}: "
-                                 f"patched, it gets ({_describe(model.config.cta_patch)}).")
-        elif patch_summary(model.config.cta_patch) != patch_summary(config.cta_patch):
-            raise ValueError(
-                f"The adapter was trained with the patch ({_describe(config.cta_patch)}) but {type(model).__name__} "
-                f"is patched with ({_describe(model.config.cta_patch)}); load it onto the plain base model (it applies "
-                "its own patch) or a base patched with the same spec."
-            )
+    elif transformers_before("5.18") and inside_load_adapter():
+        # There model.load_adapter loads no modules_to_save: the PDE coefficients would keep their initial values.
+        raise ValueError(f"transformers {transformers.__version__}'s `model.load_adapter` does not load an adapter's "
+                         "`modules_to_save`, which hold a CTA adapter's PDE coefficients (5.18 and later do): use "
+                         "`peft.PeftModel.from_pretrained(model, adapter)` or upgrade transformers.")
+    elif not is_patched(model):
+        patch_model(model, **{key: spec[key] for key in _PATCH_ARGUMENTS if key in spec})
+        if patch_summary(model.config.cta_patch) != patch_summary(spec):  # e.g. an encoder given a causal patch
+            raise ValueError(f"The adapter's patch ({_describe(spec)}) does not fit {type(model).__name__}: "
+                             f"patched, it gets ({_describe(model.config.cta_patch)}).")
+    elif patch_summary(model.config.cta_patch) != patch_summary(spec):
+        raise ValueError(f"The adapter was trained with the patch ({_describe(spec)}) but {type(model).__name__} is "
+                         f"patched with ({_describe(model.config.cta_patch)}); load it onto the plain base model (it "
+                         "applies its own patch) or a base patched with the same spec.")
     config.modules_to_save = sorted(set(config.modules_to_save or ()) | set(pde_modules_to_save(model))) or None
 
 
