@@ -73,12 +73,12 @@ def time_steps(model, batch, steps):
     return clocked(lambda: [train_step(model, batch) for _ in range(steps)]) / steps
 
 
-def paired_rounds(models, batch, rounds, steps):
+def paired_rounds(models, batch, rounds, steps, warmup=3):
     """({name: [seconds per step, one per round]}, {name: peak GiB of a step}), the models taking turns in a round."""
     memory = {}
     for name, model in models.items():  # warm-up: kernels compiled, caches filled
         torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-        for _ in range(3):
+        for _ in range(warmup):
             train_step(model, batch)
         memory[name] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     times = {name: [] for name in models}
@@ -179,6 +179,7 @@ def main():
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=15, help="paired rounds (the models take turns in each)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model and round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first")
     parser.add_argument("--compile", action="store_true", help="each model's forward under torch.compile")
     parser.add_argument("--site_hidden", type=int, default=256, help="width of the host-time model")
     parser.add_argument("--site_calls", type=int, default=50, help="timed forward + backward calls per round")
@@ -187,7 +188,7 @@ def main():
     parser.add_argument("--probe", action="store_true", help="context parallel: the longest lengths, then time")
     args = parser.parse_args()
     if args.context_parallel:  # its shape and rounds, unless given
-        parser.set_defaults(layers=16, hidden=2048, seq=65536, rounds=7, steps=2, skip_site=True)
+        parser.set_defaults(layers=16, hidden=2048, seq=65536, rounds=3, steps=1, warmup=1, skip_site=True)
         args = parser.parse_args()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
         torch.device("cpu")
@@ -208,7 +209,7 @@ def main():
         models = build_models(args.hidden, args.layers, args.vocab, device, dtype, args.compile)
         batch = {"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), device=device)}
         batch["labels"] = batch["input_ids"]
-    times, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps)
+    times, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps, args.warmup)
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
     record["step_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}

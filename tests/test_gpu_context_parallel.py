@@ -47,9 +47,6 @@ def test_context_parallel_matches_one_gpu(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.xfail(reason="its worker exited with an error on 2 H100s (torch 2.11, transformers 5.17, 2026-11-28), not "
-                          "yet diagnosed (the session's GPU time ran out); the same Trainer run passes on 2 gloo ranks",
-                   strict=False)
 def test_trainer_context_parallel_matches_one_gpu(tmp_path):
     """A real Trainer with TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2)), FSDP2 and
     cta.ContextParallelCallback on 2 GPUs (torch's ring sdpa) trains a tiny fp32 patched Llama and a native CTA
