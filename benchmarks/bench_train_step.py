@@ -109,7 +109,8 @@ def pde_kernel_ms(model, batch):
 
 
 def host_per_site(device, dtype, hidden, calls, rounds):
-    """Host microseconds per PDE site and forward + backward (see the module notes)."""
+    """Host microseconds per PDE site and forward + backward (see the module notes): the tiny models' difference, and
+    the site alone (``site_chain``)."""
     models = build_models(hidden, 4, 512, device, dtype)
     batch = {"input_ids": torch.randint(0, 512, (1, 64), device=device)}
     batch["labels"] = batch["input_ids"]
@@ -120,7 +121,70 @@ def host_per_site(device, dtype, hidden, calls, rounds):
         result[name] = {"host_us_per_site": statistics.median(per_round),
                         "step_us": 1e6 * statistics.median(times[name]),
                         "step_us_without_pde": 1e6 * statistics.median(times[plain])}
+    result["site_chain"] = site_chain(device, dtype, hidden, calls, rounds)
     return result
+
+
+def _minimal_triton_op(device):
+    """An autograd.Function that launches one trivial Triton kernel each way: the host time of any Triton op called
+    from eager PyTorch, the floor a PDE site stands on (None where Triton cannot run)."""
+    if device.type != "cuda":
+        return None
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_kernel(source, target, n, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        tl.store(target + offsets, tl.load(source + offsets, mask=offsets < n), mask=offsets < n)
+
+    class MinimalTritonOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = torch.empty_like(x)
+            copy_kernel[(1,)](x, y, 16, BLOCK=16)
+            return y
+
+        @staticmethod
+        def backward(ctx, grad):
+            dx = torch.empty_like(grad)
+            copy_kernel[(1,)](grad, dx, 16, BLOCK=16)
+            return dx
+
+    return MinimalTritonOp.apply
+
+
+def site_chain(device, dtype, hidden, calls, rounds, sites=8):
+    """Host microseconds per forward + backward of ``PDERefinement`` alone (each of ``sites`` modules, chained in one
+    graph on a 1 x 64 input: the backward's start is shared), over a ``mul`` in its place; and the same for the
+    minimal Triton op (the floor)."""
+    torch.manual_seed(0)
+    chain_of = {"pde_site": [cta.PDERefinement(hidden, PDE["pde_type"], PDE["steps"], causal=True, alpha=0.1)
+                             .to(device, dtype) for _ in range(sites)],
+                "minimal_triton_op": [_minimal_triton_op(device)] * sites, "torch_mul": [lambda y: y.mul(1.0)] * sites}
+    chain_of = {name: ops for name, ops in chain_of.items() if ops[0] is not None}
+    x = torch.randn(1, 64, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def run(ops):
+        y = x
+        for op in ops:
+            y = op(y)
+        y.backward(grad)
+        x.grad = None
+        for op in chain_of["pde_site"]:
+            op.alpha.grad = None
+
+    for ops in chain_of.values():  # (warm-up: kernels compiled)
+        [run(ops) for _ in range(3)]
+    times = {name: [] for name in chain_of}
+    for _ in range(rounds):
+        for name, ops in chain_of.items():
+            times[name].append(clocked(lambda: [run(ops) for _ in range(calls)]) / calls)
+    per_site = {name: statistics.median((a - b) / sites * 1e6 for a, b in zip(times[name], times["torch_mul"]))
+                for name in chain_of if name != "torch_mul"}
+    return {"sites": sites, "over_torch_mul_us": per_site,
+            "torch_mul_us": 1e6 * statistics.median(times["torch_mul"]) / sites}
 
 
 def context_parallel(args, record, device, dtype):

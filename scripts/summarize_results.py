@@ -216,7 +216,14 @@ def training_line():
 
     modes = "; ".join(f"{mode}: {cells(run)}" for mode, run in runs.items() if run)
     host = first.get("host_per_site", {})
-    host_text = ", ".join(f"{name.split('_')[0]} {row['host_us_per_site']:.0f} us" for name, row in host.items())
+    host_text = ", ".join(f"{name.split('_')[0]} model {row['host_us_per_site']:.0f} us" for name, row in host.items()
+                          if "host_us_per_site" in row)
+    chain = host.get("site_chain", {}).get("over_torch_mul_us", {})
+    if chain.get("pde_site") is not None:
+        host_text += f", the site alone {chain['pde_site']:.0f} us"
+    if chain.get("minimal_triton_op") is not None:
+        host_text += (f" (a minimal Triton op with autograd, one trivial launch each way: "
+                      f"{chain['minimal_triton_op']:.0f} us)")
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
     return [f"- **Training step** ({shape['layers']} layers x {shape['hidden']} hidden Llama-shaped model, "
             f"{shape['parameters'] / 1e6:.0f}M params, batch {shape['batch']} x {shape['seq']}, bf16, {first['device']};"
