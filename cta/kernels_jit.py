@@ -1,22 +1,17 @@
 # coding=utf-8
 """The fixed Triton kernels of the CTA PDE operator and the Triton import (a leaf of the kernel files).
 
-* ``_pde_bwd_kernel``: the tile backward of the schemes the streaming backward does not cover (those that do not
-  filter, ``PDEScheme.filters``: wave, reaction, bidirectional advection; any causal scheme with an initial state).
-  Each program loads ``x`` and ``grad`` with a halo that covers the forward trajectory the adjoint needs
-  (``2*steps`` per side bidirectional, ``steps`` each side causal), recomputes ``u_s`` for each adjoint step on
-  chip and takes neighbours with ``tl.gather``.
-* ``_pde_decode_kernel``: one new token per sequence; reads and updates the causal state ``[batch, steps,
-  channels]`` in place.
+* ``_pde_bwd_kernel``: the tile backward of the schemes that do not filter (``PDEScheme.filters``: wave, reaction,
+  bidirectional advection; causal ones with an initial state). Each program loads ``x`` and ``grad`` with a halo
+  covering the forward trajectory (``2*steps`` per side bidirectional, ``steps`` causal), recomputes ``u_s`` for
+  each adjoint step on chip and takes neighbours with ``tl.gather``.
+* ``_pde_decode_kernel``: one new token per sequence, updating the causal state in place.
 * ``_sum_rows_kernel``: the per-channel coefficient gradient's atomic rows summed.
 * ``_widen``, ``_tanh``: helpers the generated streaming kernels (``kernels_source``) call too.
 
-Both fixed kernels take the scheme as constexprs derived from its ``pde_spec.PDEScheme`` (``WAVE``, ``ADV``,
-``HAS_BETA``, and its reaction and the reaction's derivatives as @triton.jit functions, ``reaction_functions``).
-
-Optional: this module imports without triton (``is_available()`` is then False). With ``TRITON_INTERPRET=1`` (Triton's
-own switch, set before triton is imported) the kernels run on CPU tensors through Triton's interpreter; that is how CI
-checks parity.
+The scheme enters as constexprs from its ``PDEScheme`` (``WAVE``, ``ADV``, ``HAS_BETA``, the reaction and its
+derivatives as @triton.jit functions, ``reaction_functions``). Imports without triton (``is_available()`` False);
+with ``TRITON_INTERPRET=1`` (set before triton is imported) the kernels run on CPU tensors, as CI checks parity.
 """
 
 from __future__ import annotations
@@ -51,8 +46,8 @@ def is_available() -> bool:
 
 
 def exec_jit(name: str, src: str, **names):
-    """The @triton.jit function ``name`` defined by the generated source ``src`` (kept in linecache, so that Triton
-    and tracebacks can read it); it sees this module's names (Triton, the helpers below) and ``names``."""
+    """The @triton.jit function ``name`` of the generated source ``src`` (in linecache, for Triton and tracebacks),
+    seeing this module's names and ``names``."""
     filename = f"<cta-triton-generated:{name}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     namespace = dict(globals(), **names)
@@ -63,9 +58,9 @@ def exec_jit(name: str, src: str, **names):
 if HAS_TRITON:
     _KEEP = tl.constexpr(1.0 - WAVE_DAMPING)
 
-    # bf16 -> fp32 of the per-channel filters' rows: a bf16 is the top half of an fp32, so each packed pair widens
-    # with one shift (the low one) and one mask (the high one); the conversion Triton emits spends a byte permute and a
-    # shift on the high one (docs/kernels.md). The interpreter runs no inline assembly: it converts.
+    # bf16 -> fp32 of the per-channel filters' rows: a bf16 is the top half of an fp32, so a packed pair widens with
+    # one shift (low) and one mask (high), where Triton's conversion spends a byte permute and a shift on the high one
+    # (docs/kernels.md). The interpreter runs no inline assembly: it converts.
     _WIDEN_ASM = tl.constexpr(not INTERPRET)
 
     @triton.jit
@@ -101,8 +96,7 @@ if HAS_TRITON:
     def _load_coefs(A, Bc, cols, cmask, A_VEC: tl.constexpr, B_VEC: tl.constexpr, HAS_BETA: tl.constexpr,
                     CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr,
                     B_HI: tl.constexpr):
-        """(alpha, beta) of a kernel (beta zero for the schemes without one), clamped into the scheme's bounds with
-        ``CLAMP``: the learnable module's projection, done where the coefficient is read (no clamp launch)."""
+        """(alpha, beta) (beta zero without one), clamped with ``CLAMP``: the module's projection, no clamp launch."""
         a = _load_coef(A, cols, cmask, A_VEC)
         if HAS_BETA:
             b = _load_coef(Bc, cols, cmask, B_VEC)
@@ -139,8 +133,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _causal_update(u, v, pull, vl, a, b, WAVE: tl.constexpr, ADV: tl.constexpr, REACT: tl.constexpr):
-        """One causal level from the pull towards the left neighbour (``left - u``): the one definition of the causal
-        step shared by the tile kernels and the decode kernel (the generated kernels emit the same operations)."""
+        """One causal level from the pull ``left - u``, shared by the tile and decode kernels (the generated
+        kernels emit the same operations)."""
         if WAVE:
             v = _KEEP * v + a * pull * vl
             u = u + v
@@ -184,9 +178,8 @@ if HAS_TRITON:
     def _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm, WAVE: tl.constexpr,
                  ADV: tl.constexpr, REACT_DU: tl.constexpr, REACT_DB: tl.constexpr,
                  CAUSAL: tl.constexpr):
-        """One adjoint step at the iterate ``u`` (= u_s): (g, gv) = grads of (u_{s+1}, v_{s+1}) -> those of step s,
-        plus the per-element contributions to dL/da, dL/db of this step. The reaction's terms are the scheme's
-        derivatives ``REACT_DU``, ``REACT_DB`` (``PDEScheme.reaction``)."""
+        """One adjoint step at ``u`` = u_s: the grads (g, gv) of (u_{s+1}, v_{s+1}) -> those of step s, and this
+        step's per-element terms of dL/da, dL/db (the reaction's through ``REACT_DU``, ``REACT_DB``)."""
         dbc = g * 0.0
         if CAUSAL:
             w = g * vl  # (wave: the velocity's gradient joins the position's)
@@ -241,10 +234,8 @@ if HAS_TRITON:
         x = tl.load(X + b64 * sxb + pos * sxl + cols, mask=lmask, other=0.0).to(tl.float32)
         g = tl.load(GY + b64 * sgb + pos * sgl + cols, mask=lmask, other=0.0).to(tl.float32)
         a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, HAS_BETA, CLAMP, A_LO, A_HI, B_LO, B_HI)
-        bp = tl.maximum(b, 0.0)
-        bm = tl.minimum(b, 0.0)
-        ol = vl * vprev
-        orr = vl * vnext
+        bp, bm = tl.maximum(b, 0.0), tl.minimum(b, 0.0)
+        ol, orr = vl * vprev, vl * vnext
         lv = tl.where(pos == 0, 1.0, vprev)
         is_first = pos == 0
         init_off = b64 * STEPS * C
@@ -288,8 +279,7 @@ if HAS_TRITON:
             total += tl.load(SRC + r * C + cols, mask=cmask, other=0.0)
         tl.store(DST + cols, total, mask=cmask)
 
-    # The pointer of level ``s`` (a separate buffer per step: see ``pde_cache``) among ``L0 .. L15``, chosen at compile
-    # time: ``if s == 0: p = L0 elif s == 1: p = L1 ...``, generated.
+    # The pointer of level ``s`` (a buffer per step: ``pde_cache``) among ``L0 .. L15``, chosen at compile time.
     _LEVELS = ", ".join(f"L{i}" for i in range(16))
     _SELECT = "".join(f"    {'if' if i == 0 else 'elif'} s == {i}:\n        p = L{i}\n" for i in range(16))
     _level_pointer = exec_jit("_level_pointer", f"@triton.jit\ndef _level_pointer(s: tl.constexpr, {_LEVELS}):\n"
