@@ -42,8 +42,8 @@ class _Src:
         self.lines, self.depth = [], depth
         self.widen = False  # the register filters' 16-bit rows widen through ``_widen`` (see ``_widened``)
 
-    def __call__(self, line):
-        self.lines.append("    " * self.depth + line)
+    def __call__(self, *lines):
+        self.lines += ["    " * self.depth + line for line in lines]
 
 
 def _coef_lines(w, name, ptr, vec, bounds):
@@ -156,8 +156,7 @@ def _fir_taps(w, name, causal, S, c):
     pow_m = lambda e: "1.0" if e == 0 else (keep if e == 1 else f"{name}m{e}")  # noqa: E731
     pow_c = lambda e: "1.0" if e == 0 else (c if e == 1 else f"{name}c{e}")  # noqa: E731
     for e in range(2, S + 1):
-        w(f"{pow_m(e)} = {pow_m(e - 1)} * {keep}")
-        w(f"{pow_c(e)} = {pow_c(e - 1)} * {c}")
+        w(f"{pow_m(e)} = {pow_m(e - 1)} * {keep}", f"{pow_c(e)} = {pow_c(e - 1)} * {c}")
     for j in range(S + 1):
         factors = [f for f in (pow_m(S - j), pow_c(j)) if f != "1.0"]
         w(f"{name}p{j} = {' * '.join(factors)}")
@@ -267,8 +266,7 @@ def _fir_store(w, base, value, wall, pointers, start=False):
 def _fir_next_row(w, pre, rows, lead, D, dest):
     """``dest`` = the prefetched row ``t + lead``; the prefetch (``rows``) advances to row ``t + lead + D``."""
     w(f"{dest} = {_widened(w, f'{pre}f0')}")
-    for k in range(D - 1):
-        w(f"{pre}f{k} = {pre}f{k + 1}")
+    w(*(f"{pre}f{k} = {pre}f{k + 1}" for k in range(D - 1)))
     rows.load(f"{pre}f{D - 1}", f"t + {lead + D}")
 
 
@@ -297,8 +295,7 @@ def _fir_interior(w, kind, c, causal, S, D, unroll, walls=False, pointers=False)
     _fir_next_row(w, "x", x_rows, lead, D, f"xw{wide - 1}")
     _fir_apply(w, "yv", "tap", S, "xw", causal, S)
     _fir_store(w, "Y", "yv.to(Y.dtype.element_ty)", wall, pointers)
-    for i in range(wide - 1):
-        w(f"xw{i} = xw{i + 1}")
+    w(*(f"xw{i} = xw{i + 1}" for i in range(wide - 1)))
     w.depth -= 1
     return f"(start + {lead - wide + 1} >= 0) & (start + T + {lead + D} <= L)"
 
@@ -329,8 +326,7 @@ def _fir_backward(w, causal, S, D, unroll, walls=False, pointers=False):
     for j in range(n_u - 1):  # u at the rows before the first output row's newest (bidirectional: start-1, start)
         g_rows.load(f"gw{width - 1}", f"start + {first + width - 1 + j}", to_float=True)
         u_row(f"u{j}")
-        for i in range(width - 1):
-            w(f"gw{i} = gw{i + 1}")
+        w(*(f"gw{i} = gw{i + 1}" for i in range(width - 1)))
     _fir_prefetch(w, "g", g_rows, S, D)  # u at row t+1 needs g up to row t+S (the rows above end at row S-1)
     x_rows = _Rows(w, "x_at", "xrow", "sxl", "start", x_wall, pointers)
     _fir_prefetch(w, "x", x_rows, 0, D)
@@ -347,10 +343,8 @@ def _fir_backward(w, causal, S, D, unroll, walls=False, pointers=False):
         w("dxv = tl.fma(a, lu, u1)")
     w("acc = tl.fma(xv, lu, acc)")
     _fir_store(w, "DX", "dxv.to(DX.dtype.element_ty)", wall, pointers)
-    for i in range(width - 1):
-        w(f"gw{i} = gw{i + 1}")
-    for i in range(n_u - 1):
-        w(f"u{i} = u{i + 1}")
+    w(*(f"gw{i} = gw{i + 1}" for i in range(width - 1)))
+    w(*(f"u{i} = u{i + 1}" for i in range(n_u - 1)))
     w.depth -= 1
     return f"(start + {first} >= 0) & (start + T + {S + D} <= L)"
 
@@ -383,18 +377,15 @@ def _mma_band(w, name, taps, n, side):
         dist = {"both": f"tl.abs({off})", "past": f"-{off}", "future": off}[side]
         w(f"{name}{blk}d = {dist}")
         w(f"{name}{blk} = tl.where({name}{blk}d == 0, {taps}0, 0.0)")
-        for k in range(1, n + 1):
-            w(f"{name}{blk} = tl.where({name}{blk}d == {k}, {taps}{k}, {name}{blk})")
+        w(*(f"{name}{blk} = tl.where({name}{blk}d == {k}, {taps}{k}, {name}{blk})" for k in range(1, n + 1)))
         w(f"{name}{blk}_hi = {name}{blk}.to(X.dtype.element_ty)")
         w(f"{name}{blk}_lo = ({name}{blk} - {name}{blk}_hi.to(tl.float32)).to(X.dtype.element_ty)")
 
 
 def _mma_apply(w, out, name, a, b):
     """``out = {name}a @ a + {name}b @ b``, each matrix as its two 16-bit parts."""
-    w(f"{out} = {_mma_dot(f'{name}a_hi', a)}")
-    w(f"{out} = {_mma_dot(f'{name}a_lo', a, out)}")
-    w(f"{out} = {_mma_dot(f'{name}b_hi', b, out)}")
-    w(f"{out} = {_mma_dot(f'{name}b_lo', b, out)}")
+    w(f"{out} = {_mma_dot(f'{name}a_hi', a)}", f"{out} = {_mma_dot(f'{name}a_lo', a, out)}",
+      f"{out} = {_mma_dot(f'{name}b_hi', b, out)}", f"{out} = {_mma_dot(f'{name}b_lo', b, out)}")
 
 
 def _mma_blocks(w, streams, ahead, dynamic):
@@ -420,16 +411,13 @@ def _mma_blocks(w, streams, ahead, dynamic):
             last = f"tl.minimum({row}, start + T - {half + shift}) + mi"
             w(f"{new} = {_wall_load(ptr, last, stride, wall, True)}")
         else:  # a compile-time condition
-            w(f"if m + {1 + ahead} <= {blocks}:")
-            w(f"    {new} = {_wall_load(ptr, f'{row} + mi', stride, wall, True)}")
-            w("else:")
-            w(f"    {new} = {pre}b{ahead}")
+            w(f"if m + {1 + ahead} <= {blocks}:", f"    {new} = {_wall_load(ptr, f'{row} + mi', stride, wall, True)}",
+              "else:", f"    {new} = {pre}b{ahead}")
 
 
 def _mma_blocks_end(w, streams, ahead):
     for pre, *_ in streams:
-        for i in range(ahead + 1):
-            w(f"{pre}b{i} = {pre}b{i + 1}")
+        w(*(f"{pre}b{i} = {pre}b{i + 1}" for i in range(ahead + 1)))
     w.depth -= 1
 
 
@@ -440,12 +428,8 @@ def _mma_interior(w, kind, c, causal, S, ahead=0, walls=False):
     half = MMA_BLOCK // 2
     wall = _wall_kind(causal, walls)
     store_mask = ", mask=t0 + mi < L" if walls else ""
-    w(f"mi = tl.arange(0, {MMA_BLOCK})[:, None]")
-    w(f"mj = tl.arange(0, {MMA_BLOCK})[None, :]")
-    w(f"offa = mj - mi - {half}")
-    w(f"offb = mj - mi + {half}")
-    w("x2 = xrow[None, :]")
-    w("c2 = cols[None, :]")
+    w(f"mi = tl.arange(0, {MMA_BLOCK})[:, None]", f"mj = tl.arange(0, {MMA_BLOCK})[None, :]",
+      f"offa = mj - mi - {half}", f"offb = mj - mi + {half}", "x2 = xrow[None, :]", "c2 = cols[None, :]")
     if kind == "fwd":
         _fir_taps(w, "tap", causal, S, c)
         _mma_band(w, "wf", "tap", S, "past" if causal else "both")
@@ -514,8 +498,7 @@ def stream_source(spec: StreamKernelSpec) -> str:
         w.lines += filters[0].lines
     elif filters is not None:
         fir, edge, fir_condition, edge_condition = filters
-        w(f"interior = {fir_condition}")
-        w("if interior:")
+        w(f"interior = {fir_condition}", "if interior:")
         w.lines += fir.lines
         if spec.walls == 2:  # every other program: no walk in this kernel (it cost the filters registers)
             w("else:")
@@ -526,8 +509,7 @@ def stream_source(spec: StreamKernelSpec) -> str:
     elif interior_path:
         lowest = walk.back + max(walk.nvv - 1, spec.steps if spec.kind == "bwd" else 0)  # validity; backward's x rows
         w(f"interior = (start - {lowest} >= 0) & (start - {walk.back} + T + {walk.lag + walk.prefetch} <= L)")
-        w("if interior:")
-        w("    for j in range(0, n_it):")
+        w("if interior:", "    for j in range(0, n_it):")
         w.lines += inner.lines
     if not interior_path or filters is None or spec.walls < 2:
         if interior_path:
@@ -558,24 +540,19 @@ def _stream_head(w, spec: StreamKernelSpec) -> _Walk:
     ints, statics = stream_int_args(kind, spec.static_rows)
     tensors = "X, Y, M, A, Bc, INIT, FIN" if kind == "fwd" else "GY, X, DX, M, A, Bc, DA"
     params = list(ints) + [f"{n}: tl.constexpr" for n in statics + ("T", "BLOCK_C")]
-    w("@triton.jit")
-    w(f"def {spec.name}({tensors}, {', '.join(params)}):")
+    w("@triton.jit", f"def {spec.name}({tensors}, {', '.join(params)}):")
     w.depth = 1
-    for line in ("pid_c = tl.program_id(0)", "pid_l = tl.program_id(1)", "b64 = tl.program_id(2).to(tl.int64)",
-                 "cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)", "cmask = cols < C", "cz = cols.to(tl.int64) * 0"):
-        w(line)
+    w("pid_c = tl.program_id(0)", "pid_l = tl.program_id(1)", "b64 = tl.program_id(2).to(tl.int64)",
+      "cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)", "cmask = cols < C", "cz = cols.to(tl.int64) * 0")
     if spec.mma or ((kind, causal, spec.a_vec or spec.b_vec) in LAST_TILE_SECOND and spec.fir_unroll > 0
                     and spec.walls < 3):
         # The end programs walk, or run the walls' filter as a rolled loop: either takes longer than an interior
         # tile, so the last one is scheduled second (program 1) rather than last, not to run alone at the end.
-        w("n_t = (L + T - 1) // T")
-        w("tile = tl.where(pid_l == 0, 0, tl.where(pid_l == 1, n_t - 1, pid_l - 1))")
-        w("start = tile.to(tl.int64) * T")
+        w("n_t = (L + T - 1) // T", "tile = tl.where(pid_l == 0, 0, tl.where(pid_l == 1, n_t - 1, pid_l - 1))",
+          "start = tile.to(tl.int64) * T")
     else:
         w("start = pid_l.to(tl.int64) * T")
-    w(f"p0 = start - {walk.back}")
-    w("fz = tl.zeros([BLOCK_C], dtype=tl.float32)")
-    w("xrow = X + b64 * sxb + cols")
+    w(f"p0 = start - {walk.back}", "fz = tl.zeros([BLOCK_C], dtype=tl.float32)", "xrow = X + b64 * sxb + cols")
     if kind == "bwd":
         w("grow = GY + b64 * sgb + cols")
     if spec.has_mask:
@@ -584,9 +561,7 @@ def _stream_head(w, spec: StreamKernelSpec) -> _Walk:
     _coef_lines(w, "a", "A", spec.a_vec, bounds[0])
     if scheme.uses_beta:
         _coef_lines(w, "b", "Bc", spec.b_vec, bounds[1])
-        w("bp = tl.maximum(b, 0.0)")
-        w("bm = tl.minimum(b, 0.0)")
-        w("ab = a + b")
+        w("bp = tl.maximum(b, 0.0)", "bm = tl.minimum(b, 0.0)", "ab = a + b")
     if kind == "bwd" and scheme.advection:
         w("a = ab")  # causal advection-diffusion is diffusion with a + b
     w(f"n_it = (tl.minimum(L - start, T) + {walk.lag}).to(tl.int32)")
@@ -656,8 +631,7 @@ def _stream_body(spec: StreamKernelSpec, walk: _Walk, carry, depth, interior):
     D = walk.prefetch
     for pre, row, stride, off in walk.srcs:
         b(f"{pre}q = {pre}f0")
-        for k in range(D - 1):
-            b(f"{pre}f{k} = {pre}f{k + 1}")
+        b(*(f"{pre}f{k} = {pre}f{k + 1}" for k in range(D - 1)))
         if interior:
             b(f"{pre}f{D - 1} = tl.load({row} + (q + {D + off}) * {stride})")
         else:
@@ -667,8 +641,7 @@ def _stream_body(spec: StreamKernelSpec, walk: _Walk, carry, depth, interior):
         carry += [f"{pre}f{k}" for k in range(D)]
     if spec.has_mask:
         b("mq = mf0")
-        for k in range(D - 1):
-            b(f"mf{k} = mf{k + 1}")
+        b(*(f"mf{k} = mf{k + 1}" for k in range(D - 1)))
         b(f"mf{D - 1} = tl.load(mrow + (q + {D}), mask=(q + {D} >= 0) & (q + {D} < L), other=0)")
         carry += [f"mf{k}" for k in range(D)]
         b("vq = mq.to(tl.float32)")
@@ -696,8 +669,7 @@ def _forward_levels(b, spec: StreamKernelSpec, carry, interior, store_mask):
         _causal_levels(b, "x", scheme, 1, S, carry, spec.has_init, interior=interior)
         if spec.write_final and not interior:  # row L-1 is never in an interior program
             b("if q == L - 1:")
-            for s in range(S):
-                b(f"    tl.store(FIN + b64 * {S} * C + {s} * C + cols, xn{s} * vq, mask=cmask)")
+            b(*(f"    tl.store(FIN + b64 * {S} * C + {s} * C + cols, xn{s} * vq, mask=cmask)" for s in range(S)))
         b("ro = q")
     else:
         _bidi_levels(b, "x", scheme, 1, S, carry, interior=interior)
