@@ -78,18 +78,11 @@ if HAS_TRITON:
     @triton.jit
     def _valid_at(M, b64, pos, L, HAS_MASK: tl.constexpr):
         inseq = (pos >= 0) & (pos < L)
-        if HAS_MASK:
-            val = tl.load(M + b64 * L + pos, mask=inseq, other=0.0)
-        else:
-            val = inseq.to(tl.float32)
-        return val
+        return tl.load(M + b64 * L + pos, mask=inseq, other=0.0) if HAS_MASK else inseq.to(tl.float32)
 
     @triton.jit
     def _load_coef(P, cols, cmask, VEC: tl.constexpr):
-        if VEC:
-            c = tl.load(P + cols, mask=cmask, other=0.0)
-        else:
-            c = tl.load(P + cols * 0)
+        c = tl.load(P + cols, mask=cmask, other=0.0) if VEC else tl.load(P + cols * 0)
         return c.to(tl.float32)
 
     @triton.jit
@@ -98,10 +91,7 @@ if HAS_TRITON:
                     B_HI: tl.constexpr):
         """(alpha, beta) (beta zero without one), clamped with ``CLAMP``: the module's projection, no clamp launch."""
         a = _load_coef(A, cols, cmask, A_VEC)
-        if HAS_BETA:
-            b = _load_coef(Bc, cols, cmask, B_VEC)
-        else:
-            b = a * 0.0
+        b = _load_coef(Bc, cols, cmask, B_VEC) if HAS_BETA else a * 0.0
         if CLAMP:
             a = tl.minimum(tl.maximum(a, A_LO), A_HI)
             b = tl.minimum(tl.maximum(b, B_LO), B_HI)
@@ -116,10 +106,7 @@ if HAS_TRITON:
             v = _KEEP * v + a * (orr * (ur - u) - ol * (u - ul))
             u = u + v
         else:
-            if ADV:
-                gr = orr * (a * (ur - u) - bp * u - bm * ur)
-            else:
-                gr = orr * (a * (ur - u))
+            gr = orr * (a * (ur - u) - bp * u - bm * ur) if ADV else orr * (a * (ur - u))
             gl = tl.gather(gr, il, 0)  # flux through the left edge = flux of the row before (mask included)
             upd = gr - gl
             if REACT is not None:
@@ -139,10 +126,7 @@ if HAS_TRITON:
             v = _KEEP * v + a * pull * vl
             u = u + v
         else:
-            if ADV:
-                upd = (a + b) * pull
-            else:
-                upd = a * pull
+            upd = (a + b) * pull if ADV else a * pull
             if REACT is not None:
                 upd = upd + REACT(u, b)
             u = u + upd * vl
@@ -151,11 +135,7 @@ if HAS_TRITON:
     @triton.jit
     def _init_at(INIT, init_off, s, C, cols, cmask, HAS_INIT: tl.constexpr):
         """Level ``s`` of a causal initial state (0 without one)."""
-        if HAS_INIT:
-            level = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
-        else:
-            level = 0.0
-        return level
+        return tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0) if HAS_INIT else 0.0
 
     @triton.jit
     def _tile_setup(M, pid_l, pid_c, pid_b, L, C, HL: tl.constexpr, T: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -225,9 +205,7 @@ if HAS_TRITON:
         B_VEC: tl.constexpr, HAS_INIT: tl.constexpr, HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        pid_l = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        pid_b = tl.program_id(2)
+        pid_l, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows, cols, cmask, b64, pos, inseq, vl, vprev, vnext, il, ir = _tile_setup(
             M, pid_l, pid_c, pid_b, L, C, HL, T, HAS_MASK, BLOCK_L, BLOCK_C)
         lmask = inseq & cmask
@@ -261,8 +239,7 @@ if HAS_TRITON:
             db += tl.sum(tl.where(useful, dbc, 0.0), axis=0)
         out_mask = useful & cmask
         tl.store(DX + (b64 * L + pos) * C + cols, g.to(DX.dtype.element_ty), mask=out_mask)
-        ccols = tl.reshape(cols, [BLOCK_C])
-        ccmask = tl.reshape(cmask, [BLOCK_C])
+        ccols, ccmask = tl.reshape(cols, [BLOCK_C]), tl.reshape(cmask, [BLOCK_C])
         poff = (b64 * n_tiles + pid_l) * C
         tl.store(DA + poff + ccols, da, mask=ccmask)
         if HAS_BETA:
@@ -299,10 +276,7 @@ if HAS_TRITON:
         cmask = cols < C
         u = tl.load(X + b64 * sxb + cols, mask=cmask, other=0.0).to(tl.float32)
         v = u * 0.0
-        if HAS_MASK:  # the token's attention-mask entry, in the mask's own dtype
-            vl = tl.load(TM + b64 * stm + cols * 0).to(tl.float32)
-        else:
-            vl = 1.0
+        vl = tl.load(TM + b64 * stm + cols * 0).to(tl.float32) if HAS_MASK else 1.0  # (the mask in its own dtype)
         a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, HAS_BETA, CLAMP, A_LO, A_HI, B_LO, B_HI)
         for s in tl.static_range(STEPS):  # level s: its own buffer, `slb` apart between sequences
             level = _level_pointer(s, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15)
