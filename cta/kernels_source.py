@@ -67,9 +67,7 @@ def _bidi_levels(w, pre, scheme, first, last, carry, c="a", interior=False):
             w(f"{e} = vv{s} * vv{s - 1}")
         w(f"{pre}d{s} = {n} - {p}")
         if scheme.wave:
-            w(f"{pre}D{s} = {pre}d{s}{times_e}")
-            w(f"{pre}lap{s} = {pre}D{s} - {pre}dl{s}")
-            w(f"{pre}dl{s} = {pre}D{s}")
+            w(f"{pre}D{s} = {pre}d{s}{times_e}", f"{pre}lap{s} = {pre}D{s} - {pre}dl{s}", f"{pre}dl{s} = {pre}D{s}")
             if s == 1:
                 w(f"{pre}nv{s} = {c} * {pre}lap{s}")
             else:
@@ -79,15 +77,11 @@ def _bidi_levels(w, pre, scheme, first, last, carry, c="a", interior=False):
             w(f"{pre}n{s} = {p} + {pre}nv{s}")
             carry.append(f"{pre}dl{s}")
         else:
-            if scheme.advection:
-                w(f"{pre}G{s} = ({c} * {pre}d{s} - bp * {p} - bm * {n}){times_e}")
-            else:
-                w(f"{pre}G{s} = {c} * {pre}d{s}{times_e}")
-            w(f"{pre}up{s} = {pre}G{s} - {pre}gl{s}")
+            flux = f"({c} * {pre}d{s} - bp * {p} - bm * {n})" if scheme.advection else f"{c} * {pre}d{s}"
+            w(f"{pre}G{s} = {flux}{times_e}", f"{pre}up{s} = {pre}G{s} - {pre}gl{s}")
             if scheme.reaction:  # the scheme's reaction R(u, b) (``_react``)
                 w(f"{pre}up{s} = {pre}up{s} + _react({p}, b)" + ("" if interior else f" * vv{s}"))
-            w(f"{pre}gl{s} = {pre}G{s}")
-            w(f"{pre}n{s} = {p} + {pre}up{s}")
+            w(f"{pre}gl{s} = {pre}G{s}", f"{pre}n{s} = {p} + {pre}up{s}")
             carry.append(f"{pre}gl{s}")
         w(f"{p} = {n}")
         carry.append(p)
@@ -104,11 +98,8 @@ def _causal_levels(w, pre, scheme, first, last, carry, has_init=False, c="a", in
             w(f"{pre}left{s} = tl.where(q == 0, ini{s - 1}, {pre}left{s})")
         w(f"{pre}pull{s} = {pre}left{s} - {n}")
         if scheme.wave:
-            if s == 1:
-                w(f"{pre}nv{s} = {c} * {pre}pull{s}{times_v0}")
-            else:
-                w(f"{pre}nv{s} = _KEEP * {pre}nv{s - 1} + {c} * {pre}pull{s}{times_v0}")
-            w(f"{pre}n{s} = {n} + {pre}nv{s}")
+            keep = "" if s == 1 else f"_KEEP * {pre}nv{s - 1} + "
+            w(f"{pre}nv{s} = {keep}{c} * {pre}pull{s}{times_v0}", f"{pre}n{s} = {n} + {pre}nv{s}")
         else:
             w(f"{pre}up{s} = {'ab' if scheme.advection else c} * {pre}pull{s}")
             if scheme.reaction:
@@ -265,8 +256,7 @@ def _fir_store(w, base, value, wall, pointers, start=False):
 
 def _fir_next_row(w, pre, rows, lead, D, dest):
     """``dest`` = the prefetched row ``t + lead``; the prefetch (``rows``) advances to row ``t + lead + D``."""
-    w(f"{dest} = {_widened(w, f'{pre}f0')}")
-    w(*(f"{pre}f{k} = {pre}f{k + 1}" for k in range(D - 1)))
+    w(f"{dest} = {_widened(w, f'{pre}f0')}", *(f"{pre}f{k} = {pre}f{k + 1}" for k in range(D - 1)))
     rows.load(f"{pre}f{D - 1}", f"t + {lead + D}")
 
 
@@ -489,11 +479,8 @@ def stream_source(spec: StreamKernelSpec) -> str:
     general = _stream_body(spec, walk, carry, depth=3 if interior_path else 2, interior=False)
     filters = _stream_filters(spec) if interior_path else None
     inner = _stream_body(spec, walk, [], depth=3, interior=True) if interior_path and filters is None else None
-    seen = set()  # initialise the loop-carried state (prefetch registers are loaded above)
-    for v in carry:
-        if v not in seen and not re.match(r"^[xgm]f\d+$", v):
-            w(f"{v} = fz")
-        seen.add(v)
+    # initialise the loop-carried state (prefetch registers are loaded above)
+    w(*(f"{v} = fz" for v in dict.fromkeys(carry) if not re.match(r"^[xgm]f\d+$", v)))
     if filters is not None and spec.walls == 3:
         w.lines += filters[0].lines
     elif filters is not None:
@@ -630,8 +617,7 @@ def _stream_body(spec: StreamKernelSpec, walk: _Walk, carry, depth, interior):
     b("q = p0 + j")
     D = walk.prefetch
     for pre, row, stride, off in walk.srcs:
-        b(f"{pre}q = {pre}f0")
-        b(*(f"{pre}f{k} = {pre}f{k + 1}" for k in range(D - 1)))
+        b(f"{pre}q = {pre}f0", *(f"{pre}f{k} = {pre}f{k + 1}" for k in range(D - 1)))
         if interior:
             b(f"{pre}f{D - 1} = tl.load({row} + (q + {D + off}) * {stride})")
         else:
@@ -640,8 +626,7 @@ def _stream_body(spec: StreamKernelSpec, walk: _Walk, carry, depth, interior):
               f"other=0.0)")
         carry += [f"{pre}f{k}" for k in range(D)]
     if spec.has_mask:
-        b("mq = mf0")
-        b(*(f"mf{k} = mf{k + 1}" for k in range(D - 1)))
+        b("mq = mf0", *(f"mf{k} = mf{k + 1}" for k in range(D - 1)))
         b(f"mf{D - 1} = tl.load(mrow + (q + {D}), mask=(q + {D} >= 0) & (q + {D} < L), other=0)")
         carry += [f"mf{k}" for k in range(D)]
         b("vq = mq.to(tl.float32)")
@@ -668,8 +653,8 @@ def _forward_levels(b, spec: StreamKernelSpec, carry, interior, store_mask):
     if spec.causal:
         _causal_levels(b, "x", scheme, 1, S, carry, spec.has_init, interior=interior)
         if spec.write_final and not interior:  # row L-1 is never in an interior program
-            b("if q == L - 1:")
-            b(*(f"    tl.store(FIN + b64 * {S} * C + {s} * C + cols, xn{s} * vq, mask=cmask)" for s in range(S)))
+            b("if q == L - 1:", *(f"    tl.store(FIN + b64 * {S} * C + {s} * C + cols, xn{s} * vq, mask=cmask)"
+                                  for s in range(S)))
         b("ro = q")
     else:
         _bidi_levels(b, "x", scheme, 1, S, carry, interior=interior)
@@ -687,23 +672,17 @@ def _backward_levels(b, spec: StreamKernelSpec, carry, interior, store_mask):
         # adjoint (anti-causal): level s at row q-s from g rows q-s (p) and q-s+1 (n)
         for s in range(1, S):
             ps, ns = f"gp{s - 1}", f"gn{s - 1}"
-            if interior:
-                b(f"gn{s} = {ps} + a * ({ns} - {ps})")
-            else:
-                b(f"gn{s} = {ps} + a * vv{s} * ({ns} * vv{s - 1} - {ps})")
-            b(f"{ps} = {ns}")
+            diff = f"({ns} - {ps})" if interior else f"vv{s} * ({ns} * vv{s - 1} - {ps})"
+            b(f"gn{s} = {ps} + a * {diff}", f"{ps} = {ns}")
             carry.append(ps)
         b(f"lu = {n} - {p}" if interior else f"lu = vv{S} * ({n} * vv{S - 1} - {p})")  # (L^T u)_ro
     else:
         _bidi_levels(b, "g", SCHEMES["diffusion"], 1, S - 1, carry, c="a", interior=interior)
         b(f"gF = {n} - {p}" if interior else f"gF = ({n} - {p}) * vv{S} * vv{S - 1}")  # flux ro -> ro+1
-        b("lu = gF - gFl")  # (L u)_ro, L symmetric
-        b("gFl = gF")
+        b("lu = gF - gFl", "gFl = gF")  # (L u)_ro, L symmetric
         carry.append("gFl")
-    b(f"gn{S} = {p} + a * lu")
-    b(f"{p} = {n}")
+    b(f"gn{S} = {p} + a * lu", f"{p} = {n}", f"ro = q - {S}")
     carry.append(p)
-    b(f"ro = q - {S}")
     acc_mask = f"{_rows('ro')} >= start" if interior else f"({_rows('ro')} >= start) & ({_rows('ro')} < end)"
     b(f"acc += tl.where({acc_mask}, xq.to(tl.float32) * lu, 0.0)")
     b(f"tl.store(DX + (b64 * L + ro) * C + cols, gn{S}.to(DX.dtype.element_ty), mask={store_mask})")
