@@ -81,10 +81,8 @@ MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd",
 # (T, BLOCK_C, num_warps, D, A) of its programs; A: input blocks loaded ahead. Bidirectional: the best of one grid
 # at 8 steps on all three shapes (forward 1.05 / 1.04 / 1.08x copy, backward 1.75 / 1.73 / 1.88x); causal forward:
 # the best at 4 and 8 steps on 1x16384x4096.
-MMA_CONFIGS = {
-    ("fwd", False): (32, 256, 4, 2, 2), ("fwd", True): (32, 128, 4, 2, 1),
-    ("bwd", False): (256, 128, 2, 2, 1), ("bwd", True): (128, 128, 4, 2, 1),
-}
+MMA_CONFIGS = {("fwd", False): (32, 256, 4, 2, 2), ("fwd", True): (32, 128, 4, 2, 1),
+               ("bwd", False): (256, 128, 2, 2, 1), ("bwd", True): (128, 128, 4, 2, 1)}
 
 # The interpreter's configuration of every launch (register filter, tensor-core filter): see the module docstring.
 INTERPRETER_CONFIG = (16, 16, 1, 2, 2)

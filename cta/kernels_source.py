@@ -325,13 +325,10 @@ def _fir_backward(w, causal, S, D, unroll, walls=False, pointers=False):
     _fir_next_row(w, "g", g_rows, S, D, f"gw{width - 1}")
     u_row(f"u{n_u - 1}")
     _fir_next_row(w, "x", x_rows, 0, D, "xv")
-    if causal:
-        w("lu = u1 - u0")  # (L^T u)_t
-        w("dxv = tl.fma(a, lu, u0)")
-    else:
-        w("lu = tl.fma(-2.0, u1, u0 + u2)")  # (L u)_t
-        w("dxv = tl.fma(a, lu, u1)")
-    w("acc = tl.fma(xv, lu, acc)")
+    if causal:  # lu = (L^T u)_t
+        w("lu = u1 - u0", "dxv = tl.fma(a, lu, u0)", "acc = tl.fma(xv, lu, acc)")
+    else:  # lu = (L u)_t
+        w("lu = tl.fma(-2.0, u1, u0 + u2)", "dxv = tl.fma(a, lu, u1)", "acc = tl.fma(xv, lu, acc)")
     _fir_store(w, "DX", "dxv.to(DX.dtype.element_ty)", wall, pointers)
     w(*(f"gw{i} = gw{i + 1}" for i in range(width - 1)))
     w(*(f"u{i} = u{i + 1}" for i in range(n_u - 1)))
@@ -365,11 +362,10 @@ def _mma_band(w, name, taps, n, side):
     for blk in "ab":
         off = f"off{blk}"
         dist = {"both": f"tl.abs({off})", "past": f"-{off}", "future": off}[side]
-        w(f"{name}{blk}d = {dist}")
-        w(f"{name}{blk} = tl.where({name}{blk}d == 0, {taps}0, 0.0)")
+        w(f"{name}{blk}d = {dist}", f"{name}{blk} = tl.where({name}{blk}d == 0, {taps}0, 0.0)")
         w(*(f"{name}{blk} = tl.where({name}{blk}d == {k}, {taps}{k}, {name}{blk})" for k in range(1, n + 1)))
-        w(f"{name}{blk}_hi = {name}{blk}.to(X.dtype.element_ty)")
-        w(f"{name}{blk}_lo = ({name}{blk} - {name}{blk}_hi.to(tl.float32)).to(X.dtype.element_ty)")
+        w(f"{name}{blk}_hi = {name}{blk}.to(X.dtype.element_ty)",
+          f"{name}{blk}_lo = ({name}{blk} - {name}{blk}_hi.to(tl.float32)).to(X.dtype.element_ty)")
 
 
 def _mma_apply(w, out, name, a, b):
@@ -387,8 +383,8 @@ def _mma_blocks(w, streams, ahead, dynamic):
     programs of two tiles were best)."""
     half = MMA_BLOCK // 2
     for pre, ptr, stride, shift, wall in streams:
-        for i in range(ahead + 1):
-            w(f"{pre}b{i} = {_wall_load(ptr, f'start + {shift - half + MMA_BLOCK * i} + mi', stride, wall, True)}")
+        w(*(f"{pre}b{i} = {_wall_load(ptr, f'start + {shift - half + MMA_BLOCK * i} + mi', stride, wall, True)}"
+            for i in range(ahead + 1)))
     w(f"for m in {'range' if dynamic else 'tl.static_range'}(0, T // {MMA_BLOCK}):")
     w.depth += 1
     w(f"t0 = start + {MMA_BLOCK} * m")
@@ -420,8 +416,8 @@ def _mma_interior(w, kind, c, causal, S, ahead=0, walls=False):
     store_mask = ", mask=t0 + mi < L" if walls else ""
     w(f"mi = tl.arange(0, {MMA_BLOCK})[:, None]", f"mj = tl.arange(0, {MMA_BLOCK})[None, :]",
       f"offa = mj - mi - {half}", f"offb = mj - mi + {half}", "x2 = xrow[None, :]", "c2 = cols[None, :]")
+    _fir_taps(w, "tap", causal, S, c)
     if kind == "fwd":
-        _fir_taps(w, "tap", causal, S, c)
         _mma_band(w, "wf", "tap", S, "past" if causal else "both")
         streams = [("x", "x2", "sxl", 0, wall)]
         _mma_blocks(w, streams, ahead, dynamic=False)
@@ -430,7 +426,6 @@ def _mma_interior(w, kind, c, causal, S, ahead=0, walls=False):
         _mma_blocks_end(w, streams, ahead)
     else:
         # the coefficient's factor L^T (M^T)^(S-1) g (see _fir_backward): S + 1 taps on the input gradient's blocks
-        _fir_taps(w, "tap", causal, S, c)
         _mma_band(w, "wd", "tap", S, "future" if causal else "both")  # the input gradient: the transposed filter
         _fir_dtaps(w, "dtap", causal, S - 1, c)
         _mma_band(w, "wl", "dtap", S, "future" if causal else "both")
@@ -562,8 +557,7 @@ def _stream_head(w, spec: StreamKernelSpec) -> _Walk:
     for s in range(S if spec.has_init else 0):
         w(f"ini{s} = tl.load(INIT + b64 * {S} * C + {s} * C + cols, mask=cmask, other=0.0)")
     if kind == "bwd":
-        w("acc = fz")
-        w("end = tl.minimum(start + T, L)")
+        w("acc = fz", "end = tl.minimum(start + T, L)")
     return walk
 
 
