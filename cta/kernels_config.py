@@ -1,13 +1,11 @@
 # coding=utf-8
-"""Launch configurations of the Triton PDE kernels: which variant of the streaming kernel a launch runs, and with
-how many rows, channels, warps and prefetched rows per program.
+"""Launch configurations of the Triton PDE kernels: which streaming-kernel variant a launch runs, with how many
+rows, channels, warps and prefetched rows per program.
 
-Every table entry was chosen on an H200 (triton 3.6, bf16) on the three large shapes 1x16384x4096, 8x4096x4096 and
-1x65536x512; one line of provenance sits beside each. The runs, their result files and the variants that lost are in
-``docs/kernels.md`` and in git history (before the kernel files were split, ``benchmarks/results/stream_tuning_*``).
-In the interpreter (``TRITON_INTERPRET=1``) every launch takes ``INTERPRETER_CONFIG`` instead: short programs and
-narrow channel blocks, so that small test shapes cross program boundaries and run every branch a long GPU input runs
-(interior programs, sequence ends, partial channel blocks).
+Every entry was chosen on an H200 (triton 3.6, bf16) on the shapes 1x16384x4096, 8x4096x4096 and 1x65536x512, with
+its provenance beside it; the runs and the variants that lost are in ``docs/kernels.md`` and git history
+(``benchmarks/results/stream_tuning_*``). The interpreter takes ``INTERPRETER_CONFIG``: short programs and narrow
+channel blocks, so that small test shapes run every branch a long GPU input runs (interior, ends, partial blocks).
 """
 
 from __future__ import annotations
@@ -30,40 +28,28 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The tile backward (``kernels_jit._pde_bwd_kernel``): wave, reaction, bidirectional advection, causal states
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def tile_config(seq: int, channels: int, causal: bool, steps: int, linear: bool, device: torch.device):
-    """(HL, T, BLOCK_L, BLOCK_C, num_warps) of the tile backward: left halo, output rows, tile rows, channels, warps.
-    GPU sizes from a sweep on an H200 ((1,16384,4096), 4 diffusion steps); larger tiles in the interpreter."""
-    hl, hr = (steps, steps) if causal or linear else (2 * steps, 2 * steps)
-    halo = hl + hr
+    """(HL, T, BLOCK_L, BLOCK_C, num_warps) of the tile backward (``kernels_jit._pde_bwd_kernel``: wave, reaction,
+    bidirectional advection, causal states): left halo, output rows, tile rows, channels, warps. GPU sizes from a
+    sweep on an H200 ((1,16384,4096), 4 diffusion steps); larger tiles in the interpreter."""
+    hl = steps if causal or linear else 2 * steps
+    halo = 2 * hl
     if device.type != "cuda":  # interpreter: fewer, larger numpy programs are faster
         block_l = next_pow2(max(halo + min(seq, 64), 2 * halo + 1, 2))
-        block_c, warps = min(next_pow2(channels), 128), 4
+        block_c = min(next_pow2(channels), 128)
     else:
         block_l = 64
         while block_l < 4 * halo and block_l < 256:
             block_l *= 2
-        block_l = max(block_l, next_pow2(halo + 1))
+        block_l = max(block_l, next_pow2(halo + 1))  # (so T = BLOCK_L - halo >= 1, as in the interpreter)
         block_c = (128 if causal else 64) if block_l <= 64 else max(16, 4096 // block_l)
-        block_c, warps = max(16, min(next_pow2(channels), block_c)), 4
-    t = block_l - halo
-    if t < 1:
-        block_l = next_pow2(halo + 1)
-        t = block_l - halo
-    return hl, t, block_l, block_c, warps
+        block_c = max(16, min(next_pow2(channels), block_c))
+    return hl, block_l - halo, block_l, block_c, 4
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The streaming kernels (``kernels_source``)
-# ---------------------------------------------------------------------------------------------------------------
-
-# (T, BLOCK_C, num_warps, D, U) per (kernel, causal) and tuned step count: rows and channels per program, warps,
-# prefetch depth, the banded filter's loop unroll factor. Other step counts use the nearest tuned one (ties: the
-# smaller). Scalar coefficient (the models' default):
+# The streaming kernels (``kernels_source``): (T, BLOCK_C, num_warps, D, U) per (kernel, causal) and tuned step
+# count: rows and channels per program, warps, prefetch depth, the banded filter's unroll factor. Other step counts
+# use the nearest tuned one (ties: the smaller). Scalar coefficient (the models' default):
 STREAM_CONFIGS = {
     # grid of 480 configurations per key, then unroll factors; 4 and 8 steps re-tuned with the closed-form taps
     ("fwd", False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (24, 64, 1, 3, 24), 8: (17, 256, 2, 2, 17)},
@@ -95,10 +81,8 @@ MMA_MIN_STEPS = {("fwd", False): 3, ("fwd", True): 3, ("bwd", False): 7, ("bwd",
 # (T, BLOCK_C, num_warps, D, A) of its programs; A: input blocks loaded ahead. Bidirectional: the best of one grid
 # at 8 steps on all three shapes (forward 1.05 / 1.04 / 1.08x copy, backward 1.75 / 1.73 / 1.88x); causal forward:
 # the best at 4 and 8 steps on 1x16384x4096.
-MMA_CONFIGS = {
-    ("fwd", False): (32, 256, 4, 2, 2), ("fwd", True): (32, 128, 4, 2, 1),
-    ("bwd", False): (256, 128, 2, 2, 1), ("bwd", True): (128, 128, 4, 2, 1),
-}
+MMA_CONFIGS = {("fwd", False): (32, 256, 4, 2, 2), ("fwd", True): (32, 128, 4, 2, 1),
+               ("bwd", False): (256, 128, 2, 2, 1), ("bwd", True): (128, 128, 4, 2, 1)}
 
 # The interpreter's configuration of every launch (register filter, tensor-core filter): see the module docstring.
 INTERPRETER_CONFIG = (16, 16, 1, 2, 2)
@@ -151,22 +135,14 @@ def stream_entry(kind: str, causal: bool, steps: int, per_channel: bool) -> tupl
     return overrides.get(tuned, table[tuned])
 
 
-def uses_mma(dtype: torch.dtype, kind: str, causal: bool, per_channel: bool, has_mask: bool, steps: int,
-             linear: bool) -> bool:
-    """Whether a streaming launch on 16-bit or fp32 inputs of ``dtype`` runs its interior programs' filter on tensor
-    cores."""
-    if not linear or per_channel or has_mask or steps > MMA_MAX_STEPS:
-        return False
-    first = MMA_MIN_STEPS.get((kind, bool(causal)))
-    return first is not None and steps >= first and dtype in (torch.bfloat16, torch.float16)
-
-
 def stream_plan(seq: int, channels: int, dtype: torch.dtype, on_gpu: bool, kind: str, steps: int, causal: bool,
                 per_channel: bool, has_mask: bool, linear: bool) -> Tuple[int, int, int, int, int, int]:
     """(T, BLOCK_C, num_warps, D, U, mma) of one streaming launch on ``[batch, seq, channels]`` inputs of ``dtype``
     (on a GPU, else in the interpreter): the tensor-core filter's programs where it applies and the channels fill whole
     blocks of them (``mma`` = 1 + blocks loaded ahead), the register filter's otherwise (``mma`` = 0)."""
-    if uses_mma(dtype, kind, causal, per_channel, has_mask, steps, linear):
+    first = MMA_MIN_STEPS.get((kind, bool(causal)))
+    if (linear and not per_channel and not has_mask and first is not None and first <= steps <= MMA_MAX_STEPS
+            and dtype in (torch.bfloat16, torch.float16)):
         cfg = MMA_CONFIGS[(kind, bool(causal))] if on_gpu else INTERPRETER_MMA_CONFIG
         t, block_c = fit_program(seq, channels, *cfg[:2])
         if channels % block_c == 0 and t % MMA_BLOCK == 0:
@@ -178,9 +154,9 @@ def stream_plan(seq: int, channels: int, dtype: torch.dtype, on_gpu: bool, kind:
 
 def walls_mode(kind: str, seq: int, steps: int, causal: bool, has_init: bool, write_final: bool,
                per_channel: bool, mma: bool) -> int:
-    """How the programs at the sequence ends run (the generated kernel's ``walls``): 0 walk, 1 filter where the walls'
-    extension applies and walk elsewhere, 2 filter (it applies to every program), 3 as 2 with one copy of the filter
-    that every program runs (the bidirectional tensor-core forward: 1.11 vs 1.15x copy at 8 steps)."""
+    """How end programs run (``StreamKernelSpec.walls``): 0 walk, 1 filter the walls' extension where it applies (not
+    where a causal state reaches) and walk elsewhere, 2 filter (no walk in the kernel), 3 as 2 with one copy of the
+    filter that every program runs (the bidirectional tensor-core forward: 1.11 vs 1.15x copy at 8 steps)."""
     if per_channel and steps > WALLS_MAX_STEPS_PER_CHANNEL[(kind, bool(causal))]:
         return 0
     if not causal and seq < steps:  # one reflection covers S rows: no program of this launch can filter its ends
@@ -196,25 +172,15 @@ def static_rows(kind: str, causal: bool, per_channel: bool, unroll: int, mma: in
 
 @dataclass(frozen=True)
 class StreamKernelSpec:
-    """The named configuration of one generated streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final
-    state); 'bwd' (the schemes that filter, ``PDEScheme.filters``; no initial state): ``DX = adjoint^S(GY)`` and
-    per-program partial sums of ``dL/dc`` in ``DA``. ``steps`` = S, ``prefetch`` = D (rows loaded ahead).
-    ``has_mask`` (padding), ``a_vec`` / ``b_vec`` (per-channel coefficients), ``has_init`` / ``write_final`` (causal
-    states), ``even_c`` (whole channel blocks). ``fir_unroll``: the banded filter's loop unroll factor (0: interior
-    programs walk). ``mma`` > 0: interior programs run the filter on tensor cores (``_mma_interior`` with
-    ``mma - 1`` blocks ahead: scalar coefficients, 16-bit inputs, ``S <= MMA_MAX_STEPS``, ``T`` a multiple of
-    ``MMA_BLOCK``). ``walls`` (see ``kernels_config.walls_mode``): 1, programs at the sequence ends run the same
-    filter, reading the walls as an extension of the input (``_wall_load``), and walk only where that does not apply
-    (the programs a causal initial or final state reaches; a bidirectional sequence shorter than ``S``, which
-    ``walls_mode`` sends to 0); 2, the launch has none of those, and the kernel no walk; 3, as 2 with one copy of
-    the filter, which every program runs (no interior branch; the bidirectional tensor-core forward).
-    ``coef_atomic`` (backward, per-channel coefficient): each program adds its partial sums into a row of
-    ``DA[n_groups, channels]`` with atomics instead of storing a row of ``DA[tiles, channels]`` (see
-    ``COEF_GRAD_ATOMIC_SPREAD``). ``pointers``: the interior filter steps its row pointers (``FIR_POINTER_STEPS``).
-    ``static_rows``: the channels and the row strides are constexprs (``STATIC_ROWS``), so that the unrolled filter
-    addresses its rows as one pointer plus constant offsets. ``bounds``: ``((alpha_min, alpha_max), (beta_min,
-    beta_max) | None)`` the coefficients are clamped into as they are loaded (the learnable module's projection; the
-    gradient is the clamped coefficient's), or None."""
+    """One generated streaming kernel. ``kind`` 'fwd': ``Y = scheme^S(X)`` (+ causal final state); 'bwd' (schemes
+    that filter, no initial state): ``DX = adjoint^S(GY)`` and partial sums of ``dL/dc`` in ``DA``. ``steps`` = S,
+    ``prefetch`` = D; ``has_mask`` (padding), ``a_vec`` / ``b_vec`` (per-channel coefficients), ``has_init`` /
+    ``write_final`` (causal states), ``even_c`` (whole channel blocks). ``fir_unroll``: the banded filter's unroll
+    factor (0: interior programs walk). ``mma`` > 0: interior programs filter on tensor cores, ``mma - 1`` blocks
+    ahead. ``walls``: see ``walls_mode``. ``coef_atomic``: partial sums added with atomics into
+    ``DA[n_groups, channels]`` (``COEF_GRAD_ATOMIC_SPREAD``). ``pointers``: ``FIR_POINTER_STEPS``; ``static_rows``:
+    ``STATIC_ROWS``. ``bounds``: the ``coefficient_bounds`` the coefficients are clamped into as they are loaded (the
+    learnable module's projection), or None."""
 
     kind: str
     pde: str

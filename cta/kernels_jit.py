@@ -1,22 +1,17 @@
 # coding=utf-8
 """The fixed Triton kernels of the CTA PDE operator and the Triton import (a leaf of the kernel files).
 
-* ``_pde_bwd_kernel``: the tile backward of the schemes the streaming backward does not cover (those that do not
-  filter, ``PDEScheme.filters``: wave, reaction, bidirectional advection; any causal scheme with an initial state).
-  Each program loads ``x`` and ``grad`` with a halo that covers the forward trajectory the adjoint needs
-  (``2*steps`` per side bidirectional, ``steps`` each side causal), recomputes ``u_s`` for each adjoint step on
-  chip and takes neighbours with ``tl.gather``.
-* ``_pde_decode_kernel``: one new token per sequence; reads and updates the causal state ``[batch, steps,
-  channels]`` in place.
+* ``_pde_bwd_kernel``: the tile backward of the schemes that do not filter (``PDEScheme.filters``: wave, reaction,
+  bidirectional advection; causal ones with an initial state). Each program loads ``x`` and ``grad`` with a halo
+  covering the forward trajectory (``2*steps`` per side bidirectional, ``steps`` causal), recomputes ``u_s`` for
+  each adjoint step on chip and takes neighbours with ``tl.gather``.
+* ``_pde_decode_kernel``: one new token per sequence, updating the causal state in place.
 * ``_sum_rows_kernel``: the per-channel coefficient gradient's atomic rows summed.
 * ``_widen``, ``_tanh``: helpers the generated streaming kernels (``kernels_source``) call too.
 
-Both fixed kernels take the scheme as constexprs derived from its ``pde_spec.PDEScheme`` (``WAVE``, ``ADV``,
-``HAS_BETA``, and its reaction and the reaction's derivatives as @triton.jit functions, ``reaction_functions``).
-
-Optional: this module imports without triton (``is_available()`` is then False). With ``TRITON_INTERPRET=1`` (Triton's
-own switch, set before triton is imported) the kernels run on CPU tensors through Triton's interpreter; that is how CI
-checks parity.
+The scheme enters as constexprs from its ``PDEScheme`` (``WAVE``, ``ADV``, ``HAS_BETA``, the reaction and its
+derivatives as @triton.jit functions, ``reaction_functions``). Imports without triton (``is_available()`` False);
+with ``TRITON_INTERPRET=1`` (set before triton is imported) the kernels run on CPU tensors, as CI checks parity.
 """
 
 from __future__ import annotations
@@ -51,8 +46,8 @@ def is_available() -> bool:
 
 
 def exec_jit(name: str, src: str, **names):
-    """The @triton.jit function ``name`` defined by the generated source ``src`` (kept in linecache, so that Triton
-    and tracebacks can read it); it sees this module's names (Triton, the helpers below) and ``names``."""
+    """The @triton.jit function ``name`` of the generated source ``src`` (in linecache, for Triton and tracebacks),
+    seeing this module's names and ``names``."""
     filename = f"<cta-triton-generated:{name}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     namespace = dict(globals(), **names)
@@ -63,9 +58,9 @@ def exec_jit(name: str, src: str, **names):
 if HAS_TRITON:
     _KEEP = tl.constexpr(1.0 - WAVE_DAMPING)
 
-    # bf16 -> fp32 of the per-channel filters' rows: a bf16 is the top half of an fp32, so each packed pair widens
-    # with one shift (the low one) and one mask (the high one); the conversion Triton emits spends a byte permute and a
-    # shift on the high one (docs/kernels.md). The interpreter runs no inline assembly: it converts.
+    # bf16 -> fp32 of the per-channel filters' rows: a bf16 is the top half of an fp32, so a packed pair widens with
+    # one shift (low) and one mask (high), where Triton's conversion spends a byte permute and a shift on the high one
+    # (docs/kernels.md). The interpreter runs no inline assembly: it converts.
     _WIDEN_ASM = tl.constexpr(not INTERPRET)
 
     @triton.jit
@@ -83,31 +78,20 @@ if HAS_TRITON:
     @triton.jit
     def _valid_at(M, b64, pos, L, HAS_MASK: tl.constexpr):
         inseq = (pos >= 0) & (pos < L)
-        if HAS_MASK:
-            val = tl.load(M + b64 * L + pos, mask=inseq, other=0.0)
-        else:
-            val = inseq.to(tl.float32)
-        return val
+        return tl.load(M + b64 * L + pos, mask=inseq, other=0.0) if HAS_MASK else inseq.to(tl.float32)
 
     @triton.jit
     def _load_coef(P, cols, cmask, VEC: tl.constexpr):
-        if VEC:
-            c = tl.load(P + cols, mask=cmask, other=0.0)
-        else:
-            c = tl.load(P + cols * 0)
+        c = tl.load(P + cols, mask=cmask, other=0.0) if VEC else tl.load(P + cols * 0)
         return c.to(tl.float32)
 
     @triton.jit
     def _load_coefs(A, Bc, cols, cmask, A_VEC: tl.constexpr, B_VEC: tl.constexpr, HAS_BETA: tl.constexpr,
                     CLAMP: tl.constexpr, A_LO: tl.constexpr, A_HI: tl.constexpr, B_LO: tl.constexpr,
                     B_HI: tl.constexpr):
-        """(alpha, beta) of a kernel (beta zero for the schemes without one), clamped into the scheme's bounds with
-        ``CLAMP``: the learnable module's projection, done where the coefficient is read (no clamp launch)."""
+        """(alpha, beta) (beta zero without one), clamped with ``CLAMP``: the module's projection, no clamp launch."""
         a = _load_coef(A, cols, cmask, A_VEC)
-        if HAS_BETA:
-            b = _load_coef(Bc, cols, cmask, B_VEC)
-        else:
-            b = a * 0.0
+        b = _load_coef(Bc, cols, cmask, B_VEC) if HAS_BETA else a * 0.0
         if CLAMP:
             a = tl.minimum(tl.maximum(a, A_LO), A_HI)
             b = tl.minimum(tl.maximum(b, B_LO), B_HI)
@@ -122,10 +106,7 @@ if HAS_TRITON:
             v = _KEEP * v + a * (orr * (ur - u) - ol * (u - ul))
             u = u + v
         else:
-            if ADV:
-                gr = orr * (a * (ur - u) - bp * u - bm * ur)
-            else:
-                gr = orr * (a * (ur - u))
+            gr = orr * (a * (ur - u) - bp * u - bm * ur) if ADV else orr * (a * (ur - u))
             gl = tl.gather(gr, il, 0)  # flux through the left edge = flux of the row before (mask included)
             upd = gr - gl
             if REACT is not None:
@@ -139,16 +120,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _causal_update(u, v, pull, vl, a, b, WAVE: tl.constexpr, ADV: tl.constexpr, REACT: tl.constexpr):
-        """One causal level from the pull towards the left neighbour (``left - u``): the one definition of the causal
-        step shared by the tile kernels and the decode kernel (the generated kernels emit the same operations)."""
+        """One causal level from the pull ``left - u``, shared by the tile and decode kernels (the generated
+        kernels emit the same operations)."""
         if WAVE:
             v = _KEEP * v + a * pull * vl
             u = u + v
         else:
-            if ADV:
-                upd = (a + b) * pull
-            else:
-                upd = a * pull
+            upd = (a + b) * pull if ADV else a * pull
             if REACT is not None:
                 upd = upd + REACT(u, b)
             u = u + upd * vl
@@ -157,11 +135,7 @@ if HAS_TRITON:
     @triton.jit
     def _init_at(INIT, init_off, s, C, cols, cmask, HAS_INIT: tl.constexpr):
         """Level ``s`` of a causal initial state (0 without one)."""
-        if HAS_INIT:
-            level = tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0)
-        else:
-            level = 0.0
-        return level
+        return tl.load(INIT + init_off + s * C + cols, mask=cmask, other=0.0) if HAS_INIT else 0.0
 
     @triton.jit
     def _tile_setup(M, pid_l, pid_c, pid_b, L, C, HL: tl.constexpr, T: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -184,9 +158,8 @@ if HAS_TRITON:
     def _adjoint(g, gv, u, il, ir, vl, ol, orr, lv, is_first, init_s, a, b, bp, bm, WAVE: tl.constexpr,
                  ADV: tl.constexpr, REACT_DU: tl.constexpr, REACT_DB: tl.constexpr,
                  CAUSAL: tl.constexpr):
-        """One adjoint step at the iterate ``u`` (= u_s): (g, gv) = grads of (u_{s+1}, v_{s+1}) -> those of step s,
-        plus the per-element contributions to dL/da, dL/db of this step. The reaction's terms are the scheme's
-        derivatives ``REACT_DU``, ``REACT_DB`` (``PDEScheme.reaction``)."""
+        """One adjoint step at ``u`` = u_s: the grads (g, gv) of (u_{s+1}, v_{s+1}) -> those of step s, and this
+        step's per-element terms of dL/da, dL/db (the reaction's through ``REACT_DU``, ``REACT_DB``)."""
         dbc = g * 0.0
         if CAUSAL:
             w = g * vl  # (wave: the velocity's gradient joins the position's)
@@ -232,19 +205,15 @@ if HAS_TRITON:
         B_VEC: tl.constexpr, HAS_INIT: tl.constexpr, HL: tl.constexpr, T: tl.constexpr, BLOCK_L: tl.constexpr,
         BLOCK_C: tl.constexpr,
     ):
-        pid_l = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        pid_b = tl.program_id(2)
+        pid_l, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rows, cols, cmask, b64, pos, inseq, vl, vprev, vnext, il, ir = _tile_setup(
             M, pid_l, pid_c, pid_b, L, C, HL, T, HAS_MASK, BLOCK_L, BLOCK_C)
         lmask = inseq & cmask
         x = tl.load(X + b64 * sxb + pos * sxl + cols, mask=lmask, other=0.0).to(tl.float32)
         g = tl.load(GY + b64 * sgb + pos * sgl + cols, mask=lmask, other=0.0).to(tl.float32)
         a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, HAS_BETA, CLAMP, A_LO, A_HI, B_LO, B_HI)
-        bp = tl.maximum(b, 0.0)
-        bm = tl.minimum(b, 0.0)
-        ol = vl * vprev
-        orr = vl * vnext
+        bp, bm = tl.maximum(b, 0.0), tl.minimum(b, 0.0)
+        ol, orr = vl * vprev, vl * vnext
         lv = tl.where(pos == 0, 1.0, vprev)
         is_first = pos == 0
         init_off = b64 * STEPS * C
@@ -270,8 +239,7 @@ if HAS_TRITON:
             db += tl.sum(tl.where(useful, dbc, 0.0), axis=0)
         out_mask = useful & cmask
         tl.store(DX + (b64 * L + pos) * C + cols, g.to(DX.dtype.element_ty), mask=out_mask)
-        ccols = tl.reshape(cols, [BLOCK_C])
-        ccmask = tl.reshape(cmask, [BLOCK_C])
+        ccols, ccmask = tl.reshape(cols, [BLOCK_C]), tl.reshape(cmask, [BLOCK_C])
         poff = (b64 * n_tiles + pid_l) * C
         tl.store(DA + poff + ccols, da, mask=ccmask)
         if HAS_BETA:
@@ -288,8 +256,7 @@ if HAS_TRITON:
             total += tl.load(SRC + r * C + cols, mask=cmask, other=0.0)
         tl.store(DST + cols, total, mask=cmask)
 
-    # The pointer of level ``s`` (a separate buffer per step: see ``pde_cache``) among ``L0 .. L15``, chosen at compile
-    # time: ``if s == 0: p = L0 elif s == 1: p = L1 ...``, generated.
+    # The pointer of level ``s`` (a buffer per step: ``pde_cache``) among ``L0 .. L15``, chosen at compile time.
     _LEVELS = ", ".join(f"L{i}" for i in range(16))
     _SELECT = "".join(f"    {'if' if i == 0 else 'elif'} s == {i}:\n        p = L{i}\n" for i in range(16))
     _level_pointer = exec_jit("_level_pointer", f"@triton.jit\ndef _level_pointer(s: tl.constexpr, {_LEVELS}):\n"
@@ -309,10 +276,7 @@ if HAS_TRITON:
         cmask = cols < C
         u = tl.load(X + b64 * sxb + cols, mask=cmask, other=0.0).to(tl.float32)
         v = u * 0.0
-        if HAS_MASK:  # the token's attention-mask entry, in the mask's own dtype
-            vl = tl.load(TM + b64 * stm + cols * 0).to(tl.float32)
-        else:
-            vl = 1.0
+        vl = tl.load(TM + b64 * stm + cols * 0).to(tl.float32) if HAS_MASK else 1.0  # (the mask in its own dtype)
         a, b = _load_coefs(A, Bc, cols, cmask, A_VEC, B_VEC, HAS_BETA, CLAMP, A_LO, A_HI, B_LO, B_HI)
         for s in tl.static_range(STEPS):  # level s: its own buffer, `slb` apart between sequences
             level = _level_pointer(s, L0, L1, L2, L3, L4, L5, L6, L7, L8, L9, L10, L11, L12, L13, L14, L15)

@@ -1,25 +1,18 @@
 # coding=utf-8
 """One decoded token of the causal PDE as a state update in plain torch ops (causal-conv1d's ``update`` beside its
-``fn``): the path of every device but CUDA eager (which launches the fused Triton decode kernel), and of
-``torch.compile``, where Inductor fuses these pointwise ops and reductions with the residual add and norm around them.
+``fn``): the path of every device but CUDA eager (the fused Triton decode kernel), and of ``torch.compile``, where
+Inductor fuses these ops with the residual add and norm around them.
 
-The state of a site is ``[batch, steps, channels]`` fp32: entry ``s`` is the step-``s`` iterate at the previous
-position (what :func:`pde_reference.pde_refine_reference` returns as its final state). For one new token ``x`` the
-levels ``u_0 = x, u_1, ..., u_S`` of the causal schemes are
+The state is ``[batch, steps, channels]`` fp32: entry ``s`` is the step-``s`` iterate at the previous position
+(:func:`pde_reference.pde_refine_reference`'s final state). For a new token ``x`` the levels ``u_0 = x, ..., u_S``
+are computed either by the scheme's causal recurrence (``S`` pointwise steps on ``[batch, 1, channels]``, each level
+written back to its own buffer where it was read: under ``torch.compile`` Inductor fuses the whole site, state writes
+included, into the kernel of the following norm), or, for the linear schemes, as a fixed linear map of the token and
+the ``S`` stored values (:func:`causal_decode_map`, from the coefficients alone): the CPU keeps it while a site's
+scalar coefficients keep their values, one concatenation and one small matrix product per token.
 
-* computed by the scheme's own recurrence on the token (the reference's causal step, ``S`` pointwise steps on
-  ``[batch, 1, channels]`` tensors, the stored values read as views), and each level written back to its own buffer
-  (a model's cache keeps one per step): under ``torch.compile`` everything stays in the token's iteration space and
-  each buffer is written where it is read, so Inductor fuses the whole site, state writes included, into the kernel of
-  the norm that follows it (no kernel of its own);
-* or, for the linear schemes (diffusion, advection-diffusion, wave), as ``u_s = p_s * x + sum_r W[s, r] *
-  state[r]``: a fixed linear map of the token and the ``S`` stored values whose matrix (:func:`causal_decode_map`)
-  depends on the coefficients alone. The CPU keeps that matrix while a site's scalar coefficients keep their
-  values: one concatenation and one small matrix product per token, fewer ops than the recurrence.
-
-The refined token is ``u_S``; the new state is ``u_0 .. u_{S-1}``. A padded token (``token_mask`` 0) is returned
-unchanged and leaves zeros (a wall) as the state, as the sequence operator does. ``pde_refine_reference`` stays the
-ground truth: the tests compare this update with it, step by step.
+The refined token is ``u_S``, the new state ``u_0 .. u_{S-1}``. A padded token (``token_mask`` 0) is returned
+unchanged and leaves zeros (a wall) as the state, as the sequence operator does.
 """
 
 from __future__ import annotations
@@ -34,11 +27,8 @@ from .pde_spec import WAVE_DAMPING, scheme_of
 def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Optional[torch.Tensor],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The linear map ``[S+1 levels, S+1 inputs, C']`` of a linear causal scheme over the inputs ``(x, state_0 ..
-    state_{S-1})``, with ``C'`` 1 for scalar coefficients and ``channels`` for per-channel ones (in ``dtype``).
-
-    Computed by running the scheme's recurrence on coefficient vectors over that basis: ``S`` tiny steps on
-    ``[S+1, C']`` tensors, whatever the batch.
-    """
+    state_{S-1})`` (``C'`` 1 for scalar coefficients, else ``channels``; in ``dtype``): the scheme's recurrence run
+    on that basis, ``S`` tiny steps on ``[S+1, C']`` tensors whatever the batch."""
     to_row = lambda c: None if c is None else c.to(dtype).reshape(1, -1)  # noqa: E731  ([1, C'])
     alpha, beta = to_row(alpha), to_row(beta)
     width = max(alpha.shape[1], 1 if beta is None else beta.shape[1])
@@ -47,22 +37,18 @@ def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Opti
     return torch.stack(_levels(token, basis[1:], scheme_of(pde_type), alpha, beta))
 
 
-def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int,
-                      alpha: torch.Tensor, beta: Optional[torch.Tensor] = None,
-                      token_mask: Optional[torch.Tensor] = None, decode_map: Optional[torch.Tensor] = None
-                      ) -> torch.Tensor:
-    """Refines one token (``[batch, channels]``, or ``[batch, 1, channels]`` as a model's layer gives it) and updates
-    the state in place: ``state`` ``[batch, steps, channels]``, or its levels, a sequence of ``steps`` buffers
-    ``[batch, 1, channels]`` or the ``[batch, 1, channels, positions]`` conv states holding them at their last
-    position (a model's cache keeps one per step: ``pde_cache``). fp32, or fp64 for float64 models:
-    the dtype it computes in. Returns the refined token in the input's shape and dtype.
+def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int, alpha: torch.Tensor,
+                      beta: Optional[torch.Tensor] = None, token_mask: Optional[torch.Tensor] = None,
+                      decode_map: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Refines one token (``[batch, channels]`` or ``[batch, 1, channels]``) and updates the state in place; returns
+    the refined token in the input's shape and dtype. ``state``: ``[batch, steps, channels]``, or its ``steps``
+    level buffers ``[batch, 1, channels]`` or the ``[batch, 1, channels, positions]`` conv states holding them at
+    their last position (``pde_cache``); fp32 (fp64 for float64 models), the dtype it computes in.
 
-    ``pde_type`` normalised, ``alpha`` / ``beta`` the coefficients the scheme uses (already inside their bounds: 0-d,
-    1-element or ``[channels]`` tensors, or Python floats); ``token_mask``: one entry per sequence (0: padding).
-    ``decode_map``: the linear scheme's :func:`causal_decode_map` of these coefficients when the caller keeps it
-    (``[S+1, S+1]`` for scalar coefficients), else the recurrence runs. Arguments are not checked here
-    (:func:`pde_cta.pde_decode_step` checks them; :class:`PDERefinement` holds valid ones).
-    """
+    ``pde_type`` normalised, ``alpha`` / ``beta`` inside their bounds (tensors or floats); ``token_mask``: one entry
+    per sequence (0: padding). ``decode_map``: the scheme's :func:`causal_decode_map` of these coefficients when the
+    caller keeps it (``[S+1, S+1]`` for scalar ones), else the recurrence runs. Arguments are not checked here
+    (:func:`pde_cta.pde_decode_step` checks them)."""
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
     if torch.is_tensor(state):
         stored, target = state.split(1, dim=1), state  # [batch, 1, channels] each; written back as one tensor
@@ -118,10 +104,8 @@ def _as_input(refined, hidden_states):
 
 
 def _levels(x, stored, scheme, alpha, beta):
-    """The levels ``[u_0 = x, ..., u_S]`` (each ``[batch, 1, channels]``) of a causal scheme for one token: the
-    reference's causal step (``pull = stored_s - u``; ``u += c * pull + R(u, b)`` with ``c = alpha`` / ``alpha + beta``
-    (advection) and the scheme's reaction ``R``; wave ``v = (1 - damping) v + alpha * pull``, ``u += v``) over the
-    stored values ``stored`` (``S`` tensors ``[batch, 1, channels]``); ``alpha``, ``beta``: tensors or floats."""
+    """The levels ``[u_0 = x, ..., u_S]`` (each ``[batch, 1, channels]``) of one token: the reference's causal step
+    over the ``S`` stored values ``stored`` (``[batch, 1, channels]`` each); ``alpha``, ``beta``: tensors or floats."""
     if torch.is_tensor(alpha):
         alpha, beta = alpha.to(x.dtype), (beta.to(x.dtype) if torch.is_tensor(beta) else beta)
     coefficient = alpha + beta if scheme.advection else alpha

@@ -1,14 +1,11 @@
 # coding=utf-8
-"""The readable PyTorch reference of the Continuous-Time Attention PDE operator: the ground truth for every other
-backend (the Triton kernels are tested against it), vectorised, fp32, on any device.
+"""The readable PyTorch reference of the Continuous-Time Attention PDE operator: the ground truth of every other
+backend, vectorised, on any device. ``u`` is ``[batch, seq, channels]``; an optional ``attention_mask`` ``[batch,
+seq]`` marks real tokens with 1. Computed in fp32, returned in the input dtype; ``steps == 0`` is the identity.
 
-Layout: ``u`` is ``[batch, seq, channels]``; an optional ``attention_mask`` ``[batch, seq]`` marks real tokens with 1.
-Everything is accumulated in fp32 and returned in the input dtype. ``steps == 0`` is the identity.
-
-Schemes (explicit pseudo-time steps in flux form, so that walls are exact; each type is a ``pde_spec.PDEScheme``)
--------------------------------------------------------------------------------
-Let ``e(i, i+1)`` be 1 when the edge between positions ``i`` and ``i+1`` is open (both are real tokens inside the
-sequence) and 0 otherwise: sequence ends and padding are *walls*. A padded position never changes and is never read.
+Schemes (``pde_spec.PDEScheme``): explicit pseudo-time steps in flux form, so that walls are exact. ``e(i, i+1)`` is
+1 when positions ``i`` and ``i+1`` are both real tokens and 0 otherwise: sequence ends and padding are *walls*; a
+padded position never changes and is never read.
 
 Bidirectional (encoders), zero-flux walls: ``u[i] += G(i+1/2) - G(i-1/2) + R(u[i], b)`` with the edge flux
 ``G(i+1/2) = e(i,i+1) * (a * (u[i+1] - u[i]) - b+ * u[i] - b- * u[i+1])`` (``b+ = max(b, 0)``, ``b- = min(b, 0)``;
@@ -22,11 +19,10 @@ state), so after any number of steps it depends only on positions ``<= i``: ``u[
 with ``c = a`` (``a + b`` with ``advection``: the upwind stencil of causal transport is the same left difference);
 ``wave``: ``v[i] = (1 - WAVE_DAMPING) * v[i] + a * (l - u[i]); u[i] += v[i]``.
 
-The bounds and why the steps are stable inside them: ``PDEScheme.bounds`` and ``.stability``.
-The authors' public causal stencil ``u[i] += a * (u[i] - 2 u[i-1] + u[i-2])`` has amplification ``|1 + 4a| > 1`` at
-the alternating mode and is deliberately not provided.
+Stable bounds and why: ``PDEScheme.bounds`` and ``.stability``. The authors' public causal stencil ``u[i] += a *
+(u[i] - 2 u[i-1] + u[i-2])`` has amplification ``|1 + 4a| > 1`` at the alternating mode and is deliberately not
+provided.
 """
-
 
 from __future__ import annotations
 
@@ -35,7 +31,6 @@ from typing import Optional
 import torch
 
 from .pde_spec import WAVE_DAMPING, check_decode_arguments, check_pde_arguments, clamp_coefficients, scheme_of
-
 
 
 def _bidirectional_step(u, v, scheme, alpha, beta, open_edge, valid):
@@ -65,23 +60,13 @@ def _causal_step(u, v, left, scheme, alpha, beta, valid):
     return u + update * valid, v
 
 
-def pde_refine_reference(
-    hidden_states: torch.Tensor,
-    *,
-    pde_type: str,
-    steps: int,
-    alpha,
-    beta=None,
-    causal: bool = False,
-    attention_mask: Optional[torch.Tensor] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    return_final_state: bool = False,
-):
+def pde_refine_reference(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha, beta=None,
+                         causal: bool = False, attention_mask: Optional[torch.Tensor] = None,
+                         initial_state: Optional[torch.Tensor] = None, return_final_state: bool = False):
     """Readable, vectorised fp32 reference of :func:`pde_refine` (the ground truth of every backend).
 
     ``initial_state`` / the returned final state (causal only) are ``[batch, steps, channels]``: entry ``s`` is the
-    value of the step-``s`` iterate at the position just before the first one (zeros = start of sequence / wall).
-    """
+    value of the step-``s`` iterate at the position just before the first one (zeros = start of sequence / wall)."""
     return _reference(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
                       attention_mask=attention_mask, initial_state=initial_state,
                       return_final_state=return_final_state)
@@ -99,9 +84,8 @@ def causal_state_history(hidden_states: torch.Tensor, *, pde_type: str, steps: i
 
 def _reference(hidden_states, *, pde_type, steps, alpha, beta, causal, attention_mask, initial_state,
                return_final_state, return_state_history=False):
-    pde_type, alpha, beta = check_pde_arguments(
-        hidden_states, pde_type, steps, alpha, beta, attention_mask, initial_state, causal
-    )
+    pde_type, alpha, beta = check_pde_arguments(hidden_states, pde_type, steps, alpha, beta, attention_mask,
+                                                initial_state, causal)
     batch, seq, channels = hidden_states.shape
     compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     u = hidden_states.to(compute_dtype)
@@ -132,48 +116,26 @@ def _reference(hidden_states, *, pde_type, steps, alpha, beta, causal, attention
             return out, torch.zeros(batch, 0, channels, seq, device=u.device, dtype=compute_dtype)
         return out, torch.stack(final_state, dim=1).transpose(2, 3)  # [batch, steps, channels, seq]
     if return_final_state:
-        state = (
-            torch.stack(final_state, dim=1)
-            if final_state
-            else torch.zeros(batch, 0, channels, device=u.device, dtype=compute_dtype)
-        )
-        return out, state
+        empty = torch.zeros(batch, 0, channels, device=u.device, dtype=compute_dtype)
+        return out, torch.stack(final_state, dim=1) if final_state else empty
     return out
 
 
-def pde_decode_step_reference(
-    hidden_states: torch.Tensor,
-    state: torch.Tensor,
-    *,
-    pde_type: str,
-    steps: int,
-    alpha,
-    beta=None,
-    token_mask: Optional[torch.Tensor] = None,
-    coefficient_bounds=None,
-):
+def pde_decode_step_reference(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_type: str, steps: int, alpha,
+                              beta=None, token_mask: Optional[torch.Tensor] = None, coefficient_bounds=None):
     """One causal decode step (the ``update`` to :func:`pde_refine`'s ``fn``, as in causal-conv1d).
 
     ``hidden_states`` is ``[batch, channels]`` (the new token), ``state`` ``[batch, steps, channels]`` fp32 as returned
     by ``pde_refine(..., causal=True, return_final_state=True)``; it is updated in place. ``token_mask``: one entry per
     sequence (0: padding, returned unchanged). ``coefficient_bounds``: ``((alpha_min, alpha_max), (beta_min,
-    beta_max) | None)`` to clamp the coefficients into first (what :class:`PDERefinement`'s projection does), or
-    None. Returns the refined token.
-    """
-    pde_type, alpha, beta, bounds = check_decode_arguments(
-        hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds
-    )
+    beta_max) | None)`` to clamp the coefficients into first (:class:`PDERefinement`'s projection), or None.
+    Returns the refined token."""
+    pde_type, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta,
+                                                           token_mask, coefficient_bounds)
     alpha, beta = clamp_coefficients(alpha, beta, bounds)
     out, new_state = pde_refine_reference(
-        hidden_states.unsqueeze(1),
-        pde_type=pde_type,
-        steps=steps,
-        alpha=alpha,
-        beta=beta,
-        causal=True,
-        attention_mask=None if token_mask is None else token_mask.reshape(-1, 1),
-        initial_state=state,
-        return_final_state=True,
-    )
+        hidden_states.unsqueeze(1), pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
+        attention_mask=None if token_mask is None else token_mask.reshape(-1, 1), initial_state=state,
+        return_final_state=True)
     state.copy_(new_state)
     return out.squeeze(1)

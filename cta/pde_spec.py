@@ -1,10 +1,7 @@
 # coding=utf-8
-"""The CTA PDE operator's specification: its schemes (one :class:`PDEScheme` per type: update rule, the local terms
-of its vector-Jacobian product, coefficient bounds and their stability argument, paper defaults; ``register_scheme``
-adds one) and argument validation.
-
-A leaf module: the reference (``pde_reference``), the decode step (``pde_decode``), the kernels (``kernels_*``,
-``triton_cta``) and the learnable module (``pde_cta``) import from here. The flux form is in ``pde_reference``.
+"""The CTA PDE operator's specification (a leaf module): its schemes (one :class:`PDEScheme` per type, added by
+``register_scheme``: update rule, local terms of its vector-Jacobian product, stable coefficient bounds, paper
+defaults) and argument validation. The flux form is documented in ``pde_reference``.
 """
 
 from __future__ import annotations
@@ -21,18 +18,15 @@ MAX_PDE_STEPS = 64
 
 @dataclass(frozen=True)
 class PDEScheme:
-    """One PDE type, the single definition the reference (``pde_reference``), the decode step (``pde_decode``) and
-    every Triton kernel (``kernels_*``) derive their code from.
+    """One PDE type, the single definition the reference, the decode step and every Triton kernel derive from.
 
-    Update rule, in flux form (see ``pde_reference``): a diffusion flux ``a * (u[i+1] - u[i])``; ``advection``: plus
-    the upwind flux of velocity ``b`` (bidirectional; causal transport is the same left difference, so causally it is
-    diffusion with ``a + b``); ``wave``: the flux difference drives a velocity ``v = (1 - WAVE_DAMPING) v + a lap(u)``,
-    ``u += v``; ``reaction``: ``(R, dR/du, dR/db)``, expressions in ``u`` and ``b`` (and ``tanh``) that torch and
-    Triton both evaluate: ``R(u, b)`` is added to every real token's update, and its two derivatives are the local
-    terms of the vector-Jacobian product the backward kernels apply. ``bounds[causal]``: ``((alpha_min,
-    alpha_max), (beta_min, beta_max) | None)``, the coefficients inside which the explicit steps are non-expansive,
-    for the reason ``stability`` gives. ``linear``: the step is linear in ``u`` (a decode step is then one fixed
-    matrix, ``pde_decode.causal_decode_map``). ``paper``: the default ``(alpha, beta)``."""
+    In flux form (``pde_reference``): a diffusion flux ``a * (u[i+1] - u[i])``; ``advection``: plus the upwind flux of
+    velocity ``b`` (causally the same left difference: diffusion with ``a + b``); ``wave``: the flux difference drives
+    ``v = (1 - WAVE_DAMPING) v + a lap(u)``, ``u += v``; ``reaction``: ``(R, dR/du, dR/db)``, expressions in ``u``,
+    ``b`` (and ``tanh``) that torch and Triton both evaluate: ``R(u, b)`` joins every real token's update, its
+    derivatives the backward. ``bounds[causal]``: ``((alpha_min, alpha_max), (beta_min, beta_max) | None)``, where the
+    steps are non-expansive (why: ``stability``). ``linear``: a decode step is one fixed matrix
+    (``pde_decode.causal_decode_map``). ``paper``: the default ``(alpha, beta)``."""
 
     name: str
     bounds: Tuple[tuple, tuple]
@@ -119,9 +113,8 @@ def normalize_pde_type(pde_type: str, argument: str = "pde_type") -> str:
         name = PDE_TYPE_ALIASES.get(pde_type.lower(), pde_type.lower())
         if name in SCHEMES:
             return name
-    raise ValueError(
-        f"`{argument}` must be one of {tuple(SCHEMES)} (aliases: {sorted(PDE_TYPE_ALIASES)}), got {pde_type!r}."
-    )
+    raise ValueError(f"`{argument}` must be one of {tuple(SCHEMES)} (aliases: {sorted(PDE_TYPE_ALIASES)}), "
+                     f"got {pde_type!r}.")
 
 
 def uses_beta(pde_type: str) -> bool:
@@ -134,9 +127,8 @@ def coefficient_bounds(pde_type: str, causal: bool):
 
 
 def _as_coefficient(value, name: str, channels: int, device, interval=None, scheme=None) -> Optional[torch.Tensor]:
-    """``value`` as a 0-d or ``[channels]`` tensor. A Python number outside ``interval``, the stable one of the
-    scheme ``(pde_type, causal)``, raises; a tensor's values are not range-checked (reading them would synchronise
-    with its device)."""
+    """``value`` as a 0-d or ``[channels]`` tensor. A Python number outside ``interval`` (that of ``scheme``, a
+    ``(pde_type, causal)``) raises; a tensor's values are not checked (reading them would synchronise)."""
     if value is None:
         return None
     if not torch.is_tensor(value):
@@ -144,19 +136,16 @@ def _as_coefficient(value, name: str, channels: int, device, interval=None, sche
             raise ValueError(f"`{name}` must be a float, a 0-d tensor or a tensor of shape [channels], got {value!r}.")
         if interval is not None and not interval[0] <= value <= interval[1]:  # NaN fails too
             kind = "causal" if scheme[1] else "bidirectional"
-            raise ValueError(
-                f"`{name}`={value!r} is outside the stable interval [{interval[0]}, {interval[1]}] of the {kind} "
-                f"{scheme[0]} scheme (`cta.coefficient_bounds(pde_type, causal)`), where the explicit steps are not "
-                "stable. Pass a value in that interval."
-            )
+            raise ValueError(f"`{name}`={value!r} is outside the stable interval [{interval[0]}, {interval[1]}] of "
+                             f"the {kind} {scheme[0]} scheme (`cta.coefficient_bounds(pde_type, causal)`), where the "
+                             "explicit steps are not stable. Pass a value in that interval.")
         # A fill on the device, not a host-to-device copy: capturable in CUDA graphs, no synchronisation.
         value = torch.full((), float(value), dtype=torch.float64, device=device)  # cast to the compute dtype later
     if value.dim() == 1 and value.shape[0] == 1:
         value = value.reshape(())
     if value.dim() not in (0, 1) or (value.dim() == 1 and value.shape[0] != channels):
-        raise ValueError(
-            f"`{name}` must be a scalar or have shape [channels] = [{channels}], got shape {tuple(value.shape)}."
-        )
+        raise ValueError(f"`{name}` must be a scalar or have shape [channels] = [{channels}], "
+                         f"got shape {tuple(value.shape)}.")
     if not value.is_floating_point():
         raise ValueError(f"`{name}` must be a floating point tensor, got dtype {value.dtype}.")
     return value
@@ -186,19 +175,11 @@ def _check_operator(pde_type, steps, alpha, beta, channels: int, device, causal:
     return pde_type, alpha, beta
 
 
-def check_pde_arguments(
-    hidden_states: torch.Tensor,
-    pde_type: str,
-    steps: int,
-    alpha,
-    beta,
-    attention_mask: Optional[torch.Tensor],
-    initial_state: Optional[torch.Tensor] = None,
-    causal: bool = False,
-):
-    """Validates the arguments of :func:`pde_refine`; returns ``(pde_type, alpha, beta)`` normalised (a float
-    coefficient as a 0-d tensor on ``hidden_states``' device, a one-element one as 0-d; ``beta`` None for the schemes
-    without one)."""
+def check_pde_arguments(hidden_states: torch.Tensor, pde_type: str, steps: int, alpha, beta,
+                        attention_mask: Optional[torch.Tensor], initial_state: Optional[torch.Tensor] = None,
+                        causal: bool = False):
+    """Validates the arguments of :func:`pde_refine`; returns ``(pde_type, alpha, beta)`` normalised (a float or
+    one-element coefficient as a 0-d tensor on ``hidden_states``' device; ``beta`` None for the schemes without one)."""
     if not torch.is_tensor(hidden_states) or hidden_states.dim() != 3:
         shape = tuple(hidden_states.shape) if torch.is_tensor(hidden_states) else type(hidden_states)
         raise ValueError(f"`hidden_states` must have shape [batch, seq, channels], got {shape}.")
@@ -211,20 +192,16 @@ def check_pde_arguments(
         if not causal:
             raise ValueError("`initial_state` is only defined for causal=True.")
         if initial_state.shape != (batch, steps, channels):
-            raise ValueError(
-                f"`initial_state` must have shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
-                f"got {tuple(initial_state.shape)}."
-            )
+            raise ValueError(f"`initial_state` must have shape [batch, steps, channels] = [{batch}, {steps}, "
+                             f"{channels}], got {tuple(initial_state.shape)}.")
     return pde_type, alpha, beta
 
 
 def check_attention_mask(attention_mask, batch: int, seq: int) -> None:
     """Raises unless ``attention_mask`` is None or ``[batch, seq]`` like the hidden states it walls."""
     if attention_mask is not None and attention_mask.shape != (batch, seq):
-        raise ValueError(
-            f"`attention_mask` must have shape [batch, seq] = [{batch}, {seq}] like `hidden_states`, "
-            f"got {tuple(attention_mask.shape)}."
-        )
+        raise ValueError(f"`attention_mask` must have shape [batch, seq] = [{batch}, {seq}] like `hidden_states`, "
+                         f"got {tuple(attention_mask.shape)}.")
 
 
 def _check_bounds(bounds):
@@ -233,14 +210,12 @@ def _check_bounds(bounds):
         return bounds
     try:
         alpha_bounds, beta_bounds = bounds
-        pairs = tuple(None if pair is None else (float(pair[0]), float(pair[1])) for pair in (alpha_bounds, beta_bounds))
+        pairs = tuple(None if p is None else (float(p[0]), float(p[1])) for p in (alpha_bounds, beta_bounds))
     except (TypeError, ValueError, IndexError):
         pairs = (None, None)
     if pairs[0] is None:
-        raise ValueError(
-            "`coefficient_bounds` must be ((alpha_min, alpha_max), (beta_min, beta_max) or None), as "
-            f"`coefficient_bounds(pde_type, causal)` returns, got {bounds!r}."
-        )
+        raise ValueError("`coefficient_bounds` must be ((alpha_min, alpha_max), (beta_min, beta_max) or None), as "
+                         f"`coefficient_bounds(pde_type, causal)` returns, got {bounds!r}.")
     return pairs
 
 
@@ -252,10 +227,8 @@ def check_decode_state(state, batch: int, steps: int, channels: int) -> None:
     and writes (one of another shape would be read out of bounds by the kernel)."""
     if not torch.is_tensor(state) or state.shape != (batch, steps, channels) or state.dtype not in _STATE_DTYPES:
         got = (tuple(state.shape), state.dtype) if torch.is_tensor(state) else type(state)
-        raise ValueError(
-            f"`state` must be a float32 (or float64) tensor of shape [batch, steps, channels] = [{batch}, {steps}, {channels}], "
-            f"got {got}."
-        )
+        raise ValueError(f"`state` must be a float32 (or float64) tensor of shape [batch, steps, channels] = "
+                         f"[{batch}, {steps}, {channels}], got {got}.")
 
 
 def check_decode_levels(levels, batch: int, steps: int, channels: int) -> None:
@@ -267,10 +240,8 @@ def check_decode_levels(levels, batch: int, steps: int, channels: int) -> None:
                    for level in levels)):
         got = [(tuple(level.shape), level.dtype) if torch.is_tensor(level) else type(level) for level in levels] \
             if isinstance(levels, (tuple, list)) else type(levels)
-        raise ValueError(
-            f"The cached PDE state must be {steps} float32 (or float64) tensors of shape [batch, 1, channels] = "
-            f"[{batch}, 1, {channels}], one per step; got {got}."
-        )
+        raise ValueError(f"The cached PDE state must be {steps} float32 (or float64) tensors of shape [batch, 1, "
+                         f"channels] = [{batch}, 1, {channels}], one per step; got {got}.")
 
 
 def check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds=None):
