@@ -430,7 +430,7 @@ class CTAModel(CTAPreTrainedModel):
         # The PDE walls (pde_sites.SiteWalls): the 2D padding mask, packed rows (`position_ids` restarting), shards.
         walls = SiteWalls.of_forward(attention_mask if built_masks is None else None, position_ids,
                                      kwargs.get("cu_seq_lens_q"), cache, self.pde_sharding, type(self).__name__,
-                                     self.training and torch.is_grad_enabled())
+                                     self.training)
         if position_ids is None:
             position_ids = self._default_position_ids(attention_mask, inputs_embeds, past_seen)
         hidden_states = self._embed(inputs_embeds, position_ids, walls, cache)

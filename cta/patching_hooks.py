@@ -125,7 +125,7 @@ class PatchContext:
         position_ids = self._argument(args, kwargs, "position_ids", self.position_ids_position)
         training = module.training and torch.is_grad_enabled()
         self.walls = SiteWalls.of_forward(mask, position_ids, kwargs.get("cu_seq_lens_q"), cache, self.sharding,
-                                          self.model_name, training)
+                                          self.model_name, module.training)
         if training and not compiling:  # (traced, a recomputed layer replays the compiled graph, not these hooks)
             self.checkpoint_walls = CheckpointWalls(self.walls, self.checkpoint_walls)
         if training and cache is None and self.sites and kwargs.get("use_cache") is None and len(args) <= 1 and (

@@ -107,10 +107,13 @@ class SequenceSharding:
     where the global length splits into ``2W`` chunks, i.e. the local length is even, contiguous otherwise), or a
     fixed ``contiguous`` / ``head_tail``. torch exposes no public way to read whether it load-balances (only the
     private ``_cp_options.enable_load_balance``, on by default, which accelerate and the Trainer leave on): a run that
-    turns it off says ``contiguous``. Give it to :func:`shard_sequences`."""
+    turns it off says ``contiguous``. ``training_only``: the engine shards training forwards only (DeepSpeed Ulysses
+    as accelerate sets it up, ``disable_in_eval``): a forward in eval mode then sees whole sequences and the sites
+    refine them as such. Give it to :func:`shard_sequences`."""
 
     layout: str = "torch"
     group: Any = None
+    training_only: bool = False
 
     def __post_init__(self):
         if self.layout not in ("torch",) + LAYOUTS:
@@ -146,7 +149,8 @@ class SequenceSharding:
                 raise ValueError(f"sp_backend={config.sp_backend!r} is not supported; DeepSpeed's is.")
             from deepspeed.utils import groups
 
-            return cls("contiguous", groups._get_sequence_parallel_group())
+            # (accelerate registers Ulysses with ``disable_in_eval=True``: evaluation runs on whole sequences)
+            return cls("contiguous", groups._get_sequence_parallel_group(), training_only=True)
         return None
 
 

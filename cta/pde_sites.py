@@ -34,11 +34,14 @@ class SiteWalls:
     @classmethod
     def of_forward(cls, attention_mask, position_ids=None, cu_seq_lens=None, cache=None, sharding=None,
                    model_name: str = "model", training: bool = False) -> "SiteWalls":
-        """The walls of a forward called with these arguments (a 4D mask gives no walls: none can be derived). A
-        training forward whose sequences accelerate shards raises unless the sites were told (``sharding``)."""
+        """The walls of a forward called with these arguments (a 4D mask gives no walls: none can be derived);
+        ``training``: the model's train mode. A training forward (with autograd) whose sequences accelerate shards
+        raises unless the sites were told (``sharding``)."""
         mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
+        if sharding is not None and sharding.training_only and not training:
+            sharding = None  # (an engine that shards train mode only, as DeepSpeed reads it: whole sequences here)
         if not torch.compiler.is_compiling():
-            refuse_untold_sites(sharding, training, model_name)
+            refuse_untold_sites(sharding, training and torch.is_grad_enabled(), model_name)
         if sharding is not None:
             if cache is not None:  # (the same on every rank: refused before any collective)
                 raise ValueError(

@@ -5,14 +5,16 @@ process (the native decoder's ``layer_types`` hidden from accelerate's guard whi
 restored). Then a run without the callback: ``SiteWalls.of_forward`` refuses the untold sites on every rank before the first
 step.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 context_parallel_trainer_worker.py OUT cpu|cuda
+    python -m torch.distributed.run --standalone --nproc_per_node 2 context_parallel_trainer_worker.py OUT cpu|cuda \
+        [cp|sp [KINDS]]   # KINDS: some of patched,native,untold (DeepSpeed's groups: one Trainer per process)
     python context_parallel_trainer_worker.py OUT cpu|cuda         # the one-process reference
 
-writes ``OUT/rank{r}.json`` (one process: ``OUT/single.json``). ``cpu``: 2 gloo ranks; torch has no CPU ring
+writes ``OUT/{engine}-rank{r}.json`` (one process: ``OUT/single.json``). ``cpu``: 2 gloo ranks; torch has no CPU ring
 attention, so the attention is made position-local (registered as ``sdpa``, the only implementation the Trainer
 takes under context parallelism) and accelerate's refusal of CPU processes for a ParallelismConfig is lifted; torch's
 ``context_parallel`` still shards the Trainer's buffers and the PDE sites exchange their halos. ``cuda``: real sdpa
-ring attention, FSDP2 (accelerate requires it for cp_size > 1), fp32.
+ring attention, FSDP2 (accelerate requires it for cp_size > 1), fp32; ``sp``: DeepSpeed Ulysses (sp_size 2,
+CUDA only).
 """
 
 import json
@@ -54,9 +56,27 @@ def data(count, seed, length):
     return [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)} for row in ids]
 
 
-def train(kind, device, world, told, out):
-    import cta
+def parallelism(engine, device, world):
+    """The TrainingArguments that shard each sequence over ``world`` ranks: torch CP (FSDP2 on CUDA, which
+    accelerate requires for it), or DeepSpeed Ulysses (ZeRO stage 0: the Trainer's own optimizer, as on one GPU)."""
     from accelerate import ParallelismConfig
+
+    if engine == "sp":
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+        deepspeed = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                     "gradient_clipping": "auto", "zero_optimization": {"stage": 0}}
+        return dict(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=world, sp_handler=handler),
+                    deepspeed=deepspeed)
+    extra = dict(parallelism_config=ParallelismConfig(cp_size=world))
+    if device == "cuda":
+        extra.update(fsdp="full_shard", fsdp_config={"version": 2})
+    return extra
+
+
+def train(kind, device, world, told, out, engine="cp"):
+    import cta
     from cta.pde_context_parallel import _site_holders
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -68,11 +88,7 @@ def train(kind, device, world, told, out):
             seen.append(sorted({str(getattr(h, n) and getattr(h, n).shards(LENGTHS[device] // world).layout)
                                 for h, n in _site_holders(net)}))
 
-    extra = {}
-    if world > 1:
-        extra["parallelism_config"] = ParallelismConfig(cp_size=world)
-        if device == "cuda":
-            extra.update(fsdp="full_shard", fsdp_config={"version": 2})
+    extra = parallelism(engine, device, world) if world > 1 else {}
     args = TrainingArguments(output_dir=str(out / f"run-{kind}"), max_steps=STEPS, per_device_train_batch_size=BATCH,
                              per_device_eval_batch_size=BATCH, learning_rate=1e-2, logging_steps=1, report_to="none",
                              save_strategy="no", use_cpu=device == "cpu", dataloader_num_workers=0, seed=0, **extra)
@@ -89,7 +105,7 @@ def train(kind, device, world, told, out):
             "layer_types": getattr(net.config, "layer_types", None)}
 
 
-def main(out, device):
+def main(out, device, engine="cp", kinds="patched,native,untold"):
     out = Path(out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -104,12 +120,14 @@ def main(out, device):
             from accelerate import ParallelismConfig
 
             ParallelismConfig._validate_accelerator = lambda self, accelerator: None  # (CPU processes: see above)
-    results = {kind: train(kind, device, world, True, out) for kind in ("patched", "native")}
-    if world > 1:
-        results["untold"] = train("patched", device, world, False, out)
-    name = f"rank{os.environ['RANK']}.json" if world > 1 else "single.json"
-    (out / name).write_text(json.dumps(results))
+    kinds = [k for k in kinds.split(",") if world > 1 or k != "untold"]
+    results = {kind: train("patched" if kind == "untold" else kind, device, world, kind != "untold", out, engine)
+               for kind in kinds}
+    path = out / (f"{engine}-rank{os.environ['RANK']}.json" if world > 1 else "single.json")
+    if path.exists():  # (a run of some kinds adds to an earlier one's)
+        results = {**json.loads(path.read_text()), **results}
+    path.write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:5])

@@ -189,7 +189,7 @@ def trainer_runs(tmp_path_factory):
                     [sys.executable, worker]):
         done = subprocess.run(command + [str(out), "cpu"], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return [json.loads((out / name).read_text()) for name in ("rank0.json", "rank1.json", "single.json")]
+    return [json.loads((out / name).read_text()) for name in ("cp-rank0.json", "cp-rank1.json", "single.json")]
 
 
 def test_trainer_context_parallel_matches_one_process(trainer_runs):
@@ -336,3 +336,24 @@ def test_the_context_parallel_accelerate_config_sets_cp_size():
                                       "PARALLELISM_CONFIG_CP_BACKEND", "ACCELERATE_USE_FSDP", "FSDP_VERSION")} == {
         "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2",
         "PARALLELISM_CONFIG_CP_BACKEND": "torch", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+
+
+def test_a_train_only_sharding_leaves_eval_mode_forwards_whole():
+    """DeepSpeed Ulysses as accelerate sets it up shards train-mode forwards only (``disable_in_eval``, decided by the
+    module's mode): told such a sharding, a model in eval mode refines whole sequences, with or without autograd,
+    and gives the logits of a model never told; in train mode the walls keep the sharding."""
+    import cta
+    from cta.pde_sites import SiteWalls
+
+    sharding = cta.SequenceSharding("contiguous", training_only=True)
+    assert SiteWalls.of_forward(None, training=False, sharding=sharding).sharding is None
+    assert SiteWalls.of_forward(None, training=True, sharding=sharding).sharding is sharding
+    assert SiteWalls.of_forward(None, training=False, sharding=cta.SequenceSharding()).sharding is not None
+    model = _tiny_patched_llama().eval()
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    cta.shard_sequences(model, sharding)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)

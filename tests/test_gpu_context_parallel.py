@@ -61,17 +61,60 @@ def test_trainer_context_parallel_matches_one_gpu(tmp_path):
         done = subprocess.run(command + [str(tmp_path), "cuda"], env=dict(env, CUDA_VISIBLE_DEVICES=gpus),
                               capture_output=True, text=True, timeout=400)
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    single = json.loads((tmp_path / "single.json").read_text())
+    _check_trainer_runs(tmp_path, "cp", "head_tail")
+
+
+def _check_trainer_runs(out, engine, layout):
+    """Every rank's losses and evaluation loss are the one-GPU run's (1e-4), its sites were sharded in ``layout`` from
+    the first step, and the run without the callback was refused."""
+    ranks = [json.loads((out / f"{engine}-rank{rank}.json").read_text()) for rank in range(2)]
+    single = json.loads((out / "single.json").read_text())
     for results in ranks:
         for kind in KINDS:
             got, expected = results[kind], single[kind]
             assert "error" not in got, (kind, got)
-            assert got["sites"] == [["head_tail"]] * 4 and len(expected["losses"]) == 4
+            assert got["sites"] == [[layout]] * 4 and len(expected["losses"]) == 4
             torch.testing.assert_close(got["losses"], expected["losses"], rtol=0, atol=TOLERANCE)
             assert abs(got["eval_loss"] - expected["eval_loss"]) < TOLERANCE, kind
         assert "ContextParallelCallback" in results["untold"]["error"]
     print(json.dumps({"ranks": ranks, "single": single}))
+
+
+def _deepspeed_ulysses_missing():
+    try:
+        import deepspeed
+    except Exception as error:  # (not installed, or its import fails here)
+        return f"DeepSpeed does not import ({error})"
+    from packaging import version
+
+    if version.parse(deepspeed.__version__) < version.parse("0.18.2"):
+        return f"DeepSpeed {deepspeed.__version__}: accelerate's Ulysses needs 0.18.2 or later"
+    return None
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_trainer_ulysses_matches_one_gpu(tmp_path):
+    """The same Trainer runs under DeepSpeed Ulysses (``ParallelismConfig(sp_backend="deepspeed", sp_size=2)``, ZeRO
+    stage 0, the sites told contiguous shards by the callback; evaluation unsharded, as accelerate sets Ulysses up)
+    log the one-GPU losses and evaluation loss; without the callback the run is refused on both ranks."""
+    missing = _deepspeed_ulysses_missing()
+    if missing:
+        pytest.skip(missing)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]),
+                                                                   os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1")
+    env.pop("TRITON_INTERPRET", None)
+    worker = str(Path(__file__).resolve().parent / "context_parallel_trainer_worker.py")
+    sharded = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", worker,
+               str(tmp_path), "cuda", "sp"]
+    # (DeepSpeed sets its sequence-parallel groups up once per process: one Trainer per launch)
+    for command, gpus in ([sharded + ["patched"], "0,1"], [sharded + ["native"], "0,1"], [sharded + ["untold"], "0,1"],
+                          [[sys.executable, worker, str(tmp_path), "cuda"], "0"]):
+        done = subprocess.run(command, env=dict(env, CUDA_VISIBLE_DEVICES=gpus), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    _check_trainer_runs(tmp_path, "sp", "contiguous")
 
 
 def _mha_copy(source, target):
