@@ -446,7 +446,8 @@ class CTAModel(CTAPreTrainedModel):
                 hidden_states,
                 attention_mask=mask,
                 walls=walls,
-                position_embeddings=position_embeddings,
+                position_ids=position_ids,  # (to the attention function, as Llama passes them: FlashAttention's packed
+                position_embeddings=position_embeddings,  # rows and DeepSpeed Ulysses read them)
                 output_attentions=output_attentions,
                 **{CACHE_ARGUMENT: cache},
                 **kwargs,
