@@ -202,17 +202,20 @@ def overhead_line():
 
 def training_line():
     """The training step at the sizes people train (benchmarks/bench_train_step.py; issue 51's targets)."""
-    runs = {mode: _load(ROOT / "benchmarks" / "results" / f"train_step_{MODEL_GPU}{suffix}.json")
-            for mode, suffix in (("eager", ""), ("compiled", "_compiled"))}
+    files = sorted(p for p in (ROOT / "benchmarks" / "results").glob("train_step_*.json") if "_cp" not in p.name)
+    runs = {mode: next((_load(p) for p in files if p.stem.endswith("_compiled") == (mode == "compiled")), None)
+            for mode in ("eager", "compiled")}  # (the latest file per mode: older ones live in git history)
     if not runs["eager"]:
         return [f"- **Training step, 12 x 1024 model:** {MISSING}"]
     first, shape = runs["eager"], runs["eager"]["shape"]
 
     def cells(run):
-        over = run["overhead"]
-        return (f"patched {over['patched_vs_llama']['median_pct']:+.1f}% vs Llama, native 0 steps "
-                f"{over['native_0_vs_llama']['median_pct']:+.1f}% vs Llama, native 4 steps "
-                f"{over['native_4_vs_native_0']['median_pct']:+.1f}% vs its 0 steps")
+        def cell(key):  # the median and the quartiles of the per-round ratios
+            row = run["overhead"][key]
+            return f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]"
+
+        return (f"patched {cell('patched_vs_llama')} vs Llama, native 0 steps {cell('native_0_vs_llama')} vs Llama, "
+                f"native 4 steps {cell('native_4_vs_native_0')} vs its 0 steps")
 
     modes = "; ".join(f"{mode}: {cells(run)}" for mode, run in runs.items() if run)
     host = first.get("host_per_site", {})
@@ -227,7 +230,7 @@ def training_line():
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
     return [f"- **Training step** ({shape['layers']} layers x {shape['hidden']} hidden Llama-shaped model, "
             f"{shape['parameters'] / 1e6:.0f}M params, batch {shape['batch']} x {shape['seq']}, bf16, {first['device']};"
-            f" diffusion, 4 steps after every block; medians of paired rounds; targets <= 2%): {modes}. Host time "
+            f" diffusion, 4 steps after every block; medians [quartiles] of paired rounds; targets <= 2%): {modes}. Host time "
             f"per site, forward + backward: {host_text} (target <= 60 us); PDE kernels {kernels:.2f} ms per step."]
 
 
