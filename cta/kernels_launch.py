@@ -1,11 +1,7 @@
 # coding=utf-8
-"""Launches of the Triton PDE kernels (no autograd): the forward, the backward and the one-token decode step.
-
-``launch_forward`` runs the streaming forward for every scheme; ``launch_backward`` the streaming backward for the
-linear schemes and the tile backward (``kernels_jit._pde_bwd_kernel``) for the others; ``launch_decode`` the decode
-kernel. Inputs are ``[batch, seq, channels]`` with contiguous channels (anything else is made contiguous once) and
-any batch / sequence strides; offsets are 64-bit.
-"""
+"""Launches of the Triton PDE kernels (no autograd): the streaming forward (every scheme), the backward (streaming
+for the linear schemes, the tile kernel for the others) and the one-token decode step. Inputs are ``[batch, seq,
+channels]`` with contiguous channels and any batch / sequence strides; offsets are 64-bit."""
 
 from __future__ import annotations
 
@@ -45,9 +41,8 @@ def is_per_channel(c: Optional[torch.Tensor], channels: int) -> bool:
 
 
 def _coef_arg(c: Optional[torch.Tensor], like: torch.Tensor) -> Tuple[torch.Tensor, bool]:
-    """A coefficient as the streaming kernels read it (any float dtype, converted in the kernel): (tensor,
-    is_vector). A scalar stays a scalar (0-d or one element): the filter taps are then computed once per program, not
-    once per channel (5-13% faster at 8 steps than a scalar expanded per channel)."""
+    """(tensor, is_vector) of a coefficient as the streaming kernels read it (any float dtype). A scalar stays a
+    scalar: its filter taps are computed once per program (5-13% faster at 8 steps than expanded per channel)."""
     if c is None:
         return like, False
     if is_per_channel(c, like.shape[-1]):
@@ -71,8 +66,7 @@ def _mask_arg(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def coef_grad_shape(c: Optional[torch.Tensor], channels: int) -> Tuple[int, ...]:
-    """Shape of a coefficient's gradient as the backward returns it: [channels] for a per-channel coefficient, 0-d
-    for a scalar or an absent one."""
+    """Shape of a coefficient's gradient as the backward returns it: [channels] if per channel, else 0-d."""
     return (channels,) if is_per_channel(c, channels) else ()
 
 
@@ -91,8 +85,8 @@ def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _scheme_constexprs(pde: str, bounds) -> tuple:
-    """The fixed kernels' scheme and bounds constexprs, in their order: (WAVE, ADV, HAS_BETA, REACT, REACT_DU,
-    REACT_DB, CLAMP, A_LO, A_HI, B_LO, B_HI), from the scheme's definition (``pde_spec.PDEScheme``)."""
+    """The fixed kernels' constexprs (WAVE, ADV, HAS_BETA, REACT, REACT_DU, REACT_DB, CLAMP, A_LO, A_HI, B_LO,
+    B_HI) of a scheme and bounds."""
     scheme = SCHEMES[pde]
     unbounded = (-FLOAT32_MAX, FLOAT32_MAX)
     (a_lo, a_hi), (b_lo, b_hi) = (bounds[0], bounds[1] or unbounded) if bounds is not None else (unbounded,) * 2
@@ -100,9 +94,8 @@ def _scheme_constexprs(pde: str, bounds) -> tuple:
             float(a_lo), float(a_hi), float(b_lo), float(b_hi))
 
 
-# Eager calls are host-bound at small shapes: everything a streaming launch derives from its inputs' metadata (the
-# configuration, the generated kernel, the grid, the integer arguments) is computed once per distinct metadata and
-# cached, so that a repeated call costs a dict lookup and Triton's launch.
+# Eager calls are host-bound at small shapes: what a streaming launch derives from its inputs' metadata (configuration,
+# generated kernel, grid, integer arguments) is cached per distinct metadata: a repeated call costs a dict lookup.
 
 
 @functools.lru_cache(maxsize=4096)
@@ -121,19 +114,6 @@ def _forward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, dtype, o
         static_rows=static_rows("fwd", causal, per_channel, unroll, mma), bounds=bounds)
     ints, consts = stream_args("fwd", spec.static_rows, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl)
     return stream_kernel(spec)[(cdiv(channels, block_c), cdiv(seq, t), batch)], ints + consts, warps
-
-
-def _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal, bounds):
-    batch, seq, channels = x.shape
-    a, a_vec = _coef_arg(alpha, x)
-    b, b_vec = _coef_arg(beta, x)
-    m = _mask_arg(mask)
-    has_init = init is not None and causal
-    launch, ints, warps = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1),
-                                          x.dtype, x.is_cuda, a_vec, b_vec, m is not None, has_init, fin is not None,
-                                          bounds)
-    ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else x
-    launch(x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints, num_warps=warps)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -163,25 +143,6 @@ def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sg
     return launch, ints + consts, warps, da_shape, atomic, groups
 
 
-def _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal, bounds):
-    """Runs the streaming backward; returns the gradient of the kernel's coefficient summed to [channels] when it is
-    per channel, to one value (0-d) when it is a scalar (each program then writes one partial sum, not one per
-    channel)."""
-    batch, seq, channels = x.shape
-    a, a_vec = _coef_arg(alpha, x)
-    b, b_vec = _coef_arg(beta, x)
-    m = _mask_arg(mask)
-    launch, ints, warps, da_shape, atomic, groups = _backward_launch(
-        pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
-        x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(), bounds,
-    )
-    da = (torch.zeros if atomic else torch.empty)(da_shape, device=x.device, dtype=torch.float32)  # (atomics add)
-    launch(gy, x, dx, m if m is not None else x, a, b, da, *ints, num_warps=warps)
-    if atomic:
-        return da[0] if groups == 1 else _sum_rows(da)
-    return da.sum(0) if (a_vec or b_vec) else da.sum()
-
-
 def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, want_final: bool, bounds=None):
     """(y, final state): ``steps`` fused steps (1..MAX_FUSED_STEPS) of ``pde`` on ``x``; the final state is
     ``[batch, steps, channels]`` fp32 for a causal ``want_final``, else None. ``bounds``: ``((alpha_min,
@@ -190,23 +151,42 @@ def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: boo
     y = x.new_empty(x.shape)
     fin = x.new_zeros((x.shape[0], steps, x.shape[2]), dtype=torch.float32) if causal and want_final else None
     if y.numel():
-        _stream_forward(x, y, fin, alpha, beta, mask, init, pde, steps, causal, bounds)
+        batch, seq, channels = x.shape
+        a, a_vec = _coef_arg(alpha, x)
+        b, b_vec = _coef_arg(beta, x)
+        m = _mask_arg(mask)
+        launch, ints, warps = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1),
+                                              x.dtype, x.is_cuda, a_vec, b_vec, m is not None,
+                                              init is not None and causal, fin is not None, bounds)
+        ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else x
+        launch(x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints, num_warps=warps)
     return y, fin
 
 
 def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, need_db: bool = True,
                     bounds=None):
-    """(dx, dalpha in ``coef_grad_shape(alpha)``, dbeta likewise), fp32 coefficient gradients: those of the
-    coefficients clamped into ``bounds`` (see :func:`launch_forward`), returned for the raw ones unchanged (the
-    straight-through projection). ``need_db=False`` (eager autograd without a ``beta``) returns None for dbeta of the
-    streaming backward instead of a zero."""
+    """(dx, dalpha in ``coef_grad_shape(alpha)``, dbeta likewise), fp32; with ``bounds`` (see :func:`launch_forward`)
+    the clamped coefficients' gradients, passed straight through. ``need_db=False``: the streaming backward returns
+    None for dbeta instead of a zero."""
     x = _channels_contiguous(x)
     gy = _channels_contiguous(gy)
     batch, seq, channels = x.shape
     dx = x.new_empty(x.shape)
     filters = SCHEMES[pde].filters(causal) and init is None
     if dx.numel() > 0 and steps > 0 and filters:
-        dc = _stream_backward(gy, x, dx, alpha, beta, mask, pde, steps, causal, bounds)
+        a, a_vec = _coef_arg(alpha, x)
+        b, b_vec = _coef_arg(beta, x)
+        m = _mask_arg(mask)
+        launch, ints, warps, dc_shape, atomic, groups = _backward_launch(
+            pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
+            x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(), bounds)
+        dc = (torch.zeros if atomic else torch.empty)(dc_shape, device=x.device, dtype=torch.float32)  # (atomics add)
+        launch(gy, x, dx, m if m is not None else x, a, b, dc, *ints, num_warps=warps)
+        # The kernel coefficient's gradient: [channels] per channel, else 0-d (one partial sum per program).
+        if atomic:
+            dc = dc[0] if groups == 1 else _sum_rows(dc)
+        else:
+            dc = dc.sum(0) if (a_vec or b_vec) else dc.sum()
         da = _fit_coef_grad(dc, alpha, channels)
         if SCHEMES[pde].advection:  # causal advection-diffusion is diffusion with a + b: d/db = d/da
             db = _fit_coef_grad(dc, beta, channels)
@@ -232,8 +212,7 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
 
 
 def _token_mask_arg(token_mask: Optional[torch.Tensor], x: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """(tensor, stride between sequences) of a decode step's token mask (one entry per sequence, read in its own
-    dtype: an attention mask's ``[batch, 1]`` column is passed as it is)."""
+    """(tensor, stride between sequences) of a decode step's token mask (one entry per sequence, in its own dtype)."""
     if token_mask is None:
         return x, 0
     tm = token_mask if token_mask.device == x.device else token_mask.to(x.device)
@@ -256,14 +235,9 @@ def _decode_launch(pde, steps, batch, channels, has_mask, a_vec, b_vec, bounds):
 
 
 def launch_decode(x, levels, alpha, beta, token_mask, pde: str, steps: int, bounds=None) -> torch.Tensor:
-    """One new token ``x`` ``[batch, channels]`` (or ``[batch, 1, channels]``): returns the refined token in ``x``'s
-    shape and updates the state in place: ``levels``, its ``steps`` (at most ``MAX_FUSED_STEPS``) fp32 buffers, each
-    ``[batch, 1, channels]`` (or ``[batch, channels]``, or a cache's ``[batch, 1, channels, 1]`` conv state) with
-    contiguous channels and the same stride between sequences (separate conv states of a cache, or the views of one
-    ``[batch, steps, channels]`` state). ``token_mask``:
-    one entry per sequence, any dtype and shape (e.g. the ``[batch, 1]`` column of an attention mask). ``bounds``:
-    ``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` the kernel clamps the coefficients into first, or
-    None."""
+    """Refines one new token ``x`` ``[batch, (1,) channels]`` and updates the state in place: ``levels``, its
+    ``steps`` fp32 buffers ``[batch, (1,) channels(, 1)]`` with contiguous channels and one stride between sequences.
+    ``token_mask``: one entry per sequence, any dtype and shape. ``bounds``: as :func:`launch_forward`'s."""
     x = _channels_contiguous(x)
     y = x.new_empty(x.shape)
     if y.numel() == 0:

@@ -1,16 +1,15 @@
 # coding=utf-8
 """What runs at every forward of a patched model: the forward hooks that apply its PDE sites, and the per-forward
-context (:class:`PatchContext`: the 2D padding mask and the cache) that the hooks of one model share.
+context (:class:`PatchContext`) that the hooks of one model share.
 
-``patching_cta.patch_model`` finds the modules, adds each PDE module as a submodule ``cta_<placement>_pde`` of the
-module it refines and registers these hooks on the modules themselves: the base model's tree and weight names stay
-as they were. Every hook is a bound method of a plain site object kept in the context, so ``copy.deepcopy`` of a
-patched model gives hooks bound to the copy's sites (``copy`` deep-copies a bound method's ``__self__``), and the
-hooks find their PDE module through the module they are called on.
+Each PDE module is a submodule ``cta_<placement>_pde`` of the module it refines, whose hooks find it through the module
+they are called on. Every hook is a bound method of a plain site object kept in the context, so ``copy.deepcopy`` of
+a patched model gives hooks bound to the copy's sites.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from typing import Optional
@@ -31,12 +30,9 @@ from .pde_sites import NO_WALLS, SiteWalls
 
 
 class CheckpointWalls:
-    """The :class:`SiteWalls` of a forward run with autograd in training mode, kept after that forward returns.
-
-    transformers' gradient checkpointing recomputes a layer in the backward pass, after the model's forward released
-    its context; the PDE sites inside the recomputed layer take their walls from here. A recomputation cannot tell
-    which forward it belongs to: it reads the latest one's walls, and raises where an earlier forward whose graph is
-    still alive, not yet recomputed, had other walls (two forwards, then one backward through both).
+    """The :class:`SiteWalls` of a training forward, kept for gradient checkpointing's recomputation of its layers in
+    the backward pass. A recomputation reads the latest forward's walls, and raises where an earlier forward whose
+    graph is still alive, not yet recomputed, had other walls (two forwards, then one backward through both).
     """
 
     def __init__(self, walls: SiteWalls, previous: Optional["CheckpointWalls"]):
@@ -72,23 +68,15 @@ def _same_mask(a, b) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
-def _takes_use_cache(module) -> bool:
-    """Whether ``module.forward`` has a ``use_cache`` parameter (asked once per class)."""
-    takes = _TAKES_USE_CACHE.get(type(module))
-    if takes is None:
-        takes = _TAKES_USE_CACHE[type(module)] = "use_cache" in inspect.signature(module.forward).parameters
-    return takes
-
-
-_TAKES_USE_CACHE = {}
+@functools.lru_cache(maxsize=None)
+def _takes_use_cache(module_class) -> bool:
+    """Whether ``module_class.forward`` has a ``use_cache`` parameter."""
+    return "use_cache" in inspect.signature(module_class.forward).parameters
 
 
 class PatchContext:
-    """Per-forward state shared by the hooks of one patched model: the 2D padding mask and the cache in use.
-
-    The base model's forward pre-hook (:meth:`enter`) captures it, its forward hook (:meth:`exit`, also called when
-    the forward raises) releases it. ``site_hooks`` holds every site object of the model, each with its hook handles.
-    """
+    """Per-forward state shared by the hooks of one patched model, captured by the base model's forward pre-hook
+    (:meth:`enter`) and released by its forward hook (:meth:`exit`). ``site_hooks``: the model's site objects."""
 
     def __init__(self, mask_position: Optional[int], cache_position: Optional[int], sites, model_name: str,
                  position_ids_position: Optional[int] = None):
@@ -129,7 +117,7 @@ class PatchContext:
         if training and not compiling:  # (traced, a recomputed layer replays the compiled graph, not these hooks)
             self.checkpoint_walls = CheckpointWalls(self.walls, self.checkpoint_walls)
         if training and cache is None and self.sites and kwargs.get("use_cache") is None and len(args) <= 1 and (
-                _takes_use_cache(module)):
+                _takes_use_cache(type(module))):
             # A training forward decodes nothing: the cache transformers would start (the config's default
             # use_cache) is not made. Its sites would keep no state in it anyway, and building it costs host time
             # and, traced, graph breaks. An explicit use_cache=True still gets one (a stateless one, below).
@@ -151,18 +139,16 @@ class PatchContext:
     def exit(self, module, args, kwargs, output):
         """The base model's forward hook (``always_call``: it also runs when the forward raises)."""
         walls = self.checkpoint_walls
-        if self.active and walls is not None and output is not None and not torch.compiler.is_compiling():
+        fill = self.cache is not None and self.sites  # (a prefill or a chunk fills the unused conv states)
+        if self.active and (walls is not None or fill) and output is not None and not torch.compiler.is_compiling():
             hidden = output[0] if isinstance(output, (tuple, list)) or hasattr(output, "to_tuple") else output
-            grad_fn = getattr(hidden, "grad_fn", None)
+            grad_fn = getattr(hidden, "grad_fn", None) if walls is not None else None
             if grad_fn is not None:
                 # The walls live as long as this forward's graph: what tells a later forward's recomputation that
                 # this one may still be backpropagated (see CheckpointWalls).
                 grad_fn.metadata["cta_checkpoint_walls"] = walls
                 walls.in_graph = True
-        if self.active and self.cache is not None and not torch.compiler.is_compiling() and self.sites and (
-                output is not None):
-            hidden = output[0] if isinstance(output, (tuple, list)) or hasattr(output, "to_tuple") else output
-            if torch.is_tensor(hidden) and hidden.dim() == 3 and hidden.shape[1] > 1:  # a prefill or a chunk
+            if fill and torch.is_tensor(hidden) and hidden.dim() == 3 and hidden.shape[1] > 1:
                 fill_unused_pde_states(self.cache)
         self.active = self.stateless = False
         self.cache = None
@@ -172,17 +158,12 @@ class PatchContext:
         """Refines one site of ``layer`` with ``pde`` behind the current forward's walls (``SiteWalls.refine``)."""
         if self.active:
             return self.walls.refine(pde, hidden_states, cache)
-        walls = self._recomputation_walls(layer)
-        return (NO_WALLS if walls is None else walls.recomputation_walls()).refine(pde, hidden_states, cache)
-
-    def _recomputation_walls(self, layer):
-        """Outside the model's forward: gradient checkpointing's recomputation of ``layer`` (the walls of the forward
-        it recomputes), or a module called by itself (no walls)."""
+        # Outside the model's forward: gradient checkpointing's recomputation of `layer`, or a module called by itself.
         walls = self.checkpoint_walls
         if (walls is None or not torch.is_grad_enabled() or not layer.training
                 or not getattr(layer, "gradient_checkpointing", False)):
-            return None
-        return walls
+            return NO_WALLS.refine(pde, hidden_states, cache)
+        return walls.recomputation_walls().refine(pde, hidden_states, cache)
 
     def remove_hooks(self):
         for handle in self.handles:

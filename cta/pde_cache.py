@@ -1,16 +1,14 @@
 # coding=utf-8
 """The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
 
-A causal PDE site keeps its state in transformers' hybrid cache layers: one conv state per step of the scheme, an fp32
-``[batch, 1, channels, 1]`` buffer holding that step's iterate at the last position; site ``k`` of a layer owns the
-conv states ``k * steps .. k * steps + steps - 1``. Time is the last axis: while a cache records its past (assisted
-and prompt-lookup decoding) a site appends one column per position, and the cache's ``crop`` rolls the state back as
-it does for Mamba-like layers. Why one buffer per step: ``docs/decoding.md``. A decode step that cannot find its state
-would refine the new token as if it started a sequence, wrong without an error: everything here raises instead.
+A causal PDE site keeps its state in hybrid cache layers: one fp32 ``[batch, 1, channels, 1]`` conv state per step
+(that step's iterate at the last position); site ``k`` of a layer owns conv states ``k * steps .. k * steps + steps -
+1``. While a cache records its past (assisted decoding) a site appends one column per position, and ``crop`` rolls it
+back (``docs/decoding.md``). A decode step without its state would silently refine the token as if it started a
+sequence: everything here raises instead.
 
-transformers renamed its models' cache argument ``past_key_values`` to ``cache`` in 5.24 (the old name is accepted,
-deprecated, until 5.40). Models read either; what they pass on and return uses :data:`CACHE_ARGUMENT`, the installed
-release's name.
+transformers renamed the cache argument ``past_key_values`` to ``cache`` in 5.24 (the old name deprecated until 5.40).
+Models read either; what they pass on and return uses :data:`CACHE_ARGUMENT`, the installed release's name.
 """
 
 from __future__ import annotations
@@ -36,9 +34,8 @@ PAST_KEY_VALUES_REMOVAL = "5.40.0"
 
 
 def deprecate_past_key_values(forward):
-    """What transformers' own models do with the old cache keyword: on a release that renamed it (``cache``), its
-    ``deprecate_kwarg`` (the same FutureWarning, the value moved to ``cache``); on older ones ``past_key_values`` is
-    the real name: ``forward`` unchanged, no warning."""
+    """What transformers' own models do with the old cache keyword: its ``deprecate_kwarg`` on a release that renamed
+    it, ``forward`` unchanged on older ones."""
     if CACHE_ARGUMENT != "cache":
         return forward
     return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
@@ -49,9 +46,8 @@ STATE_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
 
 
 def layer_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
-    """The first cache conv-state index of every causal PDE site of one layer (placement -> index; a site owns
-    ``pde_steps`` consecutive states, one per step): its per-layer sites in :data:`STATE_PLACEMENTS` order, then, in
-    layer 0, the ``embedding`` site."""
+    """placement -> first cache conv-state index of each causal PDE site of one layer (``pde_steps`` states each):
+    its sites in :data:`STATE_PLACEMENTS` order, then, in layer 0, the ``embedding`` site."""
     sites = []
     if pde_steps > 0 and layer_has_pde:
         sites = [name for name in STATE_PLACEMENTS if name in placements]
@@ -65,9 +61,8 @@ HYBRID_LAYER_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_s
 
 
 def hybrid_cache_layout(attention_types, state_indices, pde_steps: int):
-    """``(layer_types, number_of_conv_states)`` that make ``DynamicCache(config=...)`` hold the PDE states: each
-    layer's attention type (``attention_types``) made hybrid, with room for the most states a layer holds
-    (``state_indices(i)``: layer ``i``'s :func:`layer_state_indices`); None where no layer holds one."""
+    """``(layer_types, number_of_conv_states)`` that make ``DynamicCache(config=...)`` hold the PDE states (each
+    attention type made hybrid; ``state_indices(i)``: layer ``i``'s :func:`layer_state_indices`), or None."""
     counts = [len(state_indices(i)) * pde_steps for i in range(len(attention_types))]
     if not any(counts):
         return None
@@ -79,15 +74,15 @@ def hybrid_cache_layout(attention_types, state_indices, pde_steps: int):
 
 
 def pde_sites(num_layers: int, state_indices) -> list:
-    """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites; ``state_indices(i)`` is layer ``i``'s
-    :func:`layer_state_indices`. What :func:`check_pde_states` checks."""
+    """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites, what :func:`check_pde_states`
+    checks."""
     return [(f"{placement} of layer {i}", i, state) for i in range(num_layers)
             for placement, state in state_indices(i).items()]
 
 
 def pop_cache(kwargs: dict, cache=None):
-    """The cache given to a forward, under either name (``cache`` or the older ``past_key_values``); pops both from
-    ``kwargs``. ``cache`` is the value of an explicit ``cache`` parameter, if the forward has one."""
+    """The cache given to a forward under either name (popped from ``kwargs``; ``cache``: an explicit parameter's
+    value)."""
     old = kwargs.pop("past_key_values", None)
     new = kwargs.pop("cache", None)
     given = [c for c in (cache, new, old) if c is not None]
@@ -97,15 +92,14 @@ def pop_cache(kwargs: dict, cache=None):
 
 
 def cache_lookup_order(names=CACHE_ARGUMENTS) -> tuple:
-    """The keywords :func:`find_cache` tries, in order: the installed release's name first, then the other ``names``
-    a layer may take the cache as (GPT-NeoX's and BLOOM's layers: ``layer_past``). Made once per site."""
+    """The keywords :func:`find_cache` tries: the installed release's name first, then the other ``names`` a layer
+    may take the cache as (GPT-NeoX's ``layer_past``)."""
     return tuple(dict.fromkeys((*_CACHE_LOOKUP_ORDER, *names)))
 
 
 def find_cache(kwargs: dict, order=_CACHE_LOOKUP_ORDER):
-    """The cache in a forward's keyword arguments, without removing it, under the first keyword of ``order`` that
-    holds one (older releases pass an unknown ``cache=`` on untouched in ``**kwargs`` beside the ``past_key_values``
-    in use)."""
+    """The cache in a forward's keyword arguments under the first keyword of ``order`` that holds one (older releases
+    pass an unknown ``cache=`` on untouched beside the ``past_key_values`` in use)."""
     for name in order:  # (a constant tuple: this runs once per PDE-bearing layer and decoded token)
         cache = kwargs.get(name)
         if cache is not None:
@@ -126,17 +120,9 @@ def _state_layer(cache, layer_idx: int):
     return layer
 
 
-def has_pde_state(cache, layer_idx: int, state_idx: int) -> bool:
-    """Whether the cache holds the PDE state of the site whose first conv state is ``state_idx`` (stored after the
-    site's first forward with this cache)."""
-    return conv_state_written(_state_layer(cache, layer_idx), state_idx)
-
-
 def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Optional[list]:
-    """The causal PDE state stored in a transformers Cache: its ``steps`` levels, each its conv state itself,
-    ``[batch, 1, channels, positions]`` with the level at the last position (``positions`` is 1 unless the cache
-    records its past), written in place by a decode step; or None before prefill. (The conv states themselves, not
-    views: an eager decode step hands them to its kernel as they are, one view less per step and token.)"""
+    """The site's ``steps`` cached levels, its conv states ``[batch, 1, channels, positions]`` themselves (not views:
+    one view less per step and token), the level at the last position; or None before prefill."""
     layer = _state_layer(cache, layer_idx)
     if not conv_state_written(layer, state_idx):
         return None
@@ -148,15 +134,13 @@ _torch_is_exporting = getattr(torch.compiler, "is_exporting", None)  # (public f
 
 @torch.compiler.assume_constant_result
 def is_exporting() -> bool:
-    """Whether ``torch.export`` traces this call (strict or not); False under ``torch.compile``. Dynamo runs it while
-    tracing instead of tracing it (no guard): Dynamo folds ``torch.compiler.is_exporting()`` itself to True under
-    ``torch.compile`` too, up to recent releases."""
+    """Whether ``torch.export`` traces this call; False under ``torch.compile`` (Dynamo runs it instead of tracing
+    it, while it folds ``torch.compiler.is_exporting()`` itself to True under ``torch.compile`` in some releases)."""
     return bool(_torch_is_exporting is not None and _torch_is_exporting())
 
 
 def refuse_export_with_cache(model_name: str):
-    """Raises: ``torch.export`` traces a forward of a model with causal PDE sites that is given a cache (transformers'
-    ExecuTorch recipe ``TorchExportableModuleForDecoderOnlyLM``, or a cache passed in by hand)."""
+    """Raises: ``torch.export`` traces a forward of a model with causal PDE sites that is given a cache."""
     message = (
         f"{model_name}: cannot export a forward with a cache. Its causal PDE sites keep their state in the cache's "
         "conv states, which the exported program's cache does not carry as mutable state (transformers' export "
@@ -174,15 +158,14 @@ def refuse_export_with_cache(model_name: str):
 
 def check_pde_states(cache, sites, model_name: str):
     """Raises unless every causal PDE site of ``sites`` (``[(site name, layer_idx, state_idx)]``) finds its state in
-    ``cache`` whenever the cache already holds past tokens (a continuation step), and while ``torch.export`` traces a
-    forward given a cache (:func:`refuse_export_with_cache`). Call it before the step runs."""
+    a ``cache`` that holds past tokens, or while ``torch.export`` traces a forward given a cache."""
     if cache is None or not sites:
         return
     if torch.compiler.is_compiling():
         if is_exporting():
             refuse_export_with_cache(model_name)
         return  # traced: the eager calls before (prefill) checked the same cache
-    missing = [site for site in sites if not has_pde_state(cache, site[1], site[2])]
+    missing = [site for site in sites if not conv_state_written(_state_layer(cache, site[1]), site[2])]
     if not missing:
         return  # host-side lookups only: no device synchronisation on a decode step
     past_length = int(cache.get_seq_length())  # a first chunk has no state yet; asked only then (a static cache syncs)
@@ -210,6 +193,6 @@ def missing_cache_error(site: str) -> ValueError:
 __all__ = [
     "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
     "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
-    "has_pde_state", "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
+    "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
     "refuse_export_with_cache", "check_pde_states", "missing_cache_error",
 ]

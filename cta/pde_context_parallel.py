@@ -2,22 +2,14 @@
 """Causal PDE refinement of a sequence sharded across ranks (context / sequence parallelism), exact.
 
 Under torch's ``context_parallel`` (accelerate's ``cp_size``) or outside the attention of DeepSpeed's Ulysses every rank
-holds a shard of the sequence. A causal site with ``S`` explicit steps makes position ``t`` depend on inputs
-``t - S .. t`` only, so each local chunk needs the ``S`` rows that precede it in the global sequence (its *halo*) and
-nothing else: the PDE runs on ``[halo ; chunk]`` and keeps the chunk's rows. The halo's own first rows read a wall
-instead of their true left neighbours, but that error moves one position per step and never reaches the chunk.
+holds a shard of the sequence. With ``S`` causal steps position ``t`` depends on inputs ``t - S .. t`` only, so each
+local chunk needs the ``S`` rows before it (its *halo*): the PDE runs on ``[halo ; chunk]`` and keeps the chunk's rows
+(the halo's first rows read a wall, an error that moves one position per step and never reaches the chunk).
+Layouts (:class:`SequenceShards`): ``contiguous`` (rank ``r`` holds chunk ``r`` of ``W``) and torch's ``head_tail``
+(``2W`` chunks, rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, in that order).
 
-Layouts (:class:`SequenceShards`, the same on every rank): ``contiguous`` (rank ``r`` holds chunk ``r`` of ``W``) and
-torch's ``head_tail`` load balancing (the sequence cut into ``2W`` chunks, rank ``r`` holds chunks ``r`` and
-``2W - 1 - r``, concatenated in that order).
-
-Users turn it on with :func:`shard_sequences` (a plain accelerate or torch loop) or, under ``transformers.Trainer``,
-with :class:`ContextParallelCallback`; :func:`refuse_untold_sites` is the forward's check that they did.
-
-No hang: every rank runs the same collectives in the same order (one ``all_gather`` of every local chunk's last
-``S`` rows and one of their walls forward, one ``all_gather`` of the halos' gradients backward), and everything that
-cannot be served is refused by :func:`check_sharded_refinement` from what all ranks share (the module's config, the
-layout, the local shapes) before the first collective.
+No hang: every rank runs the same collectives in the same order, and whatever cannot be served is refused by
+:func:`check_sharded_refinement` from what all ranks share (config, layout, local shapes) before the first one.
 """
 
 from __future__ import annotations
@@ -46,8 +38,7 @@ class SequenceShards:
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
-            raise ValueError(f"`layout` must be one of {LAYOUTS} (torch's context_parallel load balancing is "
-                             f"'head_tail', contiguous shards 'contiguous'), got {self.layout!r}.")
+            raise ValueError(f"`layout` must be one of {LAYOUTS}, got {self.layout!r}.")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"`world_size` must be a positive int, got {self.world_size!r}.")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
@@ -82,8 +73,7 @@ class SequenceShards:
         return chunk, 0
 
     def left_neighbour(self, position: int) -> Optional[tuple]:
-        """Owner ``(rank, position)`` of the chunk before this rank's ``position``-th chunk; None at the global
-        start."""
+        """Owner of the chunk before this rank's ``position``-th chunk; None at the global start."""
         chunk = self.local_chunks[position]
         return None if chunk == 0 else self.owner(chunk - 1)
 
@@ -102,14 +92,11 @@ class SequenceShards:
 
 @dataclass(frozen=True)
 class SequenceSharding:
-    """How a model's sequences are sharded over the ranks of ``group`` (None: the default group), whatever their
-    length: ``layout`` ``torch`` is the rule of torch's ``context_parallel`` with its default load balancing (head-tail
-    where the global length splits into ``2W`` chunks, i.e. the local length is even, contiguous otherwise), or a
-    fixed ``contiguous`` / ``head_tail``. torch exposes no public way to read whether it load-balances (only the
-    private ``_cp_options.enable_load_balance``, on by default, which accelerate and the Trainer leave on): a run that
-    turns it off says ``contiguous``. ``training_only``: the engine shards training forwards only (DeepSpeed Ulysses
-    as accelerate sets it up, ``disable_in_eval``): a forward in eval mode then sees whole sequences and the sites
-    refine them as such. Give it to :func:`shard_sequences`."""
+    """How a model's sequences are sharded over the ranks of ``group`` (None: the default group); give it to
+    :func:`shard_sequences`. ``layout="torch"``: torch ``context_parallel``'s default load balancing (head-tail where
+    the local length is even, contiguous otherwise); torch has no public way to read whether it load-balances, so a
+    run that turns it off says ``contiguous``. ``training_only``: the engine shards train-mode forwards only
+    (DeepSpeed Ulysses under accelerate, ``disable_in_eval``); eval forwards see whole sequences."""
 
     layout: str = "torch"
     group: Any = None
@@ -129,10 +116,8 @@ class SequenceSharding:
 
     @classmethod
     def for_accelerator(cls, accelerator) -> Optional["SequenceSharding"]:
-        """The sharding of accelerate's ``parallelism_config`` (what ``TrainingArguments(parallelism_config=...)``
-        sets up), or None when it shards no sequence. torch CP: the ``cp`` mesh, torch's rule. DeepSpeed Ulysses:
-        contiguous shards outside attention, over DeepSpeed's sequence-parallel group (read where accelerate reads
-        it)."""
+        """The sharding of accelerate's ``parallelism_config``, or None when it shards no sequence: torch CP over
+        the ``cp`` mesh, or DeepSpeed Ulysses (contiguous shards over DeepSpeed's sequence-parallel group)."""
         config = getattr(accelerator, "parallelism_config", None)
         cp, sp = config is not None and config.cp_enabled, config is not None and config.sp_enabled
         if cp and sp:
@@ -157,7 +142,7 @@ class SequenceSharding:
 def _site_holders(model):
     """What holds a sharding in ``model``: each patched model's per-forward context and each native CTAModel."""
     for module in model.modules():
-        context = module.__dict__.get("_cta_context")  # (a patched model's per-forward context)
+        context = module.__dict__.get("_cta_context")
         if context is not None:
             yield context, "sharding"
         if hasattr(type(module), "pde_sharding"):  # (a native CTAModel)
@@ -166,9 +151,8 @@ def _site_holders(model):
 
 def shard_sequences(model, sharding: Optional[SequenceSharding]):
     """Tells every PDE site of ``model`` (a CTA model, or one patched by ``cta.patch_model``; PEFT-wrapped too) how
-    its sequences are sharded from now on (None: not sharded); returns ``model``. Under torch's ``context_parallel``
-    each site then refines its shard exactly (one halo exchange per site and direction); without it each shard would
-    be refined as if it were a whole sequence."""
+    its sequences are sharded from now on (None: not sharded); returns ``model``. Without it each shard would be
+    refined as if it were a whole sequence."""
     if sharding is not None and not isinstance(sharding, SequenceSharding):
         raise TypeError(f"`sharding` must be a cta SequenceSharding or None, got {type(sharding).__name__}.")
     found = False
@@ -182,9 +166,8 @@ def shard_sequences(model, sharding: Optional[SequenceSharding]):
 
 
 def accelerate_shards_sequences() -> bool:
-    """Whether this process's accelerate state (the Trainer's / an Accelerator's ``parallelism_config``) shards
-    sequences (``cp_size`` or ``sp_size`` > 1). Reads the state without creating it, and without importing
-    accelerate: cheap enough for every forward."""
+    """Whether this process's accelerate ``parallelism_config`` shards sequences; reads the state without creating
+    it or importing accelerate (cheap enough for every forward)."""
     state = sys.modules.get("accelerate.state")
     config = None if state is None else state.AcceleratorState._shared_state.get("parallelism_config")
     return config is not None and bool(config.cp_enabled or config.sp_enabled)
@@ -192,8 +175,7 @@ def accelerate_shards_sequences() -> bool:
 
 def refuse_untold_sites(sharding, training: bool, model_name: str = "model"):
     """Raises when accelerate shards this training forward's sequences but the model's sites were not told
-    (``sharding`` None): each shard would be refined as a whole sequence, wrong in silence. Decided from what every
-    rank shares, so every rank raises before the sites' first collective."""
+    (``sharding`` None): each shard would be refined as a whole sequence, wrong in silence."""
     if sharding is None and training and accelerate_shards_sequences():
         raise ValueError(
             f"{model_name}: accelerate's parallelism_config shards the sequence across ranks (cp_size / sp_size > 1) "
@@ -202,16 +184,12 @@ def refuse_untold_sites(sharding, training: bool, model_name: str = "model"):
 
 
 class ContextParallelCallback(TrainerCallback):
-    """``Trainer(..., callbacks=[cta.ContextParallelCallback()])``: under ``TrainingArguments(parallelism_config=
-    ParallelismConfig(cp_size=N))`` (or an accelerate config file's ``parallelism_config``) tells every PDE site of
-    the Trainer's model how accelerate shards its sequences (:meth:`SequenceSharding.for_accelerator` of the
-    process's ``AcceleratorState``), when the Trainer is built (torch CP) and again when training begins, after the
-    Trainer prepared the model and before the first step (``model_init`` may have built a new one; DeepSpeed's
-    sequence-parallel group exists only then). A native decoder's ``layer_types`` (``hybrid``: full causal attention and
-    its PDE cache state) read ``full_attention`` in between, for accelerate's guard. The sites stay sharded afterwards: the Trainer's evaluation with labels
-    runs under the same context parallelism; call ``cta.shard_sequences(model, None)`` before a plain forward or
-    ``generate``. Without a sequence-sharding ``parallelism_config``, or on a model with no PDE sites, it does
-    nothing."""
+    """``Trainer(..., callbacks=[cta.ContextParallelCallback()])``: under a sequence-sharding ``parallelism_config``
+    (``cp_size`` / ``sp_size``) tells every PDE site of the Trainer's model how accelerate shards its sequences, when
+    the Trainer is built (torch CP) and again when training begins, after the model is prepared (``model_init`` may
+    have built a new one; DeepSpeed's sequence-parallel group exists only then). The sites stay sharded afterwards
+    (the Trainer's evaluation runs under the same parallelism): call ``cta.shard_sequences(model, None)`` before a
+    plain forward or ``generate``. Otherwise, or on a model with no PDE sites, it does nothing."""
 
     _hidden_layer_types = None  # (the native config and its layer_types while the Trainer prepares the model)
 
@@ -244,9 +222,8 @@ class ContextParallelCallback(TrainerCallback):
 
 
 def check_sharded_refinement(pde_module, hidden_states, shards, token_mask=None, position_ids=None) -> int:
-    """Raises what :func:`refine_sharded` cannot serve; returns the chunk length. Decided only from the module's
-    config, the layout and the local shapes, which are the same on every rank: every rank raises the same error before
-    any collective."""
+    """Raises what :func:`refine_sharded` cannot serve (from what every rank shares, before any collective); returns
+    the chunk length."""
     if not isinstance(shards, SequenceShards):
         raise TypeError(f"`shards` must be a cta SequenceShards, got {type(shards).__name__}.")
     if not getattr(pde_module, "causal", False):
@@ -282,7 +259,7 @@ def check_sharded_refinement(pde_module, hidden_states, shards, token_mask=None,
 
 
 def _all_gather(tensor, shards):
-    """``[world_size, *tensor.shape]``: every rank's ``tensor`` (one symmetric collective)."""
+    """``[world_size, *tensor.shape]``: every rank's ``tensor``."""
     if shards.world_size == 1:
         return tensor.unsqueeze(0)
     # (concatenated along dim 0, the form every backend takes, gloo included)
@@ -295,21 +272,14 @@ def _all_gather(tensor, shards):
 def _neighbour_rows(gathered, shards, offset):
     """For each local chunk ``c``: what ``gathered`` ``[world, chunks_per_rank, ...]`` holds for chunk ``c + offset``
     (zeros past either end of the sequence)."""
-    rows = []
-    for chunk in shards.local_chunks:
-        source = chunk + offset
-        if 0 <= source < shards.num_chunks:
-            rows.append(gathered[shards.owner(source)])
-        else:
-            rows.append(torch.zeros_like(gathered[0, 0]))
-    return torch.stack(rows)
+    return torch.stack([gathered[shards.owner(chunk + offset)] if 0 <= chunk + offset < shards.num_chunks
+                        else torch.zeros_like(gathered[0, 0]) for chunk in shards.local_chunks])
 
 
 class _HaloExchange(torch.autograd.Function):
-    """``tails`` ``[chunks_per_rank, ...]`` (each local chunk's last rows) -> each local chunk's halo (its left
-    neighbour chunk's tail). Backward gathers the halos' gradients and hands each sender the one of its tail.
-    (torch.distributed.nn's all_gather is not used: its backward runs only where a gathered tensor is used, and a rank
-    holding only the first chunk uses none, so the other ranks' backward collective would wait forever.)"""
+    """``tails`` ``[chunks_per_rank, ...]`` (each local chunk's last rows) -> each local chunk's halo; backward hands
+    each sender its tail's gradient. (Not torch.distributed.nn's all_gather: its backward runs only where a gathered
+    tensor is used, so a rank holding only the first chunk would skip it and the others would wait forever.)"""
 
     @staticmethod
     def forward(ctx, tails, shards):
@@ -322,9 +292,9 @@ class _HaloExchange(torch.autograd.Function):
 
 
 def exchange_halo(hidden_states: torch.Tensor, shards: SequenceShards, halo: int) -> torch.Tensor:
-    """``[chunks_per_rank, batch, halo, channels]``: the ``halo`` rows that precede each local chunk of
-    ``hidden_states`` ``[batch, local_seq, channels]`` in the global sequence (zeros before the global start).
-    Differentiable: the halo's gradient is added to the sender's rows. Every rank must call it with the same shapes."""
+    """``[chunks_per_rank, batch, halo, channels]``: the ``halo`` rows before each local chunk of ``hidden_states``
+    ``[batch, local_seq, channels]`` in the global sequence (zeros before the start); differentiable. Every rank must
+    call it with the same shapes."""
     batch, local_length, channels = hidden_states.shape
     chunk_length = local_length // shards.chunks_per_rank
     if local_length % shards.chunks_per_rank or not 0 < halo <= chunk_length:
@@ -337,12 +307,10 @@ def exchange_halo(hidden_states: torch.Tensor, shards: SequenceShards, halo: int
 
 def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShards,
                    token_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
-    """Applies the causal ``pde_module`` (a :class:`PDERefinement`) to this rank's shard ``hidden_states``
-    ``[batch, local_seq, channels]`` of a sequence laid out as ``shards`` says: exactly the rows the module gives the
-    full sequence, walls included (the global start; ``token_mask`` ``[batch, local_seq]``, 0 for padding; packed
-    sequences where ``position_ids`` ``[batch, local_seq]`` restart). Every rank must call it with the same shapes,
-    and ``position_ids`` on every rank or none. ``token_mask`` may be None on a rank whose rows are all real while
-    another passes one (the walls are exchanged either way). No cache: training / prefill only."""
+    """Applies the causal ``pde_module`` to this rank's shard ``hidden_states`` ``[batch, local_seq, channels]``
+    laid out as ``shards`` says: exactly the rows it gives the full sequence, walls included (``token_mask``
+    ``[batch, local_seq]``, 0 for padding; packed sequences where ``position_ids`` restart). Every rank must call it
+    with the same shapes, and ``position_ids`` on every rank or none (``token_mask`` may differ). No cache."""
     chunk_length = check_sharded_refinement(pde_module, hidden_states, shards, token_mask, position_ids)
     steps = pde_module.steps
     if steps == 0:

@@ -1,10 +1,6 @@
 # coding=utf-8
-"""The CTA PDE operator's dispatch (PyTorch reference or Triton kernels) and its learnable module.
-
-``pde_refine`` / ``pde_decode_step`` choose the backend; :class:`PDERefinement` holds the coefficients, keeps them
-inside their stable bounds (``project_coefficient``) and keeps the causal decode state in transformers' Cache API.
-The schemes and their stability are documented in ``pde_reference``; the bounds in ``pde_spec``.
-"""
+"""The CTA PDE operator's backend dispatch (PyTorch reference or Triton kernels) and its learnable module,
+:class:`PDERefinement`. The schemes and their stability: ``pde_reference``; the bounds: ``pde_spec``."""
 
 from __future__ import annotations
 
@@ -38,19 +34,14 @@ from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Backend dispatch
-# ----------------------------------------------------------------------------------------------------------------
-
-
 _TRITON = []  # [(cta.triton_cta or None, why it cannot run here)] once looked up (cached: decode asks per token)
 # Dtypes the Triton backend takes: fp32 / bf16 / fp16 run fused, fp64 runs the reference inside it.
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _triton_lookup():
-    """``(cta.triton_cta, None)`` when Triton can run here (CUDA, or its interpreter), else ``(module or None, the
-    missing requirement)``; looked up once."""
+    """``(cta.triton_cta, None)`` when Triton can run here, else ``(None, the missing requirement)``; looked up
+    once."""
     if not _TRITON:
         module, missing = None, None
         try:  # a `from .x import` line: transformers' remote-code loader copies the files such lines name
@@ -68,19 +59,13 @@ def _triton_lookup():
     return _TRITON[0]
 
 
-def _triton_module():
-    """``cta.triton_cta`` when Triton can run here (CUDA, or the interpreter), else None."""
-    return _triton_lookup()[0]
-
-
 def triton_available() -> bool:
     """True when the Triton kernels can run here (triton importable, and CUDA or ``TRITON_INTERPRET=1``)."""
-    return _triton_module() is not None
+    return _triton_lookup()[0] is not None
 
 
 def triton_missing_requirement(tensor: torch.Tensor) -> Optional[str]:
-    """Why ``backend="triton"`` cannot refine ``tensor`` here (no Triton, no CUDA device, a tensor off CUDA, an
-    unsupported dtype), or None when it can. Host-side attribute checks only: no import, no synchronisation."""
+    """Why ``backend="triton"`` cannot refine ``tensor`` here, or None when it can (host-side checks only)."""
     module, missing = _triton_lookup()
     if missing is not None:
         return missing
@@ -105,19 +90,9 @@ def _use_triton(backend: str, tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and tensor.dtype in TRITON_DTYPES and triton_available()
 
 
-def pde_refine(
-    hidden_states: torch.Tensor,
-    *,
-    pde_type: str,
-    steps: int,
-    alpha,
-    beta=None,
-    causal: bool = False,
-    attention_mask: Optional[torch.Tensor] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    return_final_state: bool = False,
-    backend: str = "auto",
-):
+def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha, beta=None, causal: bool = False,
+               attention_mask: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
+               return_final_state: bool = False, backend: str = "auto"):
     """Refines ``hidden_states`` ``[batch, seq, channels]`` with ``steps`` explicit steps of the PDE ``pde_type``.
 
     Args:
@@ -128,44 +103,34 @@ def pde_refine(
         causal: one-sided stencil: position ``i`` depends only on positions ``<= i``.
         attention_mask: ``[batch, seq]``, 1 for tokens, 0 for padding (a wall that is returned unchanged).
         initial_state / return_final_state: causal streaming state ``[batch, steps, channels]`` (see the reference).
-        backend: ``auto`` (Triton on CUDA when importable), ``torch`` (the reference) or ``triton`` (raises, naming
-            the missing requirement, where it cannot run: no Triton, no CUDA device, an unsupported dtype).
+        backend: ``auto`` (Triton on CUDA when importable), ``torch`` (the reference) or ``triton`` (raises,
+            naming the missing requirement, where it cannot run).
 
-    A Python-number ``alpha`` / ``beta`` outside its scheme's stable interval (``coefficient_bounds(pde_type,
-    causal)``, :data:`COEFFICIENT_BOUNDS`) raises a ValueError. Tensor coefficients are checked for shape and dtype
-    only: their values are not range-checked (reading them would synchronise the host with the device), and values
-    outside the interval lose the stability guarantee. :class:`PDERefinement` projects its own coefficients onto the
-    interval.
+    A Python-number ``alpha`` / ``beta`` outside its stable interval (``coefficient_bounds(pde_type, causal)``)
+    raises a ValueError. Tensor coefficients are checked for shape and dtype only: their values are not range-checked
+    (reading them would synchronise the host with the device); :class:`PDERefinement` projects its own.
     """
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
                   attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state)
     if _use_triton(backend, hidden_states):
-        return _triton_module().pde_refine_triton(hidden_states, **kwargs)
+        return _triton_lookup()[0].pde_refine_triton(hidden_states, **kwargs)
     return pde_refine_reference(hidden_states, **kwargs)
 
 
-# A one-token decode step is a state update (pde_decode.py): the fused Triton decode kernel on CUDA eager, plain torch
-# ops elsewhere and under torch.compile, where Inductor fuses them, state writes included, with the norm that follows
-# (docs/decoding.md).
 def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto",
                     coefficient_bounds=None):
-    """One causal decode step, ``state`` updated in place: :func:`pde_decode_step_reference`'s semantics (the
-    ground truth), computed as :func:`pde_decode.pde_decode_update` or by the Triton decode kernel."""
+    """One causal decode step, ``state`` updated in place, with :func:`pde_decode_step_reference`'s semantics: the
+    Triton decode kernel on CUDA eager, else plain torch ops (``pde_decode``), which Inductor fuses with the norm that
+    follows (docs/decoding.md)."""
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=token_mask,
                   coefficient_bounds=coefficient_bounds)
     if _use_triton(backend, hidden_states) and not torch.compiler.is_compiling():
-        return _triton_module().pde_decode_step_triton(hidden_states, state, **kwargs)
-    pde_type, alpha, beta, bounds = check_decode_arguments(
-        hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds
-    )
+        return _triton_lookup()[0].pde_decode_step_triton(hidden_states, state, **kwargs)
+    pde_type, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta,
+                                                           token_mask, coefficient_bounds)
     alpha, beta = clamp_coefficients(alpha, beta, bounds)
     return pde_decode_update(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
                              token_mask=token_mask)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Learnable module
-# ----------------------------------------------------------------------------------------------------------------
 
 
 class _StraightThroughClamp(torch.autograd.Function):
@@ -193,8 +158,7 @@ def project_coefficient(raw: torch.Tensor, bounds) -> torch.Tensor:
 
 def _scalar_coefficients_as_one_element(module, state_dict, prefix, *args):
     """``load_state_dict`` pre-hook: a 0-d coefficient (how 0.1.0 saved a scalar) becomes the 1-element tensor the
-    module holds now, so PEFT adapters and state dicts of that release load (transformers' own loader: see
-    ``checkpoint_conversion``)."""
+    module holds now (transformers' own loader: ``checkpoint_conversion``)."""
     for name in ("alpha", "beta"):
         value = state_dict.get(prefix + name)
         if torch.is_tensor(value) and value.dim() == 0:
@@ -204,27 +168,15 @@ def _scalar_coefficients_as_one_element(module, state_dict, prefix, *args):
 class PDERefinement(nn.Module):
     """Learnable PDE refinement of ``[batch, seq, channels]`` hidden states.
 
-    Parameters ``alpha`` (and ``beta`` for reaction/advection) are scalars or per-channel vectors; the scheme always
-    uses them projected onto the stable interval of :data:`COEFFICIENT_BOUNDS` (see :func:`project_coefficient`).
-    For causal refinement with a transformers ``Cache`` the streaming state of this site is stored as the conv
-    states ``state_idx .. state_idx + steps - 1`` of cache layer ``layer_idx`` (one fp32 ``[batch, 1, channels]``
-    buffer per step), so that decoding one token at a time (in place, one kernel) or prefilling in chunks gives
-    exactly the full-sequence result.
+    ``alpha`` (and ``beta`` for reaction/advection) are scalars or per-channel vectors, used projected onto their
+    stable interval (:func:`project_coefficient`). With a transformers ``Cache`` a causal site keeps its state in the
+    conv states ``state_idx .. state_idx + steps - 1`` of cache layer ``layer_idx`` (one per step), so that decoding
+    token by token or prefilling in chunks gives exactly the full-sequence result.
     """
 
-    def __init__(
-        self,
-        channels: int,
-        pde_type: str = "diffusion",
-        steps: int = 1,
-        causal: bool = False,
-        alpha: float = 0.1,
-        beta: Optional[float] = None,
-        per_channel: bool = False,
-        backend: str = "auto",
-        layer_idx: Optional[int] = None,
-        state_idx: int = 0,
-    ):
+    def __init__(self, channels: int, pde_type: str = "diffusion", steps: int = 1, causal: bool = False,
+                 alpha: float = 0.1, beta: Optional[float] = None, per_channel: bool = False, backend: str = "auto",
+                 layer_idx: Optional[int] = None, state_idx: int = 0):
         super().__init__()
         self.pde_type = normalize_pde_type(pde_type)
         check_steps(steps)
@@ -270,16 +222,14 @@ class PDERefinement(nn.Module):
         return alpha, beta
 
     def _decode_step(self, hidden_states, levels, attention_mask):
-        """One token ``[batch, 1, channels]``: a state update (``levels``: this site's cached state, one fp32 conv
-        state ``[batch, 1, channels, positions]`` per step, updated in place; returns the refined token). CUDA eager:
-        the fused kernel on the raw parameters, projected onto their bounds in the kernel (decode is host-bound: one
-        launch per site and token). Elsewhere and under torch.compile: a few plain torch ops
-        (``pde_decode.pde_decode_update``), which Inductor fuses with the norm that follows."""
+        """One token ``[batch, 1, channels]``; ``levels`` (this site's cached state, one fp32 conv state per step) are
+        updated in place. CUDA eager: the fused kernel on the raw parameters, projected in the kernel (decode is
+        host-bound). Elsewhere and traced: ``pde_decode.pde_decode_update``'s plain torch ops."""
         if (levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS and not torch.compiler.is_compiling()
                 and _use_triton(self.backend, hidden_states)):
             if levels[0].shape[-1] != 1:  # (a cache that kept several positions: the kernel takes the last one's)
                 levels = [level[..., -1] for level in levels]
-            return _triton_module().pde_decode_token_triton(
+            return _triton_lookup()[0].pde_decode_token_triton(
                 hidden_states, levels, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
         decode_map = None
@@ -307,9 +257,9 @@ class PDERefinement(nn.Module):
         return cached[1]
 
     def forward(self, hidden_states, attention_mask=None, cache=None, packed=None):
-        """Refines ``hidden_states`` ``[batch, seq, channels]``; ``attention_mask`` ``[batch, seq]`` (0: padding, a
-        wall), ``cache``: a transformers Cache holding this site's causal state, ``packed``: the
-        :class:`pde_packing.PackedRows` of rows that hold several sequences (a wall between them)."""
+        """Refines ``hidden_states`` ``[batch, seq, channels]``; ``attention_mask`` ``[batch, seq]`` (0: padding),
+        ``cache``: a Cache holding this site's causal state, ``packed``: the ``pde_packing.PackedRows`` of rows that
+        hold several sequences."""
         if self.steps == 0:
             return hidden_states
         if packed is not None:
@@ -331,7 +281,7 @@ class PDERefinement(nn.Module):
             # ([batch, steps, channels], a copy: autograd may save it, and the cache's buffers are overwritten below)
             state = None if levels is None else torch.cat([level[..., -1] for level in levels], dim=1)
         if (cache is None or not self.causal) and _use_triton(self.backend, hidden_states):
-            refined = _triton_module().pde_refine_module_triton(
+            refined = _triton_lookup()[0].pde_refine_module_triton(
                 hidden_states, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.causal,
                 self.bounds)
             if refined is not None:
@@ -352,14 +302,14 @@ class PDERefinement(nn.Module):
         return out
 
     def _store_states(self, cache, states, dtype):
-        """Stores ``[batch, steps, channels, positions]`` as this site's conv state: fp32 (fp64 for a float64 model:
-        its cached decoding is then exact to fp64 rounding too)."""
+        """Stores ``[batch, steps, channels, positions]`` as this site's conv state: fp32 (fp64 for a float64
+        model)."""
         store_pde_state(cache, self.layer_idx, self.state_idx,
                         states.detach().to(torch.promote_types(dtype, torch.float32)))
 
     def _packed_forward(self, hidden_states, cache, packed):
-        """Rows holding several sequences: refined in the walled layout of ``packed``. With a cache (its first
-        chunk: the models refuse packed rows that continue one) the state is the last sequence's."""
+        """Rows holding several sequences, refined in the walled layout of ``packed``; with a cache (a first chunk)
+        the state is the last sequence's."""
         slots = packed.pack(hidden_states)
         if cache is None or not self.causal:
             return packed.unpack(self(slots, packed.mask))

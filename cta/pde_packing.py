@@ -1,15 +1,11 @@
 # coding=utf-8
 """Walls between sequences packed in one row (padding-free training), for every PDE backend.
 
-``DataCollatorWithFlattening`` (and any padding-free setup) concatenates sequences in one row and restarts their
-``position_ids`` at 0 (FlashAttention setups may add ``cu_seq_lens_q``). transformers' attention then keeps the
-sequences apart; a PDE site must too: the boundary between two packed sequences is a wall, as padding is.
-
-The operator already has walls: a padded position is never read and breaks every stencil. :class:`PackedRows` lays
-a row out so that one empty (padded) slot separates consecutive sequences, runs the PDE there and reads the tokens
-back: no kernel needs to know about sequences, the gather and scatter carry gradients, and the layout has a fixed
-width (``2 * seq - 1``), so it needs no host synchronisation and traces under ``torch.compile``. Rows are
-right-aligned in that width, so the last token stays last: a causal site's final state is the last sequence's.
+Padding-free setups (``DataCollatorWithFlattening``) concatenate sequences in one row and restart their
+``position_ids`` (or pass ``cu_seq_lens_q``); the boundary between two is a wall, as padding is. :class:`PackedRows`
+lays a row out with one empty (padded) slot between consecutive sequences, so no kernel needs to know about
+sequences; the layout has a fixed width (``2 * seq - 1``: no host synchronisation, traceable) and is right-aligned,
+so a causal site's final state is the last sequence's.
 """
 
 from __future__ import annotations
@@ -21,12 +17,8 @@ import torch
 
 def sequence_starts(position_ids: Optional[torch.Tensor], token_mask: Optional[torch.Tensor], length: int,
                     cu_seq_lens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """``[batch, length]`` bool, True where a real token starts a new sequence after a real token of the same row
-    (its position does not continue the previous token's by one, or ``cu_seq_lens`` starts a sequence there), or
-    None when no row of the current ``length`` tokens holds two sequences.
-
-    Outside ``torch.compile`` the answer None is found with one host synchronisation; traced, the starts are always
-    returned (the layout is exact either way)."""
+    """``[batch, length]`` bool, True where a real token starts a new sequence after a real token of the same row,
+    or None when no row holds two sequences (found with one host synchronisation; traced, the starts are returned)."""
     if length < 2:
         return None
     if position_ids is not None and torch.is_tensor(position_ids) and position_ids.dim() == 2:
@@ -79,9 +71,8 @@ class PackedRows:
 
 
 def packed_rows(position_ids, token_mask, length: int, cu_seq_lens=None, past_length: int = 0) -> Optional[PackedRows]:
-    """The :class:`PackedRows` of the current ``length`` tokens, or None where every row holds one sequence. Packed
-    rows start their sequences: where the cache held ``past_length`` tokens before this forward they raise (asked
-    only where a row is packed)."""
+    """The :class:`PackedRows` of the current ``length`` tokens, or None where every row holds one sequence; raises
+    for packed rows that continue a cache of ``past_length`` tokens."""
     starts = sequence_starts(position_ids, token_mask, length, cu_seq_lens)
     if starts is None:
         return None

@@ -1,13 +1,6 @@
 # coding=utf-8
-"""What a forward's PDE sites share, native and patched alike: their walls, and the one call that refines a site.
-
-:class:`SiteWalls` is built once per forward (:meth:`SiteWalls.of_forward`) from the forward's arguments: the 2D
-padding mask (over past and current tokens), what tells packed sequences apart (``position_ids`` restarting, or
-FlashAttention's ``cu_seq_lens_q``) and, under context / sequence parallelism, how the sequence is sharded over the
-ranks (``pde_context_parallel``). :meth:`SiteWalls.refine` refines one site with them: ``PDERefinement`` on the
-walled tokens, or the halo exchange of a sharded sequence. The native model hands its ``SiteWalls`` to its layers;
-a patched model's hooks find theirs in the model's ``PatchContext`` (``patching_hooks``).
-"""
+"""What a forward's PDE sites share, native and patched alike: :class:`SiteWalls`, built once per forward from its
+padding mask, what tells packed sequences apart and the sequence sharding, and the one call that refines a site."""
 
 from __future__ import annotations
 
@@ -18,9 +11,8 @@ from .pde_packing import packed_rows
 
 
 class SiteWalls:
-    """The walls of one forward's PDE sites (see the module notes). ``mask``: the 2D padding mask ``[batch, past +
-    seq]`` or None; ``packing``: ``(position_ids, cu_seq_lens, past length)`` or None; ``sharding``: a
-    ``pde_context_parallel.SequenceSharding`` or None; ``position_ids``: this rank's, under sharding."""
+    """``mask``: the 2D padding mask ``[batch, past + seq]``; ``packing``: ``(position_ids, cu_seq_lens, past
+    length)``; ``sharding``: a ``pde_context_parallel.SequenceSharding``; ``position_ids``: this rank's, sharded."""
 
     def __init__(self, mask=None, packing=None, sharding=None, position_ids=None):
         self.mask = mask
@@ -34,9 +26,8 @@ class SiteWalls:
     @classmethod
     def of_forward(cls, attention_mask, position_ids=None, cu_seq_lens=None, cache=None, sharding=None,
                    model_name: str = "model", training: bool = False) -> "SiteWalls":
-        """The walls of a forward called with these arguments (a 4D mask gives no walls: none can be derived);
-        ``training``: the model's train mode. A training forward (with autograd) whose sequences accelerate shards
-        raises unless the sites were told (``sharding``)."""
+        """The walls of a forward called with these arguments (a 4D mask gives none); ``training``: the model's train
+        mode."""
         mask = attention_mask if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 else None
         if sharding is not None and sharding.training_only and not training:
             sharding = None  # (an engine that shards train mode only, as DeepSpeed reads it: whole sequences here)
@@ -57,8 +48,7 @@ class SiteWalls:
         return cls(mask, (position_ids, cu_seq_lens, past_length))
 
     def token_mask(self, length: int):
-        """The padding walls of the current ``length`` tokens: ``[batch, length]``, or None where nothing is
-        padded."""
+        """The padding walls ``[batch, length]`` of the current tokens, or None where nothing is padded."""
         mask = self.mask
         if mask is None:
             return None

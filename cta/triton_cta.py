@@ -1,24 +1,15 @@
 # coding=utf-8
-"""The CUDA path of :func:`pde_cta.pde_refine`: the Triton kernels as torch custom ops with autograd.
+"""The CUDA path of :func:`pde_cta.pde_refine`: the Triton kernels (``kernels_*``) with autograd, as custom ops.
 
-The kernels live in flat sibling files (transformers' remote-code loader copies ``from .x import`` siblings):
-``kernels_jit`` (the Triton import and the fixed kernels), ``kernels_source`` (the generated streaming kernels),
-``kernels_config`` (launch configurations), ``kernels_launch`` (the launches). This module adds autograd and the
-custom ops, and the public entry points :func:`pde_refine_triton` and :func:`pde_decode_step_triton`.
-
-* Forward and backward are registered as torch custom ops (``cta::pde_refine_fwd``, ``cta::pde_refine_bwd``) with
-  fake implementations and autograd, so ``torch.compile`` traces through them without graph breaks. A traced
-  one-token decode step is the recurrence as torch ops instead (``pde_decode``): Inductor fuses it, state writes
-  included, into the kernel of the norm that follows, where an opaque op would be a kernel of its own and leave the
-  residual add before it one too. Eager calls use a plain ``torch.autograd.Function`` over the same launches (or the
-  launch alone under ``no_grad``), which costs less host time per call than the custom-op dispatcher.
-* Gradients flow to ``hidden_states``, ``alpha`` and ``beta`` through the kernels. When the gradient also involves
-  the streamed state (an ``initial_state`` that requires grad, or a returned final state that the loss uses), the
-  backward runs the PyTorch reference's autograd on the saved inputs: exact, and slower (rare in training: the
-  models detach the state they cache).
-* ``steps`` 1..16 run fused; 17..64 fall back to the reference; 0 is the identity. fp32, bf16 and fp16 run fused
-  (fp32 accumulation); fp64 falls back to the reference.
-* No call synchronises the host with the GPU: a Python-float coefficient becomes a device tensor by a fill.
+* Forward and backward are torch custom ops (``cta::pde_refine_fwd`` / ``_bwd``) with fake implementations and
+  autograd, so ``torch.compile`` traces them without graph breaks. A traced one-token decode step is torch ops
+  instead (``pde_decode``): Inductor fuses it into the norm that follows, where an opaque op would be a kernel of its
+  own. Eager calls use a plain ``torch.autograd.Function`` over the same launches (or the launch alone under
+  ``no_grad``): less host time per call than the custom-op dispatcher.
+* Gradients that involve the streamed state (an ``initial_state`` that requires grad, or a used final state) run the
+  reference's autograd on the saved inputs: exact, slower, rare (the models detach the state they cache).
+* ``steps`` 1..16 run fused, more fall back to the reference; fp32, bf16 and fp16 run fused (fp32 accumulation),
+  fp64 runs the reference. No call synchronises the host with the GPU.
 """
 
 from __future__ import annotations
@@ -31,37 +22,23 @@ from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
 from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, launch_forward
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
-from .pde_spec import (
-    PDE_IDS,
-    check_attention_mask,
-    check_decode_arguments,
-    check_decode_levels,
-    check_pde_arguments,
-)
+from .pde_spec import PDE_IDS, check_attention_mask, check_decode_arguments, check_decode_levels, check_pde_arguments
 
 __all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton",
            "pde_refine_module_triton", "pde_refine_triton"]
-
 
 
 def _pde_name(pde_id: int) -> str:
     return list(PDE_IDS)[pde_id]  # (ids are registration indices: ``pde_spec.register_scheme``)
 
 
-def _op_registered(name: str) -> bool:
-    """True when another copy of this module (e.g. transformers' remote-code copy) already registered ``cta::name``."""
-    try:
-        getattr(torch.ops.cta, name)
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-_REGISTER = not _op_registered("pde_refine_fwd")
+try:  # another copy of this module (transformers' remote-code copy) may have registered the ops already
+    _REGISTER = torch.ops.cta.pde_refine_fwd is None
+except (AttributeError, RuntimeError):
+    _REGISTER = True
 
 # The operands both refine ops take, in their impls' order (the forward op then takes `want_final`, the backward op
-# takes the output gradient `gy` first): one schema text for the two ops instead of the same type hints on both impls
-# (`SymInt` is what a hint `int` gives).
+# takes `gy` first; `SymInt` is what a hint `int` gives).
 _REFINE_OPERANDS = ("Tensor x, Tensor alpha, Tensor? beta, Tensor? mask, Tensor? init, "
                     "SymInt pde, SymInt steps, bool causal")
 
@@ -89,11 +66,8 @@ def _pde_refine_bwd_impl(gy, x, alpha, beta, mask, init, pde, steps, causal):
 
 def _pde_refine_bwd_fake(gy, x, alpha, beta, mask, init, pde, steps, causal):
     channels = x.shape[-1]
-    return (
-        x.new_empty(x.shape),
-        x.new_empty(coef_grad_shape(alpha, channels), dtype=torch.float32),
-        x.new_empty(coef_grad_shape(beta, channels), dtype=torch.float32),
-    )
+    return (x.new_empty(x.shape), x.new_empty(coef_grad_shape(alpha, channels), dtype=torch.float32),
+            x.new_empty(coef_grad_shape(beta, channels), dtype=torch.float32))
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -106,8 +80,7 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _coef_grad(c: Optional[torch.Tensor], g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A coefficient's fp32 gradient (in ``coef_grad_shape``) in its dtype and shape (a one-element parameter's
-    comes back 0-d)."""
+    """A coefficient's fp32 gradient (in ``coef_grad_shape``) in the coefficient's dtype and shape."""
     if c is None or g is None:
         return None
     g = g if g.dtype == c.dtype else g.to(c.dtype)
@@ -116,7 +89,7 @@ def _coef_grad(c: Optional[torch.Tensor], g: Optional[torch.Tensor]) -> Optional
 
 def _state_backward(ctx, gy, gfin):
     """(dx, dalpha, dbeta, dinit) through the reference's autograd on the saved inputs, for gradients that involve
-    the streamed state: the kernels' backward has no initial-state gradient and no final-state input."""
+    the streamed state (the kernels' backward has no initial-state gradient and no final-state input)."""
     x, alpha, beta, mask, init = ctx.saved_tensors
     pde, steps, causal, _ = ctx.meta
     needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[4])
@@ -137,9 +110,8 @@ def _state_backward(ctx, gy, gfin):
 
 
 def _kernel_backward(ctx, gy, gfin, eager=False):
-    """The input gradients of the forward op: the backward kernels (through the ``cta::pde_refine_bwd`` op, which
-    ``torch.compile`` can trace, or launched directly when ``eager``), or :func:`_state_backward` when the state takes
-    part."""
+    """The forward op's input gradients: the backward kernels (through ``cta::pde_refine_bwd``, or launched directly
+    when ``eager``), or :func:`_state_backward` when the state takes part."""
     if gfin is not None or ctx.needs_input_grad[4]:
         dx, dalpha, dbeta, dinit = _state_backward(ctx, gy, gfin)
         return dx, dalpha, dbeta, None, dinit, None, None, None, None
@@ -156,12 +128,10 @@ def _kernel_backward(ctx, gy, gfin, eager=False):
 
 
 class _PDERefineFunction(torch.autograd.Function):
-    """Eager-mode twin of the ``cta::pde_refine_fwd`` custom op and its registered autograd (same kernels), with
-    fewer arguments: the options ``(pde, steps, causal, want_final, bounds)`` travel as one tuple, and no final state
-    is made when none is asked for. ``bounds`` (:class:`PDERefinement`'s stateless call): the kernels clamp the raw
-    coefficients onto them as they read them and return the projected coefficients' gradient for the raw ones
-    unchanged (the straight-through projection of ``pde_cta.project_coefficient``): one Python autograd node per
-    site, no clamp op."""
+    """Eager twin of the ``cta::pde_refine_fwd`` op and its autograd, the options ``(pde, steps, causal,
+    want_final, bounds)`` as one tuple. ``bounds`` (:class:`PDERefinement`'s call): the kernels clamp the raw
+    coefficients as they read them and pass the gradient through unchanged (``pde_cta.project_coefficient``'s
+    straight-through projection): one autograd node per site, no clamp op."""
 
     @staticmethod
     def forward(ctx, x, alpha, beta, mask, init, options):
@@ -190,34 +160,14 @@ else:  # pragma: no cover - a second copy of this module shares the first copy's
     _pde_refine_bwd = torch.ops.cta.pde_refine_bwd
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Public API
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def pde_refine_triton(
-    hidden_states: torch.Tensor,
-    *,
-    pde_type: str,
-    steps: int,
-    alpha,
-    beta=None,
-    causal: bool = False,
-    attention_mask: Optional[torch.Tensor] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    return_final_state: bool = False,
-):
-    """Triton implementation of :func:`pde_cta.pde_refine_reference` (same signature and semantics).
-
-    Differentiable w.r.t. ``hidden_states``, ``alpha``, ``beta`` and ``initial_state``, and through the returned final
-    state, as the reference is (gradients that involve the state are computed by the reference's autograd, see the
-    module notes). ``steps > 16`` falls back to the reference.
-    """
+def pde_refine_triton(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha, beta=None,
+                      causal: bool = False, attention_mask: Optional[torch.Tensor] = None,
+                      initial_state: Optional[torch.Tensor] = None, return_final_state: bool = False):
+    """Triton implementation of :func:`pde_cta.pde_refine_reference` (same signature, semantics and gradients)."""
     if not is_available():
         raise RuntimeError("pde_refine_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
-    pde, alpha, beta = check_pde_arguments(
-        hidden_states, pde_type, steps, alpha, beta, attention_mask, initial_state, causal
-    )
+    pde, alpha, beta = check_pde_arguments(hidden_states, pde_type, steps, alpha, beta, attention_mask,
+                                           initial_state, causal)
     if steps > MAX_FUSED_STEPS or hidden_states.dtype == torch.float64:  # fp64: the reference computes in fp64
         return pde_refine_reference(
             hidden_states, pde_type=pde, steps=steps, alpha=alpha, beta=beta, causal=causal,
@@ -229,13 +179,9 @@ def pde_refine_triton(
     device = hidden_states.device
     if device.type != "cuda" and not INTERPRET:
         raise ValueError("pde_refine_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors).")
-    if alpha.device != device:
-        alpha = alpha.to(device)
-    if beta is not None and beta.device != device:
-        beta = beta.to(device)
-    mask = attention_mask
-    if mask is not None and mask.device != device:
-        mask = mask.to(device)
+    alpha = alpha if alpha.device == device else alpha.to(device)
+    beta = beta if beta is None or beta.device == device else beta.to(device)
+    mask = attention_mask if attention_mask is None or attention_mask.device == device else attention_mask.to(device)
     init = initial_state
     want_final = bool(return_final_state)
     if torch.compiler.is_compiling():  # the registered custom op: no graph break
@@ -255,12 +201,9 @@ def pde_refine_triton(
 
 def pde_refine_module_triton(hidden_states, alpha, beta, attention_mask, pde_type: str, steps: int, causal: bool,
                              bounds):
-    """:class:`PDERefinement`'s eager call without a cache (training, and inference without one) on its raw
-    coefficients ``alpha`` / ``beta``, projected onto ``bounds`` inside: :func:`pde_refine_triton` without its
-    argument checks, which the module's type, steps and coefficients passed when it was built (a host-bound sharded
-    training step pays them per site and step); the token mask, which a model hands over, is checked. Returns None
-    where the fused kernels do not apply (fp64, more than ``MAX_FUSED_STEPS`` steps, another device, a traced call):
-    the caller then takes :func:`pde_refine`."""
+    """:class:`PDERefinement`'s eager call without a cache on its raw coefficients, projected onto ``bounds`` inside:
+    :func:`pde_refine_triton` without the argument checks the module passed when it was built (only the token mask
+    is checked). Returns None where the fused kernels do not apply (the caller then takes :func:`pde_refine`)."""
     if (steps > MAX_FUSED_STEPS or hidden_states.dtype == torch.float64 or torch.compiler.is_compiling()
             or alpha.device != hidden_states.device):
         return None
@@ -276,25 +219,14 @@ def pde_refine_module_triton(hidden_states, alpha, beta, attention_mask, pde_typ
                           bounds)[0]
 
 
-def pde_decode_step_triton(
-    hidden_states: torch.Tensor,
-    state: torch.Tensor,
-    *,
-    pde_type: str,
-    steps: int,
-    alpha,
-    beta=None,
-    token_mask: Optional[torch.Tensor] = None,
-    coefficient_bounds=None,
-):
-    """One-token causal decode step; updates ``state`` ``[batch, steps, channels]`` (fp32) in place. Same signature
-    and semantics as :func:`pde_reference.pde_decode_step_reference`; ``coefficient_bounds`` are applied in the
-    kernel. Under ``torch.compile`` (and beyond ``MAX_FUSED_STEPS`` steps): the reference, traced as torch ops."""
+def pde_decode_step_triton(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_type: str, steps: int, alpha,
+                           beta=None, token_mask: Optional[torch.Tensor] = None, coefficient_bounds=None):
+    """One-token causal decode step updating ``state`` ``[batch, steps, channels]`` (fp32) in place, as
+    :func:`pde_reference.pde_decode_step_reference` does (which runs traced and beyond ``MAX_FUSED_STEPS``)."""
     if not is_available():
         raise RuntimeError("pde_decode_step_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
-    pde, alpha, beta, bounds = check_decode_arguments(
-        hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds
-    )
+    pde, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, token_mask,
+                                                      coefficient_bounds)
     if steps == 0:
         return hidden_states.clone()
     if torch.compiler.is_compiling() or steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
@@ -304,11 +236,9 @@ def pde_decode_step_triton(
 
 
 def pde_decode_token_triton(hidden_states, levels, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
-    """:class:`PDERefinement`'s eager decode step on ``hidden_states`` ``[batch, 1, channels]`` and its state's
-    ``levels`` (``steps <= MAX_FUSED_STEPS`` fp32 ``[batch, 1, channels, 1]`` conv states of a cache, or views
-    ``[batch, 1, channels]`` of them): the launch of :func:`pde_decode_step_triton` without its argument checks, which
-    the module's own type, steps and coefficients passed when it was built; only the state a cache hands over is
-    checked (a wrong shape would be read out of bounds)."""
+    """:class:`PDERefinement`'s eager decode step on its state's ``levels`` (fp32 ``[batch, 1, channels, 1]`` conv
+    states, or ``[batch, 1, channels]`` views): :func:`pde_decode_step_triton` without the checks the module passed
+    when built; only the cache's state is checked (a wrong shape would be read out of bounds)."""
     batch, _, channels = hidden_states.shape
     check_decode_levels(levels, batch, steps, channels)
     return launch_decode(hidden_states, levels, alpha, beta, token_mask, pde_type, steps, bounds)
