@@ -25,7 +25,7 @@ from .pde_cache import (CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, depre
 from .generation_cta import PDEGenerationMixin
 from .pde_cta import PDERefinement
 from .pde_sites import NO_WALLS, SiteWalls
-from .transformers_compat import OutputRecorder, can_return_tuple, capture_outputs
+from .transformers_compat import OutputRecorder, can_return_tuple, capture_outputs, repeat_kv
 
 
 class CTARMSNorm(nn.Module):
@@ -85,14 +85,6 @@ def rotate_half(x):
 def apply_rotary_pos_emb(q, k, cos, sin):
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
-    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -234,31 +226,25 @@ class CTADecoderLayer(GradientCheckpointingLayer):
                 output_attentions=False, **kwargs):
         # The cache arrives under the installed transformers' name (its gradient checkpointing clears that one).
         cache = pop_cache(kwargs)
-        residual = hidden_states
-        if self.pre_norm:
-            hidden_states = self.attention_norm(hidden_states)
-        attn_output, attn_weights = self.self_attn(hidden_states, position_embeddings=position_embeddings,
+        normed = self.attention_norm(hidden_states) if self.pre_norm else hidden_states
+        attn_output, attn_weights = self.self_attn(normed, position_embeddings=position_embeddings,
                                                    attention_mask=attention_mask, walls=walls, cache=cache,
                                                    output_attentions=output_attentions, **kwargs)
-        if self.attention_output_pde is not None:
-            attn_output = walls.refine(self.attention_output_pde, attn_output, cache)
-        hidden_states = residual + self.dropout(attn_output)
-        if not self.pre_norm:
-            hidden_states = self.attention_norm(hidden_states)
-
-        residual = hidden_states
-        if self.pre_norm:
-            hidden_states = self.mlp_norm(hidden_states)
-        mlp_output = self.mlp(hidden_states)
-        if self.mlp_output_pde is not None:
-            mlp_output = walls.refine(self.mlp_output_pde, mlp_output, cache)
-        hidden_states = residual + self.dropout(mlp_output)
-        if not self.pre_norm:
-            hidden_states = self.mlp_norm(hidden_states)
-
+        hidden_states = self._add_residual(hidden_states, attn_output, self.attention_norm, self.attention_output_pde,
+                                           walls, cache)
+        normed = self.mlp_norm(hidden_states) if self.pre_norm else hidden_states
+        hidden_states = self._add_residual(hidden_states, self.mlp(normed), self.mlp_norm, self.mlp_output_pde, walls,
+                                           cache)
         if self.block_output_pde is not None:
             hidden_states = walls.refine(self.block_output_pde, hidden_states, cache)
         return hidden_states, attn_weights
+
+    def _add_residual(self, residual, output, norm, pde, walls, cache):
+        """``residual`` + a sub-block's ``output`` (refined by its PDE site), normalised after the sum in post-norm."""
+        if pde is not None:
+            output = walls.refine(pde, output, cache)
+        hidden_states = residual + self.dropout(output)
+        return hidden_states if self.pre_norm else norm(hidden_states)
 
 
 # Every Auto class a saved CTA folder loads with under `trust_remote_code=True`.
@@ -303,8 +289,6 @@ class CTAPreTrainedModel(PreTrainedModel):
             init.constant_(module.alpha, module.alpha_init)
             if module.beta is not None:
                 init.constant_(module.beta, module.beta_init)
-        elif isinstance(module, CTARMSNorm):
-            init.ones_(module.weight)
 
 
 class CTAModel(CTAPreTrainedModel):
@@ -329,12 +313,6 @@ class CTAModel(CTAPreTrainedModel):
         self.pde_sites = pde_sites(config.num_hidden_layers, config.pde_state_indices) if config.is_causal else []
         self.gradient_checkpointing = False
         self.post_init()
-
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
 
     # As transformers' own base models, but not `merge_with_config_defaults`: it would pass the config's `is_causal`
     # on to the attention functions (the `use_cache` default is read below).
@@ -396,8 +374,8 @@ class CTAModel(CTAPreTrainedModel):
         return DynamicCache(config=self.config) if cache is None else cache
 
     def _check_padding_mask(self, attention_mask, batch: int, length: int):
-        """Raises where a 2D ``attention_mask`` is not ``[batch, past + seq]``, or a sharded sequence meets the
-        attention-matrix placement."""
+        """Raises where a 2D ``attention_mask`` is not ``[batch, past + seq]`` or a sharded sequence meets
+        ``attention_matrix``."""
         if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 and attention_mask.shape != (batch, length):
             raise ValueError(f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {length}], got "
                              f"{tuple(attention_mask.shape)}.")
@@ -481,11 +459,8 @@ class CTAForCausalLM(PDEGenerationMixin, CTAPreTrainedModel, GenerationMixin):
 
 
 class CTAForSequenceClassification(CTAPreTrainedModel):
-    """CTA encoder with a classification / regression head on a pooled representation.
-
-    Pooling (``config.pooling``): ``mean`` over valid tokens (the paper), ``cls`` (first token) or ``last`` (last
-    valid token). ``problem_type`` (single-label, multi-label, regression) follows transformers' heads.
-    """
+    """CTA encoder with a classification / regression head (``problem_type`` as in transformers' heads) on a pooled
+    representation (``config.pooling``: ``mean`` over valid tokens as in the paper, ``cls`` or ``last`` valid token)."""
 
     # The loss is a per-device mean (it takes no `num_items_in_batch`): Trainer must not rescale it under DDP.
     accepts_loss_kwargs = False
