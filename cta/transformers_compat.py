@@ -18,8 +18,9 @@ a config's ``__dict__``; ``cache_utils.get_layer_types_and_kwargs``  hold conv s
 ``is_remote_code``, ``get_compiled_call``, ``init_continuous_...``  overridden (:class:`GenerationHooks`)
 ``mismatched_keys`` entries ``(name, saved shape, model shape)``;  0.1.0 checkpoints' 0-d coefficients
 the load report (``modeling_utils``' logger, ``LOAD REPORT``)      (``checkpoint_conversion``)
-``utils.output_capturing``, ``utils.can_return_tuple``, ``utils``  the native model records outputs, returns tuples
-``.deprecation.deprecate_kwarg``                                   and warns as transformers' models do
+``utils.output_capturing``, ``utils.can_return_tuple``, ``utils``  the native model records outputs, returns tuples,
+``.deprecation.deprecate_kwarg``, ``integrations.sdpa_attention``  warns and repeats key/value heads as transformers'
+``.repeat_kv``                                                     models do
 ``models.auto.modeling_auto.MODEL_*_MAPPING_NAMES``                a model type's heads (:func:`head_names`)
 ``dynamic_module_utils.get_relative_import_files``                 the code files a saved folder needs (``hub``)
 releases: ``load_adapter`` loads ``modules_to_save`` from 5.18,    refused before (:func:`transformers_before`)
@@ -41,6 +42,7 @@ import transformers
 from packaging import version
 from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: F401  (a config's cache layer types)
 from transformers.dynamic_module_utils import get_relative_import_files  # noqa: F401  (for hub)
+from transformers.integrations.sdpa_attention import repeat_kv  # noqa: F401  (for modeling_cta)
 from transformers.models.auto import modeling_auto
 from transformers.utils import can_return_tuple  # noqa: F401  (for modeling_cta)
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: F401  (for pde_cache)
