@@ -48,9 +48,7 @@ class CTAPatchedConfigMixin:
     def get_text_config(self, decoder=None, encoder=None):
         config = super().get_text_config(decoder=decoder, encoder=encoder)
         if decoder and config is self and not self.__dict__.get("_cta_cache_view", False):
-            view = _cache_view(self)
-            if view is not None:
-                return view
+            return _cache_view(self) or config
         return config
 
 
@@ -111,9 +109,8 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' loading, reading checkpoints of earlier releases too (``checkpoint_conversion``), plus an
-        error where the checkpoint's PDE weights do not match ``config.cta_patch`` (a patched model without its
-        coefficients would silently be another model)."""
+        """transformers' loading, of earlier releases' checkpoints too, plus an error where the checkpoint's PDE
+        weights do not match ``config.cta_patch`` (``checkpoint_conversion``)."""
         return from_pretrained_with_pde_check(super().from_pretrained, cls, args, kwargs)
 
 
@@ -189,9 +186,8 @@ def patched_class(base_class):
 
 
 def patched_class_named(name):
-    """``CTAPatched<Base>`` for any transformers class ``<Base>``, made on first access: what a saved checkpoint's
-    ``auto_map`` and ``architectures`` name (also where the files are loaded as remote code) and what pickling reads
-    (``patching_cta.__getattr__``)."""
+    """``CTAPatched<Base>`` for any transformers class ``<Base>``, made on first access (``patching_cta.__getattr__``):
+    what a saved checkpoint's ``auto_map`` and ``architectures`` name, and what pickling reads."""
     if name.startswith(PATCHED_CLASS_PREFIX):
         base = getattr(transformers, name[len(PATCHED_CLASS_PREFIX):], None)
         if isinstance(base, type) and issubclass(base, transformers.PreTrainedConfig):

@@ -4,8 +4,7 @@ own pattern (the architectures checked: ``ARCHITECTURES.md``, from ``scripts/sup
 
 ``patch_model(model, ...)`` patches a loaded model *in place* and returns it:
 
-* Modules are found by structure (``patching_structure``); a placement a model does not offer is refused before
-  anything changes, naming the placement, the architecture and the placements it supports.
+* Modules are found by structure (``patching_structure``, which refuses what a model does not offer, up front).
 * The model keeps its module tree and weight names: each PDE module is a submodule ``cta_<placement>_pde`` of the
   module it refines, applied by forward hooks (``patching_hooks``; their handles in the base model's
   ``_cta_context``). No module is put between a parent and its child and no ``forward`` is rebound; the ``value``
@@ -16,10 +15,9 @@ own pattern (the architectures checked: ``ARCHITECTURES.md``, from ``scripts/sup
   (``patching_classes``). ``isinstance(model, LlamaForCausalLM)`` still holds; ``save_pretrained`` writes a
   checkpoint that loads only *patched* (``cta.load_patched``, or ``trust_remote_code=True``); missing or unexpected
   PDE weights are an error.
-* ``attention_matrix`` needs CTA's own attention: native models only. Padding walls come from the 2D
-  ``attention_mask`` given to the model (its last ``L`` columns are the current tokens; a 4D custom mask gives none);
-  gradient checkpointing's recomputation reads the walls of the latest training forward
-  (``patching_hooks.CheckpointWalls``).
+* ``attention_matrix`` needs CTA's own attention (native models only). Padding walls come from the 2D
+  ``attention_mask`` (its last ``L`` columns are the current tokens; a 4D custom mask gives none); gradient
+  checkpointing's recomputation reads the latest training forward's (``patching_hooks.CheckpointWalls``).
 * Cached decoding: the PDE state lives in the model's own cache (``pde_cache``): the patched config answers
   ``get_text_config(decoder=True)`` (read by ``DynamicCache(config=...)`` and ``generate``) with a view whose
   ``layer_types`` are ``hybrid`` / ``hybrid_sliding``; the config's own ``layer_types`` are untouched.
@@ -51,8 +49,7 @@ __getattr__ = patched_class_named  # `CTAPatched<Base>`, made on first access (a
 
 def make_patch_spec(config, pde_type="diffusion", pde_steps=1, placement="block_output", layers=None,
                     init="identity", backend="auto", per_channel=False, alpha=None, beta=None) -> dict:
-    """Validates the arguments of :func:`patch_model` against ``config``; returns the dict saved as ``cta_patch``.
-    Decoders (``patching_structure.config_is_decoder``) get the causal stencil, encoders the bidirectional one."""
+    """Validates the arguments of :func:`patch_model` against ``config``; returns the dict saved as ``cta_patch``."""
     reason = config_refusal(config)
     if reason is not None:
         raise ValueError(f"patch_model does not support {architecture_name(config)}: {reason}.")
@@ -88,10 +85,9 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
     """Adds CTA PDE refinement to a loaded transformers model, in place; returns the same model.
 
     Args:
-        model: a ``PreTrainedModel`` whose layers follow transformers' pattern (``patching_structure``), any head:
-            decoders get the causal stencil, encoders the bidirectional one. A model or placement that cannot be
-            patched raises ``ValueError`` before the model is changed, naming the placement, the architecture and
-            the placements it supports; no error leaves a half-patched model behind.
+        model: a ``PreTrainedModel`` whose layers follow transformers' pattern (``patching_structure``), any head
+            (decoders get the causal stencil, encoders the bidirectional one). What cannot be patched raises
+            ``ValueError`` before the model is changed; no error leaves a half-patched model behind.
         pde_type: ``diffusion``, ``wave``, ``reaction_diffusion`` or ``advection_diffusion``.
         pde_steps: explicit PDE steps per site (0 records the patch but adds no PDE module).
         placement: one of ``embedding``, ``value``, ``attention_output``, ``mlp_output``, ``block_output`` or a list.

@@ -126,8 +126,7 @@ class PatchPlan:
 
 def architecture_name(model_or_config) -> str:
     config = getattr(model_or_config, "config", model_or_config)
-    name = type(model_or_config).__name__ if hasattr(model_or_config, "config") else type(config).__name__
-    return f"{name} (model_type {base_model_type(config)!r})"
+    return f"{type(model_or_config).__name__} (model_type {base_model_type(config)!r})"
 
 
 def base_model_type(config) -> str:
