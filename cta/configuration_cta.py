@@ -205,8 +205,7 @@ class CTAConfig(PretrainedConfig):
         return list(range(self.num_hidden_layers)) if self.pde_layers is None else list(self.pde_layers)
 
     def pde_layer_placements(self, layer_idx: int) -> list:
-        """The placements with a PDE site in block ``layer_idx``: none where ``pde_steps`` is 0 or the block is not
-        one of ``pde_layers``."""
+        """The placements with a PDE site in block ``layer_idx`` (none at ``pde_steps=0`` or outside ``pde_layers``)."""
         active = self.pde_steps > 0 and layer_idx in self.pde_layer_indices()
         return self.pde_placements if active else []
 

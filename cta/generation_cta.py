@@ -19,8 +19,8 @@ from .transformers_compat import (ASSISTANT_ROLLBACK_SINCE, GENERATING, Generati
 # The cache implementations that build a static (compileable) cache.
 STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
 # Architectures whose generation builds its own 2D attention mask sized by a static cache's length (BLOOM's ALiBi
-# reads it: create_masks_for_generate on newer transformers, its own prepare_inputs_for_generation on older ones),
-# which the PDE-holding hybrid static layers cannot report (their get_max_length is -1).
+# reads it), which the PDE-holding hybrid static layers cannot report (their get_max_length is -1). Named, as older
+# transformers build it in the model's own prepare_inputs_for_generation, not in create_masks_for_generate.
 STATIC_CACHE_2D_MASK = {"bloom"}
 # Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
 REFUSED_CACHES = {
@@ -62,12 +62,9 @@ class PDEGenerationMixin(GenerationHooks):
         # A step of several tokens: the prefill (whose cache is checked here, before the first token) or a chunk.
         cache, sites = find_cache(inputs, CACHE_ARGUMENTS), self.pde_cache_sites()
         check_cache_holds_pde_states(cache, sites, type(self).__name__)
-        mask = kwargs.get("attention_mask")
-        given = inputs.get("attention_mask")
+        mask, given = kwargs.get("attention_mask"), inputs.get("attention_mask")
         if (sites and getattr(cache, "is_compileable", False) and hasattr(self, "create_masks_for_generate")
-                and torch.is_tensor(given) and given.dim() == 2):
-            # The model builds its own 2D generation mask for a static cache (BLOOM's ALiBi reads it), sized by the
-            # cache's length, which transformers' hybrid static layers do not report (their get_max_length is -1).
+                and torch.is_tensor(given) and given.dim() == 2):  # (as STATIC_CACHE_2D_MASK, found by structure)
             raise ValueError(f"{type(self).__name__}: this architecture builds its own 2D attention mask for a static "
                              "cache (create_masks_for_generate), which cannot be sized for a cache whose layers hold "
                              "the PDE state; use cache_implementation='dynamic' (the default).")
