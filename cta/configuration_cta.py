@@ -109,9 +109,8 @@ class CTAConfig(PretrainedConfig):
     Configuration of a Continuous-Time Attention (CTA) transformer: a standard transformer whose token
     representations are refined by a few explicit steps of a PDE along the sequence (Zhang & Zhou, EMNLP 2025).
 
-    The defaults are the paper's small text classifier (embedding 128, 4 heads, FFN 256, 2 layers, learned absolute
-    positions, post-LN, GELU, one diffusion step after every block). :meth:`modern_decoder` gives a RoPE / RMSNorm /
-    SwiGLU pre-norm decoder.
+    The defaults are the paper's small text classifier (:meth:`paper_encoder`); :meth:`modern_decoder` gives a RoPE /
+    RMSNorm / SwiGLU pre-norm decoder.
 
     Args:
         vocab_size (`int`, defaults to 30522): vocabulary size (the paper uses bert-base-uncased).
@@ -142,10 +141,9 @@ class CTAConfig(PretrainedConfig):
         pde_type (`str`, defaults to `"diffusion"`): `"diffusion"`, `"wave"`, `"reaction_diffusion"` or
             `"advection_diffusion"` (hyphenated spellings are accepted). See `pde_cta.py` for the schemes.
         pde_steps (`int`, defaults to 1): explicit PDE steps per refinement site (0 = plain transformer).
-        pde_placement (`str` or `list[str]`, defaults to `"block_output"`): where the PDE refines, one or several of
-            `"embedding"` (after the input embedding), `"value"` (attention values), `"attention_output"`,
-            `"mlp_output"`, `"block_output"` (after each block) and `"attention_matrix"` (Algorithm 1 of the paper:
-            evolve the softmax matrix along the key axis; always computed with eager attention, O(L^2)).
+        pde_placement (`str` or `list[str]`, defaults to `"block_output"`): one or several of `"embedding"`, `"value"`
+            (attention values), `"attention_output"`, `"mlp_output"`, `"block_output"` and `"attention_matrix"` (the
+            paper's Algorithm 1: the softmax matrix evolved along the key axis; eager attention, O(L^2)).
         pde_layers (`list[int]`, *optional*): the blocks that get per-layer placements (default: all).
         pde_alpha (`float`, defaults to 0.1): initial diffusion coefficient (`c**2` for the wave); kept inside the
             stable interval of `pde_cta.COEFFICIENT_BOUNDS` during training.
@@ -178,8 +176,8 @@ class CTAConfig(PretrainedConfig):
         if hidden_size % heads != 0:
             raise ValueError(f"`hidden_size` ({hidden_size}) must be divisible by `num_attention_heads` ({heads}).")
         if heads % kv_heads != 0:
-            raise ValueError(
-                f"`num_attention_heads` ({heads}) must be divisible by `num_key_value_heads` ({kv_heads}).")
+            raise ValueError(f"`num_attention_heads` ({heads}) must be divisible by `num_key_value_heads` "
+                             f"({kv_heads}).")
         if position_embedding_type == "rope" and (hidden_size // heads) % 2 != 0:
             raise ValueError(f"`position_embedding_type='rope'` needs an even head dim, got {hidden_size // heads}.")
         for name, value in fields.items():  # the checked arguments; the derived fields follow
@@ -198,7 +196,6 @@ class CTAConfig(PretrainedConfig):
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
         self.update_cache_layout()
 
-    # ------------------------------------------------------------------------------------------------------------
     @property
     def pde_placements(self) -> list:
         """``pde_placement`` as a list."""
@@ -208,18 +205,14 @@ class CTAConfig(PretrainedConfig):
         return list(range(self.num_hidden_layers)) if self.pde_layers is None else list(self.pde_layers)
 
     def pde_layer_placements(self, layer_idx: int) -> list:
-        """The placements with a PDE site in block ``layer_idx``: none where ``pde_steps`` is 0 or the block is not
-        one of ``pde_layers``."""
+        """The placements with a PDE site in block ``layer_idx`` (none at ``pde_steps=0`` or outside ``pde_layers``)."""
         active = self.pde_steps > 0 and layer_idx in self.pde_layer_indices()
         return self.pde_placements if active else []
 
     def pde_state_indices(self, layer_idx: int) -> dict:
         """The first cache conv-state index of every causal PDE site in block ``layer_idx`` (placement -> index; a
-        site owns one conv state per step).
-
-        The embedding site stores its state in layer 0 after that layer's own sites. ``attention_matrix`` needs no
-        state: each query row is evolved on its own.
-        """
+        site owns one conv state per step; the embedding site's follow layer 0's own). ``attention_matrix`` needs no
+        state: each query row is evolved on its own."""
         layer_has_pde = layer_idx in self.pde_layer_indices()
         return layer_state_indices(self.pde_placements, self.pde_steps, layer_has_pde, layer_idx)
 
@@ -227,13 +220,13 @@ class CTAConfig(PretrainedConfig):
         """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state."""
         attention = "sliding_attention" if self.sliding_window is not None else "full_attention"
         attention_types = [attention] * self.num_hidden_layers
-        layout = hybrid_cache_layout(attention_types, self.pde_state_indices, self.pde_steps) if self.is_causal else None
+        layout = self.is_causal and hybrid_cache_layout(attention_types, self.pde_state_indices, self.pde_steps)
         self.layer_types, self.number_of_conv_states = layout or (attention_types, 1)
 
-    # ------------------------------------------------------------------------------------------------------------
     @classmethod
     def paper_encoder(cls, **kwargs):
-        """The paper's small classifier (Table 1). These are the class defaults; the name says so at call sites."""
+        """The paper's small classifier (Table 1: embedding 128, 4 heads, FFN 256, 2 layers, learned absolute
+        positions, post-LN, GELU, one diffusion step after every block): the class defaults, named at call sites."""
         return cls(**kwargs)
 
     @classmethod

@@ -1,13 +1,10 @@
 # coding=utf-8
 """``generate()`` for models with causal PDE sites (native ``CTAForCausalLM`` and patched decoders): every cache and
-decoding strategy of transformers' generation is exact or refused before a token is generated (the paths, and why
-each is exact or refused: ``docs/generation.md``). Here:
-
-* a step of several tokens keeps its 2D padding mask (the PDE walls) where transformers turned it into 4D masks for
-  a static cache; a one-token step keeps transformers' masks (the new token is never padding);
-* a compiled forward copied from another model (``copy.deepcopy``) is dropped before transformers looks for it
-  (:func:`drop_compiled_calls`), so it compiles what this model is;
-* caches that cannot hold a PDE state, the offloaded static cache and continuous batching are refused, naming why.
+decoding strategy of transformers' generation is exact or refused before a token is generated (``docs/generation.md``
+says why for each). A step of several tokens keeps its 2D padding mask (the PDE walls) where transformers turned it
+into 4D masks for a static cache (a one-token step's new token is never padding); a compiled forward copied from
+another model is dropped before transformers looks for it (:func:`drop_compiled_calls`); caches that cannot hold a
+PDE state, the offloaded static cache and continuous batching are refused, naming why.
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ from .transformers_compat import (ASSISTANT_ROLLBACK_SINCE, GENERATING, Generati
 # The cache implementations that build a static (compileable) cache.
 STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
 # Architectures whose generation builds its own 2D attention mask sized by a static cache's length (BLOOM's ALiBi
-# reads it: create_masks_for_generate on newer transformers, its own prepare_inputs_for_generation on older ones),
-# which the PDE-holding hybrid static layers cannot report (their get_max_length is -1).
+# reads it), which the PDE-holding hybrid static layers cannot report (their get_max_length is -1). Named, as older
+# transformers build it in the model's own prepare_inputs_for_generation, not in create_masks_for_generate.
 STATIC_CACHE_2D_MASK = {"bloom"}
 # Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
 REFUSED_CACHES = {
@@ -45,13 +42,11 @@ def check_cache_holds_pde_states(cache, sites, model_name: str):
     for site, layer_idx, _ in sites:
         layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
         if layer is None or not holds_conv_states(layer):
-            raise ValueError(
-                f"{model_name}: generate() was given a {type(cache).__name__} whose layer {layer_idx} "
-                f"({type(layer).__name__}) cannot hold the PDE state of {site!r}; a quantized cache "
-                "(cache_implementation='quantized') and caches built without the model's config cannot. Use "
-                "cache_implementation='dynamic', 'static' or 'offloaded', or build the cache with "
-                "`DynamicCache(config=model.config)` / `StaticCache(config=model.config, ...)`."
-            )
+            raise ValueError(f"{model_name}: generate() was given a {type(cache).__name__} whose layer {layer_idx} "
+                             f"({type(layer).__name__}) cannot hold the PDE state of {site!r}; a quantized cache "
+                             "(cache_implementation='quantized') and caches built without the model's config cannot. "
+                             "Use cache_implementation='dynamic', 'static' or 'offloaded', or build the cache with "
+                             "`DynamicCache(config=model.config)` / `StaticCache(config=model.config, ...)`.")
 
 
 class PDEGenerationMixin(GenerationHooks):
@@ -67,17 +62,12 @@ class PDEGenerationMixin(GenerationHooks):
         # A step of several tokens: the prefill (whose cache is checked here, before the first token) or a chunk.
         cache, sites = find_cache(inputs, CACHE_ARGUMENTS), self.pde_cache_sites()
         check_cache_holds_pde_states(cache, sites, type(self).__name__)
-        mask = kwargs.get("attention_mask")
-        given = inputs.get("attention_mask")
+        mask, given = kwargs.get("attention_mask"), inputs.get("attention_mask")
         if (sites and getattr(cache, "is_compileable", False) and hasattr(self, "create_masks_for_generate")
-                and torch.is_tensor(given) and given.dim() == 2):
-            # The model builds its own 2D generation mask for a static cache (BLOOM's ALiBi reads it), sized by the
-            # cache's length, which transformers' hybrid static layers do not report (their get_max_length is -1).
-            raise ValueError(
-                f"{type(self).__name__}: this architecture builds its own 2D attention mask for a static cache "
-                "(create_masks_for_generate), which cannot be sized for a cache whose layers hold the PDE state; "
-                "use cache_implementation='dynamic' (the default)."
-            )
+                and torch.is_tensor(given) and given.dim() == 2):  # (as STATIC_CACHE_2D_MASK, found by structure)
+            raise ValueError(f"{type(self).__name__}: this architecture builds its own 2D attention mask for a static "
+                             "cache (create_masks_for_generate), which cannot be sized for a cache whose layers hold "
+                             "the PDE state; use cache_implementation='dynamic' (the default).")
         if torch.is_tensor(mask) and mask.dim() == 2 and not (torch.is_tensor(given) and given.dim() == 2):
             inputs["attention_mask"] = mask  # the padding walls (see the module docstring)
         return inputs
@@ -96,26 +86,22 @@ class PDEGenerationMixin(GenerationHooks):
         config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
         implementation = kwargs.get("cache_implementation") or getattr(config, "cache_implementation", None)
         if implementation in REFUSED_CACHES:
-            raise ValueError(
-                f"{type(self).__name__}: cache_implementation={implementation!r} is refused: "
-                f"{REFUSED_CACHES[implementation]} Use 'dynamic', 'static' or 'offloaded'."
-            )
+            raise ValueError(f"{type(self).__name__}: cache_implementation={implementation!r} is refused: "
+                             f"{REFUSED_CACHES[implementation]} Use 'dynamic', 'static' or 'offloaded'.")
         cache = find_cache(kwargs, CACHE_ARGUMENTS)
         static = implementation in STATIC_CACHES or getattr(cache, "is_compileable", False)
         base_type = getattr(type(self.config), "_cta_base_model_type", None)  # (a patched model's)
         if static and base_type in STATIC_CACHE_2D_MASK:
-            raise ValueError(
-                f"{type(self).__name__}: a static cache is refused: {base_type} builds its own 2D attention mask for a "
-                "static cache, sized by the cache's length, which a cache whose layers hold the PDE state does not "
-                "report. Use cache_implementation='dynamic' (the default)."
-            )
+            raise ValueError(f"{type(self).__name__}: a static cache is refused: {base_type} builds its own 2D "
+                             "attention mask for a static cache, sized by the cache's length, which a cache whose "
+                             "layers hold the PDE state does not report. Use cache_implementation='dynamic' (the "
+                             "default).")
         if getattr(config, "is_assistant", False) and transformers_before(ASSISTANT_ROLLBACK_SINCE):
-            raise ValueError(
-                f"{type(self).__name__} as the assistant (draft) model of assisted decoding needs transformers >= "
-                f"{ASSISTANT_ROLLBACK_SINCE}: transformers {transformers.__version__} does not let an assistant's "
-                "cache roll its conv states back after rejected drafts. Upgrade transformers, or use this model as the "
-                "main model (prompt lookup and a plain assistant work)."
-            )
+            raise ValueError(f"{type(self).__name__} as the assistant (draft) model of assisted decoding needs "
+                             f"transformers >= {ASSISTANT_ROLLBACK_SINCE}: transformers {transformers.__version__} "
+                             "does not let an assistant's cache roll its conv states back after rejected drafts. "
+                             "Upgrade transformers, or use this model as the main model (prompt lookup and a plain "
+                             "assistant work).")
 
 
 __all__ = ["PDEGenerationMixin", "check_cache_holds_pde_states", "compiled_calls", "drop_compiled_calls"]

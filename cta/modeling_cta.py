@@ -11,35 +11,21 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import (
-    create_bidirectional_mask,
-    create_bidirectional_sliding_window_mask,
-    create_causal_mask,
-    create_sliding_window_causal_mask,
-)
+from transformers.masking_utils import (create_bidirectional_mask, create_bidirectional_sliding_window_mask,
+                                       create_causal_mask, create_sliding_window_causal_mask)
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import (
-    BaseModelOutputWithPast,
-    CausalLMOutputWithPast,
-    SequenceClassifierOutputWithPast,
-)
+from transformers.modeling_outputs import (BaseModelOutputWithPast, CausalLMOutputWithPast,
+                                          SequenceClassifierOutputWithPast)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_cta import CTAConfig
 from .checkpoint_conversion import from_pretrained_with_pde_check, saved_as_own_class
-from .pde_cache import (
-    CACHE_ARGUMENT,
-    CACHE_ARGUMENTS,
-    check_pde_states,
-    deprecate_past_key_values,
-    fill_unused_pde_states,
-    pde_sites,
-    pop_cache,
-)
+from .pde_cache import (CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, deprecate_past_key_values,
+                        fill_unused_pde_states, pde_sites, pop_cache)
 from .generation_cta import PDEGenerationMixin
 from .pde_cta import PDERefinement
 from .pde_sites import NO_WALLS, SiteWalls
-from .transformers_compat import OutputRecorder, can_return_tuple, capture_outputs
+from .transformers_compat import OutputRecorder, can_return_tuple, capture_outputs, repeat_kv
 
 
 class CTARMSNorm(nn.Module):
@@ -56,29 +42,22 @@ class CTARMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
-class CTALayerNorm(nn.LayerNorm):
-    pass
-
-
 def make_norm(config: CTAConfig) -> nn.Module:
     if config.norm_type == "rmsnorm":
         return CTARMSNorm(config.hidden_size, eps=config.layer_norm_eps)
-    return CTALayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
-def make_pde(config: CTAConfig, channels: int, layer_idx: Optional[int], state_idx: int = 0):
-    return PDERefinement(
-        channels=channels,
-        pde_type=config.pde_type,
-        steps=config.pde_steps,
-        causal=config.is_causal,
-        alpha=config.pde_alpha,
-        beta=config.pde_beta,
-        per_channel=config.pde_per_channel,
-        backend=config.pde_backend,
-        layer_idx=layer_idx,
-        state_idx=state_idx,
-    )
+def make_pde(config: CTAConfig, channels: int, layer_idx: int, placement: str) -> Optional[PDERefinement]:
+    """The PDE module of ``placement`` in block ``layer_idx`` (``embedding``: before block 0), or None where none."""
+    states = config.pde_state_indices(layer_idx)
+    active = placement in states if placement == "embedding" else placement in config.pde_layer_placements(layer_idx)
+    if not active:
+        return None
+    state_idx = states.get(placement, 0)
+    return PDERefinement(channels=channels, pde_type=config.pde_type, steps=config.pde_steps, causal=config.is_causal,
+                         alpha=config.pde_alpha, beta=config.pde_beta, per_channel=config.pde_per_channel,
+                         backend=config.pde_backend, layer_idx=layer_idx, state_idx=state_idx)
 
 
 class CTARotaryEmbedding(nn.Module):
@@ -106,14 +85,6 @@ def rotate_half(x):
 def apply_rotary_pos_emb(q, k, cos, sin):
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
-    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -146,14 +117,13 @@ def allowed_keys(attention_mask, query_length, key_length, causal, batch, device
 class CTAAttention(nn.Module):
     """Multi-head attention with the ``value`` and ``attention_matrix`` PDE placements.
 
-    ``value``: the PDE refines the values along the sequence before attention (O(L)). For a *linear* PDE with a
-    *symmetric* step matrix ``M`` (bidirectional diffusion and wave, with zero-flux walls) ``A (M V) = (A M^T) V``,
-    i.e. it equals evolving every row of the attention matrix along the key axis (the paper's Eq. 2).
-    ``attention_matrix``: the paper's Algorithm 1 literally, ``A -> PDE(A)`` along the key axis, then ``A V``
-    (eager, O(L^2), coefficients per head). The two are equal for bidirectional diffusion and wave; they differ
-    for advection (``M`` is not symmetric), for the reaction term (nonlinear) and for causal stencils (``M`` is
-    lower-triangular, so the value placement equals evolving rows with the adjoint, anti-causal stencil). In causal
-    models keys after the query are walls, so ``A`` stays lower-triangular.
+    ``value``: the PDE refines the values along the sequence before attention (O(L)); for a *linear* PDE with a
+    *symmetric* step matrix ``M`` ``A (M V) = (A M^T) V``: every row of the attention matrix evolved along the key
+    axis (the paper's Eq. 2). ``attention_matrix``: the paper's Algorithm 1 literally, ``A -> PDE(A)`` along the key
+    axis, then ``A V`` (eager, O(L^2), coefficients per head). The two are equal for bidirectional diffusion and wave
+    (zero-flux walls); they differ for advection (``M`` not symmetric), the reaction term (nonlinear) and causal
+    stencils (``M`` lower-triangular: the value placement evolves rows with the adjoint, anti-causal stencil). In
+    causal models keys after the query are walls, so ``A`` stays lower-triangular.
     """
 
     def __init__(self, config: CTAConfig, layer_idx: int):
@@ -172,14 +142,8 @@ class CTAAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        placements = config.pde_layer_placements(layer_idx)
-        states = config.pde_state_indices(layer_idx)
-        self.value_pde = (
-            make_pde(config, self.num_key_value_heads * self.head_dim, layer_idx, states.get("value", 0))
-            if "value" in placements
-            else None
-        )
-        self.matrix_pde = make_pde(config, self.num_heads, layer_idx) if "attention_matrix" in placements else None
+        self.value_pde = make_pde(config, self.num_key_value_heads * self.head_dim, layer_idx, "value")
+        self.matrix_pde = make_pde(config, self.num_heads, layer_idx, "attention_matrix")
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, walls=NO_WALLS, cache=None,
                 output_attentions=False, **kwargs):
@@ -199,27 +163,14 @@ class CTAAttention(nn.Module):
 
         dropout = self.attention_dropout if self.training else 0.0
         if self.matrix_pde is not None:
-            attn_output, attn_weights = self._matrix_pde_attention(
-                query_states, key_states, value_states, attention_mask, dropout
-            )
+            attn_output, attn_weights = self._matrix_pde_attention(query_states, key_states, value_states,
+                                                                   attention_mask, dropout)
         else:
-            implementation = self.config._attn_implementation
-            if output_attentions:
-                implementation = "eager"
-            attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-                implementation, eager_attention_forward
-            )
-            attn_output, attn_weights = attention_interface(
-                self,
-                query_states,
-                key_states,
-                value_states,
-                attention_mask,
-                dropout=dropout,
-                scaling=self.scaling,
-                sliding_window=self.config.sliding_window,
-                **kwargs,
-            )
+            implementation = "eager" if output_attentions else self.config._attn_implementation
+            attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+            attn_output, attn_weights = attention(
+                self, query_states, key_states, value_states, attention_mask, dropout=dropout, scaling=self.scaling,
+                sliding_window=self.config.sliding_window, **kwargs)
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return self.o_proj(attn_output), attn_weights
 
@@ -268,47 +219,32 @@ class CTADecoderLayer(GradientCheckpointingLayer):
         self.attention_norm = make_norm(config)
         self.mlp_norm = make_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
-        placements = config.pde_layer_placements(layer_idx)
-        states = config.pde_state_indices(layer_idx)
         for name in ("attention_output", "mlp_output", "block_output"):
-            module = make_pde(config, config.hidden_size, layer_idx, states.get(name, 0)) if name in placements else None
-            setattr(self, f"{name}_pde", module)
+            setattr(self, f"{name}_pde", make_pde(config, config.hidden_size, layer_idx, name))
 
     def forward(self, hidden_states, attention_mask=None, walls=NO_WALLS, position_embeddings=None,
                 output_attentions=False, **kwargs):
         # The cache arrives under the installed transformers' name (its gradient checkpointing clears that one).
         cache = pop_cache(kwargs)
-        residual = hidden_states
-        if self.pre_norm:
-            hidden_states = self.attention_norm(hidden_states)
-        attn_output, attn_weights = self.self_attn(
-            hidden_states,
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            walls=walls,
-            cache=cache,
-            output_attentions=output_attentions,
-            **kwargs,
-        )
-        if self.attention_output_pde is not None:
-            attn_output = walls.refine(self.attention_output_pde, attn_output, cache)
-        hidden_states = residual + self.dropout(attn_output)
-        if not self.pre_norm:
-            hidden_states = self.attention_norm(hidden_states)
-
-        residual = hidden_states
-        if self.pre_norm:
-            hidden_states = self.mlp_norm(hidden_states)
-        mlp_output = self.mlp(hidden_states)
-        if self.mlp_output_pde is not None:
-            mlp_output = walls.refine(self.mlp_output_pde, mlp_output, cache)
-        hidden_states = residual + self.dropout(mlp_output)
-        if not self.pre_norm:
-            hidden_states = self.mlp_norm(hidden_states)
-
+        normed = self.attention_norm(hidden_states) if self.pre_norm else hidden_states
+        attn_output, attn_weights = self.self_attn(normed, position_embeddings=position_embeddings,
+                                                   attention_mask=attention_mask, walls=walls, cache=cache,
+                                                   output_attentions=output_attentions, **kwargs)
+        hidden_states = self._add_residual(hidden_states, attn_output, self.attention_norm, self.attention_output_pde,
+                                           walls, cache)
+        normed = self.mlp_norm(hidden_states) if self.pre_norm else hidden_states
+        hidden_states = self._add_residual(hidden_states, self.mlp(normed), self.mlp_norm, self.mlp_output_pde, walls,
+                                           cache)
         if self.block_output_pde is not None:
             hidden_states = walls.refine(self.block_output_pde, hidden_states, cache)
         return hidden_states, attn_weights
+
+    def _add_residual(self, residual, output, norm, pde, walls, cache):
+        """``residual`` + a sub-block's ``output`` (refined by its PDE site), normalised after the sum in post-norm."""
+        if pde is not None:
+            output = walls.refine(pde, output, cache)
+        hidden_states = residual + self.dropout(output)
+        return hidden_states if self.pre_norm else norm(hidden_states)
 
 
 # Every Auto class a saved CTA folder loads with under `trust_remote_code=True`.
@@ -336,9 +272,8 @@ class CTAPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' loading, reading checkpoints of earlier releases too, plus an error where the checkpoint's
-        PDE weights do not match the config (a CTA model without its coefficients would silently be a different
-        model); see ``checkpoint_conversion``."""
+        """transformers' loading, of earlier releases' checkpoints too, plus an error where the checkpoint's PDE
+        weights do not match the config (``checkpoint_conversion``)."""
         return from_pretrained_with_pde_check(super().from_pretrained, cls, args, kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -354,8 +289,6 @@ class CTAPreTrainedModel(PreTrainedModel):
             init.constant_(module.alpha, module.alpha_init)
             if module.beta is not None:
                 init.constant_(module.beta, module.beta_init)
-        elif isinstance(module, CTARMSNorm):
-            init.ones_(module.weight)
 
 
 class CTAModel(CTAPreTrainedModel):
@@ -374,43 +307,23 @@ class CTAModel(CTAPreTrainedModel):
         self.embedding_norm = make_norm(config) if config.norm_position == "post" else None
         self.norm = make_norm(config) if config.norm_position == "pre" else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout_prob)
-        states = config.pde_state_indices(0)
-        self.embedding_pde = (
-            make_pde(config, config.hidden_size, 0, states.get("embedding", 0))
-            if config.pde_steps > 0 and "embedding" in config.pde_placements
-            else None
-        )
+        self.embedding_pde = make_pde(config, config.hidden_size, 0, "embedding")
         self.layers = nn.ModuleList([CTADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         # (site, cache layer, conv state) of every causal PDE site: checked before a continuation step.
         self.pde_sites = pde_sites(config.num_hidden_layers, config.pde_state_indices) if config.is_causal else []
         self.gradient_checkpointing = False
         self.post_init()
 
-    def get_input_embeddings(self):
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value):
-        self.embed_tokens = value
-
-    # As transformers' own base models: the old cache keyword's deprecation, then `capture_outputs` (the
-    # `output_hidden_states` / `output_attentions` / `return_dict` keywords, defaulting to the config's). Not
-    # `merge_with_config_defaults`: it would pass the config's `is_causal` on to the attention functions; the
-    # `use_cache` default is read below.
+    # As transformers' own base models, but not `merge_with_config_defaults`: it would pass the config's `is_causal`
+    # on to the attention functions (the `use_cache` default is read below).
     @deprecate_past_key_values
     @capture_outputs
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        cache: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.FloatTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        **kwargs,
-    ):
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, cache: Optional[Cache] = None,
+                inputs_embeds: Optional[torch.FloatTensor] = None, use_cache: Optional[bool] = None,
+                output_attentions: Optional[bool] = None, **kwargs):
         """``cache`` may also be given as ``past_key_values`` (its name before transformers 5.24).
-        ``output_hidden_states`` / ``output_attentions`` / ``return_dict`` are handled by ``capture_outputs``."""
+        ``output_hidden_states`` / ``output_attentions`` / ``return_dict`` default to the config's."""
         cache = pop_cache(kwargs, cache)
         kwargs.pop("output_hidden_states", None)
         output_attentions = output_attentions if output_attentions is not None else self.config.output_attentions
@@ -442,26 +355,20 @@ class CTAModel(CTAPreTrainedModel):
             mask = self._layer_mask(attention_mask, hidden_states, cache, position_ids)
 
         for layer in self.layers:
-            hidden_states, _ = layer(
-                hidden_states,
-                attention_mask=mask,
-                walls=walls,
-                position_ids=position_ids,  # (to the attention function, as Llama passes them: FlashAttention's packed
-                position_embeddings=position_embeddings,  # rows and DeepSpeed Ulysses read them)
-                output_attentions=output_attentions,
-                **{CACHE_ARGUMENT: cache},
-                **kwargs,
-            )
+            # (position_ids go on to the attention function, as Llama's layers pass them: FlashAttention's packed
+            # rows and DeepSpeed Ulysses read them)
+            hidden_states, _ = layer(hidden_states, attention_mask=mask, walls=walls, position_ids=position_ids,
+                                     position_embeddings=position_embeddings, output_attentions=output_attentions,
+                                     **{CACHE_ARGUMENT: cache}, **kwargs)
         if self.norm is not None:
             hidden_states = self.norm(hidden_states)
         if cache is not None and self.pde_sites and seq_len > 1 and not torch.compiler.is_compiling():
             fill_unused_pde_states(cache)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARGUMENT: cache})
 
-
     def _cache_in_use(self, cache, use_cache):
-        """The cache this forward reads and writes: None for an encoder, or where ``use_cache`` is off (its default
-        is off in training, which decodes nothing), a new one where it is on and none is given."""
+        """The cache this forward reads and writes: None for an encoder or where ``use_cache`` is off (by default in
+        training, which decodes nothing), a new one where it is on and none is given."""
         if use_cache is None:
             use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
         if not (use_cache and self.config.is_causal):
@@ -469,8 +376,8 @@ class CTAModel(CTAPreTrainedModel):
         return DynamicCache(config=self.config) if cache is None else cache
 
     def _check_padding_mask(self, attention_mask, batch: int, length: int):
-        """Raises where a 2D ``attention_mask`` is not ``[batch, past + seq]``, or a sharded sequence meets the
-        attention-matrix placement."""
+        """Raises where a 2D ``attention_mask`` is not ``[batch, past + seq]`` or a sharded sequence meets
+        ``attention_matrix``."""
         if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 and attention_mask.shape != (batch, length):
             raise ValueError(f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {length}], got "
                              f"{tuple(attention_mask.shape)}.")
@@ -492,10 +399,8 @@ class CTAModel(CTAPreTrainedModel):
         hidden_states = inputs_embeds
         if self.config.position_embedding_type == "absolute":
             if not torch.compiler.is_compiling() and int(position_ids.max()) >= self.config.max_position_embeddings:
-                raise ValueError(
-                    f"Position {int(position_ids.max())} exceeds `max_position_embeddings` "
-                    f"({self.config.max_position_embeddings})."
-                )
+                raise ValueError(f"Position {int(position_ids.max())} exceeds `max_position_embeddings` "
+                                 f"({self.config.max_position_embeddings}).")
             hidden_states = hidden_states + self.embed_positions(position_ids)
         if self.embedding_norm is not None:
             hidden_states = self.embedding_norm(hidden_states)
@@ -506,9 +411,8 @@ class CTAModel(CTAPreTrainedModel):
 
     def _layer_mask(self, attention_mask, hidden_states, cache, position_ids):
         """transformers' attention mask of this model's kind (causal or bidirectional, sliding or not)."""
-        mask_kwargs = dict(
-            config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask, **{CACHE_ARGUMENT: cache}
-        )
+        mask_kwargs = dict(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
+                           **{CACHE_ARGUMENT: cache})
         sliding = self.config.sliding_window is not None
         if not self.config.is_causal:
             return (create_bidirectional_sliding_window_mask if sliding else create_bidirectional_mask)(**mask_kwargs)
@@ -538,53 +442,27 @@ class CTAForCausalLM(PDEGenerationMixin, CTAPreTrainedModel, GenerationMixin):
     # `capture_outputs` falls back to the config for each one not given; `can_return_tuple` handles `return_dict`.
     @deprecate_past_key_values
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        cache=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        logits_to_keep=0,
-        **kwargs,
-    ):
-        """``cache`` may also be given as ``past_key_values`` (its name before transformers 5.24; deprecated from
-        then on, as in transformers' own models). ``output_hidden_states`` / ``output_attentions`` / ``return_dict``
-        default to the config's."""
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        """As :meth:`CTAModel.forward`, plus ``labels`` (the LM loss) and ``logits_to_keep``."""
         cache = pop_cache(kwargs, cache)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            return_dict=True,  # (the base model follows `config.return_dict` otherwise)
-            **kwargs,
-        )
+        # return_dict=True: the base model follows `config.return_dict` otherwise.
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(
-            loss=loss,
-            logits=logits,
-            hidden_states=outputs.hidden_states,
-            **{CACHE_ARGUMENT: getattr(outputs, CACHE_ARGUMENT)},
-            attentions=outputs.attentions,
-        )
+        cache = getattr(outputs, CACHE_ARGUMENT)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions, **{CACHE_ARGUMENT: cache})
 
 
 class CTAForSequenceClassification(CTAPreTrainedModel):
-    """CTA encoder with a classification / regression head on a pooled representation.
-
-    Pooling (``config.pooling``): ``mean`` over valid tokens (the paper), ``cls`` (first token) or ``last`` (last
-    valid token). ``problem_type`` (single-label, multi-label, regression) follows transformers' heads.
-    """
+    """CTA encoder with a classification / regression head (``problem_type`` as in transformers' heads) on a pooled
+    representation (``config.pooling``: ``mean`` over valid tokens as in the paper, ``cls`` or ``last`` valid token)."""
 
     # The loss is a per-device mean (it takes no `num_items_in_batch`): Trainer must not rescale it under DDP.
     accepts_loss_kwargs = False
@@ -600,11 +478,8 @@ class CTAForSequenceClassification(CTAPreTrainedModel):
 
     def pool(self, hidden_states, attention_mask):
         batch, seq_len = hidden_states.shape[:2]
-        mask = (
-            torch.ones(batch, seq_len, device=hidden_states.device)
-            if attention_mask is None
-            else attention_mask[:, -seq_len:].to(hidden_states.device)
-        ).to(hidden_states.dtype)
+        mask = (torch.ones(batch, seq_len, device=hidden_states.device) if attention_mask is None
+                else attention_mask[:, -seq_len:].to(hidden_states.device)).to(hidden_states.dtype)
         if self.config.pooling == "mean":
             return (hidden_states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
         positions = torch.arange(seq_len, device=hidden_states.device)
@@ -616,37 +491,20 @@ class CTAForSequenceClassification(CTAPreTrainedModel):
 
     @deprecate_past_key_values
     @can_return_tuple
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        inputs_embeds=None,
-        labels=None,
-        use_cache=None,
-        **kwargs,
-    ):
-        """``output_hidden_states`` / ``output_attentions`` / ``return_dict`` default to the config's (as
-        transformers' own heads: see :class:`CTAForCausalLM`). A cache and ``use_cache`` are accepted, as by
-        transformers' sequence-classification heads, and unused: this head keeps no cache."""
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                use_cache=None, **kwargs):
+        """As :meth:`CTAModel.forward`, plus ``labels``; a cache and ``use_cache`` are accepted, as by transformers'
+        sequence-classification heads, and unused: this head keeps no cache."""
         pop_cache(kwargs)
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            inputs_embeds=inputs_embeds,
-            use_cache=False,
-            return_dict=True,
-            **kwargs,
-        )
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
         pooled = self.pool(outputs.last_hidden_state, attention_mask)
         logits = self.score(self.dropout(pooled))
         loss = None
         if labels is not None:
             loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
-        return SequenceClassifierOutputWithPast(
-            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        return SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                                attentions=outputs.attentions)
 
 
 __all__ = ["CTAPreTrainedModel", "CTAModel", "CTAForCausalLM", "CTAForSequenceClassification"]

@@ -1,13 +1,14 @@
 # coding=utf-8
 """The classes of patched models, ``CTAPatched<Base>`` (see ``patching_cta``), and loading a saved patched checkpoint.
-Their ``__module__`` is ``patching_cta`` (``auto_map`` and pickling find them there, through its ``__getattr__``); each
-mixin keeps the classes made from it (``_cta_patched``: base class -> patched class)."""
+Their ``__module__`` is ``patching_cta`` (``auto_map`` and pickling find them there, through its ``__getattr__``);
+each mixin keeps the classes made from it (``_cta_patched``: base class -> patched class)."""
 
 from __future__ import annotations
 
 import transformers
 
-from .checkpoint_conversion import SAVES_CURRENT_NAMES, hub_arguments, from_pretrained_with_pde_check, saved_as_own_class
+from .checkpoint_conversion import (SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, hub_arguments,
+                                    saved_as_own_class)
 from .generation_cta import PDEGenerationMixin
 from .patching_sites import apply_patch, state_indices_of
 from .patching_structure import base_model_type, config_is_decoder
@@ -29,8 +30,8 @@ def is_patched_config(config) -> bool:
 
 def _cache_view(config):
     """A shallow copy of ``config`` whose layer types make ``DynamicCache`` build hybrid (KV + conv state) layers."""
-    spec = getattr(config, "cta_patch", None)
-    if not isinstance(spec, dict) or not spec.get("causal") or spec["pde_steps"] == 0:
+    spec = config.cta_patch if is_patched_config(config) else {}
+    if not spec.get("causal") or spec["pde_steps"] == 0:
         return None
     attention_types = get_layer_types_and_kwargs(config)[0]
     layout = hybrid_cache_layout(attention_types, state_indices_of(spec, config.num_hidden_layers), spec["pde_steps"])
@@ -47,9 +48,7 @@ class CTAPatchedConfigMixin:
     def get_text_config(self, decoder=None, encoder=None):
         config = super().get_text_config(decoder=decoder, encoder=encoder)
         if decoder and config is self and not self.__dict__.get("_cta_cache_view", False):
-            view = _cache_view(self)
-            if view is not None:
-                return view
+            return _cache_view(self) or config
         return config
 
 
@@ -80,12 +79,10 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
     def peft_config(self, configs):
         for name, adapter in (configs or {}).items():
             if not isinstance(getattr(adapter, "cta_patch", None), dict):
-                raise ValueError(
-                    f"PEFT adapter {name!r} ({type(adapter).__name__}) does not record this model's CTA patch: saved, "
-                    "it would load onto a plain base without its PDE, silently. Use `cta.CTALoraConfig` (LoraConfig's "
-                    "arguments; it records the patch, saves the PDE coefficients and re-applies the patch where it "
-                    "is loaded)."
-                )
+                raise ValueError(f"PEFT adapter {name!r} ({type(adapter).__name__}) does not record this model's CTA "
+                                 "patch: saved, it would load onto a plain base without its PDE, silently. Use "
+                                 "`cta.CTALoraConfig` (LoraConfig's arguments; it records the patch, saves the PDE "
+                                 "coefficients and re-applies the patch where it is loaded).")
         self.__dict__["_cta_peft_config"] = configs
 
     @peft_config.deleter
@@ -95,9 +92,8 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
     def __init__(self, config, *args, **kwargs):
         spec = getattr(config, "cta_patch", None)
         if not isinstance(spec, dict):
-            raise ValueError(
-                f"{type(self).__name__} needs `config.cta_patch` (the patch recorded by cta.patch_model); got {spec!r}."
-            )
+            raise ValueError(f"{type(self).__name__} needs `config.cta_patch` (the patch recorded by "
+                             f"cta.patch_model); got {spec!r}.")
         super().__init__(config, *args, **kwargs)
         apply_patch(self, spec)
 
@@ -113,9 +109,8 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' loading, reading checkpoints of earlier releases too (``checkpoint_conversion``), plus an
-        error where the checkpoint's PDE weights do not match ``config.cta_patch`` (a patched model without its
-        coefficients would silently be another model)."""
+        """transformers' loading, of earlier releases' checkpoints too, plus an error where the checkpoint's PDE
+        weights do not match ``config.cta_patch`` (``checkpoint_conversion``)."""
         return from_pretrained_with_pde_check(super().from_pretrained, cls, args, kwargs)
 
 
@@ -123,23 +118,28 @@ def _transformers_class(base_class):
     """A patched checkpoint names its classes after the base classes, rebuilt from ``transformers.<name>`` where it is
     loaded: only transformers' own classes can be patched."""
     if getattr(transformers, base_class.__name__, None) is not base_class:
-        raise ValueError(
-            f"patch_model patches transformers' own model classes (a saved patched checkpoint rebuilds "
-            f"`{PATCHED_CLASS_PREFIX}<name>` from `transformers.<name>`); {base_class.__module__}.{base_class.__name__} "
-            "is not one."
-        )
-    return base_class
+        raise ValueError(f"patch_model patches transformers' own model classes (a saved patched checkpoint rebuilds "
+                         f"`{PATCHED_CLASS_PREFIX}<name>` from `transformers.<name>`); "
+                         f"{base_class.__module__}.{base_class.__name__} is not one.")
+
+
+def _register(cls):
+    """Registers a patched class with its transformers Auto class."""
+    key = cls.model_type if cls._cta_auto == "AutoConfig" else cls.config_class
+    getattr(transformers, cls._cta_auto).register(key, cls, exist_ok=True)
 
 
 def _derived_class(mixin, base_class, doc, auto, **attributes):
     """``CTAPatched<Base>``: ``mixin`` over ``base_class``, made once (kept in ``mixin._cta_patched``), registered
-    for ``auto`` (``save_pretrained`` then writes its code files)."""
+    with ``auto`` and for it (``save_pretrained`` then writes its code files)."""
     if base_class not in mixin._cta_patched:
         _transformers_class(base_class)
-        mixin._cta_patched[base_class] = cls = type(f"{PATCHED_CLASS_PREFIX}{base_class.__name__}", (mixin, base_class), {
+        name = f"{PATCHED_CLASS_PREFIX}{base_class.__name__}"
+        mixin._cta_patched[base_class] = cls = type(name, (mixin, base_class), {
             "_cta_original_class": base_class, "_cta_auto": auto, "__module__": ENTRY_MODULE, "__doc__": doc,
             **attributes})
         cls.register_for_auto_class(auto)
+        _register(cls)
     return mixin._cta_patched[base_class]
 
 
@@ -150,12 +150,9 @@ def patched_config_class(base_class):
     model_type = getattr(base_class, "model_type", None)
     if not model_type:
         raise ValueError(f"patch_model needs a config class with a `model_type`; {base_class.__name__} has none.")
-    if base_class not in CTAPatchedConfigMixin._cta_patched:
-        cls = _derived_class(CTAPatchedConfigMixin, base_class, f"{base_class.__name__} of a CTA-patched model.",
-                             "AutoConfig", model_type=PATCHED_MODEL_TYPE_PREFIX + model_type,
-                             _cta_base_model_type=model_type)
-        transformers.AutoConfig.register(cls.model_type, cls, exist_ok=True)
-    return CTAPatchedConfigMixin._cta_patched[base_class]
+    return _derived_class(CTAPatchedConfigMixin, base_class, f"{base_class.__name__} of a CTA-patched model.",
+                          "AutoConfig", model_type=PATCHED_MODEL_TYPE_PREFIX + model_type,
+                          _cta_base_model_type=model_type)
 
 
 def _auto_class_of(base_class):
@@ -163,10 +160,8 @@ def _auto_class_of(base_class):
     names = [auto for auto, name in head_names(model_type).items() if name == base_class.__name__]
     names = names or auto_classes_naming(base_class.__name__)  # (a class shared by several model types)
     if not names:
-        raise ValueError(
-            f"patch_model patches the heads transformers' Auto classes know ({', '.join(SAVED_HEADS)}, ...); "
-            f"{base_class.__name__} is none of them."
-        )
+        raise ValueError(f"patch_model patches the heads transformers' Auto classes know ({', '.join(SAVED_HEADS)}, "
+                         f"...); {base_class.__name__} is none of them.")
     return names[0]
 
 
@@ -180,10 +175,9 @@ def patched_class(base_class):
         _transformers_class(base_class)
         config_class = base_class.config_class
         auto = _auto_class_of(base_class)
-        cls = _derived_class(CTAPatchedModelMixin, base_class,
-                             f"{base_class.__name__} with CTA PDE refinement (built from `config.cta_patch`).", auto,
-                             config_class=patched_config_class(config_class))
-        getattr(transformers, auto).register(cls.config_class, cls, exist_ok=True)
+        _derived_class(CTAPatchedModelMixin, base_class,
+                       f"{base_class.__name__} with CTA PDE refinement (built from `config.cta_patch`).", auto,
+                       config_class=patched_config_class(config_class))
         for name in head_names(config_class.model_type, SAVED_HEADS).values():
             head = getattr(transformers, name, None)
             if isinstance(head, type) and head.config_class is config_class:
@@ -192,9 +186,8 @@ def patched_class(base_class):
 
 
 def patched_class_named(name):
-    """``CTAPatched<Base>`` for any transformers class ``<Base>``, made on first access: what a saved checkpoint's
-    ``auto_map`` and ``architectures`` name (also where the files are loaded as remote code) and what pickling reads
-    (``patching_cta.__getattr__``)."""
+    """``CTAPatched<Base>`` for any transformers class ``<Base>``, made on first access (``patching_cta.__getattr__``):
+    what a saved checkpoint's ``auto_map`` and ``architectures`` name, and what pickling reads."""
     if name.startswith(PATCHED_CLASS_PREFIX):
         base = getattr(transformers, name[len(PATCHED_CLASS_PREFIX):], None)
         if isinstance(base, type) and issubclass(base, transformers.PreTrainedConfig):
@@ -219,10 +212,8 @@ def auto_map_for(config) -> dict:
 def register_auto_classes():
     """Registers every patched config/model class made so far with transformers' Auto classes (each class is also
     registered when it is made)."""
-    for config_class in CTAPatchedConfigMixin._cta_patched.values():
-        transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
-    for cls in CTAPatchedModelMixin._cta_patched.values():
-        getattr(transformers, cls._cta_auto).register(cls.config_class, cls, exist_ok=True)
+    for cls in (*CTAPatchedConfigMixin._cta_patched.values(), *CTAPatchedModelMixin._cta_patched.values()):
+        _register(cls)
 
 
 def load_patched(path, **kwargs):
@@ -231,7 +222,7 @@ def load_patched(path, **kwargs):
     model_type = str(config_dict.get("model_type", ""))
     base_type = model_type[len(PATCHED_MODEL_TYPE_PREFIX):]
     if model_type.startswith(PATCHED_MODEL_TYPE_PREFIX) and base_type in transformers.CONFIG_MAPPING:
-        patched_config_class(transformers.CONFIG_MAPPING[base_type])  # (so that AutoConfig reads it without remote code)
+        patched_config_class(transformers.CONFIG_MAPPING[base_type])  # (AutoConfig then reads it without remote code)
     config = transformers.AutoConfig.from_pretrained(path, **hub_arguments(kwargs))  # the weights' folder
     if not is_patched_config(config):
         raise ValueError(f"{path!r} is not a CTA-patched checkpoint (its config has no `cta_patch`).")

@@ -1,22 +1,19 @@
 # coding=utf-8
 """Where the PDE sites of a patched transformers model go, found by structure, and what is refused (with why).
 
-``patching_cta.patch_model`` asks :func:`plan_patch` for the modules each placement refines before it changes
-anything; every refusal is a ``ValueError`` raised here, naming the placement, the architecture and what it supports.
+:func:`plan_patch` finds the modules each placement refines before ``patch_model`` changes anything; each refusal is
+a ``ValueError`` naming the placement, the architecture and what it supports.
 
-* **The layer stack**: the one ``nn.ModuleList`` of the base model whose items are ``GradientCheckpointingLayer`` s
-  (every layer of transformers 5.x) or of a class in ``_no_split_modules``. ``block_output`` refines each item's
-  output, ``embedding`` the first item's input (after any scaling or projection before the first layer).
-* **Decoder or encoder** (causal or bidirectional stencil): the config's ``is_decoder`` / ``is_causal``, else its
-  heads (a masked-LM head: an encoder; a causal-LM head only: a decoder); attention modules' ``is_causal`` must agree.
-* **value**: the layer's one value projection (:data:`VALUE_NAMES`) or the value columns of a fused QKV projection
-  whose layout the config determines (:data:`FUSED_VALUE`). **attention_output** / **mlp_output**: the output, before
-  the residual add, of the attention module (the layer's child holding the value projection) and of the MLP / MoE
-  block (:data:`MLP_NAMES`, or OPT-style ``fc2``); where such a module adds the residual itself, its last ``Linear``;
-  in BERT-style post-LN layers, the dropout before Add & Norm.
-* **Refused up front**: architectures whose cache holds their own recurrent or convolution state, composite
-  (multimodal) and encoder-decoder configs, :data:`REFUSED` / :data:`REFUSED_BEFORE` (the releases whose own model
-  code cannot work) and, per placement, :data:`PLACEMENT_EXCEPTIONS`: one line per architecture with its reason.
+* **The layer stack**: the base model's one ``nn.ModuleList`` of ``GradientCheckpointingLayer`` s (or of
+  ``_no_split_modules`` classes). ``block_output`` refines each item's output, ``embedding`` the first item's input.
+* **Decoder or encoder**: the config's ``is_decoder`` / ``is_causal``, else its heads (a masked-LM head: an encoder;
+  a causal-LM head only: a decoder); attention modules' ``is_causal`` must agree.
+* **value**: the one value projection (:data:`VALUE_NAMES`) or the value columns of a fused QKV projection
+  (:data:`FUSED_VALUE`). **attention_output** / **mlp_output**: the output, before the residual add, of the attention
+  module and of the MLP / MoE block (:data:`MLP_NAMES`, or OPT-style ``fc2``); where such a module adds the residual
+  itself, its last ``Linear``; in BERT-style post-LN layers, the dropout before Add & Norm.
+* **Refused up front**: caches with their own recurrent / convolution state, composite and encoder-decoder configs,
+  :data:`REFUSED` / :data:`REFUSED_BEFORE` and, per placement, :data:`PLACEMENT_EXCEPTIONS` (one line each, with why).
 """
 
 from __future__ import annotations
@@ -59,9 +56,7 @@ FUSED_VALUE = {
     "falcon": ("query_key_value",
                lambda c: _head_dim(c) if c.multi_query and not c.new_decoder_architecture else None),
     # per head [q, k, v]: the value columns are interleaved with the others
-    "gpt_neox": ("query_key_value", lambda c: None),
-    "persimmon": ("query_key_value", lambda c: None),
-    "bloom": ("query_key_value", lambda c: None),
+    **dict.fromkeys(("gpt_neox", "persimmon", "bloom"), ("query_key_value", lambda c: None)),
     "codegen": ("qkv_proj", lambda c: None),
 }
 
@@ -131,8 +126,7 @@ class PatchPlan:
 
 def architecture_name(model_or_config) -> str:
     config = getattr(model_or_config, "config", model_or_config)
-    name = type(model_or_config).__name__ if hasattr(model_or_config, "config") else type(config).__name__
-    return f"{name} (model_type {base_model_type(config)!r})"
+    return f"{type(model_or_config).__name__} (model_type {base_model_type(config)!r})"
 
 
 def base_model_type(config) -> str:
@@ -149,25 +143,17 @@ def _out_features(module) -> Optional[int]:
     return None
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Refusals that the config alone decides (also what the README table lists)
-# ----------------------------------------------------------------------------------------------------------------
-
-
 def release_refusal(model_type) -> Optional[str]:
     """Why patch_model refuses ``model_type`` on the installed transformers release only (:data:`REFUSED_BEFORE`),
     or ``None``."""
-    if model_type in REFUSED_BEFORE:
-        since, reason = REFUSED_BEFORE[model_type]
-        if transformers_before(since):
-            return f"{reason} (installed: transformers {transformers.__version__})"
+    since, reason = REFUSED_BEFORE.get(model_type, (None, None))
+    if since is not None and transformers_before(since):
+        return f"{reason} (installed: transformers {transformers.__version__})"
     return None
 
 
 def _type_refusal(model_type) -> Optional[str]:
-    if model_type in REFUSED:
-        return REFUSED[model_type]
-    reason = release_refusal(model_type)
+    reason = REFUSED.get(model_type) or release_refusal(model_type)
     if reason is not None:
         return reason
     if not has_head(model_type, "AutoModelForCausalLM") and not has_head(model_type, "AutoModelForMaskedLM"):
@@ -227,14 +213,7 @@ def config_is_decoder(config) -> bool:
     if isinstance(is_causal, bool):
         return is_causal
     model_type = base_model_type(config)
-    if has_head(model_type, "AutoModelForMaskedLM"):
-        return False
-    return has_head(model_type, "AutoModelForCausalLM")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The layer stack and each layer's modules
-# ----------------------------------------------------------------------------------------------------------------
+    return not has_head(model_type, "AutoModelForMaskedLM") and has_head(model_type, "AutoModelForCausalLM")
 
 
 def find_layer_stack(model):
@@ -250,10 +229,9 @@ def find_layer_stack(model):
     found = [(n, m) for n, m in found if not any(n.startswith(other + ".") for other, _ in found if other != n)]
     if len(found) != 1:
         what = "no" if not found else f"{len(found)} ({', '.join(n for n, _ in found)})"
-        raise ValueError(
-            f"patch_model cannot patch {architecture_name(model)}: it needs one layer stack (an nn.ModuleList of "
-            f"GradientCheckpointingLayer / `_no_split_modules` layers) in its base model and found {what}."
-        )
+        raise ValueError(f"patch_model cannot patch {architecture_name(model)}: it needs one layer stack (an "
+                         "nn.ModuleList of GradientCheckpointingLayer / `_no_split_modules` layers) in its base model "
+                         f"and found {what}.")
     name, layers = found[0]
     return _input_owner(base, name), layers, name
 
@@ -266,11 +244,6 @@ def parameters_of(function) -> dict:
         return {}
 
 
-def _takes_model_inputs(module) -> bool:
-    parameters = parameters_of(module.forward)
-    return "attention_mask" in parameters and ("input_ids" in parameters or "inputs_embeds" in parameters)
-
-
 def _input_owner(base, layers_name):
     """The innermost module between the base model and its layer stack whose forward takes the model's inputs
     (``input_ids`` and the 2D ``attention_mask``): where the padding walls and the cache are read. Usually the base
@@ -278,18 +251,14 @@ def _input_owner(base, layers_name):
     owner, module = base, base
     for part in layers_name.split(".")[:-1]:
         module = getattr(module, part)
-        if _takes_model_inputs(module):
+        parameters = parameters_of(module.forward)
+        if "attention_mask" in parameters and ("input_ids" in parameters or "inputs_embeds" in parameters):
             owner = module
     return owner
 
 
 def _children_named(module, names):
     return [(n, getattr(module, n)) for n in names if isinstance(getattr(module, n, None), nn.Module)]
-
-
-def _last_linear(module):
-    linears = [m for m in module.children() if _out_features(m) is not None]
-    return linears[-1] if linears else None
 
 
 def _post_ln_dropout(module):
@@ -308,7 +277,8 @@ def _output_module(module):
     if dropout is not None:
         return dropout
     if "residual" in parameters_of(module.forward):
-        return _last_linear(module)
+        linears = [m for m in module.children() if _out_features(m) is not None]
+        return linears[-1] if linears else None
     return module
 
 
@@ -325,74 +295,71 @@ def _projections(layer, names):
     return found
 
 
-def _direct_child(layer, path):
-    """The layer's child on the way to its submodule ``path`` (``""``: the layer itself)."""
-    return getattr(layer, path.split(".")[0]) if path else None
+def _value_target(layer, config):
+    """``(ValueTarget, or why there is none; the layer's child holding the value projection, or None)``."""
+    separate, fused = _projections(layer, VALUE_NAMES), _projections(layer, FUSED_QKV_NAMES)
+    if len(separate) > 1:
+        return f"several value projections ({', '.join(p + '.' + a for p, _, a in separate)})", None
+    if not separate and len(fused) != 1:
+        return ("no value projection found (a Linear named " + ", ".join(VALUE_NAMES) +
+                " or a known fused QKV projection)"), None
+    path, owner, attr = (separate or fused)[0]
+    attention = getattr(layer, path.split(".")[0]) if path else None  # (the layer's child holding the projection)
+    total = _out_features(getattr(owner, attr))
+    if separate:
+        return ValueTarget(owner, attr, None, total), attention
+    known = FUSED_VALUE.get(base_model_type(config))
+    if known is None or known[0] != attr:
+        return (f"its value projection is fused into `{attr}` with a layout cta does not know (an architecture with a "
+                "contiguous value block is one line in patching_structure.FUSED_VALUE)"), attention
+    width = known[1](config)
+    if width is not None and 0 < width < total:
+        return ValueTarget(owner, attr, (total - width, total), width), attention
+    return (f"the value columns of its fused `{attr}` are interleaved with the query and key columns (per head or per "
+            "group) for this config"), attention
 
 
-def layer_targets(layer, config) -> LayerTargets:
-    """What ``value`` / ``attention_output`` / ``mlp_output`` refine in ``layer`` (or why they cannot)."""
-    targets = LayerTargets()
-    model_type = base_model_type(config)
-    attention = None
-    separate = _projections(layer, VALUE_NAMES)
-    fused = _projections(layer, FUSED_QKV_NAMES)
-    if len(separate) == 1:
-        path, owner, attr = separate[0]
-        channels = _out_features(getattr(owner, attr))
-        targets.value = ValueTarget(owner, attr, None, channels)
-        attention = _direct_child(layer, path)
-    elif len(separate) > 1:
-        targets.reasons["value"] = f"several value projections ({', '.join(p + '.' + a for p, _, a in separate)})"
-    elif len(fused) == 1:
-        path, owner, attr = fused[0]
-        attention = _direct_child(layer, path)
-        known = FUSED_VALUE.get(model_type)
-        width = known[1](config) if known is not None and known[0] == attr else None
-        total = _out_features(getattr(owner, attr))
-        if width is not None and 0 < width < total:
-            targets.value = ValueTarget(owner, attr, (total - width, total), width)
-        elif known is not None and known[0] == attr:
-            targets.reasons["value"] = (f"the value columns of its fused `{attr}` are interleaved with the query and "
-                                        "key columns (per head or per group) for this config")
-        else:
-            targets.reasons["value"] = (f"its value projection is fused into `{attr}` with a layout cta does not know "
-                                        "(an architecture with a contiguous value block is one line in "
-                                        "patching_structure.FUSED_VALUE)")
-    else:
-        targets.reasons["value"] = ("no value projection found (a Linear named " + ", ".join(VALUE_NAMES) +
-                                    " or a known fused QKV projection)")
+def _attention_output(layer, attention):
+    """What ``attention_output`` refines (or why nothing): the output of ``attention`` (the child holding the value
+    projection) or else of the layer's one child named as in :data:`ATTENTION_NAMES`."""
     if attention is None or attention is layer:
         named = _children_named(layer, ATTENTION_NAMES)
         attention = named[0][1] if len(named) == 1 else None
     if attention is None:
-        targets.reasons["attention_output"] = "no attention module found (" + ", ".join(ATTENTION_NAMES) + ")"
-    else:
-        module = _output_module(attention)
-        if module is None:
-            targets.reasons["attention_output"] = (f"its attention module {type(attention).__name__} adds the residual "
-                                                   "itself and has no output projection")
-        else:
-            targets.attention_output = module
+        return "no attention module found (" + ", ".join(ATTENTION_NAMES) + ")"
+    module = _output_module(attention)
+    if module is None:
+        return f"its attention module {type(attention).__name__} adds the residual itself and has no output projection"
+    return module
+
+
+def _mlp_output(layer):
+    """What ``mlp_output`` refines in ``layer`` (or why nothing)."""
     layer_dropout = _post_ln_dropout(layer) if hasattr(layer, "intermediate") else None
     mlps = _children_named(layer, MLP_NAMES)
     if layer_dropout is not None:
-        targets.mlp_output = layer_dropout
-    elif len(mlps) == 1:
+        return layer_dropout
+    if len(mlps) > 1:
+        return f"several MLP blocks ({', '.join(n for n, _ in mlps)})"
+    if mlps:
         module = _output_module(mlps[0][1])
-        if module is None:
-            targets.reasons["mlp_output"] = f"its MLP {type(mlps[0][1]).__name__} adds the residual itself"
+        return f"its MLP {type(mlps[0][1]).__name__} adds the residual itself" if module is None else module
+    if _out_features(getattr(layer, "fc2", None)) is not None:
+        return layer.fc2  # OPT-style layers: fc1 / fc2 directly on the layer
+    return "no MLP / mixture-of-experts block found (" + ", ".join(MLP_NAMES) + ", fc2)"
+
+
+def layer_targets(layer, config) -> LayerTargets:
+    """What ``value`` / ``attention_output`` / ``mlp_output`` refine in ``layer`` (or why they cannot)."""
+    value, attention = _value_target(layer, config)
+    found = {"value": value, "attention_output": _attention_output(layer, attention), "mlp_output": _mlp_output(layer)}
+    found.update(PLACEMENT_EXCEPTIONS.get(base_model_type(config), {}))  # (a reason replaces the module)
+    targets = LayerTargets()
+    for placement, target in found.items():
+        if isinstance(target, str):
+            targets.reasons[placement] = target
         else:
-            targets.mlp_output = module
-    elif len(mlps) > 1:
-        targets.reasons["mlp_output"] = f"several MLP blocks ({', '.join(n for n, _ in mlps)})"
-    elif _out_features(getattr(layer, "fc2", None)) is not None:
-        targets.mlp_output = layer.fc2  # OPT-style layers: fc1 / fc2 directly on the layer
-    else:
-        targets.reasons["mlp_output"] = "no MLP / mixture-of-experts block found (" + ", ".join(MLP_NAMES) + ", fc2)"
-    for placement, reason in PLACEMENT_EXCEPTIONS.get(model_type, {}).items():
-        setattr(targets, placement, None)
-        targets.reasons[placement] = reason
+            setattr(targets, placement, target)
     return targets
 
 
@@ -406,19 +373,6 @@ def _attention_causality(layers):
     return flags
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The plan
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def refuse(placement, model, reason, supported):
-    supported_text = ", ".join(supported) if supported else "none"
-    return ValueError(
-        f"patch_model cannot place `{placement}` in {architecture_name(model)}: {reason}. Placements it supports "
-        f"there: {supported_text}."
-    )
-
-
 def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
     """The modules that ``placements`` refine in ``model`` (``layer_indices``: the layers with per-layer sites,
     default all); raises ``ValueError`` before anything is changed where the model or a placement is not supported."""
@@ -430,16 +384,12 @@ def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
     causal = config_is_decoder(config)
     flags = _attention_causality(layers)
     if flags and flags != {causal}:
-        raise ValueError(
-            f"patch_model cannot patch {architecture_name(model)}: its config makes it "
-            f"{'a decoder' if causal else 'an encoder'} but its attention modules say is_causal={sorted(flags)}."
-        )
-    model_type = base_model_type(config)
-    if causal and has_head(model_type, "AutoModelForMaskedLM"):
-        raise ValueError(
-            f"patch_model supports {architecture_name(model)} as an encoder only (config.is_decoder=False); got "
-            "is_decoder=True."
-        )
+        raise ValueError(f"patch_model cannot patch {architecture_name(model)}: its config makes it "
+                         f"{'a decoder' if causal else 'an encoder'} but its attention modules say "
+                         f"is_causal={sorted(flags)}.")
+    if causal and has_head(base_model_type(config), "AutoModelForMaskedLM"):
+        raise ValueError(f"patch_model supports {architecture_name(model)} as an encoder only "
+                         "(config.is_decoder=False); got is_decoder=True.")
     indices = range(len(layers)) if layer_indices is None else layer_indices
     wanted = [p for p in MODULE_PLACEMENTS if p in placements]
     targets = [None] * len(layers)
@@ -448,21 +398,20 @@ def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
         for placement in wanted:
             if getattr(found, placement) is None:
                 supported = [p for p in ALL_PLACEMENTS if p not in MODULE_PLACEMENTS or getattr(found, p) is not None]
-                raise refuse(placement, model, found.reasons[placement] + f" (layer {idx}, {type(layers[idx]).__name__})",
-                             supported)
+                raise ValueError(
+                    f"patch_model cannot place `{placement}` in {architecture_name(model)}: {found.reasons[placement]} "
+                    f"(layer {idx}, {type(layers[idx]).__name__}). Placements it supports there: "
+                    f"{', '.join(supported) if supported else 'none'}.")
         targets[idx] = found
     return PatchPlan(base, layers, name, causal, targets)
 
 
 def supported_placements(model) -> list:
     """The placements ``patch_model`` accepts for ``model`` (every layer must offer a per-layer one)."""
-    plan = plan_patch(model, ())
-    supported = []
-    for placement in ALL_PLACEMENTS:
-        if placement not in MODULE_PLACEMENTS or all(
-                getattr(layer_targets(layer, model.config), placement) is not None for layer in plan.layers):
-            supported.append(placement)
-    return supported
+    layers = plan_patch(model, ()).layers
+    return [placement for placement in ALL_PLACEMENTS if placement not in MODULE_PLACEMENTS or all(
+        getattr(layer_targets(layer, model.config), placement) is not None for layer in layers)]
 
 
-__all__ = ["FUSED_VALUE", "REFUSED", "REFUSED_BEFORE", "PLACEMENT_EXCEPTIONS", "plan_patch", "model_type_refusal", "release_refusal", "supported_placements", "config_refusal", "find_layer_stack"]
+__all__ = ["FUSED_VALUE", "REFUSED", "REFUSED_BEFORE", "PLACEMENT_EXCEPTIONS", "plan_patch", "model_type_refusal",
+           "release_refusal", "supported_placements", "config_refusal", "find_layer_stack"]

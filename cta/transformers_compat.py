@@ -18,8 +18,9 @@ a config's ``__dict__``; ``cache_utils.get_layer_types_and_kwargs``  hold conv s
 ``is_remote_code``, ``get_compiled_call``, ``init_continuous_...``  overridden (:class:`GenerationHooks`)
 ``mismatched_keys`` entries ``(name, saved shape, model shape)``;  0.1.0 checkpoints' 0-d coefficients
 the load report (``modeling_utils``' logger, ``LOAD REPORT``)      (``checkpoint_conversion``)
-``utils.output_capturing``, ``utils.can_return_tuple``, ``utils``  the native model records outputs, returns tuples
-``.deprecation.deprecate_kwarg``                                   and warns as transformers' models do
+``utils.output_capturing``, ``utils.can_return_tuple``, ``utils``  the native model records outputs, returns tuples,
+``.deprecation.deprecate_kwarg``, ``integrations.sdpa_attention``  warns and repeats key/value heads as transformers'
+``.repeat_kv``                                                     models do
 ``models.auto.modeling_auto.MODEL_*_MAPPING_NAMES``                a model type's heads (:func:`head_names`)
 ``dynamic_module_utils.get_relative_import_files``                 the code files a saved folder needs (``hub``)
 releases: ``load_adapter`` loads ``modules_to_save`` from 5.18,    refused before (:func:`transformers_before`)
@@ -41,6 +42,7 @@ import transformers
 from packaging import version
 from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: F401  (a config's cache layer types)
 from transformers.dynamic_module_utils import get_relative_import_files  # noqa: F401  (for hub)
+from transformers.integrations.sdpa_attention import repeat_kv  # noqa: F401  (for modeling_cta)
 from transformers.models.auto import modeling_auto
 from transformers.utils import can_return_tuple  # noqa: F401  (for modeling_cta)
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: F401  (for pde_cache)
@@ -90,9 +92,9 @@ def config_view(config, **fields):
 
 
 def register_recorded_outputs(cls, config) -> None:
-    """transformers learns which layer outputs ``output_hidden_states`` / ``output_attentions`` record from the
-    class of a model when one is built (``PreTrainedModel.__init__``): a class never built (a model patched in place
-    gets one) is built once, on the meta device (no memory, no weights)."""
+    """transformers learns what ``output_hidden_states`` / ``output_attentions`` record from a model's class when one
+    is built (``PreTrainedModel.__init__``): a class never built (a model patched in place gets one) is built once, on
+    the meta device."""
     if cls.__dict__.get("_cta_records_outputs") or getattr(cls, "_can_record_outputs", None) is None:
         return
     with torch.device("meta"):
@@ -133,24 +135,21 @@ def conv_state(layer, index: int):
 
 
 def records_past(cache, layer_idx: int) -> bool:
-    """Whether the cache layer keeps every position's state until its next ``crop`` (transformers' past recording,
-    on while assisted or prompt-lookup decoding may reject draft tokens): a site then appends its states instead of
-    overwriting the last one."""
+    """Whether the cache layer keeps every position's state until its next ``crop`` (on while assisted or prompt-lookup
+    decoding may reject draft tokens): a site then appends its states instead of overwriting the last one."""
     return bool(getattr(cache.layers[layer_idx], "record_past", False))
 
 
 def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor):
-    """Stores a site's states ``[batch, steps, channels, positions]`` (the state after each position of the current
-    tokens; only the last one unless the cache records its past) as its conv states ``state_idx ..``, one per step,
-    one position per column."""
+    """Stores a site's states ``[batch, steps, channels, positions]`` (after each current token; only the last unless
+    the cache records its past) as its conv states ``state_idx ..``, one per step, one position per column."""
     for step in range(states.shape[1]):
         cache.update_conv_state(states[:, step:step + 1], layer_idx, state_idx=state_idx + step, conv_kernel_size=1)
 
 
 def fill_unused_pde_states(cache):
-    """Gives every conv state that no PDE site uses an empty one: the layers of a cache all get the model's largest
-    number of sites per layer, and transformers' ``crop`` (assisted decoding) walks every state of every layer. Call
-    it after a forward of several tokens (the prefill)."""
+    """Gives every conv state that no PDE site uses an empty one (after a forward of several tokens): every cache layer
+    gets the model's largest number of sites per layer, and ``crop`` (assisted decoding) walks every state."""
     layers = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "is_conv_states_initialized")]
     like = next((state for layer in layers for index, state in layer.conv_states.items()
                  if layer.is_conv_states_initialized[index]), None)
@@ -178,14 +177,9 @@ def _bound_module(value):
 def compiled_calls(model, foreign_only: bool = False) -> list:
     """Names of ``model``'s attributes that wrap a bound method of a module (what ``torch.compile(model.__call__)``
     leaves), or with ``foreign_only`` only those bound to another module than ``model``."""
-    names = []
-    for name, value in vars(model).items():
-        if isinstance(value, torch.nn.Module) or not callable(value):
-            continue
-        owner = _bound_module(value)
-        if owner is not None and (owner is not model or not foreign_only):
-            names.append(name)
-    return names
+    owners = {name: _bound_module(value) for name, value in vars(model).items()
+              if callable(value) and not isinstance(value, torch.nn.Module)}
+    return [name for name, owner in owners.items() if owner is not None and (owner is not model or not foreign_only)]
 
 
 def drop_compiled_calls(model, foreign_only: bool = False) -> list:
@@ -204,8 +198,8 @@ class GenerationHooks:
     def is_remote_code(cls) -> bool:
         """transformers' answer (True: these classes are registered with the Auto classes, so that ``save_pretrained``
         writes their code files), except inside ``generate()``: there it asks once per token, to hand
-        ``cache_position`` to remote code whose forward takes it, at the cost of two ``inspect.signature`` calls of the
-        forward per token (a few percent of a compiled decode step); these forwards take no ``cache_position``."""
+        ``cache_position`` to remote code whose forward takes it (two ``inspect.signature`` calls per token, a few
+        percent of a compiled decode step); these forwards take no ``cache_position``."""
         return False if GENERATING.get() else super().is_remote_code()
 
     def get_compiled_call(self, compile_config):
@@ -213,11 +207,9 @@ class GenerationHooks:
         return super().get_compiled_call(compile_config)
 
     def init_continuous_batching(self, *args, **kwargs):
-        raise ValueError(
-            f"{type(self).__name__}: continuous batching (generate_batch, cache_implementation='paged') keeps no "
-            "per-request conv state, so the PDE sites could not keep theirs; use generate() with "
-            "cache_implementation='dynamic' or 'static'."
-        )
+        raise ValueError(f"{type(self).__name__}: continuous batching (generate_batch, cache_implementation='paged') "
+                         "keeps no per-request conv state, so the PDE sites could not keep theirs; use generate() with "
+                         "cache_implementation='dynamic' or 'static'.")
 
 
 def inside_load_adapter() -> bool:
