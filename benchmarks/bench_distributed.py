@@ -6,14 +6,11 @@
     python benchmarks/bench_distributed.py --summarize      # results/distributed.{json,md} from the run files
     bash benchmarks/distributed_gpu.sh single|fsdp2|zero3|overhead   # the 2-GPU runs, one process per phase
 
-A Llama-shaped model (``--size 1b``: TinyLlama-1.1B's shape; random init, saved and loaded with ``from_pretrained`` as
-a user's checkpoint) trains ``--steps`` steps on one global batch split over the processes, phase by phase: ``full``
-/ ``full_pde`` (unpatched / patched: diffusion, 4 steps after every block), ``lora`` / ``lora_pde`` (LoRA / with the
-PDE coefficients, ``cta.CTALoraConfig``), ``native`` (``cta.CTAForCausalLM``). Recorded: the mean loss per step, the
-median step time after ``--warmup``, peak memory, the checks of tests/distributed_checks.py (coefficients moved; the
-gathered checkpoint reloads equal and generates the same with and without cache) and with ``--overhead_rounds`` the
-PDE's share of a step (paired steps, sites on / at ``steps = 0``). Writes ``distributed_<engine>_<N><gpu|cpu>.json``
-(a context-parallel engine would add its name in :func:`engine_name`).
+A Llama-shaped model (``--size 1b``: TinyLlama-1.1B's shape, random init, loaded with ``from_pretrained``) trains
+``--steps`` steps on one global batch split over the processes, per phase: ``full`` / ``full_pde`` (diffusion, 4
+steps after every block), ``lora`` / ``lora_pde`` (``cta.CTALoraConfig``), ``native``. Recorded: the loss per step,
+the median step time, peak memory, tests/distributed_checks.py's checks and, with ``--overhead_rounds``, the PDE's
+share of a step (paired, sites on / at 0 steps). Writes ``distributed_<engine>_<N><gpu|cpu>.json``.
 """
 
 from __future__ import annotations

@@ -5,13 +5,11 @@
     python benchmarks/bench_patched_model.py --cpu-decode   # ~3 min on one CPU thread
     python benchmarks/bench_patched_model.py --layers 2 --hidden 128 --lengths 64 --device cpu  # a smoke run
 
-A random-weight Llama (8 x 4096, bf16, sdpa; seed 0) is patched in place (diffusion after every block, 4 steps,
-``init="paper"``) and unpatched again in ``--rounds`` paired rounds, each timing prefill at ``--lengths`` and a
-training step once each way, the order alternating: an overhead is the median over rounds of patched / unpatched - 1
-(pairing keeps the host's drift out); the first round also reads peak memory. Decode: per-token pairs
-(``results_io.paired_decode``) against an unpatched copy, without and with the all-ones mask ``generate()`` passes,
-as a drop in tokens/s [bootstrap 95%]. ``--cpu-decode``: those pairs alone per ``--pde-types``, on SmolLM2-135M's
-shape (30 x 576; fp32, one thread, backend ``torch``) unless given, with the host µs per site.
+A random-weight Llama (8 x 4096, bf16, sdpa) patched in place (diffusion after every block, 4 steps) and unpatched
+again in ``--rounds`` paired rounds of prefill at ``--lengths`` and a training step (order alternating; overhead: the
+median of patched / unpatched - 1; round 1 reads peak memory). Decode: per-token pairs (``results_io.paired_decode``)
+without and with the all-ones mask, a drop in tokens/s [bootstrap 95%]. ``--cpu-decode``: those pairs alone per
+``--pde-types`` on SmolLM2-135M's shape (30 x 576, fp32, one thread, backend ``torch``), with the host µs per site.
 """
 
 import argparse

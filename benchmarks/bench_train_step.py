@@ -1,26 +1,25 @@
-"""What the PDE sites cost a training step on one GPU: host time per site (forward + backward) and the step of a
-Llama-shaped model, patched and native, against transformers' Llama (the README's training line reads the result).
+"""What the PDE sites cost a training step on one GPU: host time per site and the step of a Llama-shaped model,
+patched and native, against transformers' Llama (the README's training line reads the result).
 
     python benchmarks/bench_train_step.py                      # eager: host per site + 12 x 1024 step
     python benchmarks/bench_train_step.py --compile            # the step under torch.compile
 
-Host time per site: a tiny model (``--site_hidden``, 4 layers, batch 1 x 64 tokens) whose GPU work is negligible,
-timed by a CPU clock around ``--calls`` forward + backward calls and one synchronisation; per site = (the model with
-its PDE sites - the same model without) / sites. The step: forward + backward + ``zero_grad`` of each model on
-``--batch`` x ``--seq`` tokens, bf16 weights, the models in turn in each of ``--rounds`` rounds (paired: the
-overhead is the median of the per-round ratios), and peak memory. GPU kernel time of the PDE: ``torch.profiler``
-over 3 steps.
+Host time per site: 8 ``PDERefinement`` modules (1 x 64 tokens: negligible GPU work) chained in one graph, forward +
+backward timed by a CPU clock over a ``mul`` in their place, beside the floor of any Triton op (one trivial launch each
+way). The step: forward + backward + ``zero_grad`` of each model on ``--batch`` x ``--seq`` tokens, bf16, the models
+taking turns in ``--rounds`` rounds (overhead: the median [quartiles] of per-round ratios), peak memory, and the PDE
+kernels' GPU time (``torch.profiler``).
 
 ``torchrun --nproc_per_node N bench_train_step.py --context_parallel [--probe]``: torch's ``context_parallel`` (ring
-sdpa, head-tail) shards one ``--seq``-token sequence over N GPUs, the patched sites told by ``cta.shard_sequences``;
-a 0.95B Llama shape (16 x 2048, no GQA: torch 2.11's ring sdpa rejects it), both models resident; torch CP alone (no
-FSDP2, no gradient synchronisation: the same for both), rank 0's times and peak. ``--probe``: first the longest
-8192 x 2^k tokens one GPU trains (patched, unsharded), then N times that length, sharded, timed.
+sdpa, head-tail) shards one ``--seq``-token sequence of a 0.95B Llama shape (16 x 2048, no GQA: torch 2.11's ring
+sdpa rejects it) over N GPUs, the patched sites told by ``cta.shard_sequences``; no FSDP2; rank 0's times and peak.
+``--probe``: the longest 8192 x 2^k tokens one GPU trains unsharded, then N times that, sharded, timed.
 """
 
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import os
 import statistics
@@ -68,23 +67,17 @@ def train_step(model, batch):
     model.zero_grad(set_to_none=True)
 
 
-def time_steps(model, batch, steps):
-    """Seconds per step of ``steps`` back-to-back steps (synchronised before and after)."""
-    return clocked(lambda: [train_step(model, batch) for _ in range(steps)]) / steps
-
-
 def paired_rounds(models, batch, rounds, steps, warmup=3):
     """({name: [seconds per step, one per round]}, {name: peak GiB of a step}), the models taking turns in a round."""
     memory = {}
     for name, model in models.items():  # warm-up: kernels compiled, caches filled
         torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-        for _ in range(warmup):
-            train_step(model, batch)
+        [train_step(model, batch) for _ in range(warmup)]
         memory[name] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     times = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
-            times[name].append(time_steps(model, batch, steps))
+            times[name].append(clocked(lambda: [train_step(model, batch) for _ in range(steps)]) / steps)
     return times, memory
 
 
@@ -102,89 +95,51 @@ def pde_kernel_ms(model, batch):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            train_step(model, batch)
+        [train_step(model, batch) for _ in range(3)]
         sync()
     return sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key) / 3 / 1000
 
 
-def host_per_site(device, dtype, hidden, calls, rounds):
-    """Host microseconds per PDE site and forward + backward (see the module notes): the tiny models' difference, and
-    the site alone (``site_chain``)."""
-    models = build_models(hidden, 4, 512, device, dtype)
-    batch = {"input_ids": torch.randint(0, 512, (1, 64), device=device)}
-    batch["labels"] = batch["input_ids"]
-    times = paired_rounds(models, batch, rounds, calls)[0]
-    result = {}
-    for name, plain in (("patched", "llama"), (f"native_{PDE['steps']}", "native_0")):
-        per_round = [(a - b) / 4 * 1e6 for a, b in zip(times[name], times[plain])]  # (4 sites)
-        result[name] = {"host_us_per_site": statistics.median(per_round),
-                        "step_us": 1e6 * statistics.median(times[name]),
-                        "step_us_without_pde": 1e6 * statistics.median(times[plain])}
-    result["site_chain"] = site_chain(device, dtype, hidden, calls, rounds)
-    return result
-
-
 def _minimal_triton_op(device):
-    """An autograd.Function that launches one trivial Triton kernel each way: the host time of any Triton op called
-    from eager PyTorch, the floor a PDE site stands on (None where Triton cannot run)."""
+    """An autograd.Function launching one trivial Triton kernel each way: the host-time floor of any Triton op in
+    eager PyTorch (None off CUDA)."""
     if device.type != "cuda":
         return None
     import triton
     import triton.language as tl
 
     @triton.jit
-    def copy_kernel(source, target, n, BLOCK: tl.constexpr):
-        offsets = tl.arange(0, BLOCK)
-        tl.store(target + offsets, tl.load(source + offsets, mask=offsets < n), mask=offsets < n)
+    def copy_kernel(source, target, BLOCK: tl.constexpr):
+        tl.store(target + tl.arange(0, BLOCK), tl.load(source + tl.arange(0, BLOCK)))
 
-    class MinimalTritonOp(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            y = torch.empty_like(x)
-            copy_kernel[(1,)](x, y, 16, BLOCK=16)
-            return y
+    launch = lambda x: (y := torch.empty_like(x), copy_kernel[(1,)](x, y, BLOCK=16))[0]  # noqa: E731
 
-        @staticmethod
-        def backward(ctx, grad):
-            dx = torch.empty_like(grad)
-            copy_kernel[(1,)](grad, dx, 16, BLOCK=16)
-            return dx
-
-    return MinimalTritonOp.apply
+    return type("MinimalTritonOp", (torch.autograd.Function,), dict(
+        forward=staticmethod(lambda ctx, x: launch(x)), backward=staticmethod(lambda ctx, grad: launch(grad)))).apply
 
 
 def site_chain(device, dtype, hidden, calls, rounds, sites=8):
-    """Host microseconds per forward + backward of ``PDERefinement`` alone (each of ``sites`` modules, chained in one
-    graph on a 1 x 64 input: the backward's start is shared), over a ``mul`` in its place; and the same for the
-    minimal Triton op (the floor)."""
+    """Host us per forward + backward of a lone ``PDERefinement`` (``sites`` of them chained in one graph on a 1 x 64
+    input: one backward start for all) over a ``mul`` in its place; the same for the minimal Triton op (the floor)."""
     torch.manual_seed(0)
-    chain_of = {"pde_site": [cta.PDERefinement(hidden, PDE["pde_type"], PDE["steps"], causal=True, alpha=0.1)
-                             .to(device, dtype) for _ in range(sites)],
-                "minimal_triton_op": [_minimal_triton_op(device)] * sites, "torch_mul": [lambda y: y.mul(1.0)] * sites}
-    chain_of = {name: ops for name, ops in chain_of.items() if ops[0] is not None}
+    pde = [cta.PDERefinement(hidden, PDE["pde_type"], PDE["steps"], True).to(device, dtype) for _ in range(sites)]
+    chains = {"pde_site": pde, "minimal_triton_op": [_minimal_triton_op(device)] * sites,
+              "torch_mul": [lambda y: y.mul(1.0)] * sites}
+    chains = {name: ops for name, ops in chains.items() if ops[0] is not None}
     x = torch.randn(1, 64, hidden, device=device, dtype=dtype, requires_grad=True)
-    grad = torch.randn_like(x)
 
     def run(ops):
-        y = x
-        for op in ops:
-            y = op(y)
-        y.backward(grad)
-        x.grad = None
-        for op in chain_of["pde_site"]:
-            op.alpha.grad = None
+        functools.reduce(lambda y, op: op(y), ops, x).sum().backward()
+        for tensor in [x] + [site.alpha for site in pde]:
+            tensor.grad = None
 
-    for ops in chain_of.values():  # (warm-up: kernels compiled)
-        [run(ops) for _ in range(3)]
-    times = {name: [] for name in chain_of}
-    for _ in range(rounds):
-        for name, ops in chain_of.items():
+    times = {name: [] for name in chains}
+    for _ in range(rounds + 1):  # (paired: the chains take turns; the first round warms up)
+        for name, ops in chains.items():
             times[name].append(clocked(lambda: [run(ops) for _ in range(calls)]) / calls)
-    per_site = {name: statistics.median((a - b) / sites * 1e6 for a, b in zip(times[name], times["torch_mul"]))
-                for name in chain_of if name != "torch_mul"}
-    return {"sites": sites, "over_torch_mul_us": per_site,
-            "torch_mul_us": 1e6 * statistics.median(times["torch_mul"]) / sites}
+    mul = times.pop("torch_mul")[1:]
+    per_site = {name: statistics.median((a - b) / sites * 1e6 for a, b in zip(t[1:], mul)) for name, t in times.items()}
+    return {"sites": sites, "over_torch_mul_us": per_site, "torch_mul_us": 1e6 * statistics.median(mul) / sites}
 
 
 def context_parallel(args, record, device, dtype):
@@ -224,7 +179,6 @@ def context_parallel(args, record, device, dtype):
         one = next(8192 << k for k in range(10) if not fits(16384 << k, False))  # (doubling: a few tries)
         length = one * dist.get_world_size()
         torch.cuda.empty_cache()  # (the probe's cached blocks back to the device, for the collectives' buffers)
-        print(f"probe: one GPU trains {one} tokens unsharded; timing {length} over {dist.get_world_size()}", flush=True)
     args.batch, args.seq = 1, length
     record.update(world_size=dist.get_world_size(), seq=length, local_seq=length // dist.get_world_size(),
                   probe={"one_gpu_max_seq": one, "context_parallel_seq": length} if args.probe else None)
@@ -236,16 +190,13 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                         help="folder for train_step_<gpu>[_compiled].json")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=1024)
+    for flag, default in (("layers", 12), ("hidden", 1024), ("vocab", 32000), ("batch", 8), ("seq", 1024)):
+        parser.add_argument(f"--{flag}", type=int, default=default, help="the step's model and batch")
     parser.add_argument("--rounds", type=int, default=15, help="paired rounds (the models take turns in each)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first")
     parser.add_argument("--compile", action="store_true", help="each model's forward under torch.compile")
-    parser.add_argument("--site_hidden", type=int, default=256, help="width of the host-time model")
+    parser.add_argument("--site_hidden", type=int, default=256, help="channels of the host-time sites")
     parser.add_argument("--site_calls", type=int, default=50, help="timed forward + backward calls per round")
     parser.add_argument("--skip_site", action="store_true", help="only the training step")
     parser.add_argument("--context_parallel", action="store_true", help="the context-parallel mode (torchrun)")
@@ -264,8 +215,7 @@ def main():
     stem = os.path.join(args.out, "train_step_" + name.replace(" ", "_") + ("_compiled" if args.compile else ""))
     os.makedirs(args.out, exist_ok=True)
     if not args.skip_site and not args.compile:
-        record["host_per_site"] = host_per_site(device, dtype, args.site_hidden, args.site_calls, args.rounds)
-        print(json.dumps(record["host_per_site"], indent=1))
+        record["host_per_site"] = site_chain(device, dtype, args.site_hidden, args.site_calls, args.rounds)
     if args.context_parallel:
         models, batch = context_parallel(args, record, device, dtype)
         stem = os.path.join(args.out, f"train_step_cp{record['world_size']}_{name.replace(' ', '_')}")
@@ -285,8 +235,7 @@ def main():
                                             for k in ("patched", f"native_{PDE['steps']}")}
     print(json.dumps(record, indent=1))
     if os.environ.get("RANK", "0") == "0":
-        with open(stem + ".json", "w") as f:
-            json.dump(record, f, indent=1)
+        open(stem + ".json", "w").write(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

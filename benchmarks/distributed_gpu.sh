@@ -1,15 +1,10 @@
 #!/usr/bin/env bash
 # The 2-GPU runs behind results/distributed*.{json,md} and results/tensor_parallel_2gpu.json, one mode a call:
-#   single | fsdp2 | zero3   the 1.1B model on 1 GPU (the reference) / under FSDP2 / DeepSpeed ZeRO-3 on 2 GPUs,
-#                            one process per phase (PHASES="lora_pde": only those, merged into the file in OUT)
-#   overhead                 the PDE's share of a step under each of ENGINES (fsdp2 zero3), paired rounds;
-#                            OVERHEAD_ARGS="--global_batch 16" SUFFIX=_b16: another per-GPU batch, its own file
-#   tp                       tp_plan="auto" on 2 GPUs against one (tests/tensor_parallel_worker.py)
-#   tests                    the GPU tests of the benchmarks (tiny engine runs, tensor parallel) and of QLoRA
-#   examples                 the fine-tuning examples for a few steps under FSDP2 and ZeRO-3
-# then: python benchmarks/bench_distributed.py --summarize --results_dir OUT (OUT default results/gpu_run).
-# DeepSpeed's sdist and other wheels the machine lacks come from .whl/ when present; DATA (default ../shared, or
-# .gpu_data) holds the stories260K model. Each step's status goes to OUT/MODE.status, its output to OUT/MODE.log.
+#   single | fsdp2 | zero3   the 1.1B model on 1 GPU / under FSDP2 / ZeRO-3 on 2 GPUs, a process per phase (PHASES=...)
+#   overhead                 the PDE's share of a step per ENGINES, paired rounds (OVERHEAD_ARGS, SUFFIX: other batches)
+#   tp | tests | examples    tp_plan="auto" vs one GPU | the GPU tests of benchmarks, QLoRA | the examples
+# then: python benchmarks/bench_distributed.py --summarize --results_dir OUT (OUT default results/gpu_run). Wheels the
+# machine lacks come from .whl/; DATA (../shared or .gpu_data) holds stories260K. Status: OUT/MODE.status, log: .log.
 set -u
 MODE=${1:-tests}
 OUT=${OUT:-results/gpu_run}
@@ -27,13 +22,9 @@ step() {  # step NAME COMMAND...: runs it (STEP_TIMEOUT seconds at most; 0: none
     timeout "${STEP_TIMEOUT:-0}" "$@" >>"$LOG" 2>&1
     echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/$MODE.status"
 }
-if [ -d .whl ]; then
-    for pkg in hjson:hjson pydantic_core:pydantic-core pydantic:pydantic annotated_types:annotated-types \
-               typing_inspection:typing-inspection msgpack:msgpack cpuinfo:py-cpuinfo einops:einops \
-               bitsandbytes:bitsandbytes; do
-        "$PY" -c "import ${pkg%%:*}" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps --find-links .whl \
-            "${pkg##*:}" >>"$LOG" 2>&1
-    done
+if [ -d .whl ]; then  # (pip leaves what is installed alone; DeepSpeed from its sdist)
+    "$PY" -m pip install -q --no-index --no-deps --find-links .whl hjson pydantic-core pydantic annotated-types \
+        typing-inspection msgpack py-cpuinfo einops bitsandbytes >>"$LOG" 2>&1
     "$PY" -c "import deepspeed" 2>/dev/null || DS_BUILD_OPS=0 "$PY" -m pip install -q --no-index --no-deps \
         --no-build-isolation .whl/deepspeed-*.tar.gz >>"$LOG" 2>&1
 fi

@@ -87,10 +87,9 @@ def bootstrap_median(values, resamples=2000, seed=0):
 
 
 def paired_decode(patched, unpatched, prompt, tokens, pairs_wanted, mask=False):
-    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding after both prefill ``prompt``: each token decoded
-    by one model, then the other (the order alternating), each step timed by itself: two steps milliseconds apart see
-    the same host. Passes of ``tokens`` after an untimed one (sdpa's cuDNN backend plans each new length once).
-    ``mask``: an all-ones attention mask with every step, as ``generate()`` passes."""
+    """Per-token pairs ``(unpatched_s, patched_s)`` of greedy decoding after both prefill ``prompt``, each token by one
+    model then the other (alternating), each step timed alone; passes of ``tokens`` after an untimed one (sdpa's cuDNN
+    backend plans each new length once). ``mask``: an all-ones attention mask per step, as ``generate()`` passes."""
     ones = torch.ones(prompt.shape[0], prompt.shape[1] + tokens, dtype=torch.long, device=prompt.device)
     pairs = []
     with torch.no_grad():
@@ -119,11 +118,10 @@ def write_result_files(stem: str, info: dict, lines) -> None:
     """Writes ``info`` to ``<stem>.json`` and the markdown ``lines`` to ``<stem>.md``, ending with the command that
     reproduces them (``info["command"]``), and prints the markdown."""
     os.makedirs(os.path.dirname(stem) or ".", exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump(info, f, indent=1)
     text = "\n".join([*lines, "", f"Reproduce: `{info['command']}`", ""])
-    with open(stem + ".md", "w") as f:
-        f.write(text)
+    for suffix, content in ((".json", json.dumps(info, indent=1)), (".md", text)):
+        with open(stem + suffix, "w") as f:
+            f.write(content)
     print(text)
 
 
