@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import weakref
 from typing import Optional
 
 import torch
@@ -242,23 +241,10 @@ class PDERefinement(nn.Module):
             beta = None if self.beta is None else min(max(self.beta.item(), self.beta_bounds[0]), self.beta_bounds[1])
             if scheme_of(self.pde_type).linear:
                 decode_map = self._scalar_decode_map(alpha, beta, levels[0].dtype)
-            levels = self._last_positions(levels)
         else:
             alpha, beta = self.coefficients()
         return pde_decode_update(hidden_states, levels, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
                                  beta=beta, token_mask=attention_mask, decode_map=decode_map)
-
-    def _last_positions(self, levels):
-        """The ``[batch, 1, channels]`` views of the cached conv states ``levels`` at their last position, made again
-        only when the cache hands this site other buffers (a reordered or new cache): on the CPU each view costs a
-        decoded token host time, four per site."""
-        if levels[0].dim() != 4:  # (views already)
-            return levels
-        kept = self.__dict__.get("_last_position_views")
-        if kept is None or len(kept[0]) != len(levels) or not all(r() is level for r, level in zip(kept[0], levels)):
-            kept = ([weakref.ref(level) for level in levels], [level[..., -1] for level in levels])
-            self.__dict__["_last_position_views"] = kept
-        return kept[1]
 
     def _scalar_decode_map(self, alpha: float, beta, dtype):
         """The ``[S+1, S+1]`` decode map of these scalar coefficients, formed when they change."""
