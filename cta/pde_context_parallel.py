@@ -188,8 +188,9 @@ class ContextParallelCallback(TrainerCallback):
     (``cp_size`` / ``sp_size``) tells every PDE site of the Trainer's model how accelerate shards its sequences, when
     the Trainer is built (torch CP) and again when training begins, after the model is prepared (``model_init`` may
     have built a new one; DeepSpeed's sequence-parallel group exists only then). The sites stay sharded afterwards
-    (the Trainer's evaluation runs under the same parallelism): call ``cta.shard_sequences(model, None)`` before a
-    plain forward or ``generate``. Otherwise, or on a model with no PDE sites, it does nothing."""
+    (the Trainer's evaluation runs under the same torch CP; under Ulysses, which evaluates whole sequences, eval-mode
+    forwards refine them whole): call ``cta.shard_sequences(model, None)`` before a plain forward or ``generate``.
+    Otherwise, or on a model with no PDE sites, it does nothing."""
 
     _hidden_layer_types = None  # (the native config and its layer_types while the Trainer prepares the model)
 
