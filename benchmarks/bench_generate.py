@@ -5,10 +5,10 @@ docs/decoding.md (the decode overhead users see; target: a compiled step <= 4%).
     python benchmarks/bench_generate.py --replot benchmarks/results/generate_<gpu>.json   # rewrite .md and .png
 
 A random-weight Llama (8 x 4096, bf16) patched after every block (diffusion, 4 steps) and an unpatched copy: per mode
-and batch, ``--rounds`` paired rounds of one greedy ``generate()`` each (order alternating); a streamer times the
-tokens; overheads are medians of patched / unpatched - 1 [bootstrap 95%]. ``compiled``: static cache, torch.compile,
-CUDA graphs, plus one compiled step's kernels and GPU time. Exactness: tests/test_gpu_generation.py. ``--device cpu``:
-a smoke run. (The floor and the substituted steps: docs/decoding.md, from the script of commit b7e044a.)
+and batch, ``--rounds`` paired rounds of one greedy ``generate()`` (order alternating, a streamer timing the tokens);
+overheads: medians of patched / unpatched - 1 [bootstrap 95%]. ``compiled``: static cache, CUDA graphs, plus one
+compiled step's kernels and GPU time. Exactness: tests/test_gpu_generation.py. ``--device cpu``: a smoke run. (The
+floor and the substituted steps: docs/decoding.md, from the script of commit b7e044a.)
 """
 
 import argparse

@@ -5,11 +5,11 @@
     python benchmarks/bench_kernels.py --coefficients scalar --pde-types diffusion   # kernels_<gpu>_scalar.*
     python benchmarks/bench_kernels.py --replot benchmarks/results/kernels_<gpu>.json   # rewrite .md, _targets.md, .png
 
-Per shape x steps x PDE type x {causal, bidirectional}, medians of ``triton.testing.do_bench``: ``copy`` (the
-bandwidth roof), the Triton forward and forward+backward (per-channel coefficients, or scalars), also replayed as a
-CUDA graph (``*_graph``: GPU time only) and as back-to-back eager calls (``*_loop``: host time included), the
-reference and ``torch.compile`` of it (``--compile`` cells), the memory held for backward; then the targets table
-(diffusion: forward <= 1.25x copy, forward+backward <= 3x, memory <= 1.1x). Host time per site: ``bench_train_step``.
+Per shape x steps x PDE type x {causal, bidirectional}, medians of ``triton.testing.do_bench``: ``copy`` (the roof),
+the Triton forward and forward+backward (per-channel or scalar coefficients), also as a CUDA graph (``*_graph``: GPU
+time) and as back-to-back eager calls (``*_loop``: host time too), the reference and its ``torch.compile``
+(``--compile`` cells), the memory held for backward; then the targets table (diffusion: forward <= 1.25x copy,
+forward+backward <= 3x, memory <= 1.1x). Host time per site: ``bench_train_step``.
 """
 
 import argparse

@@ -1,19 +1,15 @@
-"""What the PDE sites cost a training step on one GPU: host time per site and the step of a Llama-shaped model,
-patched and native, against transformers' Llama (the README's training line reads the result).
+"""What the PDE sites cost a training step on one GPU against transformers' Llama (the README's training line):
 
-    python benchmarks/bench_train_step.py                      # eager: host per site + 12 x 1024 step
-    python benchmarks/bench_train_step.py --compile            # the step under torch.compile
+    python benchmarks/bench_train_step.py [--compile]   # host time per site + the 12 x 1024 step (eager / compiled)
 
-Host time per site: 8 ``PDERefinement`` modules (1 x 64 tokens: negligible GPU work) chained in one graph, forward +
-backward timed by a CPU clock over a ``mul`` in their place, beside the floor of any Triton op (one trivial launch each
-way). The step: forward + backward + ``zero_grad`` of each model on ``--batch`` x ``--seq`` tokens, bf16, the models
-taking turns in ``--rounds`` rounds (overhead: the median [quartiles] of per-round ratios), peak memory, and the PDE
-kernels' GPU time (``torch.profiler``).
+Host time per site: 8 ``PDERefinement`` modules (1 x 64 tokens) chained in one graph, forward + backward on a CPU clock
+over a ``mul`` in their place, beside the floor of any Triton op (one trivial launch each way). The step of patched and
+native models on ``--batch`` x ``--seq`` tokens, bf16, in paired ``--rounds`` (median [quartiles]), peak memory and
+the PDE kernels' GPU time.
 
 ``torchrun --nproc_per_node N bench_train_step.py --context_parallel [--probe]``: torch's ``context_parallel`` (ring
-sdpa, head-tail) shards one ``--seq``-token sequence of a 0.95B Llama shape (16 x 2048, no GQA: torch 2.11's ring
-sdpa rejects it) over N GPUs, the patched sites told by ``cta.shard_sequences``; no FSDP2; rank 0's times and peak.
-``--probe``: the longest 8192 x 2^k tokens one GPU trains unsharded, then N times that, sharded, timed.
+sdpa, head-tail) shards one ``--seq``-token sequence of a 0.95B Llama shape (16 x 2048, MHA) over N GPUs, the sites told
+by ``cta.shard_sequences``; no FSDP2. ``--probe``: the longest 8192 x 2^k tokens one GPU trains unsharded, times N.
 """
 
 import argparse
@@ -72,7 +68,8 @@ def paired_rounds(models, batch, rounds, steps, warmup=3):
     memory = {}
     for name, model in models.items():  # warm-up: kernels compiled, caches filled
         torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-        [train_step(model, batch) for _ in range(warmup)]
+        for _ in range(warmup):
+            train_step(model, batch)
         memory[name] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     times = {name: [] for name in models}
     for _ in range(rounds):
@@ -95,7 +92,8 @@ def pde_kernel_ms(model, batch):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        [train_step(model, batch) for _ in range(3)]
+        for _ in range(3):
+            train_step(model, batch)
         sync()
     return sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key) / 3 / 1000
 
@@ -112,10 +110,15 @@ def _minimal_triton_op(device):
     def copy_kernel(source, target, BLOCK: tl.constexpr):
         tl.store(target + tl.arange(0, BLOCK), tl.load(source + tl.arange(0, BLOCK)))
 
-    launch = lambda x: (y := torch.empty_like(x), copy_kernel[(1,)](x, y, BLOCK=16))[0]  # noqa: E731
+    def launch(x):
+        y = torch.empty_like(x)
+        copy_kernel[(1,)](x, y, BLOCK=16)
+        return y
 
-    return type("MinimalTritonOp", (torch.autograd.Function,), dict(
-        forward=staticmethod(lambda ctx, x: launch(x)), backward=staticmethod(lambda ctx, grad: launch(grad)))).apply
+    class MinimalTritonOp(torch.autograd.Function):
+        forward, backward = staticmethod(lambda ctx, x: launch(x)), staticmethod(lambda ctx, grad: launch(grad))
+
+    return MinimalTritonOp.apply
 
 
 def site_chain(device, dtype, hidden, calls, rounds, sites=8):
@@ -150,8 +153,7 @@ def context_parallel(args, record, device, dtype):
 
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    # NCCL allocates its buffers outside torch's caching allocator: set them up before the probe fills that cache
-    dist.all_reduce(torch.zeros(1, device=device), group=mesh.get_group())
+    dist.all_reduce(torch.zeros(1, device=device), group=mesh.get_group())  # (NCCL's own buffers before the probe)
     models = build_models(args.hidden, args.layers, args.vocab, device, dtype, with_native=False)
     for layer in (layer for model in models.values() for layer in model.model.layers):  # accelerate's CP pre-hook
         layer.self_attn.register_forward_pre_hook(  # (ring attention takes no mask: causal)
@@ -195,15 +197,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=15, help="paired rounds (the models take turns in each)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first")
-    parser.add_argument("--compile", action="store_true", help="each model's forward under torch.compile")
     parser.add_argument("--site_hidden", type=int, default=256, help="channels of the host-time sites")
     parser.add_argument("--site_calls", type=int, default=50, help="timed forward + backward calls per round")
-    parser.add_argument("--skip_site", action="store_true", help="only the training step")
+    parser.add_argument("--compile", action="store_true", help="each model's forward under torch.compile")
     parser.add_argument("--context_parallel", action="store_true", help="the context-parallel mode (torchrun)")
     parser.add_argument("--probe", action="store_true", help="context parallel: the longest lengths, then time")
     args = parser.parse_args()
     if args.context_parallel:  # its shape and rounds, unless given
-        parser.set_defaults(layers=16, hidden=2048, seq=65536, rounds=3, steps=1, warmup=1, skip_site=True)
+        parser.set_defaults(layers=16, hidden=2048, seq=65536, rounds=3, steps=1, warmup=1)
         args = parser.parse_args()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
         torch.device("cpu")
@@ -214,7 +215,7 @@ def main():
               "dtype": str(dtype), "pde": PDE, "compile": args.compile}
     stem = os.path.join(args.out, "train_step_" + name.replace(" ", "_") + ("_compiled" if args.compile else ""))
     os.makedirs(args.out, exist_ok=True)
-    if not args.skip_site and not args.compile:
+    if not args.compile and not args.context_parallel:
         record["host_per_site"] = site_chain(device, dtype, args.site_hidden, args.site_calls, args.rounds)
     if args.context_parallel:
         models, batch = context_parallel(args, record, device, dtype)

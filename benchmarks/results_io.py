@@ -1,5 +1,5 @@
 """What the benchmark scripts share (not a benchmark): ``sync()``, the GPU check, the model-level Llama, per-token
-paired decoding, a clock of one call and of ``generate()``'s tokens, the bootstrap interval of a median, result files and plots."""
+paired decoding, clocks of a call and of ``generate()``'s tokens, a median's bootstrap interval, result files, plots."""
 
 import json
 import os
@@ -47,8 +47,7 @@ def device_name(device) -> str:
 
 
 def llama_model(layers, hidden, vocab, device, dtype, intermediate=None, max_positions=32768):
-    """The random-weight Llama of the model-level benchmarks (seed 0, heads of 128 channels, MLP 11008/4096 of
-    ``hidden`` unless given, sdpa), in eval mode."""
+    """The model-level benchmarks' random Llama (seed 0, heads of 128, MLP 11008/4096 of ``hidden``, sdpa, eval)."""
     import transformers
 
     intermediate = intermediate or int(round(11008 * hidden / 4096 / 64)) * 64
