@@ -54,8 +54,8 @@ def model(kind, device):
 def data(count, seed, length):
     ids = torch.randint(0, 64, (count, length), generator=torch.Generator().manual_seed(seed))
     # (position_ids: DeepSpeed Ulysses requires them in every batch; torch CP adds them where they are missing)
-    return [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row), "position_ids": torch.arange(length)}
-            for row in ids]
+    return [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row),
+             "position_ids": torch.arange(length)} for row in ids]
 
 
 def parallelism(engine, device, world):
