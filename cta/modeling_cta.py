@@ -344,6 +344,7 @@ class CTAModel(CTAPreTrainedModel):
         walls = SiteWalls.of_forward(attention_mask if built_masks is None else None, position_ids,
                                      kwargs.get("cu_seq_lens_q"), cache, self.pde_sharding, type(self).__name__,
                                      self.training)
+        given_position_ids = position_ids  # (packed rows are told by given positions only; see _layer_mask)
         if position_ids is None:
             position_ids = self._default_position_ids(attention_mask, inputs_embeds, past_seen)
         hidden_states = self._embed(inputs_embeds, position_ids, walls, cache)
@@ -352,7 +353,7 @@ class CTAModel(CTAPreTrainedModel):
         if isinstance(built_masks, dict):  # (already built by generate(): the one of this model's layer type)
             mask = built_masks["sliding_attention" if self.config.sliding_window is not None else "full_attention"]
         elif built_masks is None:
-            mask = self._layer_mask(attention_mask, hidden_states, cache, position_ids)
+            mask = self._layer_mask(attention_mask, hidden_states, cache, given_position_ids)
 
         for layer in self.layers:
             # (position_ids go on to the attention function, as Llama's layers pass them: FlashAttention's packed
@@ -410,7 +411,9 @@ class CTAModel(CTAPreTrainedModel):
         return hidden_states
 
     def _layer_mask(self, attention_mask, hidden_states, cache, position_ids):
-        """transformers' attention mask of this model's kind (causal or bidirectional, sliding or not)."""
+        """transformers' attention mask of this model's kind (causal or bidirectional, sliding or not).
+        ``position_ids``: the caller's, or None for the default ones (which hold no packed rows: given them, the mask
+        builder would ask the device whether they restart, a synchronisation per forward)."""
         mask_kwargs = dict(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
                            **{CACHE_ARGUMENT: cache})
         sliding = self.config.sliding_window is not None

@@ -116,11 +116,14 @@ class PatchContext:
                                           self.model_name, module.training)
         if training and not compiling:  # (traced, a recomputed layer replays the compiled graph, not these hooks)
             self.checkpoint_walls = CheckpointWalls(self.walls, self.checkpoint_walls)
-        if training and cache is None and self.sites and kwargs.get("use_cache") is None and len(args) <= 1 and (
-                _takes_use_cache(type(module))):
-            # A training forward decodes nothing: the cache transformers would start (the config's default
-            # use_cache) is not made. Its sites would keep no state in it anyway, and building it costs host time
-            # and, traced, graph breaks. An explicit use_cache=True still gets one (a stateless one, below).
+        packable = position_ids is not None or kwargs.get("cu_seq_lens_q") is not None
+        if training and cache is None and self.sites and (compiling or packable) and kwargs.get("use_cache") is None \
+                and len(args) <= 1 and _takes_use_cache(type(module)):
+            # A training forward decodes nothing: the cache transformers would start (the config's default use_cache)
+            # is not made where it matters. Traced, it costs graph breaks. With `position_ids`, transformers' masks
+            # separate packed rows only without a cache, as the sites do. (Eager without them, the cache is kept, as
+            # the unpatched model has it: without one, its mask builder would ask the device whether the default
+            # positions restart, a synchronisation per forward.) An explicit use_cache=True still gets a stateless one.
             kwargs["use_cache"] = False
         # Nothing decodes from the cache of a training forward that starts one (transformers makes one whenever
         # use_cache is on): its sites keep no PDE state there and take their cache-free (fused) path; continuing

@@ -159,11 +159,12 @@ def test_trainer_step_on_packed_batches_equals_padded_batches(tmp_path):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_native_training_keeps_packed_rows_apart_with_the_default_use_cache(checkpointing):
-    """In training the native model builds no cache unless asked (the config's default use_cache=True), so
-    transformers' masks keep packed rows apart as the PDE walls do: the gradients of a packed batch are those of
-    each sequence alone."""
-    model = model_of("native", "reaction_diffusion").train()
+@pytest.mark.parametrize("kind", ["patched", "native"])
+def test_training_keeps_packed_rows_apart_with_the_default_use_cache(kind, checkpointing):
+    """In training with `position_ids` neither model builds a cache unless asked (the config's default
+    use_cache=True), so transformers' masks keep packed rows apart as the PDE walls do: the gradients of a packed
+    batch are those of each sequence alone."""
+    model = model_of(kind, "reaction_diffusion").train()
     model.config.use_cache = True
     if checkpointing:
         model.gradient_checkpointing_enable()

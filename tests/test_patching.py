@@ -430,9 +430,11 @@ def test_cached_decoding_is_exact(arch, placement):
 
 
 def test_training_forward_keeps_no_pde_state_in_a_cache_it_starts():
-    """A training forward with the config's use_cache starts no cache. With use_cache=True (transformers then starts
-    a cache) it gives the cache-free outputs and gradients and keeps no PDE state there: continuing that cache raises. A training forward that continues a cache
-    (a prefix) reads its PDE state: the full sequence's outputs."""
+    """A training forward with the config's use_cache starts a cache where the unpatched model does (no `position_ids`:
+    its mask builder then asks the device nothing). With a cache it gives the cache-free outputs and gradients and
+    keeps no PDE state there: continuing that cache raises. A training forward that continues a cache (a prefix)
+    reads its PDE state: the full sequence's outputs."""
+    plain = tiny_model("llama").train()
     model = patched_decoder("llama", list(PATCH_PLACEMENTS)).train()
     ids, _ = batch(length=10, pad=0)
     grads = []
@@ -441,8 +443,9 @@ def test_training_forward_keeps_no_pde_state_in_a_cache_it_starts():
         out.loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         model.zero_grad()
-    default = model(input_ids=ids, labels=ids)  # (the config's use_cache: no cache is started in training)
-    assert default.past_key_values is None and torch.equal(default.logits, model(input_ids=ids, use_cache=False).logits)
+    default = model(input_ids=ids, labels=ids)  # (the config's use_cache)
+    assert (default.past_key_values is None) == (plain(input_ids=ids, labels=ids).past_key_values is None)
+    assert torch.equal(default.logits, model(input_ids=ids, use_cache=False).logits)
     assert model.eval()(input_ids=ids).past_key_values is not None
     model.train()
     assert grads[0].keys() == grads[1].keys() and any("_pde." in n for n in grads[0])
