@@ -6,7 +6,7 @@
   covering the forward trajectory (``2*steps`` per side bidirectional, ``steps`` causal), recomputes ``u_s`` for
   each adjoint step on chip and takes neighbours with ``tl.gather``.
 * ``_pde_decode_kernel``: one new token per sequence, updating the causal state in place.
-* ``_sum_rows_kernel``: the per-channel coefficient gradient's atomic rows summed.
+* ``_sum_rows_kernel``: the coefficient gradient's partial sums finished as the parameter's gradient.
 * ``_widen``, ``_tanh``: helpers the generated streaming kernels (``kernels_source``) call too.
 
 The scheme enters as constexprs from its ``PDEScheme`` (``WAVE``, ``ADV``, ``HAS_BETA``, the reaction and its
@@ -43,6 +43,31 @@ INTERPRET = bool(HAS_TRITON and triton.knobs.runtime.interpret)
 def is_available() -> bool:
     """True when triton imports and can run here: on CUDA, or on CPU through ``TRITON_INTERPRET=1``."""
     return HAS_TRITON and (INTERPRET or torch.cuda.is_available())
+
+
+class DirectLaunch:
+    """``kernel[grid](*args, num_warps=num_warps)`` without Triton's per-call argument binding: the binary Triton
+    compiles for the tensors' dtypes and 16-byte alignment (what it specialises on; every other argument is fixed per
+    launcher) is looked up once and launched directly, as Triton's fused-softmax tutorial does (about half the host
+    time of a JIT launch: docs/kernels.md). ``tensors``: the positions of the tensor arguments. The interpreter launches
+    through the JIT."""
+
+    def __init__(self, kernel, grid, num_warps: int, tensors):
+        self.kernel, self.grid, self.num_warps, self.tensors = kernel, grid, num_warps, tuple(tensors)
+        self.binaries = {}
+
+    def __call__(self, *args):
+        if INTERPRET:
+            return self.kernel[self.grid](*args, num_warps=self.num_warps)
+        key = [args[0].get_device()]
+        for i in self.tensors:
+            key += (args[i].dtype, args[i].data_ptr() % 16)
+        key = tuple(key)
+        binary = self.binaries.get(key)
+        if binary is None:  # (compiled, or found in Triton's cache, for this specialisation)
+            binary = self.kernel.warmup(*args, grid=self.grid, num_warps=self.num_warps)[self.grid]
+            self.binaries[key] = binary
+        binary(*args)
 
 
 def exec_jit(name: str, src: str, **names):
@@ -246,15 +271,18 @@ if HAS_TRITON:
             tl.store(DB + poff + ccols, db, mask=ccmask)
 
     @triton.jit
-    def _sum_rows_kernel(SRC, DST, rows, C, BLOCK: tl.constexpr):
-        """``DST[C] = SRC[rows, C].sum(0)``, fp32 (the coefficient gradient's atomic rows: one small kernel, faster
-        than torch's reduction for this little work, docs/kernels.md)."""
+    def _sum_rows_kernel(SRC, DST, rows, C, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        """``DST[C] = SRC[rows, C].sum(0)``, summed in fp32 in a fixed order and stored in ``DST``'s dtype: the
+        coefficient gradient's partial sums, finished as the parameter's gradient in one launch (no sum, cast and
+        reshape ops: host time, docs/kernels.md)."""
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         cmask = cols < C
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in range(0, rows):
-            total += tl.load(SRC + r * C + cols, mask=cmask, other=0.0)
-        tl.store(DST + cols, total, mask=cmask)
+        total = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for r in range(0, rows, ROWS):
+            at = r + tl.arange(0, ROWS)
+            total += tl.load(SRC + at[:, None] * C + cols[None, :], mask=(at[:, None] < rows) & cmask[None, :],
+                             other=0.0)
+        tl.store(DST + cols, tl.sum(total, 0).to(DST.dtype.element_ty), mask=cmask)
 
     # The pointer of level ``s`` (a buffer per step: ``pde_cache``) among ``L0 .. L15``, chosen at compile time.
     _LEVELS = ", ".join(f"L{i}" for i in range(16))

@@ -22,11 +22,11 @@ from .kernels_config import (
     StreamKernelSpec,
     walls_mode,
 )
-from .kernels_jit import _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
+from .kernels_jit import DirectLaunch, _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
 from .kernels_source import stream_args, stream_kernel
 from .pde_spec import SCHEMES
 
-SUM_ROWS_BLOCK = 512  # channels per program of the coefficient gradient's row sum
+SUM_ROWS_ELEMENTS = 2048  # fp32 partial sums per program and iteration of the coefficient gradient's finish
 DECODE_WARPS = 4
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -65,22 +65,26 @@ def _mask_arg(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return mask if mask.is_contiguous() else mask.contiguous()
 
 
-def coef_grad_shape(c: Optional[torch.Tensor], channels: int) -> Tuple[int, ...]:
-    """Shape of a coefficient's gradient as the backward returns it: [channels] if per channel, else 0-d."""
-    return (channels,) if is_per_channel(c, channels) else ()
-
-
-def _fit_coef_grad(g: torch.Tensor, c: Optional[torch.Tensor], channels: int) -> torch.Tensor:
-    """``g`` (per channel or one value) summed as far as ``c``'s gradient shape."""
-    return g if g.dim() == (1 if is_per_channel(c, channels) else 0) else g.sum()
-
-
-def _sum_rows(rows: torch.Tensor) -> torch.Tensor:
-    """``rows.sum(0)`` of a contiguous fp32 ``[n, channels]``."""
+def _coef_grad_like(rows: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The gradient of coefficient ``c``, in its dtype and shape, from fp32 partial sums ``rows`` ``[n, channels]``
+    (contiguous): summed over rows for a per-channel ``c``, over everything for a scalar one, by one launch (for no
+    ``c``, or a scheme whose kernel does not use it, a 0-d fp32 zero)."""
+    if c is None:
+        return rows.new_zeros(())
+    if not is_per_channel(c, rows.shape[-1]):
+        rows = rows.reshape(-1, 1)
     n, channels = rows.shape
-    out = torch.empty(channels, device=rows.device, dtype=torch.float32)
-    _sum_rows_kernel[(cdiv(channels, SUM_ROWS_BLOCK),)](rows, out, n, channels, SUM_ROWS_BLOCK, num_warps=4)
+    out = torch.empty(c.shape, device=rows.device, dtype=c.dtype)
+    launch, block, block_rows = _sum_rows_launch(n, channels)
+    launch(rows, out, n, channels, block, block_rows)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sum_rows_launch(n: int, channels: int):
+    block = min(max(next_pow2(channels), 16), SUM_ROWS_ELEMENTS)
+    return DirectLaunch(_sum_rows_kernel, (cdiv(channels, block),), 4, (0, 1)), block, min(
+        SUM_ROWS_ELEMENTS // block, next_pow2(n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +105,7 @@ def _scheme_constexprs(pde: str, bounds) -> tuple:
 @functools.lru_cache(maxsize=4096)
 def _forward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, dtype, on_gpu, a_vec, b_vec, has_mask,
                     has_init, write_final, bounds):
-    """(launcher, integer arguments, num_warps) of the streaming forward for one input's metadata."""
+    """(launcher, integer arguments) of the streaming forward for one input's metadata."""
     per_channel = a_vec or b_vec
     filters = SCHEMES[pde].filters(causal) and not has_init
     t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "fwd", steps, causal, per_channel,
@@ -113,13 +117,14 @@ def _forward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, dtype, o
         pointers=("fwd", causal, per_channel) in FIR_POINTER_STEPS,
         static_rows=static_rows("fwd", causal, per_channel, unroll, mma), bounds=bounds)
     ints, consts = stream_args("fwd", spec.static_rows, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl)
-    return stream_kernel(spec)[(cdiv(channels, block_c), cdiv(seq, t), batch)], ints + consts, warps
+    return DirectLaunch(stream_kernel(spec), (cdiv(channels, block_c), cdiv(seq, t), batch), warps, range(7)), \
+        ints + consts
 
 
 @functools.lru_cache(maxsize=4096)
 def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sgl, dtype, on_gpu, a_vec, b_vec,
                      has_mask, deterministic, bounds):
-    """(launcher, integer arguments, num_warps, shape of the coefficient-gradient buffer, atomic, groups) of the
+    """(launcher, integer arguments, shape of the coefficient-gradient buffer, atomic) of the
     streaming backward for one input's metadata."""
     per_channel = a_vec or b_vec
     t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "bwd", steps, causal, per_channel,
@@ -139,8 +144,8 @@ def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sg
         static_rows=static_rows("bwd", causal, per_channel, unroll, mma), bounds=bounds)
     ints, consts = stream_args("bwd", spec.static_rows, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl, sgb=sgb,
                                sgl=sgl, n_tiles=n_tiles, n_groups=groups)
-    launch = stream_kernel(spec)[(cdiv(channels, block_c), n_tiles, batch)]
-    return launch, ints + consts, warps, da_shape, atomic, groups
+    launch = DirectLaunch(stream_kernel(spec), (cdiv(channels, block_c), n_tiles, batch), warps, range(7))
+    return launch, ints + consts, da_shape, atomic
 
 
 def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, want_final: bool, bounds=None):
@@ -155,19 +160,19 @@ def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: boo
         a, a_vec = _coef_arg(alpha, x)
         b, b_vec = _coef_arg(beta, x)
         m = _mask_arg(mask)
-        launch, ints, warps = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1),
+        launch, ints = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1),
                                               x.dtype, x.is_cuda, a_vec, b_vec, m is not None,
                                               init is not None and causal, fin is not None, bounds)
         ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else x
-        launch(x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints, num_warps=warps)
+        launch(x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints)
     return y, fin
 
 
 def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, need_db: bool = True,
                     bounds=None):
-    """(dx, dalpha in ``coef_grad_shape(alpha)``, dbeta likewise), fp32; with ``bounds`` (see :func:`launch_forward`)
-    the clamped coefficients' gradients, passed straight through. ``need_db=False``: the streaming backward returns
-    None for dbeta instead of a zero."""
+    """(dx, dalpha, dbeta), each coefficient's gradient in its dtype and shape (a 0-d fp32 zero for no beta); with
+    ``bounds`` (see :func:`launch_forward`) the clamped coefficients' gradients, passed straight through.
+    ``need_db=False``: the streaming backward returns None for dbeta instead of a zero."""
     x = _channels_contiguous(x)
     gy = _channels_contiguous(gy)
     batch, seq, channels = x.shape
@@ -177,23 +182,18 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
         a, a_vec = _coef_arg(alpha, x)
         b, b_vec = _coef_arg(beta, x)
         m = _mask_arg(mask)
-        launch, ints, warps, dc_shape, atomic, groups = _backward_launch(
+        launch, ints, dc_shape, atomic = _backward_launch(
             pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
             x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(), bounds)
         dc = (torch.zeros if atomic else torch.empty)(dc_shape, device=x.device, dtype=torch.float32)  # (atomics add)
-        launch(gy, x, dx, m if m is not None else x, a, b, dc, *ints, num_warps=warps)
-        # The kernel coefficient's gradient: [channels] per channel, else 0-d (one partial sum per program).
-        if atomic:
-            dc = dc[0] if groups == 1 else _sum_rows(dc)
-        else:
-            dc = dc.sum(0) if (a_vec or b_vec) else dc.sum()
-        da = _fit_coef_grad(dc, alpha, channels)
+        launch(gy, x, dx, m if m is not None else x, a, b, dc, *ints)
+        # (partial sums: per channel [rows, channels], else one per program)
+        da = _coef_grad_like(dc, alpha)
         if SCHEMES[pde].advection:  # causal advection-diffusion is diffusion with a + b: d/db = d/da
-            db = _fit_coef_grad(dc, beta, channels)
-            return dx, da, (db.clone() if db is da else db)  # (a custom op may not return one tensor twice)
+            return dx, da, _coef_grad_like(dc, beta)
         if not need_db:
             return dx, da, None
-        return dx, da, torch.zeros(coef_grad_shape(beta, channels), device=x.device, dtype=torch.float32)
+        return dx, da, (torch.zeros_like(beta) if beta is not None else x.new_zeros((), dtype=torch.float32))
     hl, t, block_l, block_c, warps = tile_config(seq, channels, causal, steps, filters, x.device)
     n_tiles = cdiv(seq, t)
     da = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)
@@ -208,7 +208,7 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
             A_VEC=a.numel() > 1, B_VEC=b.numel() > 1, HAS_INIT=init is not None, HL=hl, T=t, BLOCK_L=block_l,
             BLOCK_C=block_c, num_warps=warps,
         )
-    return dx, _fit_coef_grad(da.sum(0), alpha, channels), _fit_coef_grad(db.sum(0), beta, channels)
+    return dx, _coef_grad_like(da, alpha), _coef_grad_like(db, beta)
 
 
 def _token_mask_arg(token_mask: Optional[torch.Tensor], x: torch.Tensor) -> Tuple[torch.Tensor, int]:

@@ -20,7 +20,7 @@ import torch
 
 from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
-from .kernels_launch import coef_grad_shape, launch_backward, launch_decode, launch_forward
+from .kernels_launch import launch_backward, launch_decode, launch_forward
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import PDE_IDS, check_attention_mask, check_decode_arguments, check_decode_levels, check_pde_arguments
 
@@ -65,9 +65,8 @@ def _pde_refine_bwd_impl(gy, x, alpha, beta, mask, init, pde, steps, causal):
 
 
 def _pde_refine_bwd_fake(gy, x, alpha, beta, mask, init, pde, steps, causal):
-    channels = x.shape[-1]
-    return (x.new_empty(x.shape), x.new_empty(coef_grad_shape(alpha, channels), dtype=torch.float32),
-            x.new_empty(coef_grad_shape(beta, channels), dtype=torch.float32))
+    return (x.new_empty(x.shape), alpha.new_empty(alpha.shape),
+            beta.new_empty(beta.shape) if beta is not None else x.new_empty((), dtype=torch.float32))
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -77,14 +76,6 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # None for an unused output: the final state's gradient decides the path
     if output[1] is not None and not (causal and want_final):
         ctx.mark_non_differentiable(output[1])
-
-
-def _coef_grad(c: Optional[torch.Tensor], g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A coefficient's fp32 gradient (in ``coef_grad_shape``) in the coefficient's dtype and shape."""
-    if c is None or g is None:
-        return None
-    g = g if g.dtype == c.dtype else g.to(c.dtype)
-    return g if g.shape == c.shape else g.reshape(c.shape)
 
 
 def _state_backward(ctx, gy, gfin):
@@ -124,7 +115,8 @@ def _kernel_backward(ctx, gy, gfin, eager=False):
                                      bounds=bounds)
     else:
         dx, da, db = _pde_refine_bwd(gy, x, alpha, beta, mask, init, PDE_IDS[pde], steps, causal)
-    return dx, _coef_grad(alpha, da), _coef_grad(beta, db), None, None, None, None, None, None
+    # (the kernels give each coefficient's gradient in its dtype and shape)
+    return dx, da, (db if beta is not None else None), None, None, None, None, None, None
 
 
 class _PDERefineFunction(torch.autograd.Function):

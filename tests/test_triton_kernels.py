@@ -600,18 +600,23 @@ def test_per_channel_coefficient_gradient_paths(pde, causal, deterministic):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows,channels", [(1, 1), (3, 129), (8, 700)])
-def test_sum_rows_kernel_matches_torch(rows, channels):
-    """``_sum_rows`` (the coefficient gradient's atomic rows summed by ``_sum_rows_kernel``, over one or more blocks of
-    channels) equals the float64 sum of the rows to fp32 rounding, and torch's ``sum(0)`` likewise."""
+@pytest.mark.parametrize("rows,channels", [(1, 1), (3, 129), (8, 700), (1100, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_coefficient_gradient_finish_matches_torch(rows, channels, dtype):
+    """``_coef_grad_like`` (the partial sums finished by ``_sum_rows_kernel`` as the parameter's gradient): a
+    per-channel coefficient gets the fp64 sum of the rows, a scalar one ``[1]`` or 0-d the sum of everything, each in
+    the coefficient's dtype and shape, to the rounding of that dtype."""
     from cta import kernels_launch
 
     gen = torch.Generator().manual_seed(rows * 1000 + channels)
     values = torch.randn(rows, channels, generator=gen).to(DEVICE)
-    got = kernels_launch._sum_rows(values)
-    assert got.shape == (channels,) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), values.double().sum(0), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got, values.sum(0), rtol=1e-6, atol=1e-6)
+    for coefficient, expected in ((torch.zeros(channels, dtype=dtype), values.double().sum(0)),
+                                  (torch.zeros(1, dtype=dtype), values.double().sum().reshape(1)),
+                                  (torch.zeros((), dtype=dtype), values.double().sum())):
+        got = kernels_launch._coef_grad_like(values, coefficient.to(DEVICE))
+        assert got.shape == coefficient.shape and got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected.to(got.device).to(dtype).double(),
+                                   rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
 hypothesis = pytest.importorskip("hypothesis")
