@@ -53,7 +53,8 @@ class DirectLaunch:
     through the JIT."""
 
     def __init__(self, kernel, grid, num_warps: int, tensors):
-        self.kernel, self.grid, self.num_warps, self.tensors = kernel, grid, num_warps, tuple(tensors)
+        self.kernel, self.num_warps, self.tensors = kernel, num_warps, tuple(tensors)
+        self.grid = (*grid, *(1,) * (3 - len(grid)))  # (a binary's launcher takes all three)
         self.binaries = {}
 
     def __call__(self, *args):
