@@ -1,18 +1,11 @@
 # coding=utf-8
 """Loading CTA checkpoints, those of earlier releases included, and refusing ones whose PDE weights do not fit.
 
-Checkpoints of 0.1.0 are read as they are (``save_pretrained`` afterwards writes the current format):
-
-* Scalar PDE coefficients were 0-d tensors (FSDP and DeepSpeed refuse 0-d parameters; they are 1-element now). Where
-  the safetensors headers show some, :func:`from_pretrained_with_pde_check` loads with ``ignore_mismatched_sizes=True``,
-  copies exactly those in their new shape and raises for other mismatches as transformers does. ``state_dict``s and
-  PEFT adapters go through ``PDERefinement``'s ``load_state_dict`` pre-hook.
-* Renamed weights load through ``from_pretrained``'s public ``key_mapping`` (:data:`LEGACY_KEY_MAPPING`), passed only
-  for a checkpoint with old names; such a model saves in the current names (:data:`SAVES_CURRENT_NAMES`:
-  ``save_original_format=False``, since transformers would otherwise revert the mapping).
-
-Missing, unexpected or misshapen PDE weights raise, naming them: a model whose PDE sites silently kept their initial
-coefficients would be another model.
+0.1.0 checkpoints load as they are (``save_pretrained`` then writes the current format): their 0-d PDE coefficients
+(FSDP and DeepSpeed refuse 0-d parameters) are copied into the 1-element ones (``state_dict``s and PEFT adapters: by
+``PDERefinement``'s ``load_state_dict`` pre-hook), their renamed weights load through ``key_mapping``
+(:data:`LEGACY_KEY_MAPPING`). Missing, unexpected or misshapen PDE weights raise, naming them: a model whose PDE sites
+silently kept their initial coefficients would be another model.
 """
 
 from __future__ import annotations
@@ -23,6 +16,8 @@ import os
 import re
 
 import torch
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError
 from safetensors import safe_open
 from transformers import logging
 
@@ -30,14 +25,13 @@ from .transformers_compat import HOLD_BACK_LOAD_REPORT, is_scalar_mismatch, mism
 
 logger = logging.get_logger(__name__)
 
-# regex -> replacement on 0.1.0's weight names, which wrapped every patched module
-# (`model.layers.3.wrapped.self_attn.wrapped.q_proj.weight`): deleting `.wrapped` gives the current name. transformers
-# renames the first match of each pattern, hence one pattern per wrapper level (the layer's, then the module's in it).
+# 0.1.0 wrapped every patched module (`model.layers.3.wrapped.self_attn.wrapped.q_proj.weight`). transformers renames
+# the first match of each pattern, hence one pattern per wrapper level (the layer's, then the module's in it).
 LEGACY_KEY_MAPPING: dict = {r"\.wrapped(?=\.)": "", r"(?<=\.)wrapped\.": ""}
 
 # A PDE coefficient's weight name ends like this, in every release.
 _PDE_COEFFICIENT = re.compile(r"_pde\.(alpha|beta)$")
-# Set on a model whose checkpoint was read through LEGACY_KEY_MAPPING (see the module docstring).
+# Set on a model read via LEGACY_KEY_MAPPING: it saves with save_original_format=False (else transformers reverts it).
 SAVES_CURRENT_NAMES = "_cta_saves_current_names"
 _SAFE_WEIGHTS = "model.safetensors"
 _SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -68,21 +62,23 @@ def from_pretrained_with_pde_check(load, cls, args, kwargs):
     source = args[0] if args else kwargs.get("pretrained_model_name_or_path")
     keys, scalars = _checkpoint_keys(source, kwargs) if source is not None else ([], {})
     legacy_names = any(re.search(pattern, key) for key in keys for pattern in LEGACY_KEY_MAPPING)
-    if legacy_names:
-        key_mapping = {**LEGACY_KEY_MAPPING, **key_mapping}
-    legacy = {_renamed(key, key_mapping): tensor for key, tensor in scalars.items()}
-    if not legacy:
-        model, info = load(*args, output_loading_info=True, key_mapping=key_mapping or None, **kwargs)
-    else:
-        caller_ignores_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
-        # transformers reports the 0-d coefficients as re-initialised size mismatches, which they are not: its report
-        # of this load (only) is held back, the rest of it is logged below.
-        token = HOLD_BACK_LOAD_REPORT.set(True)
-        try:
-            model, info = load(*args, output_loading_info=True, ignore_mismatched_sizes=True,
-                               key_mapping=key_mapping or None, **kwargs)
-        finally:
+    key_mapping = {**LEGACY_KEY_MAPPING, **key_mapping} if legacy_names else key_mapping
+    legacy = {}
+    for key, tensor in scalars.items():
+        for pattern, replacement in key_mapping.items():
+            key = re.sub(pattern, replacement, key, count=1)  # the first match, as transformers renames
+        legacy[key] = tensor
+    caller_ignores_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
+    # transformers reports the 0-d coefficients as re-initialised size mismatches, which they are not: its report of a
+    # legacy load is held back, the rest of it is logged below.
+    token = HOLD_BACK_LOAD_REPORT.set(True) if legacy else None
+    try:
+        model, info = load(*args, output_loading_info=True, key_mapping=key_mapping or None,
+                           ignore_mismatched_sizes=bool(legacy) or caller_ignores_mismatch, **kwargs)
+    finally:
+        if token is not None:
             HOLD_BACK_LOAD_REPORT.reset(token)
+    if legacy:
         converted = [k for k in info.get("mismatched_keys", ()) if mismatch_name(k) in legacy and is_scalar_mismatch(k)]
         parameters = dict(model.named_parameters())
         with torch.no_grad():
@@ -124,12 +120,6 @@ def _checkpoint_keys(source, kwargs) -> tuple:
     return keys, scalars
 
 
-def _renamed(key: str, key_mapping: dict) -> str:
-    for pattern, replacement in key_mapping.items():
-        key = re.sub(pattern, replacement, key, count=1)  # the first match, as transformers renames
-    return key
-
-
 def _checkpoint_files(source, kwargs):
     """The safetensors files of a checkpoint folder or Hub repository (one file or an index's shards)."""
     hub = hub_arguments(kwargs)
@@ -149,9 +139,6 @@ def _resolve(source, filename, hub):
     if os.path.isdir(source):
         path = os.path.join(source, hub.get("subfolder") or "", filename)
         return path if os.path.isfile(path) else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
     try:
         return hf_hub_download(source, filename, **hub)
     except EntryNotFoundError:
@@ -160,16 +147,10 @@ def _resolve(source, filename, hub):
 
 @contextlib.contextmanager
 def saved_as_own_class(model, own_module: str):
-    """For the duration of a save, ``model`` is an instance of the first class of its MRO defined in ``own_module``.
-
-    FSDP2's ``fully_shard`` swaps a module's class for a subclass defined in torch; ``save_pretrained`` names the
-    instance's class in ``auto_map`` and copies its file, so ``trust_remote_code`` would point at torch's files."""
+    """For the duration of a save, ``model`` is an instance of the first class of its MRO defined in ``own_module``:
+    FSDP2's ``fully_shard`` swaps in a subclass of torch's, which ``save_pretrained`` would name in ``auto_map``."""
     cls = type(model)
-    own = next((c for c in cls.__mro__ if c.__module__ == own_module), cls)
-    if own is cls:
-        yield model
-        return
-    model.__class__ = own
+    model.__class__ = next((c for c in cls.__mro__ if c.__module__ == own_module), cls)
     try:
         yield model
     finally:

@@ -11,15 +11,9 @@ from transformers.activations import ACT2FN
 from .pde_cache import STATE_PLACEMENTS, hybrid_cache_layout, layer_state_indices
 from .pde_cta import PAPER_COEFFICIENTS, PDE_BACKENDS, check_steps, coefficient_bounds, normalize_pde_type
 
-
 PDE_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output", "attention_matrix")
 # Placements applied inside every selected decoder layer, in the order their cache states are numbered.
 LAYER_PLACEMENTS = STATE_PLACEMENTS
-POSITION_EMBEDDING_TYPES = ("absolute", "rope", "none")
-NORM_TYPES = ("layernorm", "rmsnorm")
-NORM_POSITIONS = ("post", "pre")
-MLP_TYPES = ("standard", "gated")
-POOLING_TYPES = ("mean", "cls", "last")
 
 
 def check_choice(value, field, allowed):
@@ -41,11 +35,9 @@ def _positive_float(value, field):
 
 
 def _probability(value, field):
-    if value is None:
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
         raise ValueError(f"`{field}` must be a float in [0, 1], got {value!r}.")
-    return float(value)
+    return None if value is None else float(value)
 
 
 def normalize_placements(placement, field="pde_placement", allowed=PDE_PLACEMENTS):
@@ -86,18 +78,17 @@ _CHECKS = {
     **dict.fromkeys(("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
                      "max_position_embeddings"), _positive_int),
     "num_hidden_layers": partial(_positive_int, minimum=0),
-    "hidden_act": partial(check_choice, allowed=tuple(ACT2FN.keys())),
-    "mlp_type": partial(check_choice, allowed=MLP_TYPES),
-    "norm_type": partial(check_choice, allowed=NORM_TYPES),
-    "norm_position": partial(check_choice, allowed=NORM_POSITIONS),
-    "position_embedding_type": partial(check_choice, allowed=POSITION_EMBEDDING_TYPES),
+    **{name: partial(check_choice, allowed=allowed) for name, allowed in (
+        ("hidden_act", tuple(ACT2FN.keys())), ("mlp_type", ("standard", "gated")),
+        ("norm_type", ("layernorm", "rmsnorm")), ("norm_position", ("post", "pre")),
+        ("position_embedding_type", ("absolute", "rope", "none")))},
     "rope_theta": _positive_float, "layer_norm_eps": _positive_float,
     **dict.fromkeys(("hidden_dropout_prob", "attention_dropout", "classifier_dropout"), _probability),
     **dict.fromkeys(("attention_bias", "mlp_bias", "is_causal", "use_cache", "pde_per_channel"),
                     lambda value, field: bool(value)),
     "sliding_window": lambda value, field: value if value is None else _positive_int(value, field),
     "initializer_range": lambda value, field: float(value),
-    "pooling": partial(check_choice, allowed=POOLING_TYPES),
+    "pooling": partial(check_choice, allowed=("mean", "cls", "last")),
     "pde_type": normalize_pde_type,
     "pde_steps": check_steps,
     "pde_backend": partial(check_choice, allowed=PDE_BACKENDS),
@@ -106,11 +97,10 @@ _CHECKS = {
 
 class CTAConfig(PretrainedConfig):
     r"""
-    Configuration of a Continuous-Time Attention (CTA) transformer: a standard transformer whose token
-    representations are refined by a few explicit steps of a PDE along the sequence (Zhang & Zhou, EMNLP 2025).
-
-    The defaults are the paper's small text classifier (:meth:`paper_encoder`); :meth:`modern_decoder` gives a RoPE /
-    RMSNorm / SwiGLU pre-norm decoder.
+    Configuration of a Continuous-Time Attention (CTA) transformer: a standard transformer whose token representations
+    are refined by a few explicit steps of a PDE along the sequence (Zhang & Zhou, EMNLP 2025). The defaults are the
+    paper's small text classifier (:meth:`paper_encoder`); :meth:`modern_decoder` gives a RoPE / RMSNorm / SwiGLU
+    pre-norm decoder.
 
     Args:
         vocab_size (`int`, defaults to 30522): vocabulary size (the paper uses bert-base-uncased).
@@ -137,6 +127,7 @@ class CTAConfig(PretrainedConfig):
         pooling (`str`, defaults to `"mean"`): sequence classification pooling, `"mean"` over valid tokens (paper),
             `"cls"` (first token) or `"last"` (last valid token).
         classifier_dropout (`float`, *optional*): dropout before the classification head (default: hidden dropout).
+        use_cache (`bool`, defaults to `True`): whether the model returns its cache (`past_key_values`) for decoding.
         tie_word_embeddings (`bool`, defaults to `True`): tie the LM head to the input embedding.
         pde_type (`str`, defaults to `"diffusion"`): `"diffusion"`, `"wave"`, `"reaction_diffusion"` or
             `"advection_diffusion"` (hyphenated spellings are accepted). See `pde_cta.py` for the schemes.
@@ -151,6 +142,7 @@ class CTAConfig(PretrainedConfig):
             `pde_cta.PAPER_COEFFICIENTS`); unused by diffusion and wave.
         pde_per_channel (`bool`, defaults to `False`): one coefficient per channel instead of a scalar.
         pde_backend (`str`, defaults to `"auto"`): `"auto"` (Triton on CUDA when importable), `"torch"` or `"triton"`.
+        pad_token_id (`int`, defaults to 0), bos_token_id / eos_token_id (`int`, *optional*): special token ids.
     """
 
     model_type = "cta"
@@ -187,8 +179,7 @@ class CTAConfig(PretrainedConfig):
         self.pde_placement = placements[0] if len(placements) == 1 else placements
         self.pde_layers = check_layers(pde_layers, "pde_layers", num_hidden_layers)
         self.pde_alpha = check_coefficient(pde_alpha, "pde_alpha", self.pde_type, 0)
-        if pde_beta is None:
-            pde_beta = PAPER_COEFFICIENTS[self.pde_type][1]
+        pde_beta = PAPER_COEFFICIENTS[self.pde_type][1] if pde_beta is None else pde_beta
         self.pde_beta = None if pde_beta is None else check_coefficient(pde_beta, "pde_beta", self.pde_type, 1)
         for derived in ("layer_types", "number_of_conv_states", "head_dim"):  # recomputed: stale in a saved config
             kwargs.pop(derived, None)
@@ -210,9 +201,8 @@ class CTAConfig(PretrainedConfig):
         return self.pde_placements if active else []
 
     def pde_state_indices(self, layer_idx: int) -> dict:
-        """The first cache conv-state index of every causal PDE site in block ``layer_idx`` (placement -> index; a
-        site owns one conv state per step; the embedding site's follow layer 0's own). ``attention_matrix`` needs no
-        state: each query row is evolved on its own."""
+        """The first cache conv-state index of every causal PDE site in block ``layer_idx`` (placement -> index; one
+        conv state per step; the embedding site's follow layer 0's; ``attention_matrix`` evolves each row alone)."""
         layer_has_pde = layer_idx in self.pde_layer_indices()
         return layer_state_indices(self.pde_placements, self.pde_steps, layer_has_pde, layer_idx)
 
@@ -232,11 +222,10 @@ class CTAConfig(PretrainedConfig):
     @classmethod
     def modern_decoder(cls, **kwargs):
         """A Llama-style decoder: RoPE, RMSNorm, pre-norm, SwiGLU, no biases, causal."""
-        defaults = dict(hidden_act="silu", mlp_type="gated", norm_type="rmsnorm", norm_position="pre",
-                        position_embedding_type="rope", layer_norm_eps=1e-6, hidden_dropout_prob=0.0,
-                        attention_bias=False, mlp_bias=False, is_causal=True, pooling="last", tie_word_embeddings=False)
-        defaults.update(kwargs)
-        return cls(**defaults)
+        return cls(**{**dict(hidden_act="silu", mlp_type="gated", norm_type="rmsnorm", norm_position="pre",
+                             position_embedding_type="rope", layer_norm_eps=1e-6, hidden_dropout_prob=0.0,
+                             attention_bias=False, mlp_bias=False, is_causal=True, pooling="last",
+                             tie_word_embeddings=False), **kwargs})
 
 
 __all__ = ["CTAConfig", "PDE_PLACEMENTS", "LAYER_PLACEMENTS"]

@@ -1,11 +1,7 @@
 # coding=utf-8
-"""``generate()`` for models with causal PDE sites (native ``CTAForCausalLM`` and patched decoders): every cache and
-decoding strategy of transformers' generation is exact or refused before a token is generated (``docs/generation.md``
-says why for each). A step of several tokens keeps its 2D padding mask (the PDE walls) where transformers turned it
-into 4D masks for a static cache (a one-token step's new token is never padding); a compiled forward copied from
-another model is dropped before transformers looks for it (:func:`drop_compiled_calls`); caches that cannot hold a
-PDE state, the offloaded static cache and continuous batching are refused, naming why.
-"""
+"""``generate()`` for models with causal PDE sites (native and patched decoders): every cache and decoding strategy
+is exact or refused, naming why, before a token is generated (``docs/generation.md``); several-token steps keep their
+2D padding mask (the PDE walls) for a static cache, and a compiled forward copied from another model is dropped."""
 
 from __future__ import annotations
 
@@ -18,24 +14,20 @@ from .transformers_compat import (ASSISTANT_ROLLBACK_SINCE, GENERATING, Generati
 
 # The cache implementations that build a static (compileable) cache.
 STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
-# Architectures whose generation builds its own 2D attention mask sized by a static cache's length (BLOOM's ALiBi
-# reads it), which the PDE-holding hybrid static layers cannot report (their get_max_length is -1). Named, as older
-# transformers build it in the model's own prepare_inputs_for_generation, not in create_masks_for_generate.
+# Architectures sizing a 2D mask by a static cache's length (BLOOM's ALiBi), which hybrid layers cannot report; named,
+# as older transformers build it in the model's prepare_inputs_for_generation, not in create_masks_for_generate.
 STATIC_CACHE_2D_MASK = {"bloom"}
 # Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
 REFUSED_CACHES = {
     "quantized": "transformers' quantized cache has key/value layers only, with no room for the PDE sites' conv "
                  "states.",
-    # (transformers 5.14-5.24: its prefetch looks for a layer without conv states, and every layer of a PDE model's
-    # cache holds them: "ValueError: True is not in list" at the first token)
+    # (transformers 5.14-5.24: "ValueError: True is not in list" at the first token)
     "offloaded_static": "transformers' offloaded static cache prefetches the next layer that holds no conv state, and "
-                        "every layer of this model's cache holds the PDE state (it fails at the first token).",
-}
+                        "every layer of this model's cache holds the PDE state (it fails at the first token)."}
 
 
 def check_cache_holds_pde_states(cache, sites, model_name: str):
-    """Raises unless every cache layer a causal PDE site of ``sites`` (``[(site, layer, state)]``) uses can hold a
-    conv state."""
+    """Raises unless each cache layer a causal PDE site of ``sites`` (``pde_cache_sites()``) uses holds conv states."""
     if cache is None or not sites:
         return
     layers = getattr(cache, "layers", None)
@@ -50,8 +42,7 @@ def check_cache_holds_pde_states(cache, sites, model_name: str):
 
 
 class PDEGenerationMixin(GenerationHooks):
-    """Mixed into the causal LM classes with PDE sites (before ``GenerationMixin``). ``pde_cache_sites()`` returns the
-    model's ``[(site, cache layer, conv state)]``."""
+    """Mixed into causal LM classes with PDE sites (before ``GenerationMixin``); they define ``pde_cache_sites()``."""
 
     def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
         inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)

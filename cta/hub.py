@@ -5,9 +5,8 @@
     cta-hub card MODEL_DIR [--results all_results.json]       # print the rendered README.md only
     cta-hub export --adapter ADAPTER_DIR OUT_DIR [--base-model ORG/NAME] [--base-model-dir DIR]   # cta.hub_adapter
 
-``export`` re-saves a native or patched checkpoint with its code files, ``auto_map``, safetensors weights, tokenizer
-and a card from ``hub_cards/`` (``model-index`` from ``Trainer.save_metrics``' JSON), and checks that the folder loads
-with ``trust_remote_code=True`` where ``import cta`` fails. Trainer hooks: :func:`write_model_card` and
+``export`` re-saves a checkpoint with its code files, safetensors weights, tokenizer and a ``hub_cards/`` card, and
+checks that it loads with ``trust_remote_code=True`` without ``cta``. Trainer hooks: :func:`write_model_card`,
 :func:`publish_trainer_model` (``trainer.push_to_hub()`` would replace the card with Trainer's and upload pickles).
 """
 
@@ -24,14 +23,17 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import torch
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 from huggingface_hub.utils import validate_repo_id
+from transformers import AutoTokenizer
 
 from . import hub_adapter
 from .hub_adapter import (BLOCK_CTA, PICKLE_SUFFIXES, AdapterExportError, card_pde_fields, check_export_arguments,
                           coefficient_text, compare_outputs, hub_id_or_none, isolated_python, model_output,
                           padded_batch, render_card)
+from .pde_cta import PDERefinement
 from .transformers_compat import get_relative_import_files
 
 HUB_TAGS = ["custom_code", "continuous-time-attention", "pde", "cta"]
@@ -58,8 +60,7 @@ class HubPushError(RuntimeError):
 
 def load_results(path_or_dict) -> dict:
     """Reads a ``Trainer.save_metrics`` JSON (path or dict) into ``{"metrics": {name: (value, split)}, "training",
-    "source"}``: ``eval_*``/``test_*`` numbers are metrics (``test_`` wins; runtimes, throughputs, step counters
-    dropped), other scalars (``train_loss``, ``epoch``...) the training record."""
+    "source"}``: ``eval_*``/``test_*`` quality numbers (``test_`` wins; no runtimes or throughputs), other scalars."""
     if isinstance(path_or_dict, dict):
         data, source = path_or_dict, "<metrics>"
     else:
@@ -127,8 +128,6 @@ def _load_model(model_dir: Path, config: dict):
 
 def pde_summary(config: dict, model=None, max_sites: int = 24) -> dict:
     """The PDE settings of a native (``pde_*`` keys) or patched (``cta_patch``) config, plus learned coefficients."""
-    from .pde_cta import PDERefinement
-
     patched = _is_patched(config)
     src = {k.removeprefix("pde_"): v for k, v in (config["cta_patch"] if patched else config).items()
            if patched or k.startswith("pde_")}
@@ -171,7 +170,6 @@ def render_model_card(model_dir, *, repo_id: Optional[str] = None, results=None,
         language=language or None, datasets=[d[0] for d in datasets] or None,
         metrics=sorted(results["metrics"]) if results else None, base_model=base_model,
         model_name=repo_id.split("/")[-1] if eval_results else None, eval_results=eval_results)
-
     tok_config = model_dir / "tokenizer_config.json"
     n_params = model.num_parameters() if model is not None else None
     id2label = config.get("id2label") or {}
@@ -191,11 +189,8 @@ def export_for_hub(model_dir, out_dir, *, results=None, tokenizer=None, license:
                    datasets=None, base_model: Optional[str] = None, language: Optional[list] = None,
                    repo_id: Optional[str] = None, templates=None, overwrite: bool = False, verify: bool = True,
                    verify_load: bool = True, atol: float = 1e-4) -> Path:
-    """Writes a self-contained Hub folder for the checkpoint in ``model_dir``; returns ``out_dir``. The model is
-    loaded with this package and saved again; the tokenizer (``tokenizer``, default ``model_dir``'s if any) is loaded
-    with ``AutoTokenizer`` and saved too; then :func:`verify_hub_folder` (load check unless ``verify_load=False``)."""
-    from transformers import AutoTokenizer
-
+    """Writes a self-contained Hub folder for the checkpoint in ``model_dir`` (re-saved with ``tokenizer``, default
+    ``model_dir``'s if any), then :func:`verify_hub_folder` (load check unless ``verify_load=False``); returns it."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_export_arguments(model_dir, "MODEL_DIR", out_dir, overwrite, repo_id, HubExportError)
     config = _read_config(model_dir)
@@ -219,10 +214,10 @@ def export_for_hub(model_dir, out_dir, *, results=None, tokenizer=None, license:
 
 
 def verify_hub_folder(folder, *, reference_model=None, atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Checks an exported folder (``auto_map``, its code files and their relative imports, safetensors only, a card);
-    with ``reference_model``, that it loads with ``trust_remote_code=True`` where ``import cta`` fails and matches the
-    reference's outputs within ``atol`` (relative to their scale). Raises :class:`HubExportError` naming every problem.
-    An adapter folder gets the static checks of :func:`cta.hub_adapter.verify_adapter_folder`."""
+    """Checks an exported folder (``auto_map``, its code files and their relative imports, safetensors only, a card;
+    an adapter's: :func:`cta.hub_adapter.verify_adapter_folder`); with ``reference_model``, that it loads with
+    ``trust_remote_code=True`` without ``cta`` and gives its outputs within ``atol`` (relative to their scale). Raises
+    :class:`HubExportError` naming every problem."""
     folder = Path(folder)
     if hub_adapter.is_adapter_folder(folder):
         if reference_model is not None:
@@ -247,8 +242,7 @@ def verify_hub_folder(folder, *, reference_model=None, atol: float = 1e-4, timeo
     if not any(f.endswith(".safetensors") for f in files):
         problems.append("no .safetensors weights")
     pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
-    if pickles:
-        problems.append(f"pickle files present (safetensors only): {pickles}")
+    problems += [f"pickle files present (safetensors only): {pickles}"] if pickles else []
     if problems:
         raise HubExportError(f"{folder} failed verification:\n- " + "\n- ".join(problems))
     report = {"files": files, "code_files": sorted(code_files)}
@@ -269,13 +263,11 @@ torch.save((out.logits if getattr(out, "logits", None) is not None else out.last
 
 
 def _verify_load(folder: Path, config: dict, reference_model, atol: float, timeout: int) -> float:
-    import torch
-
-    causal = PIPELINE_TAGS.get(_auto_class(config)) == "text-generation"
-    ids, mask = padded_batch(int(config.get("vocab_size") or 100), causal)
+    auto = _auto_class(config)
+    ids, mask = padded_batch(int(config.get("vocab_size") or 100), PIPELINE_TAGS.get(auto) == "text-generation")
     expected = model_output(reference_model, ids, mask)
     with tempfile.TemporaryDirectory(prefix="cta-hub-verify-") as work:
-        spec = dict(folder=str(folder.resolve()), auto=_auto_class(config), ids=ids.tolist(), mask=mask.tolist(),
+        spec = dict(folder=str(folder.resolve()), auto=auto, ids=ids.tolist(), mask=mask.tolist(),
                     out=str(Path(work) / "out.pt"))
         (Path(work) / "spec.json").write_text(json.dumps(spec))
         proc = subprocess.run(**isolated_python(_LOAD_SCRIPT, Path(work) / "spec.json"), capture_output=True,
@@ -317,9 +309,8 @@ def push_to_hub_folder(folder, repo_id: str, *, private: bool = False, revision:
 
 def write_model_card(output_dir, *, results=None, task: Optional[str] = None, dataset=None,
                      repo_id: Optional[str] = None, **card_kwargs) -> Optional[Path]:
-    """Example-script hook: writes ``output_dir/README.md`` for the checkpoint saved there; returns its path.
-    ``task`` is informational (the pipeline tag comes from the architecture). Never raises: a card problem is logged,
-    not fatal to a finished training run."""
+    """Example-script hook: writes ``output_dir/README.md`` for the checkpoint saved there; returns its path (``task``
+    is informational). Never raises: a card problem is logged, not fatal to a finished training run."""
     try:
         card = render_model_card(output_dir, repo_id=repo_id, results=results, datasets=dataset, **card_kwargs)
         card.save(Path(output_dir) / "README.md")
@@ -332,8 +323,7 @@ def write_model_card(output_dir, *, results=None, task: Optional[str] = None, da
 def publish_trainer_model(trainer, *, results=None, task: Optional[str] = None, dataset=None, tokenizer=None,
                           export_dir=None, **export_kwargs) -> Optional[str]:
     """Trainer hook (main process only): exports ``output_dir`` to ``export_dir`` (default ``output_dir/hub_export``)
-    and, with ``args.push_to_hub``, pushes it to ``hub_model_id`` (default: the output folder's name) with the other
-    ``hub_*`` arguments. Returns the commit URL or None."""
+    and, with ``args.push_to_hub``, pushes it to ``hub_model_id`` (default: folder name); returns its URL or None."""
     args = trainer.args
     if not trainer.is_world_process_zero():
         return None
@@ -342,10 +332,8 @@ def publish_trainer_model(trainer, *, results=None, task: Optional[str] = None, 
     export_kwargs.setdefault("datasets", dataset)
     export_for_hub(args.output_dir, out, results=results, tokenizer=tokenizer, repo_id=repo_id, overwrite=True,
                    **export_kwargs)
-    if not args.push_to_hub:
-        return None
     return push_to_hub_folder(out, repo_id, private=bool(args.hub_private_repo), token=args.hub_token,
-                              revision=getattr(args, "hub_revision", None))
+                              revision=getattr(args, "hub_revision", None)) if args.push_to_hub else None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -440,8 +428,7 @@ def main(argv: Optional[list] = None) -> int:
             out = export_for_hub(args.model_dir, args.out_dir, tokenizer=args.tokenizer, overwrite=args.overwrite,
                                  verify_load=not args.no_verify_load, atol=args.atol, **card_args)
             print(f"Exported and verified {out}:")
-            for path in sorted(out.iterdir()):
-                print(f"  {path.name:40s} {path.stat().st_size:>12,d} bytes")
+            print("\n".join(f"  {path.name:40s} {path.stat().st_size:>12,d} bytes" for path in sorted(out.iterdir())))
         elif args.command == "push":
             url = push_to_hub_folder(args.out_dir, args.repo_id, private=args.private, revision=args.revision,
                                      commit_message=args.commit_message, token=args.token, create_pr=args.create_pr)

@@ -1,11 +1,8 @@
 """Publishing CTA adapters (``cta.CTALoraConfig``, PEFT type ``CTA_LORA``) on the Hub: ``cta-hub export --adapter``.
 
-An adapter folder (``PeftModel.save_pretrained`` of a patched model) holds the LoRA weights and the PDE coefficients
-(``modules_to_save``); its ``adapter_config.json`` records the patch. :func:`export_adapter_for_hub` copies those two
-files (``base_model_name_or_path`` set to the base's Hub id, which ``AutoPeftModelFor*`` loads), writes an adapter card
-(``hub_cards/adapter.md``) and, given the plain base's local folder, checks in ``python -I`` subprocesses that the
-adapter loads onto the plain base after ``import cta`` with the original logits, and that without ``cta`` PEFT refuses
-it (never returning the base without the PDE). ``cta.hub`` imports this module, not the other way round.
+:func:`export_adapter_for_hub` writes an adapter's weights, config and card and, given the plain base's local folder,
+checks in ``python -I`` subprocesses that the adapter loads onto it after ``import cta`` with the original logits and
+that PEFT refuses it without ``cta``. ``cta.hub`` imports this module, not the other way round.
 """
 
 from __future__ import annotations
@@ -23,9 +20,14 @@ from pathlib import Path
 from typing import Optional
 
 import jinja2
+import torch
+import transformers
 from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
+from safetensors import safe_open
+
+from .pde_spec import coefficient_bounds
 
 CTA_PEFT_TYPE = "CTA_LORA"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -53,31 +55,23 @@ class AdapterExportError(RuntimeError):
 
 def is_adapter_folder(folder) -> bool:
     """Whether ``folder`` is a PEFT adapter folder (``adapter_config.json``) rather than a full checkpoint."""
-    folder = Path(folder)
-    return (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file()
-
-
-def _not_an_adapter(folder: Path, argument: str) -> str:
-    if (folder / "config.json").is_file():
-        return (f"{argument} {folder} holds a full checkpoint (config.json), not a PEFT adapter: export it with "
-                "`cta-hub export` without --adapter.")
-    nested = sorted(p.parent.name for p in folder.glob(f"*/{ADAPTER_CONFIG}"))
-    if nested:
-        return f"{argument} {folder} holds adapters in subfolders {nested}: pass one of those folders."
-    return f"{argument} {folder} has no {ADAPTER_CONFIG}: not a folder written by `PeftModel.save_pretrained`."
+    return (Path(folder) / ADAPTER_CONFIG).is_file() and not (Path(folder) / "config.json").is_file()
 
 
 def read_adapter(adapter_dir, argument: str = "ADAPTER_DIR") -> dict:
     """Reads a CTA adapter folder into ``{"config", "coefficients": {site: {"alpha", "beta"}}, "lora_tensors",
     "pde_parameters", "lora_parameters", "other_parameters"}`` (sites without PEFT's ``base_model.model.``); raises
     :class:`AdapterExportError` naming ``argument`` and what the folder is instead (plain LoRA, pickles...)."""
-    from safetensors import safe_open
-
     folder = Path(adapter_dir)
     if not folder.is_dir():
         raise AdapterExportError(f"{argument} {folder} is not a folder.")
     if not (folder / ADAPTER_CONFIG).is_file():
-        raise AdapterExportError(_not_an_adapter(folder, argument))
+        nested = sorted(p.parent.name for p in folder.glob(f"*/{ADAPTER_CONFIG}"))
+        raise AdapterExportError(
+            f"{argument} {folder} holds a full checkpoint (config.json), not a PEFT adapter: export it with "
+            "`cta-hub export` without --adapter." if (folder / "config.json").is_file() else
+            f"{argument} {folder} holds adapters in subfolders {nested}: pass one of those folders." if nested else
+            f"{argument} {folder} has no {ADAPTER_CONFIG}: not a folder written by `PeftModel.save_pretrained`.")
     try:
         config = json.loads((folder / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
@@ -94,9 +88,8 @@ def read_adapter(adapter_dir, argument: str = "ADAPTER_DIR") -> dict:
     weights = folder / ADAPTER_WEIGHTS
     if not weights.is_file():
         pickles = sorted(p.name for p in folder.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
-        raise AdapterExportError(
-            f"{argument} {folder} has no {ADAPTER_WEIGHTS}" + (f" (only pickle weights {pickles}: save the adapter "
-                                                                 "with `safe_serialization=True`)" if pickles else "."))
+        hint = f" (only pickle weights {pickles}: save the adapter with `safe_serialization=True`)" if pickles else "."
+        raise AdapterExportError(f"{argument} {folder} has no {ADAPTER_WEIGHTS}{hint}")
     coefficients, counts = {}, dict(lora_tensors=0, pde_parameters=0, lora_parameters=0, other_parameters=0)
     with safe_open(str(weights), framework="pt") as f:
         for key in f.keys():
@@ -106,14 +99,13 @@ def read_adapter(adapter_dir, argument: str = "ADAPTER_DIR") -> dict:
                 coefficients.setdefault(match["site"].removeprefix(_PEFT_PREFIX), {})[match["name"]] = tensor
                 counts["pde_parameters"] += tensor.numel()
                 continue
-            counts["lora_tensors"] += "lora_" in key
-            numel = math.prod(f.get_slice(key).get_shape())
-            counts["lora_parameters" if "lora_" in key else "other_parameters"] += numel
+            lora = "lora_" in key
+            counts["lora_tensors"] += lora
+            counts["lora_parameters" if lora else "other_parameters"] += math.prod(f.get_slice(key).get_shape())
     if not coefficients:
         raise AdapterExportError(f"{weights} holds no PDE coefficients (keys `...cta_<placement>_pde.alpha`): the PDE "
                                  "modules were not among the adapter's modules_to_save.")
-    return dict(config=config, coefficients=dict(sorted(coefficients.items(), key=lambda kv: _natural(kv[0]))),
-                **counts)
+    return dict(config=config, coefficients={s: coefficients[s] for s in sorted(coefficients, key=_natural)}, **counts)
 
 
 def _natural(name: str):
@@ -165,8 +157,6 @@ def coefficient_text(t) -> Optional[str]:
 
 def card_pde_fields(src: dict) -> dict:
     """The card's PDE fields of a ``cta_patch`` or a native config's ``pde_*`` values (keys without ``pde_``)."""
-    from .pde_spec import coefficient_bounds
-
     alpha_bounds, beta_bounds = coefficient_bounds(src["type"], bool(src.get("causal")))
     placement = src.get("placement", "block_output")
     return dict(type=src["type"], steps=src.get("steps", 1), causal=bool(src.get("causal")),
@@ -210,8 +200,7 @@ def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_i
                         license: Optional[str] = None, datasets=None, language=None, templates=None,
                         title: Optional[str] = None, pip_spec: str = DEFAULT_PIP_SPEC) -> ModelCard:
     """The README card (``huggingface_hub.ModelCard``) of the CTA adapter in ``adapter_dir``: PEFT metadata
-    (``library_name: peft``, ``base_model``: default ``base_model_name_or_path`` if a Hub id), the patch, the learned
-    coefficients and a snippet loading it onto the plain base after ``import cta`` (``pip install pip_spec``)."""
+    (``base_model``: see :func:`base_model_id`), the patch, learned coefficients, usage (``pip install pip_spec``)."""
     info = read_adapter(adapter_dir)
     config = info["config"]
     validate_repo_id(repo_id)  # None passes
@@ -225,11 +214,10 @@ def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_i
     card_data = ModelCardData(library_name="peft", base_model=base_model, pipeline_tag=task, license=license or "other",
                               tags=tags + [f"base_model:adapter:{base_model}"], language=language or None,
                               datasets=datasets or None)
-    return render_card(
-        "adapter.md", templates, card_data, task, title=title or repo_id.split("/")[-1], repo_id=repo_id,
-        base_model=base_model, auto_class=auto_class, peft_auto_class=peft_auto_class,
-        task_type=config.get("task_type"), patch=config["cta_patch"], pde=pde, lora=lora, pip_spec=pip_spec,
-        datasets=datasets)
+    return render_card("adapter.md", templates, card_data, task, title=title or repo_id.split("/")[-1],
+                       repo_id=repo_id, base_model=base_model, auto_class=auto_class, peft_auto_class=peft_auto_class,
+                       task_type=config.get("task_type"), patch=config["cta_patch"], pde=pde, lora=lora,
+                       pip_spec=pip_spec, datasets=datasets)
 
 
 def render_card(template: str, templates, card_data: ModelCardData, task, **fields) -> ModelCard:
@@ -255,9 +243,8 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
                            datasets=None, language=None, templates=None, title: Optional[str] = None,
                            pip_spec: str = DEFAULT_PIP_SPEC, overwrite: bool = False, verify: bool = True,
                            verify_load: bool = True, atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Writes the Hub folder of the CTA adapter in ``adapter_dir`` (config, safetensors weights, card), then
-    :func:`verify_adapter_folder` (load checks with ``verify_load`` and ``base_model_dir``). Returns its report with
-    ``folder``, ``base_model`` and, where the load checks were skipped, why (``load_check``)."""
+    """Writes the Hub folder of the CTA adapter in ``adapter_dir``, then :func:`verify_adapter_folder` (load checks with
+    ``verify_load`` and ``base_model_dir``); returns its report with ``folder``, ``base_model``, ``load_check``."""
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     check_export_arguments(adapter_dir, "ADAPTER_DIR", out_dir, overwrite, repo_id, AdapterExportError)
     info = read_adapter(adapter_dir)
@@ -301,8 +288,7 @@ def verify_adapter_folder(folder, *, base_model_dir=None, reference_adapter=None
         problems.append(str(err))
     files = sorted(p.name for p in folder.iterdir())
     pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
-    if pickles:
-        problems.append(f"pickle files present (safetensors only): {pickles}")
+    problems += [f"pickle files present (safetensors only): {pickles}"] if pickles else []
     if "README.md" not in files:
         problems.append("README.md missing")
     else:
@@ -381,8 +367,6 @@ sys.exit(3)
 
 def padded_batch(vocab: int, causal: bool):
     """Two rows of 12 tokens, the second padded: left padding for decoders, right padding for encoders."""
-    import torch
-
     ids = torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     (mask[1, :4] if causal else mask[1, -4:]).zero_()
@@ -391,8 +375,6 @@ def padded_batch(vocab: int, causal: bool):
 
 def model_output(model, ids, mask):
     """The logits (or last hidden states) of ``model`` on the batch, in float32."""
-    import torch
-
     with torch.no_grad():
         out = model.eval()(input_ids=ids, attention_mask=mask)
     return (out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state).float()
@@ -400,8 +382,6 @@ def model_output(model, ids, mask):
 
 def compare_outputs(got, expected, mask, atol: float):
     """``(max abs difference on the unpadded positions, the problem or None)``; ``atol`` is relative to their scale."""
-    import torch
-
     if got.shape != expected.shape:
         return float("nan"), f"output shape {tuple(got.shape)} != the reference's {tuple(expected.shape)}"
     per_token = got.dim() >= 2 and tuple(got.shape[:2]) == tuple(mask.shape)
@@ -421,9 +401,6 @@ def isolated_python(script: str, spec_path: Path) -> dict:
 
 def _verify_adapter_load(folder: Path, info: dict, base_dir: Path, reference_adapter, reference_model,
                          atol: float, timeout: int) -> dict:
-    import torch
-    import transformers
-
     config, task_type = info["config"], info["config"].get("task_type")
     auto = TASKS.get(task_type, _NO_TASK)[0]
     base_config = _check_base_dir(base_dir)

@@ -35,11 +35,9 @@ class CTARMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        states = hidden_states.to(torch.float32)
+        states = states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * states.to(hidden_states.dtype)
 
 
 def make_norm(config: CTAConfig) -> nn.Module:
@@ -51,13 +49,11 @@ def make_norm(config: CTAConfig) -> nn.Module:
 def make_pde(config: CTAConfig, channels: int, layer_idx: int, placement: str) -> Optional[PDERefinement]:
     """The PDE module of ``placement`` in block ``layer_idx`` (``embedding``: before block 0), or None where none."""
     states = config.pde_state_indices(layer_idx)
-    active = placement in states if placement == "embedding" else placement in config.pde_layer_placements(layer_idx)
-    if not active:
+    if placement not in (states if placement == "embedding" else config.pde_layer_placements(layer_idx)):
         return None
-    state_idx = states.get(placement, 0)
     return PDERefinement(channels=channels, pde_type=config.pde_type, steps=config.pde_steps, causal=config.is_causal,
                          alpha=config.pde_alpha, beta=config.pde_beta, per_channel=config.pde_per_channel,
-                         backend=config.pde_backend, layer_idx=layer_idx, state_idx=state_idx)
+                         backend=config.pde_backend, layer_idx=layer_idx, state_idx=states.get(placement, 0))
 
 
 class CTARotaryEmbedding(nn.Module):
@@ -117,13 +113,10 @@ def allowed_keys(attention_mask, query_length, key_length, causal, batch, device
 class CTAAttention(nn.Module):
     """Multi-head attention with the ``value`` and ``attention_matrix`` PDE placements.
 
-    ``value``: the PDE refines the values along the sequence before attention (O(L)); for a *linear* PDE with a
-    *symmetric* step matrix ``M`` ``A (M V) = (A M^T) V``: every row of the attention matrix evolved along the key
-    axis (the paper's Eq. 2). ``attention_matrix``: the paper's Algorithm 1 literally, ``A -> PDE(A)`` along the key
-    axis, then ``A V`` (eager, O(L^2), coefficients per head). The two are equal for bidirectional diffusion and wave
-    (zero-flux walls); they differ for advection (``M`` not symmetric), the reaction term (nonlinear) and causal
-    stencils (``M`` lower-triangular: the value placement evolves rows with the adjoint, anti-causal stencil). In
-    causal models keys after the query are walls, so ``A`` stays lower-triangular.
+    ``value``: PDE on the values before attention (O(L)); for a linear PDE with symmetric step matrix ``M``,
+    ``A (M V) = (A M^T) V`` (the paper's Eq. 2). ``attention_matrix``: the paper's Algorithm 1, ``A -> PDE(A)`` along
+    the key axis, then ``A V`` (eager, O(L^2), per-head coefficients). Equal for bidirectional diffusion and wave; they
+    differ for advection, reaction and causal stencils. Causal models wall off later keys: ``A`` stays lower-triangular.
     """
 
     def __init__(self, config: CTAConfig, layer_idx: int):
@@ -156,8 +149,7 @@ class CTAAttention(nn.Module):
             values = walls.refine(self.value_pde, values, cache)
         value_states = values.view(hidden_shape).transpose(1, 2)
         if position_embeddings is not None:
-            cos, sin = position_embeddings
-            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+            query_states, key_states = apply_rotary_pos_emb(query_states, key_states, *position_embeddings)
         if cache is not None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
@@ -248,12 +240,9 @@ class CTADecoderLayer(GradientCheckpointingLayer):
 
 
 # Every Auto class a saved CTA folder loads with under `trust_remote_code=True`.
-AUTO_MAP = {
-    "AutoConfig": "configuration_cta.CTAConfig",
-    "AutoModel": "modeling_cta.CTAModel",
-    "AutoModelForCausalLM": "modeling_cta.CTAForCausalLM",
-    "AutoModelForSequenceClassification": "modeling_cta.CTAForSequenceClassification",
-}
+AUTO_MAP = {"AutoConfig": "configuration_cta.CTAConfig", "AutoModel": "modeling_cta.CTAModel",
+            "AutoModelForCausalLM": "modeling_cta.CTAForCausalLM",
+            "AutoModelForSequenceClassification": "modeling_cta.CTAForSequenceClassification"}
 
 
 class CTAPreTrainedModel(PreTrainedModel):
@@ -272,8 +261,7 @@ class CTAPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' loading, of earlier releases' checkpoints too, plus an error where the checkpoint's PDE
-        weights do not match the config (``checkpoint_conversion``)."""
+        """transformers' loading (earlier releases' checkpoints too); raises where PDE weights mismatch the config."""
         return from_pretrained_with_pde_check(super().from_pretrained, cls, args, kwargs)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -340,7 +328,6 @@ class CTAModel(CTAPreTrainedModel):
         built_masks = attention_mask if isinstance(attention_mask, dict) or (
             torch.is_tensor(attention_mask) and attention_mask.dim() == 4) else None
         self._check_padding_mask(attention_mask, inputs_embeds.shape[0], past_seen + seq_len)
-        # The PDE walls (pde_sites.SiteWalls): the 2D padding mask, packed rows (`position_ids` restarting), shards.
         walls = SiteWalls.of_forward(attention_mask if built_masks is None else None, position_ids,
                                      kwargs.get("cu_seq_lens_q"), cache, self.pde_sharding, type(self).__name__,
                                      self.training)
@@ -356,8 +343,7 @@ class CTAModel(CTAPreTrainedModel):
             mask = self._layer_mask(attention_mask, hidden_states, cache, given_position_ids)
 
         for layer in self.layers:
-            # (position_ids go on to the attention function, as Llama's layers pass them: FlashAttention's packed
-            # rows and DeepSpeed Ulysses read them)
+            # (position_ids reach the attention function, as in Llama: FlashAttention's packing and Ulysses read them)
             hidden_states, _ = layer(hidden_states, attention_mask=mask, walls=walls, position_ids=position_ids,
                                      position_embeddings=position_embeddings, output_attentions=output_attentions,
                                      **{CACHE_ARGUMENT: cache}, **kwargs)
@@ -368,8 +354,7 @@ class CTAModel(CTAPreTrainedModel):
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_ARGUMENT: cache})
 
     def _cache_in_use(self, cache, use_cache):
-        """The cache this forward reads and writes: None for an encoder or where ``use_cache`` is off (by default in
-        training, which decodes nothing), a new one where it is on and none is given."""
+        """Cache used: None for an encoder or ``use_cache`` off (training's default), else ``cache`` or a new one."""
         if use_cache is None:
             use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
         if not (use_cache and self.config.is_causal):
@@ -377,8 +362,7 @@ class CTAModel(CTAPreTrainedModel):
         return DynamicCache(config=self.config) if cache is None else cache
 
     def _check_padding_mask(self, attention_mask, batch: int, length: int):
-        """Raises where a 2D ``attention_mask`` is not ``[batch, past + seq]`` or a sharded sequence meets
-        ``attention_matrix``."""
+        """Raises where a 2D ``attention_mask`` isn't ``[batch, past + seq]`` or sharding meets ``attention_matrix``."""
         if torch.is_tensor(attention_mask) and attention_mask.dim() == 2 and attention_mask.shape != (batch, length):
             raise ValueError(f"`attention_mask` must have shape [batch, past + seq] = [{batch}, {length}], got "
                              f"{tuple(attention_mask.shape)}.")
@@ -411,9 +395,8 @@ class CTAModel(CTAPreTrainedModel):
         return hidden_states
 
     def _layer_mask(self, attention_mask, hidden_states, cache, position_ids):
-        """transformers' attention mask of this model's kind (causal or bidirectional, sliding or not).
-        ``position_ids``: the caller's, or None for the default ones (which hold no packed rows: given them, the mask
-        builder would ask the device whether they restart, a synchronisation per forward)."""
+        """transformers' attention mask of this model's kind. ``position_ids``: the caller's, or None for the default
+        ones (no packed rows: given them, the mask builder would sync with the device to see whether they restart)."""
         mask_kwargs = dict(config=self.config, inputs_embeds=hidden_states, attention_mask=attention_mask,
                            **{CACHE_ARGUMENT: cache})
         sliding = self.config.sliding_window is not None
@@ -441,23 +424,20 @@ class CTAForCausalLM(PDEGenerationMixin, CTAPreTrainedModel, GenerationMixin):
         """``[(site, cache layer, conv state)]`` of this model's causal PDE sites (what ``generate()`` checks)."""
         return self.model.pde_sites
 
-    # As transformers' own heads (LlamaForCausalLM): the flags travel in `kwargs` to the base model, whose
-    # `capture_outputs` falls back to the config for each one not given; `can_return_tuple` handles `return_dict`.
+    # As LlamaForCausalLM: the output flags reach the base model's `capture_outputs` in `kwargs` (config defaults).
     @deprecate_past_key_values
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, logits_to_keep=0, **kwargs):
         """As :meth:`CTAModel.forward`, plus ``labels`` (the LM loss) and ``logits_to_keep``."""
         cache = pop_cache(kwargs, cache)
-        # return_dict=True: the base model follows `config.return_dict` otherwise.
+        # (return_dict=True: the base model follows `config.return_dict` otherwise; can_return_tuple handles ours)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                              inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True, **kwargs)
-        hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        logits = self.lm_head(outputs.last_hidden_state[:, keep, :])
+        loss = None if labels is None else self.loss_function(logits=logits, labels=labels,
+                                                              vocab_size=self.config.vocab_size, **kwargs)
         cache = getattr(outputs, CACHE_ARGUMENT)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                       attentions=outputs.attentions, **{CACHE_ARGUMENT: cache})
@@ -486,26 +466,21 @@ class CTAForSequenceClassification(CTAPreTrainedModel):
         if self.config.pooling == "mean":
             return (hidden_states * mask[..., None]).sum(1) / mask.sum(1, keepdim=True).clamp(min=1)
         positions = torch.arange(seq_len, device=hidden_states.device)
-        if self.config.pooling == "cls":
-            index = torch.where(mask.bool(), positions, seq_len).min(1).values.clamp(max=seq_len - 1)
-        else:
-            index = torch.where(mask.bool(), positions, -1).max(1).values.clamp(min=0)
+        valid = mask.bool()
+        index = (torch.where(valid, positions, seq_len).min(1).values.clamp(max=seq_len - 1)
+                 if self.config.pooling == "cls" else torch.where(valid, positions, -1).max(1).values.clamp(min=0))
         return hidden_states[torch.arange(batch, device=hidden_states.device), index]
 
     @deprecate_past_key_values
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, **kwargs):
-        """As :meth:`CTAModel.forward`, plus ``labels``; a cache and ``use_cache`` are accepted, as by transformers'
-        sequence-classification heads, and unused: this head keeps no cache."""
+        """As :meth:`CTAModel.forward`, plus ``labels``; a cache and ``use_cache`` are accepted and ignored."""
         pop_cache(kwargs)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              inputs_embeds=inputs_embeds, use_cache=False, return_dict=True, **kwargs)
-        pooled = self.pool(outputs.last_hidden_state, attention_mask)
-        logits = self.score(self.dropout(pooled))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
+        logits = self.score(self.dropout(self.pool(outputs.last_hidden_state, attention_mask)))
+        loss = None if labels is None else self.loss_function(labels=labels, pooled_logits=logits, config=self.config)
         return SequenceClassifierOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                                 attentions=outputs.attentions)
 

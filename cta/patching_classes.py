@@ -1,7 +1,6 @@
 # coding=utf-8
 """The classes of patched models, ``CTAPatched<Base>`` (see ``patching_cta``), and loading a saved patched checkpoint.
-Their ``__module__`` is ``patching_cta`` (``auto_map`` and pickling find them there, through its ``__getattr__``);
-each mixin keeps the classes made from it (``_cta_patched``: base class -> patched class)."""
+Their ``__module__`` is ``patching_cta`` (``auto_map`` and pickling find them there, through its ``__getattr__``)."""
 
 from __future__ import annotations
 
@@ -35,14 +34,12 @@ def _cache_view(config):
         return None
     attention_types = get_layer_types_and_kwargs(config)[0]
     layout = hybrid_cache_layout(attention_types, state_indices_of(spec, config.num_hidden_layers), spec["pde_steps"])
-    if layout is None:
-        return None
-    return config_view(config, layer_types=layout[0], number_of_conv_states=layout[1], _cta_cache_view=True)
+    return None if layout is None else config_view(config, layer_types=layout[0], number_of_conv_states=layout[1],
+                                                   _cta_cache_view=True)
 
 
 class CTAPatchedConfigMixin:
     """Mixed into the config class of a patched model: distinct ``model_type`` and the cache view."""
-
     _cta_patched = {}  # base config class -> its patched class
 
     def get_text_config(self, decoder=None, encoder=None):
@@ -55,25 +52,20 @@ class CTAPatchedConfigMixin:
 class CTAPatchedModelMixin(PDEGenerationMixin):
     """Mixed into the model classes of patched models: builds the plain model, then applies ``config.cta_patch``;
     ``generate()`` keeps the PDE sites exact (``generation_cta``)."""
-
     _cta_patched = {}  # base model class -> its patched class
 
     def pde_cache_sites(self):
         """``[(site, cache layer, conv state)]`` of this model's causal PDE sites."""
-        for module in self.modules():
-            context = module.__dict__.get("_cta_context")
-            if context is not None:
-                return context.sites
-        return []
+        contexts = (module.__dict__.get("_cta_context") for module in self.modules())
+        return next((context.sites for context in contexts if context is not None), [])
 
     @property
     def peft_config(self):
         """The PEFT adapter configs (set by PEFT on the model it adapts): only configs that record the patch
         (``cta.CTALoraConfig``) are taken, since an adapter saved without it loads onto a plain base without its PDE."""
-        try:
-            return self.__dict__["_cta_peft_config"]
-        except KeyError:
-            raise AttributeError(f"{type(self).__name__} has no PEFT adapter (`peft_config`)") from None
+        if "_cta_peft_config" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__} has no PEFT adapter (`peft_config`)")
+        return self.__dict__["_cta_peft_config"]
 
     @peft_config.setter
     def peft_config(self, configs):
@@ -101,22 +93,19 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
         """Saves weights (safetensors), the config (``model_type = cta_patched_*``, ``cta_patch``, ``auto_map``) and
         the flat code files (``patching_cta.py`` and the siblings it imports) so that the folder reloads patched."""
         self.config.auto_map = auto_map_for(self.config)
-        if getattr(self, SAVES_CURRENT_NAMES, False):
-            # Read from an earlier release's names: saved in the current ones (checkpoint_conversion).
+        if getattr(self, SAVES_CURRENT_NAMES, False):  # read from an earlier release's names: saved in the current ones
             kwargs.setdefault("save_original_format", False)
         with saved_as_own_class(self, ENTRY_MODULE):  # (a model sharded by FSDP2 has a class of torch's)
             return super().save_pretrained(save_directory, *args, **kwargs)
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """transformers' loading, of earlier releases' checkpoints too, plus an error where the checkpoint's PDE
-        weights do not match ``config.cta_patch`` (``checkpoint_conversion``)."""
+        """transformers' loading (earlier releases' too); raises where the PDE weights mismatch ``config.cta_patch``."""
         return from_pretrained_with_pde_check(super().from_pretrained, cls, args, kwargs)
 
 
 def _transformers_class(base_class):
-    """A patched checkpoint names its classes after the base classes, rebuilt from ``transformers.<name>`` where it is
-    loaded: only transformers' own classes can be patched."""
+    """Raises unless ``base_class`` is transformers' own (saved checkpoints rebuild it from ``transformers.<name>``)."""
     if getattr(transformers, base_class.__name__, None) is not base_class:
         raise ValueError(f"patch_model patches transformers' own model classes (a saved patched checkpoint rebuilds "
                          f"`{PATCHED_CLASS_PREFIX}<name>` from `transformers.<name>`); "
@@ -130,8 +119,7 @@ def _register(cls):
 
 
 def _derived_class(mixin, base_class, doc, auto, **attributes):
-    """``CTAPatched<Base>``: ``mixin`` over ``base_class``, made once (kept in ``mixin._cta_patched``), registered
-    with ``auto`` and for it (``save_pretrained`` then writes its code files)."""
+    """``CTAPatched<Base>``: ``mixin`` over ``base_class``, made once, registered with and for (code files) ``auto``."""
     if base_class not in mixin._cta_patched:
         _transformers_class(base_class)
         name = f"{PATCHED_CLASS_PREFIX}{base_class.__name__}"
@@ -155,29 +143,22 @@ def patched_config_class(base_class):
                           _cta_base_model_type=model_type)
 
 
-def _auto_class_of(base_class):
-    model_type = getattr(base_class.config_class, "model_type", None)
-    names = [auto for auto, name in head_names(model_type).items() if name == base_class.__name__]
-    names = names or auto_classes_naming(base_class.__name__)  # (a class shared by several model types)
-    if not names:
-        raise ValueError(f"patch_model patches the heads transformers' Auto classes know ({', '.join(SAVED_HEADS)}, "
-                         f"...); {base_class.__name__} is none of them.")
-    return names[0]
-
-
 def patched_class(base_class):
-    """The ``CTAPatched<Base>`` subclass of a transformers model class (created on first use, with its family: the
-    heads that transformers' Auto classes know for its model type, each registered with its Auto class, so that a
-    generic head's ``AutoModel.from_config`` builds the patched backbone)."""
+    """The ``CTAPatched<Base>`` subclass of a transformers model class (created on first use with its family, the heads
+    of its model type, each registered with its Auto class so that a generic head's backbone is built patched)."""
     if issubclass(base_class, CTAPatchedModelMixin):
         return base_class
     if base_class not in CTAPatchedModelMixin._cta_patched:
         _transformers_class(base_class)
-        config_class = base_class.config_class
-        auto = _auto_class_of(base_class)
-        _derived_class(CTAPatchedModelMixin, base_class,
-                       f"{base_class.__name__} with CTA PDE refinement (built from `config.cta_patch`).", auto,
-                       config_class=patched_config_class(config_class))
+        config_class, base_name = base_class.config_class, base_class.__name__
+        heads = head_names(getattr(config_class, "model_type", None)).items()
+        autos = [auto for auto, name in heads if name == base_name]
+        autos = autos or auto_classes_naming(base_name)  # (a class shared by several model types)
+        if not autos:
+            raise ValueError(f"patch_model patches the heads transformers' Auto classes know "
+                             f"({', '.join(SAVED_HEADS)}, ...); {base_name} is none of them.")
+        doc = f"{base_name} with CTA PDE refinement (built from `config.cta_patch`)."
+        _derived_class(CTAPatchedModelMixin, base_class, doc, autos[0], config_class=patched_config_class(config_class))
         for name in head_names(config_class.model_type, SAVED_HEADS).values():
             head = getattr(transformers, name, None)
             if isinstance(head, type) and head.config_class is config_class:
@@ -210,8 +191,7 @@ def auto_map_for(config) -> dict:
 
 
 def register_auto_classes():
-    """Registers every patched config/model class made so far with transformers' Auto classes (each class is also
-    registered when it is made)."""
+    """Registers every patched config/model class made so far with transformers' Auto classes (as each is when made)."""
     for cls in (*CTAPatchedConfigMixin._cta_patched.values(), *CTAPatchedModelMixin._cta_patched.values()):
         _register(cls)
 

@@ -1,26 +1,17 @@
 # coding=utf-8
-"""Adds CTA PDE refinement to pretrained transformers models: any decoder or encoder whose layers follow transformers'
-own pattern (the architectures checked: ``ARCHITECTURES.md``, from ``scripts/supported_architectures.py``).
-
-``patch_model(model, ...)`` patches a loaded model *in place* and returns it:
+"""Adds CTA PDE refinement to pretrained transformers decoders and encoders whose layers follow transformers' own
+pattern (checked architectures: ``ARCHITECTURES.md``). ``patch_model(model, ...)`` patches a model *in place*:
 
 * Modules are found by structure (``patching_structure``, which refuses what a model does not offer, up front).
-* The model keeps its module tree and weight names: each PDE module is a submodule ``cta_<placement>_pde`` of the
-  module it refines, applied by forward hooks (``patching_hooks``; their handles in the base model's
-  ``_cta_context``). No module is put between a parent and its child and no ``forward`` is rebound; the ``value``
-  hook is on whatever module is the value projection when the layer runs, so a LoRA layer put in its place is
-  refined with its delta. 0.1.0 checkpoints (which wrapped the modules) load through ``checkpoint_conversion``.
-* The instance's class is swapped to a subclass (``LlamaForCausalLM`` -> ``CTAPatchedLlamaForCausalLM``), and the
-  config's likewise (``model_type = "cta_patched_llama"``), as ``torch.nn.utils.parametrize`` swaps a module's class
-  (``patching_classes``). ``isinstance(model, LlamaForCausalLM)`` still holds; ``save_pretrained`` writes a
-  checkpoint that loads only *patched* (``cta.load_patched``, or ``trust_remote_code=True``); missing or unexpected
-  PDE weights are an error.
-* ``attention_matrix`` needs CTA's own attention (native models only). Padding walls come from the 2D
-  ``attention_mask`` (its last ``L`` columns are the current tokens; a 4D custom mask gives none); gradient
-  checkpointing's recomputation reads the latest training forward's (``patching_hooks.CheckpointWalls``).
-* Cached decoding: the PDE state lives in the model's own cache (``pde_cache``): the patched config answers
-  ``get_text_config(decoder=True)`` (read by ``DynamicCache(config=...)`` and ``generate``) with a view whose
-  ``layer_types`` are ``hybrid`` / ``hybrid_sliding``; the config's own ``layer_types`` are untouched.
+* Module tree and weight names are kept: each PDE module is a submodule ``cta_<placement>_pde`` of the module it
+  refines, applied by forward hooks (``patching_hooks``), so a LoRA value projection is refined with its delta.
+* Classes are swapped to subclasses (``CTAPatchedLlamaForCausalLM``, ``model_type = "cta_patched_llama"``), so
+  ``isinstance`` holds; ``save_pretrained`` writes a checkpoint that loads only *patched* (``cta.load_patched`` or
+  ``trust_remote_code=True``; 0.1.0 ones through ``checkpoint_conversion``); mismatched PDE weights are an error.
+* Padding walls come from the 2D ``attention_mask`` (its last ``L`` columns are the current tokens; a 4D mask gives
+  none). ``attention_matrix`` needs CTA's own attention (native models only).
+* Cached decoding: the PDE state lives in the model's own cache (``pde_cache``), via the ``hybrid`` layer types of
+  the patched config's ``get_text_config(decoder=True)`` view; the config's own ``layer_types`` are untouched.
 * ``output_hidden_states``: entry ``k`` is what layer ``k`` receives, i.e. the refined output of layer ``k - 1``.
 * PEFT: ``cta.CTALoraConfig`` (``peft_cta``); :func:`mark_pde_trainable` trains the PDE alone.
 """
@@ -82,23 +73,20 @@ def is_patched(model) -> bool:
 
 def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_output", layers=None, init="identity",
                 backend="auto", per_channel=False, alpha=None, beta=None):
-    """Adds CTA PDE refinement to a loaded transformers model, in place; returns the same model.
+    """Adds CTA PDE refinement to a loaded transformers model, in place (recorded as ``model.config.cta_patch``; see
+    the module docstring for saving, caches and PEFT); returns the same model.
 
     Args:
-        model: a ``PreTrainedModel`` whose layers follow transformers' pattern (``patching_structure``), any head
-            (decoders get the causal stencil, encoders the bidirectional one). What cannot be patched raises
-            ``ValueError`` before the model is changed; no error leaves a half-patched model behind.
+        model: a ``PreTrainedModel`` whose layers follow transformers' pattern, any head (decoders get the causal
+            stencil, encoders the bidirectional one); raises ``ValueError``, leaving it unchanged, where it cannot be.
         pde_type: ``diffusion``, ``wave``, ``reaction_diffusion`` or ``advection_diffusion``.
         pde_steps: explicit PDE steps per site (0 records the patch but adds no PDE module).
         placement: one of ``embedding``, ``value``, ``attention_output``, ``mlp_output``, ``block_output`` or a list.
         layers: layer indices that get the per-layer placements (default: all); ``embedding`` is always once.
-        init: ``identity`` (coefficients 0: outputs equal the original model's until trained) or ``paper``
-            (``pde_cta.PAPER_COEFFICIENTS``).
+        init: ``identity`` (coefficients 0: the original outputs until trained) or ``paper`` (``PAPER_COEFFICIENTS``).
         backend: ``auto`` (Triton on CUDA when importable), ``torch`` or ``triton``.
         per_channel: one coefficient per channel instead of a scalar per site.
         alpha, beta: explicit initial coefficients (override ``init``); must lie in the stable interval.
-
-    The patch is recorded as ``model.config.cta_patch``; see the module docstring for saving, caches and PEFT.
     """
     if not isinstance(model, transformers.PreTrainedModel):
         raise ValueError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}.")
@@ -107,8 +95,7 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
     spec = make_patch_spec(model.config, pde_type, pde_steps, placement, layers, init, backend, per_channel, alpha,
                            beta)
     plan = plan_patch(model, spec["placement"], layer_indices(spec, model.config.num_hidden_layers))  # (or raises)
-    model_class = patched_class(type(model))
-    config_class = patched_config_class(type(model.config))
+    model_class, config_class = patched_class(type(model)), patched_config_class(type(model.config))
     config = copy.deepcopy(model.config)
     config.cta_patch, config.__class__ = spec, config_class
     # transformers learns what output_hidden_states records from a class when it is built: the patched class is
@@ -128,18 +115,15 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
 
 
 def _own_config(model):
-    """Gives ``model`` (and each of its modules that shares its config) a config object of its own, so that the patch
-    leaves other models built from the same config object plain."""
-    shared = model.config
-    own = copy.deepcopy(shared)
+    """Gives ``model`` and its modules sharing its config a copy of it, so other models built from it stay plain."""
+    shared, own = model.config, copy.deepcopy(model.config)
     for module in model.modules():
         if getattr(module, "config", None) is shared:
             module.config = own
 
 
 def unpatch_model(model):
-    """Removes a CTA patch (hooks, PDE submodules and what they learnt, class swap, ``config.cta_patch``) in place;
-    returns the plain model."""
+    """Removes a CTA patch (hooks, PDE modules and what they learnt, class swap, ``cta_patch``) in place; returns it."""
     if not is_patched(model):
         raise ValueError("This model is not patched with CTA.")
     remove_patch_modules(model)
@@ -147,9 +131,7 @@ def unpatch_model(model):
     config = model.config
     del config.cta_patch
     config.__dict__.pop("auto_map", None)
-    original_config = getattr(type(config), "_cta_original_class", None)
-    if original_config is not None:
-        config.__class__ = original_config
+    config.__class__ = getattr(type(config), "_cta_original_class", type(config))
     for module in model.modules():  # the model, and the patched backbone of a generic head
         original = getattr(type(module), "_cta_original_class", None)
         if original is not None and isinstance(module, CTAPatchedModelMixin):
@@ -168,16 +150,14 @@ def pde_parameter_names(model):
 
 
 def pde_modules_to_save(model):
-    """The PEFT ``modules_to_save`` entries that make the PDE modules trainable and saved with the adapter: the
-    distinct ``cta_<placement>_pde`` suffixes, which match only PDE modules."""
+    """PEFT ``modules_to_save`` entries that train and save the PDE modules: their ``cta_<placement>_pde`` suffixes."""
     return sorted({name.rsplit(".", 1)[-1] for name, _ in pde_modules(model) if "cta_" in name.rsplit(".", 1)[-1]})
 
 
 def mark_pde_trainable(model, freeze_others=False):
     """Sets ``requires_grad=True`` on every PDE coefficient (and ``False`` on everything else if
     ``freeze_others``); returns the number of trainable PDE parameters. For PDE-only training without PEFT."""
-    names = set(pde_parameter_names(model))
-    count = 0
+    names, count = set(pde_parameter_names(model)), 0
     for name, param in model.named_parameters():
         if name in names:
             param.requires_grad_(True)

@@ -1,7 +1,6 @@
 # coding=utf-8
-"""Installing and removing the PDE sites of a patch (``patching_cta.patch_model`` and the patched classes'
-constructors): each PDE module becomes a submodule ``cta_<placement>_pde`` of the module it refines, applied by the
-forward hooks of ``patching_hooks`` (their handles kept in the base model's ``_cta_context``)."""
+"""Installing and removing the PDE sites of a patch: each PDE module becomes a submodule ``cta_<placement>_pde`` of the
+module it refines, applied by ``patching_hooks``' forward hooks (their handles in the base model's ``_cta_context``)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,8 @@ from .patching_structure import parameters_of, plan_patch
 from .pde_cache import CACHE_ARGUMENTS, layer_state_indices, pde_sites
 from .pde_cta import PDERefinement
 
-# The cache keywords of layers that still call it by an older name: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode,
-# BLOOM, Falcon), ``past_key_value`` (AFMoE's layers in transformers 5.14; 5.17 and later pass ``past_key_values``).
+# Older names of the layers' cache keyword: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode, BLOOM, Falcon),
+# ``past_key_value`` (AFMoE's layers in transformers 5.14; 5.17 and later pass ``past_key_values``).
 _LAYER_CACHE_ALIASES = ("layer_past", "past_key_value")
 
 
@@ -30,8 +29,7 @@ def layer_indices(spec, num_layers):
 
 
 def state_indices_of(spec, num_layers):
-    """``layer index -> {placement: first cache conv-state index}`` of the causal PDE sites of ``spec``
-    (``pde_cache.layer_state_indices``: a site owns one conv state per step)."""
+    """``layer index -> {placement: first cache conv-state index}`` of ``spec``'s causal PDE sites (one per step)."""
     selected = set(layer_indices(spec, num_layers))
     return lambda i: layer_state_indices(spec["placement"], spec["pde_steps"], i in selected, i)
 
@@ -40,8 +38,7 @@ def _make_pde(spec, channels, layer_idx, state_idx, like: nn.Module):
     module = PDERefinement(channels=channels, pde_type=spec["pde_type"], steps=spec["pde_steps"], causal=spec["causal"],
                            alpha=spec["alpha"], beta=spec["beta"], per_channel=spec["per_channel"],
                            backend=spec["backend"], layer_idx=layer_idx, state_idx=state_idx)
-    param = next(iter(like.parameters()), None)
-    own = next(iter(module.parameters()), None)
+    param, own = next(iter(like.parameters()), None), next(iter(module.parameters()), None)
     built_on_meta = own is not None and own.device.type == "meta"  # (under a meta-device construction: stays there)
     if param is not None and param.device.type != "meta" and not built_on_meta:
         module.to(device=param.device)
@@ -60,9 +57,8 @@ def _add_pde(module, placement, pde):
 
 
 def apply_patch(model, spec, plan=None):
-    """Adds the PDE modules of ``spec`` to the modules they refine and registers the hooks that apply them. The
-    modules come from ``plan`` (``patching_structure.plan_patch``, made here when not given), which raises before
-    anything changes; should adding them fail anyway, what was added is removed again before the error propagates."""
+    """Adds the PDE modules and hooks of ``spec`` where ``plan`` (``plan_patch``, made if not given: raises before any
+    change) says; should adding them fail anyway, what was added is removed again before the error propagates."""
     if plan is None:
         plan = plan_patch(model, spec["placement"], layer_indices(spec, model.config.num_hidden_layers))
     if any("_cta_context" in module.__dict__ for module in model.modules()):
@@ -78,14 +74,12 @@ def apply_patch(model, spec, plan=None):
 
 
 def _add_sites(model, spec, plan):
-    base, layers = plan.base, plan.layers
-    num_layers = len(layers)
-    mask_position = _positional_index(base.forward, ("attention_mask",))
+    base, layers, num_layers = plan.base, plan.layers, len(plan.layers)
     states_of = state_indices_of(spec, num_layers)
     sites = pde_sites(num_layers, states_of) if spec["causal"] else []
-    context = PatchContext(mask_position, _positional_index(base.forward, CACHE_ARGUMENTS), sites,
-                           type(model).__name__, _positional_index(base.forward, ("position_ids",)))
-    base._cta_context = context
+    base._cta_context = context = PatchContext(
+        _positional_index(base.forward, ("attention_mask",)), _positional_index(base.forward, CACHE_ARGUMENTS), sites,
+        type(model).__name__, _positional_index(base.forward, ("position_ids",)))
     context.handles = [base.register_forward_pre_hook(context.enter, with_kwargs=True),
                        base.register_forward_hook(context.exit, with_kwargs=True, always_call=True)]
     if spec["pde_steps"] == 0:
@@ -133,11 +127,10 @@ def _add_layer_sites(context, spec, hidden, layer, idx, targets, states, per_lay
 
 def remove_patch_modules(model):
     """Removes the hooks (through their handles) and the PDE submodules that :func:`apply_patch` added."""
-    for _, module in list(model.named_modules()):
+    for module in list(model.modules()):
         context = module.__dict__.pop("_cta_context", None)
         if context is not None:
             context.remove_hooks()
-    for _, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
+        for name, _ in list(module.named_children()):
             if name.startswith("cta_") and name.endswith("_pde"):
                 delattr(module, name)

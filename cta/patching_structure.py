@@ -1,19 +1,17 @@
 # coding=utf-8
-"""Where the PDE sites of a patched transformers model go, found by structure, and what is refused (with why).
+"""Where the PDE sites of a patched transformers model go, found by structure, and what is refused (with why):
+:func:`plan_patch` raises, before ``patch_model`` changes anything, a ``ValueError`` naming the placement, the
+architecture and what it supports.
 
-:func:`plan_patch` finds the modules each placement refines before ``patch_model`` changes anything; each refusal is
-a ``ValueError`` naming the placement, the architecture and what it supports.
-
-* **The layer stack**: the base model's one ``nn.ModuleList`` of ``GradientCheckpointingLayer`` s (or of
-  ``_no_split_modules`` classes). ``block_output`` refines each item's output, ``embedding`` the first item's input.
-* **Decoder or encoder**: the config's ``is_decoder`` / ``is_causal``, else its heads (a masked-LM head: an encoder;
-  a causal-LM head only: a decoder); attention modules' ``is_causal`` must agree.
-* **value**: the one value projection (:data:`VALUE_NAMES`) or the value columns of a fused QKV projection
-  (:data:`FUSED_VALUE`). **attention_output** / **mlp_output**: the output, before the residual add, of the attention
-  module and of the MLP / MoE block (:data:`MLP_NAMES`, or OPT-style ``fc2``); where such a module adds the residual
-  itself, its last ``Linear``; in BERT-style post-LN layers, the dropout before Add & Norm.
-* **Refused up front**: caches with their own recurrent / convolution state, composite and encoder-decoder configs,
-  :data:`REFUSED` / :data:`REFUSED_BEFORE` and, per placement, :data:`PLACEMENT_EXCEPTIONS` (one line each, with why).
+* **Layer stack**: the base model's one ``nn.ModuleList`` of ``GradientCheckpointingLayer`` s (or ``_no_split_modules``
+  classes); ``block_output`` refines each item's output, ``embedding`` the first item's input.
+* **Decoder or encoder**: the config's ``is_decoder`` / ``is_causal``, else its heads (masked-LM: encoder; causal-LM
+  only: decoder); attention modules' ``is_causal`` must agree.
+* **value**: the value projection (:data:`VALUE_NAMES`) or the value columns of a fused QKV (:data:`FUSED_VALUE`).
+  **attention_output** / **mlp_output**: the attention / MLP / MoE module's output before the residual add (its last
+  ``Linear`` where it adds the residual itself; OPT-style ``fc2``; BERT-style post-LN: the dropout before Add & Norm).
+* **Refused up front**: recurrent / convolution cache state, composite and encoder-decoder configs, :data:`REFUSED`,
+  :data:`REFUSED_BEFORE` and, per placement, :data:`PLACEMENT_EXCEPTIONS`.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .transformers_compat import get_layer_types_and_kwargs, has_head, transformers_before
 
-
-# The placements refined in a submodule of each layer (found per layer by :func:`layer_targets`).
+# Placements refined in a submodule of each layer (found by :func:`layer_targets`).
 MODULE_PLACEMENTS = ("value", "attention_output", "mlp_output")
 ALL_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output")
 
@@ -45,16 +42,14 @@ def _head_dim(config):
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-# model_type -> (fused QKV attribute, width of its trailing value columns from the config; None: not a contiguous
-# block for this config). One line per architecture whose value projection is fused.
+# model_type -> (fused QKV attribute, width of its trailing value columns; None: not a contiguous block here).
 FUSED_VALUE = {
     "gpt2": ("c_attn", lambda c: c.hidden_size),
     "mpt": ("Wqkv", lambda c: c.hidden_size),
     "modernbert": ("Wqkv", lambda c: c.hidden_size),
     "phi3": ("qkv_proj", lambda c: c.num_key_value_heads * _head_dim(c)),
     "gpt_bigcode": ("c_attn", lambda c: _head_dim(c) if c.multi_query else None),
-    "falcon": ("query_key_value",
-               lambda c: _head_dim(c) if c.multi_query and not c.new_decoder_architecture else None),
+    "falcon": ("query_key_value", lambda c: _head_dim(c) if c.multi_query and not c.new_decoder_architecture else None),
     # per head [q, k, v]: the value columns are interleaved with the others
     **dict.fromkeys(("gpt_neox", "persimmon", "bloom"), ("query_key_value", lambda c: None)),
     "codegen": ("qkv_proj", lambda c: None),
@@ -62,17 +57,14 @@ FUSED_VALUE = {
 
 # model_type -> {placement: why the structure's module is not the one to refine}.
 PLACEMENT_EXCEPTIONS = {
-    "opt": {"mlp_output": "OPT flattens batch and sequence before its feed-forward (fc2's output is [batch * seq, "
-                          "hidden], no sequence axis)"},
-}
+    "opt": {"mlp_output": "OPT flattens batch and sequence before its feed-forward (fc2's output is "
+                          "[batch * seq, hidden], no sequence axis)"}}
 
 # model_type -> why patch_model refuses it (what the structure alone would not tell).
 REFUSED = {
-    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba"),
-                    "keeps its own recurrent (selective state-space) state in its cache"),
-    "rwkv": "keeps its own recurrent (RWKV time-mixing) state in its cache",
-    "recurrent_gemma": "keeps its own recurrent (RG-LRU) state in its cache",
-    "xlstm": "keeps its own recurrent (xLSTM) state in its cache",
+    **{t: f"keeps its own recurrent ({kind}) state in its cache" for t, kind in [
+        *[(name, "selective state-space") for name in ("mamba", "mamba2", "falcon_mamba")],
+        ("rwkv", "RWKV time-mixing"), ("recurrent_gemma", "RG-LRU"), ("xlstm", "xLSTM")]},
     **dict.fromkeys(("lfm2", "lfm2_moe"), "keeps its own short-convolution state in its cache"),
     "hrm_text": "has two layer stacks (its hierarchical H and L modules), run several times per token",
     "bert-generation": "its layers are BERT encoder layers (bidirectional attention) whatever the config says",
@@ -83,18 +75,15 @@ REFUSED = {
     "xlnet": "uses two-stream relative attention with memories instead of a standard layer stack",
     "blt": "has several layer stacks (byte-level local encoder, global transformer, local decoder)",
     **{t: "its layers are not a transformers layer stack (an nn.ModuleList of GradientCheckpointingLayer)" for t in (
-        "albert", "cpmant", "ctrl", "flaubert", "ibert", "mpnet", "openai-gpt", "perceiver", "xlm")},
-}
+        "albert", "cpmant", "ctrl", "flaubert", "ibert", "mpnet", "openai-gpt", "perceiver", "xlm")}}
 
-
-# model_type -> (the first transformers release whose model code works, why patch_model refuses it on earlier ones):
-# refusals whose cause is the installed release, not the architecture (version-gated).
+# model_type -> (first transformers release whose model code works, why patch_model refuses earlier ones): refusals
+# caused by the installed release, not the architecture.
 REFUSED_BEFORE = {
     "doge": ("5.18.0", "its attention in this transformers release attends to future tokens under SDPA, the default "
                        "(Doge's dynamic mask replaces the causal mask that transformers leaves out for unpadded input; "
                        "huggingface/transformers#48748, fixed in 5.18), so the causal PDE stencil and cached decoding "
-                       "cannot match the model; upgrade transformers to 5.18 or later"),
-}
+                       "cannot match the model; upgrade transformers to 5.18 or later")}
 
 
 @dataclasses.dataclass
@@ -108,7 +97,6 @@ class ValueTarget:
 @dataclasses.dataclass
 class LayerTargets:
     """The modules of one layer that each placement refines, or why a placement is not available there."""
-
     value: Optional[ValueTarget] = None
     attention_output: Optional[nn.Module] = None
     mlp_output: Optional[nn.Module] = None
@@ -136,16 +124,12 @@ def base_model_type(config) -> str:
 
 
 def _out_features(module) -> Optional[int]:
-    for attr in ("out_features", "nf"):  # nn.Linear (and its PEFT / quantized subclasses), GPT-2's Conv1D
-        value = getattr(module, attr, None)
-        if isinstance(value, int):
-            return value
-    return None
+    values = (getattr(module, attr, None) for attr in ("out_features", "nf"))  # nn.Linear (+ PEFT, quantized), Conv1D
+    return next((value for value in values if isinstance(value, int)), None)
 
 
 def release_refusal(model_type) -> Optional[str]:
-    """Why patch_model refuses ``model_type`` on the installed transformers release only (:data:`REFUSED_BEFORE`),
-    or ``None``."""
+    """Why patch_model refuses ``model_type`` on the installed transformers release only (:data:`REFUSED_BEFORE`)."""
     since, reason = REFUSED_BEFORE.get(model_type, (None, None))
     if since is not None and transformers_before(since):
         return f"{reason} (installed: transformers {transformers.__version__})"
@@ -154,12 +138,10 @@ def release_refusal(model_type) -> Optional[str]:
 
 def _type_refusal(model_type) -> Optional[str]:
     reason = REFUSED.get(model_type) or release_refusal(model_type)
-    if reason is not None:
-        return reason
-    if not has_head(model_type, "AutoModelForCausalLM") and not has_head(model_type, "AutoModelForMaskedLM"):
-        return ("not a text decoder or encoder (transformers lists no causal-LM or masked-LM head for it: vision, "
-                "audio, multimodal, sequence-to-sequence or task-specific)")
-    return None
+    if reason is None and not any(has_head(model_type, h) for h in ("AutoModelForCausalLM", "AutoModelForMaskedLM")):
+        reason = ("not a text decoder or encoder (transformers lists no causal-LM or masked-LM head for it: vision, "
+                  "audio, multimodal, sequence-to-sequence or task-specific)")
+    return reason
 
 
 def model_type_refusal(model_type) -> Optional[str]:
@@ -176,8 +158,7 @@ def model_type_refusal(model_type) -> Optional[str]:
 
 def config_refusal(config) -> Optional[str]:
     """Why no model of ``config`` can be patched (``None``: the structure decides)."""
-    model_type = base_model_type(config)
-    reason = _type_refusal(model_type)
+    reason = _type_refusal(base_model_type(config))
     if reason is not None:
         return reason
     if getattr(config, "is_encoder_decoder", False):
@@ -220,11 +201,9 @@ def find_layer_stack(model):
     """``(base model, its layer ModuleList, the list's name)``; raises ``ValueError`` where there is not exactly one."""
     base = getattr(model, "base_model", model)
     split = set(getattr(model, "_no_split_modules", None) or ()) | set(getattr(base, "_no_split_modules", None) or ())
-    found = []
-    for name, module in base.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and all(
-                isinstance(item, GradientCheckpointingLayer) or type(item).__name__ in split for item in module):
-            found.append((name, module))
+    found = [(name, module) for name, module in base.named_modules()
+             if isinstance(module, nn.ModuleList) and len(module) > 0
+             and all(isinstance(item, GradientCheckpointingLayer) or type(item).__name__ in split for item in module)]
     # a stack nested inside the layers of another one (e.g. sub-blocks) is part of that one
     found = [(n, m) for n, m in found if not any(n.startswith(other + ".") for other, _ in found if other != n)]
     if len(found) != 1:
@@ -245,9 +224,7 @@ def parameters_of(function) -> dict:
 
 
 def _input_owner(base, layers_name):
-    """The innermost module between the base model and its layer stack whose forward takes the model's inputs
-    (``input_ids`` and the 2D ``attention_mask``): where the padding walls and the cache are read. Usually the base
-    model itself; OPT's heads call ``model.decoder`` directly, past the base model's forward."""
+    """Where walls and cache are read: the innermost module above the layers taking the inputs (e.g. OPT's decoder)."""
     owner, module = base, base
     for part in layers_name.split(".")[:-1]:
         module = getattr(module, part)
@@ -271,8 +248,8 @@ def _post_ln_dropout(module):
 
 
 def _output_module(module):
-    """What an attention / MLP module's ``*_output`` site refines: the module, or, where it adds the residual itself,
-    its output projection (BERT-style: the dropout before Add & Norm)."""
+    """What an attention / MLP module's ``*_output`` site refines: itself, or its output projection if it adds the
+    residual itself (BERT-style: the dropout before Add & Norm)."""
     dropout = _post_ln_dropout(module)
     if dropout is not None:
         return dropout
@@ -283,16 +260,10 @@ def _output_module(module):
 
 
 def _projections(layer, names):
-    """``[(path, owner, attribute)]`` of the layer's self-attention projections named one of ``names`` (separate
-    value projections, or fused qkv ones; cross-attention excluded)."""
-    found = []
-    for path, module in layer.named_modules():
-        if "cross" in path or "encoder_attn" in path:
-            continue
-        for name, child in _children_named(module, names):
-            if _out_features(child) is not None:
-                found.append((path, module, name))
-    return found
+    """``[(path, owner, attribute)]`` of the layer's self-attention (not cross) projections named one of ``names``."""
+    return [(path, module, name) for path, module in layer.named_modules()
+            if "cross" not in path and "encoder_attn" not in path
+            for name, child in _children_named(module, names) if _out_features(child) is not None]
 
 
 def _value_target(layer, config):
@@ -320,8 +291,7 @@ def _value_target(layer, config):
 
 
 def _attention_output(layer, attention):
-    """What ``attention_output`` refines (or why nothing): the output of ``attention`` (the child holding the value
-    projection) or else of the layer's one child named as in :data:`ATTENTION_NAMES`."""
+    """What ``attention_output`` refines (or why not): ``attention``'s output, else the one ATTENTION_NAMES child's."""
     if attention is None or attention is layer:
         named = _children_named(layer, ATTENTION_NAMES)
         attention = named[0][1] if len(named) == 1 else None
@@ -354,23 +324,8 @@ def layer_targets(layer, config) -> LayerTargets:
     value, attention = _value_target(layer, config)
     found = {"value": value, "attention_output": _attention_output(layer, attention), "mlp_output": _mlp_output(layer)}
     found.update(PLACEMENT_EXCEPTIONS.get(base_model_type(config), {}))  # (a reason replaces the module)
-    targets = LayerTargets()
-    for placement, target in found.items():
-        if isinstance(target, str):
-            targets.reasons[placement] = target
-        else:
-            setattr(targets, placement, target)
-    return targets
-
-
-def _attention_causality(layers):
-    flags = set()
-    for layer in layers:
-        for module in layer.modules():
-            flag = module.__dict__.get("is_causal", getattr(type(module), "is_causal", None))
-            if isinstance(flag, bool) and any(_out_features(c) is not None for c in module.children()):
-                flags.add(flag)
-    return flags
+    reasons = {placement: target for placement, target in found.items() if isinstance(target, str)}
+    return LayerTargets(**{p: target for p, target in found.items() if p not in reasons}, reasons=reasons)
 
 
 def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
@@ -382,7 +337,9 @@ def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
         raise ValueError(f"patch_model does not support {architecture_name(model)}: {reason}.")
     base, layers, name = find_layer_stack(model)
     causal = config_is_decoder(config)
-    flags = _attention_causality(layers)
+    flags = {flag for layer in layers for module in layer.modules()
+             for flag in [module.__dict__.get("is_causal", getattr(type(module), "is_causal", None))]
+             if isinstance(flag, bool) and any(_out_features(c) is not None for c in module.children())}
     if flags and flags != {causal}:
         raise ValueError(f"patch_model cannot patch {architecture_name(model)}: its config makes it "
                          f"{'a decoder' if causal else 'an encoder'} but its attention modules say "
@@ -390,10 +347,9 @@ def plan_patch(model, placements, layer_indices=None) -> PatchPlan:
     if causal and has_head(base_model_type(config), "AutoModelForMaskedLM"):
         raise ValueError(f"patch_model supports {architecture_name(model)} as an encoder only "
                          "(config.is_decoder=False); got is_decoder=True.")
-    indices = range(len(layers)) if layer_indices is None else layer_indices
     wanted = [p for p in MODULE_PLACEMENTS if p in placements]
     targets = [None] * len(layers)
-    for idx in indices:
+    for idx in range(len(layers)) if layer_indices is None else layer_indices:
         found = layer_targets(layers[idx], config)
         for placement in wanted:
             if getattr(found, placement) is None:

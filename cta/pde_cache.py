@@ -1,14 +1,10 @@
 # coding=utf-8
 """The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
 
-A causal PDE site keeps its state in hybrid cache layers: one fp32 ``[batch, 1, channels, 1]`` conv state per step
-(that step's iterate at the last position); site ``k`` of a layer owns conv states ``k * steps .. k * steps + steps -
-1``. While a cache records its past (assisted decoding) a site appends one column per position, and ``crop`` rolls it
-back (``docs/decoding.md``). A decode step without its state would silently refine the token as if it started a
-sequence: everything here raises instead.
-
-transformers renamed the cache argument ``past_key_values`` to ``cache`` in 5.24 (the old name deprecated until 5.40).
-Models read either; what they pass on and return uses :data:`CACHE_ARGUMENT`, the installed release's name.
+A causal PDE site keeps one fp32 ``[batch, 1, channels, 1]`` conv state per step in hybrid cache layers (site ``k`` of
+a layer owns ``k * steps .. (k + 1) * steps - 1``; while recording its past, one column per position, ``crop`` rolls it
+back: ``docs/decoding.md``). A decode step missing its state raises. transformers renamed ``past_key_values`` to
+``cache`` in 5.24 (deprecated until 5.40): models read either, pass on :data:`CACHE_ARGUMENT` (the installed name).
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from .transformers_compat import (conv_state, conv_state_written, deprecate_kwar
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
-# The name the installed transformers uses for the cache: the field of its model outputs (`out.cache` from 5.24 on).
+# The installed transformers' name: the field of its model outputs (`out.cache` from 5.24 on).
 _OUTPUT_FIELDS = {field.name for field in dataclasses.fields(BaseModelOutputWithPast)}
 CACHE_ARGUMENT = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
 _CACHE_LOOKUP_ORDER = tuple(dict.fromkeys((CACHE_ARGUMENT, *CACHE_ARGUMENTS)))
@@ -34,8 +30,7 @@ PAST_KEY_VALUES_REMOVAL = "5.40.0"
 
 
 def deprecate_past_key_values(forward):
-    """What transformers' own models do with the old cache keyword: its ``deprecate_kwarg`` on a release that renamed
-    it, ``forward`` unchanged on older ones."""
+    """transformers' ``deprecate_kwarg`` for the old cache keyword where renamed; ``forward`` unchanged before."""
     if CACHE_ARGUMENT != "cache":
         return forward
     return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
@@ -48,9 +43,7 @@ STATE_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
 def layer_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
     """placement -> first cache conv-state index of each causal PDE site of one layer (``pde_steps`` states each):
     its sites in :data:`STATE_PLACEMENTS` order, then, in layer 0, the ``embedding`` site."""
-    sites = []
-    if pde_steps > 0 and layer_has_pde:
-        sites = [name for name in STATE_PLACEMENTS if name in placements]
+    sites = [name for name in STATE_PLACEMENTS if name in placements] if pde_steps > 0 and layer_has_pde else []
     if pde_steps > 0 and layer_idx == 0 and "embedding" in placements:
         sites.append("embedding")
     return {name: number * pde_steps for number, name in enumerate(sites)}
@@ -74,26 +67,21 @@ def hybrid_cache_layout(attention_types, state_indices, pde_steps: int):
 
 
 def pde_sites(num_layers: int, state_indices) -> list:
-    """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites, what :func:`check_pde_states`
-    checks."""
+    """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites (for :func:`check_pde_states`)."""
     return [(f"{placement} of layer {i}", i, state) for i in range(num_layers)
             for placement, state in state_indices(i).items()]
 
 
 def pop_cache(kwargs: dict, cache=None):
-    """The cache given to a forward under either name (popped from ``kwargs``; ``cache``: an explicit parameter's
-    value)."""
-    old = kwargs.pop("past_key_values", None)
-    new = kwargs.pop("cache", None)
-    given = [c for c in (cache, new, old) if c is not None]
+    """The cache given under either name (popped from ``kwargs``; ``cache``: an explicit parameter's value)."""
+    given = [c for c in (cache, kwargs.pop("cache", None), kwargs.pop("past_key_values", None)) if c is not None]
     if len(given) > 1 and any(c is not given[0] for c in given[1:]):
         raise ValueError("Pass the cache once: as `cache` or as `past_key_values`, not both.")
     return given[0] if given else None
 
 
 def cache_lookup_order(names=CACHE_ARGUMENTS) -> tuple:
-    """The keywords :func:`find_cache` tries: the installed release's name first, then the other ``names`` a layer
-    may take the cache as (GPT-NeoX's ``layer_past``)."""
+    """The keywords :func:`find_cache` tries: the installed release's name, then ``names`` (e.g. ``layer_past``)."""
     return tuple(dict.fromkeys((*_CACHE_LOOKUP_ORDER, *names)))
 
 
@@ -115,14 +103,12 @@ def _state_layer(cache, layer_idx: int):
         raise ValueError(
             "A causal PDE refinement needs a cache whose layers hold conv states (transformers' hybrid layers); "
             "build it with `transformers.DynamicCache(config=model.config)` or let `generate()` create it. "
-            f"Got {type(cache).__name__} with layer {layer_idx} of type {type(layer).__name__}."
-        )
+            f"Got {type(cache).__name__} with layer {layer_idx} of type {type(layer).__name__}.")
     return layer
 
 
 def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Optional[list]:
-    """The site's ``steps`` cached levels, its conv states ``[batch, 1, channels, positions]`` themselves (not views:
-    one view less per step and token), the level at the last position; or None before prefill."""
+    """The site's ``steps`` conv states ``[batch, 1, channels, positions]`` (not views), or None before prefill."""
     layer = _state_layer(cache, layer_idx)
     if not conv_state_written(layer, state_idx):
         return None
@@ -148,17 +134,15 @@ def refuse_export_with_cache(model_name: str):
         "states inside the traced forward): every decode step of the exported program would refine its token as if "
         "it started the sequence, giving wrong logits without an error. What works: export the forward without a cache "
         "(`use_cache=False`, no cache argument), or decode with `generate()`, eager or under `torch.compile`. "
-        f"(transformers {transformers.__version__}, torch {torch.__version__})"
-    )
-    # Not `raise`: under Dynamo (strict export, transformers' recipes' default) a raised exception surfaces as an
-    # "Observed exception" graph break with this message deep in its text; Dynamo folds `torch._assert` on a constant
-    # while tracing, and the AssertionError comes out as it is (non-strict export: the same error).
+        f"(transformers {transformers.__version__}, torch {torch.__version__})")
+    # Not `raise`: under Dynamo (strict export) it surfaces as an "Observed exception" graph break, the message buried;
+    # Dynamo folds `torch._assert` on a constant and the AssertionError comes out as it is (non-strict: the same).
     torch._assert(False, message)
 
 
 def check_pde_states(cache, sites, model_name: str):
-    """Raises unless every causal PDE site of ``sites`` (``[(site name, layer_idx, state_idx)]``) finds its state in
-    a ``cache`` that holds past tokens, or while ``torch.export`` traces a forward given a cache."""
+    """Raises unless each of ``sites`` (``[(site name, layer_idx, state_idx)]``) finds its state in a ``cache`` holding
+    past tokens, or while ``torch.export`` traces a forward given a cache."""
     if cache is None or not sites:
         return
     if torch.compiler.is_compiling():
@@ -176,8 +160,7 @@ def check_pde_states(cache, sites, model_name: str):
             f"(cache layer {layer_idx}, conv state {state_idx}); continuing without it would refine the new "
             "tokens as if they started the sequence. Prefill this cache with this model (`use_cache=True`) outside "
             "training (a training forward keeps no PDE state in a cache it starts), or let `generate()` build it. "
-            f"(transformers {transformers.__version__})"
-        )
+            f"(transformers {transformers.__version__})")
 
 
 def missing_cache_error(site: str) -> ValueError:
@@ -186,13 +169,10 @@ def missing_cache_error(site: str) -> ValueError:
         f"CTA patch: the PDE site {site!r} received no cache although the model was called with one: transformers "
         f"{transformers.__version__} passes the cache to its decoder layers under a name this version of cta does not "
         f"read (it reads {CACHE_ARGUMENTS}). Refining without the cache would decode wrong tokens; please report this "
-        "with your transformers version."
-    )
+        "with your transformers version.")
 
 
-__all__ = [
-    "CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
-    "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
-    "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
-    "refuse_export_with_cache", "check_pde_states", "missing_cache_error",
-]
+__all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
+           "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
+           "cached_pde_levels", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
+           "refuse_export_with_cache", "check_pde_states", "missing_cache_error"]

@@ -1,15 +1,11 @@
 # coding=utf-8
 """Causal PDE refinement of a sequence sharded across ranks (context / sequence parallelism), exact.
 
-Under torch's ``context_parallel`` (accelerate's ``cp_size``) or outside the attention of DeepSpeed's Ulysses every rank
-holds a shard of the sequence. With ``S`` causal steps position ``t`` depends on inputs ``t - S .. t`` only, so each
-local chunk needs the ``S`` rows before it (its *halo*): the PDE runs on ``[halo ; chunk]`` and keeps the chunk's rows
-(the halo's first rows read a wall, an error that moves one position per step and never reaches the chunk).
-Layouts (:class:`SequenceShards`): ``contiguous`` (rank ``r`` holds chunk ``r`` of ``W``) and torch's ``head_tail``
-(``2W`` chunks, rank ``r`` holds chunks ``r`` and ``2W - 1 - r``, in that order).
-
-No hang: every rank runs the same collectives in the same order, and whatever cannot be served is refused by
-:func:`check_sharded_refinement` from what all ranks share (config, layout, local shapes) before the first one.
+Under torch's ``context_parallel`` (accelerate's ``cp_size``) or DeepSpeed Ulysses each rank holds a shard. With ``S``
+causal steps position ``t`` reads inputs ``t - S .. t`` only: the PDE runs on ``[halo ; chunk]`` (the ``S`` rows before
+it) and keeps the chunk's rows. Layouts (:class:`SequenceShards`): ``contiguous`` (rank ``r`` holds chunk ``r`` of
+``W``), torch's ``head_tail`` (``2W`` chunks, rank ``r`` holds ``r`` and ``2W - 1 - r``). No hang: all ranks run the
+same collectives in order, and :func:`check_sharded_refinement` refuses what cannot be served before the first one.
 """
 
 from __future__ import annotations
@@ -51,13 +47,9 @@ class SequenceShards:
             raise ValueError("SequenceShards.from_group needs an initialised torch.distributed process group.")
         return cls(layout, dist.get_world_size(group), dist.get_rank(group), group)
 
-    @property
-    def chunks_per_rank(self) -> int:
-        return 2 if self.layout == "head_tail" else 1
+    chunks_per_rank = property(lambda self: 2 if self.layout == "head_tail" else 1)
 
-    @property
-    def num_chunks(self) -> int:
-        return self.world_size * self.chunks_per_rank
+    num_chunks = property(lambda self: self.world_size * self.chunks_per_rank)
 
     @property
     def local_chunks(self) -> tuple:
@@ -92,11 +84,9 @@ class SequenceShards:
 
 @dataclass(frozen=True)
 class SequenceSharding:
-    """How a model's sequences are sharded over the ranks of ``group`` (None: the default group); give it to
-    :func:`shard_sequences`. ``layout="torch"``: torch ``context_parallel``'s default load balancing (head-tail where
-    the local length is even, contiguous otherwise); torch has no public way to read whether it load-balances, so a
-    run that turns it off says ``contiguous``. ``training_only``: the engine shards train-mode forwards only
-    (DeepSpeed Ulysses under accelerate, ``disable_in_eval``); eval forwards see whole sequences."""
+    """How a model's sequences are sharded over ``group`` (None: the default group), for :func:`shard_sequences`.
+    ``layout="torch"``: torch CP's default balancing (head-tail for an even local length, else contiguous; a run
+    turning it off says ``contiguous``). ``training_only``: only train-mode forwards are sharded (Ulysses)."""
 
     layout: str = "torch"
     group: Any = None
@@ -109,15 +99,12 @@ class SequenceSharding:
 
     def shards(self, local_length: int) -> SequenceShards:
         """The :class:`SequenceShards` of this rank's shard of ``local_length`` tokens."""
-        layout = self.layout
-        if layout == "torch":
-            layout = "head_tail" if local_length % 2 == 0 else "contiguous"
+        layout = ("head_tail" if local_length % 2 == 0 else "contiguous") if self.layout == "torch" else self.layout
         return SequenceShards.from_group(layout, self.group)
 
     @classmethod
     def for_accelerator(cls, accelerator) -> Optional["SequenceSharding"]:
-        """The sharding of accelerate's ``parallelism_config``, or None when it shards no sequence: torch CP over
-        the ``cp`` mesh, or DeepSpeed Ulysses (contiguous shards over DeepSpeed's sequence-parallel group)."""
+        """The sharding of accelerate's ``parallelism_config`` (torch CP, or DeepSpeed Ulysses), or None."""
         config = getattr(accelerator, "parallelism_config", None)
         cp, sp = config is not None and config.cp_enabled, config is not None and config.sp_enabled
         if cp and sp:
@@ -126,8 +113,7 @@ class SequenceSharding:
         if cp:
             if config.cp_backend != "torch":
                 raise ValueError(f"cp_backend={config.cp_backend!r} is not supported; torch's is.")
-            # (an Accelerator's ``torch_device_mesh`` is its AcceleratorState's ``device_mesh``: either is taken)
-            mesh = getattr(accelerator, "torch_device_mesh", None) or accelerator.device_mesh
+            mesh = getattr(accelerator, "torch_device_mesh", None) or accelerator.device_mesh  # (Accelerator or state)
             return cls("torch", mesh["cp"].get_group())
         if sp:
             if config.sp_backend != "deepspeed":
@@ -150,32 +136,28 @@ def _site_holders(model):
 
 
 def shard_sequences(model, sharding: Optional[SequenceSharding]):
-    """Tells every PDE site of ``model`` (a CTA model, or one patched by ``cta.patch_model``; PEFT-wrapped too) how
-    its sequences are sharded from now on (None: not sharded); returns ``model``. Without it each shard would be
-    refined as if it were a whole sequence."""
+    """Tells every PDE site of ``model`` (CTA, patched by ``cta.patch_model``, or PEFT-wrapped) how its sequences are
+    sharded from now on (None: not sharded); returns ``model``. Raises where ``model`` has no PDE sites."""
     if sharding is not None and not isinstance(sharding, SequenceSharding):
         raise TypeError(f"`sharding` must be a cta SequenceSharding or None, got {type(sharding).__name__}.")
-    found = False
-    for holder, name in _site_holders(model):
-        setattr(holder, name, sharding)
-        found = True
-    if not found:
+    holders = list(_site_holders(model))
+    if not holders:
         raise ValueError(f"{type(model).__name__} has no CTA PDE sites: shard_sequences takes a CTA model or a model "
                          "patched with cta.patch_model.")
+    for holder, name in holders:
+        setattr(holder, name, sharding)
     return model
 
 
 def accelerate_shards_sequences() -> bool:
-    """Whether this process's accelerate ``parallelism_config`` shards sequences; reads the state without creating
-    it or importing accelerate (cheap enough for every forward)."""
+    """Whether accelerate's ``parallelism_config`` shards sequences (cheap: creates and imports nothing)."""
     state = sys.modules.get("accelerate.state")
     config = None if state is None else state.AcceleratorState._shared_state.get("parallelism_config")
     return config is not None and bool(config.cp_enabled or config.sp_enabled)
 
 
 def refuse_untold_sites(sharding, training: bool, model_name: str = "model"):
-    """Raises when accelerate shards this training forward's sequences but the model's sites were not told
-    (``sharding`` None): each shard would be refined as a whole sequence, wrong in silence."""
+    """Raises when accelerate shards this training forward but the model's sites were not told (``sharding`` None)."""
     if sharding is None and training and accelerate_shards_sequences():
         raise ValueError(
             f"{model_name}: accelerate's parallelism_config shards the sequence across ranks (cp_size / sp_size > 1) "
@@ -184,13 +166,9 @@ def refuse_untold_sites(sharding, training: bool, model_name: str = "model"):
 
 
 class ContextParallelCallback(TrainerCallback):
-    """``Trainer(..., callbacks=[cta.ContextParallelCallback()])``: under a sequence-sharding ``parallelism_config``
-    (``cp_size`` / ``sp_size``) tells every PDE site of the Trainer's model how accelerate shards its sequences, when
-    the Trainer is built (torch CP) and again when training begins, after the model is prepared (``model_init`` may
-    have built a new one; DeepSpeed's sequence-parallel group exists only then). The sites stay sharded afterwards
-    (the Trainer's evaluation runs under the same torch CP; under Ulysses, which evaluates whole sequences, eval-mode
-    forwards refine them whole): call ``cta.shard_sequences(model, None)`` before a plain forward or ``generate``.
-    Otherwise, or on a model with no PDE sites, it does nothing."""
+    """``Trainer(..., callbacks=[cta.ContextParallelCallback()])``: tells the model's PDE sites how a ``cp_size`` /
+    ``sp_size`` ``parallelism_config`` shards sequences, at Trainer build (torch CP) and train begin (once prepared).
+    They stay sharded: call ``cta.shard_sequences(model, None)`` before a plain forward or ``generate``. Else no-op."""
 
     _hidden_layer_types = None  # (the native config and its layer_types while the Trainer prepares the model)
 
@@ -209,9 +187,8 @@ class ContextParallelCallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         config = getattr(self._tell(model, prepared=False), "config", None)
         if getattr(config, "model_type", None) == "cta" and set(config.layer_types or ()) == {"hybrid"}:
-            # accelerate's context-parallel guard (at prepare, in Trainer.train) refuses layer_types other than
-            # "full_attention"; a native layer's "hybrid" is full causal attention plus its PDE cache state, and its
-            # sites are told: the guard sees "full_attention" until training begins.
+            # accelerate's CP guard (at prepare) refuses layer_types but "full_attention"; a native "hybrid" layer is
+            # full causal attention plus PDE cache state, its sites told: the guard sees "full_attention" until then.
             self._hidden_layer_types = (config, config.layer_types)
             config.layer_types = ["full_attention"] * len(config.layer_types)
 
@@ -223,8 +200,7 @@ class ContextParallelCallback(TrainerCallback):
 
 
 def check_sharded_refinement(pde_module, hidden_states, shards, token_mask=None, position_ids=None) -> int:
-    """Raises what :func:`refine_sharded` cannot serve (from what every rank shares, before any collective); returns
-    the chunk length."""
+    """Raises what :func:`refine_sharded` cannot serve (before any collective); returns the chunk length."""
     if not isinstance(shards, SequenceShards):
         raise TypeError(f"`shards` must be a cta SequenceShards, got {type(shards).__name__}.")
     if not getattr(pde_module, "causal", False):
@@ -271,8 +247,7 @@ def _all_gather(tensor, shards):
 
 
 def _neighbour_rows(gathered, shards, offset):
-    """For each local chunk ``c``: what ``gathered`` ``[world, chunks_per_rank, ...]`` holds for chunk ``c + offset``
-    (zeros past either end of the sequence)."""
+    """Per local chunk ``c``: ``gathered``'s (``[world, chunks_per_rank, ...]``) chunk ``c + offset``, or zeros."""
     return torch.stack([gathered[shards.owner(chunk + offset)] if 0 <= chunk + offset < shards.num_chunks
                         else torch.zeros_like(gathered[0, 0]) for chunk in shards.local_chunks])
 
@@ -294,24 +269,21 @@ class _HaloExchange(torch.autograd.Function):
 
 def exchange_halo(hidden_states: torch.Tensor, shards: SequenceShards, halo: int) -> torch.Tensor:
     """``[chunks_per_rank, batch, halo, channels]``: the ``halo`` rows before each local chunk of ``hidden_states``
-    ``[batch, local_seq, channels]`` in the global sequence (zeros before the start); differentiable. Every rank must
-    call it with the same shapes."""
+    ``[batch, local_seq, channels]`` (zeros before the start); differentiable. All ranks call it with equal shapes."""
     batch, local_length, channels = hidden_states.shape
     chunk_length = local_length // shards.chunks_per_rank
     if local_length % shards.chunks_per_rank or not 0 < halo <= chunk_length:
         raise ValueError(f"`halo`={halo} must be in [1, chunk length] = [1, {chunk_length}] for a shard of "
                          f"{local_length} tokens in {shards.chunks_per_rank} chunk(s) (layout {shards.layout!r}).")
     chunks = hidden_states.reshape(batch, shards.chunks_per_rank, chunk_length, channels)
-    tails = chunks[:, :, chunk_length - halo:].transpose(0, 1)
-    return _HaloExchange.apply(tails, shards)
+    return _HaloExchange.apply(chunks[:, :, chunk_length - halo:].transpose(0, 1), shards)
 
 
 def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShards,
                    token_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
-    """Applies the causal ``pde_module`` to this rank's shard ``hidden_states`` ``[batch, local_seq, channels]``
-    laid out as ``shards`` says: exactly the rows it gives the full sequence, walls included (``token_mask``
-    ``[batch, local_seq]``, 0 for padding; packed sequences where ``position_ids`` restart). Every rank must call it
-    with the same shapes, and ``position_ids`` on every rank or none (``token_mask`` may differ). No cache."""
+    """Applies the causal ``pde_module`` to this rank's shard ``hidden_states`` ``[batch, local_seq, channels]`` as on
+    the full sequence (``token_mask`` ``[batch, local_seq]``: 0 for padding; packed rows where ``position_ids`` reset).
+    All ranks call it with equal shapes, all or none with ``position_ids`` (``token_mask`` may differ). No cache."""
     chunk_length = check_sharded_refinement(pde_module, hidden_states, shards, token_mask, position_ids)
     steps = pde_module.steps
     if steps == 0:
@@ -319,8 +291,7 @@ def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShar
     batch, local_length, channels = hidden_states.shape
     k = shards.chunks_per_rank
     # The walls travel with the halo: padding and positions of the halo rows (zeros, i.e. padding, before the start).
-    mask = torch.ones(batch, local_length, dtype=torch.long, device=hidden_states.device) if token_mask is None \
-        else token_mask.long()
+    mask = hidden_states.new_ones(batch, local_length, dtype=torch.long) if token_mask is None else token_mask.long()
     positions = torch.zeros_like(mask) if position_ids is None else position_ids.long()
     walls = torch.stack([mask, positions], -1).reshape(batch, k, chunk_length, 2)
     wall_tails = walls[:, :, chunk_length - steps:].transpose(0, 1)
@@ -333,9 +304,7 @@ def refine_sharded(pde_module, hidden_states: torch.Tensor, shards: SequenceShar
     extended = torch.cat([halos, chunks], 2).reshape(k * batch, steps + chunk_length, channels)
     extended_walls = torch.cat([halo_walls, walls.transpose(0, 1)], 2).reshape(k * batch, steps + chunk_length, 2)
     extended_mask = extended_walls[..., 0]
-    packed = None
-    if position_ids is not None:
-        packed = packed_rows(extended_walls[..., 1], extended_mask, steps + chunk_length)
+    packed = None if position_ids is None else packed_rows(extended_walls[..., 1], extended_mask, steps + chunk_length)
     refined = pde_module(extended, extended_mask, None, packed)
     refined = refined.reshape(k, batch, steps + chunk_length, channels)[:, :, steps:]
     return refined.transpose(0, 1).reshape(batch, local_length, channels)

@@ -1,11 +1,10 @@
 # coding=utf-8
 """PEFT adapters of patched models that carry their patch (``docs/adapters.md``).
 
-Loaded onto a plain base, a LoRA adapter's PDE coefficients (``modules_to_save``) match no module and PEFT drops them
-in silence. So these adapters are of a PEFT type of their own, ``CTA_LORA``: :class:`CTALoraConfig` takes LoraConfig's
-arguments and records the patch; after ``import cta`` every PEFT way of loading builds :class:`CTALoraModel`, which
-patches a plain base with it (a base patched alike is accepted, another refused). Without ``import cta`` PEFT refuses
-the unknown type. ``CTAPeftType`` is not PEFT's own ``PeftType``, hence ``transformers_compat.register_peft_tables``.
+PEFT silently drops a LoRA adapter's PDE coefficients (``modules_to_save``) loaded onto a plain base, so these adapters
+have a PEFT type of their own, ``CTA_LORA``: :class:`CTALoraConfig` records the patch; after ``import cta`` PEFT builds
+:class:`CTALoraModel`, which patches a plain base with it (a base patched alike is accepted, another refused). Without
+``import cta`` PEFT refuses the unknown type.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ if version.parse(peft.__version__) < version.parse("0.21"):
     raise ImportError(f"adapters of patched models need peft >= 0.21, found {peft.__version__}")
 from peft.utils.constants import DUMMY_TARGET_MODULES
 
+from . import patching_cta
 from .patching_cta import PATCHED_CLASS_PREFIX, PATCHED_MODEL_TYPE_PREFIX, is_patched, patch_model, pde_modules_to_save
 from .transformers_compat import inside_load_adapter, register_peft_tables, transformers_before
 
@@ -68,8 +68,6 @@ class CTALoraConfig(LoraConfig):
         mapping = kwargs.get("auto_mapping_dict")
         if mapping and str(mapping.get("base_model_class", "")).startswith(PATCHED_CLASS_PREFIX):
             # AutoPeftModel imports the base class named here; it loads the plain base, which the adapter patches.
-            from . import patching_cta
-
             original = getattr(patching_cta, mapping["base_model_class"])._cta_original_class
             kwargs["auto_mapping_dict"] = {"base_model_class": original.__name__, "parent_library": original.__module__}
         return super().save_pretrained(save_directory, **kwargs)
@@ -122,8 +120,7 @@ class CTALoraModel(LoraModel):
 
 
 def register_peft_type() -> None:
-    """Makes PEFT build :class:`CTALoraConfig` / :class:`CTALoraModel` for adapters of type ``CTA_LORA`` (what
-    ``peft.utils.register_peft_method`` does for a member of PEFT's own enum)."""
+    """Makes PEFT build :class:`CTALoraConfig` / :class:`CTALoraModel` for adapters of type ``CTA_LORA``."""
     register_peft_tables(CTAPeftType.CTA_LORA, CTALoraConfig, CTALoraModel)
 
 

@@ -1,33 +1,28 @@
 # coding=utf-8
 """The internals of transformers (and peft) that cta relies on, in one place: every other file uses public names
-(``transformers.<Name>``, ``transformers.logging``; what transformers documents for model code: ``modeling_outputs``,
-``cache_utils``, ``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``, and a
-model class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or this module. Checked on
-transformers 5.14 to 5.24 (the suite runs on both ends) and peft 0.21 (``setup.py``).
+(``transformers.<Name>``, ``transformers.logging``; the modules documented for model code: ``modeling_outputs``,
+``cache_utils``, ``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``; a model
+class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or this module. Checked on transformers
+5.14 to 5.24 (the suite runs on both ends) and peft 0.21 (``setup.py``). Internal: why (where).
 
-=================================================================  ===================================================
-Internal                                                           Why (where)
-=================================================================  ===================================================
-hybrid cache layers: ``conv_states``, ``has_previous_state``,      the causal PDE state lives in the model's cache, one
-``is_conv_states_initialized``, ``lazy_initialization(state_idx)``  conv state per site and step (``pde_cache``)
-``update_conv_state(state_idx=)``, ``record_past``
-``_can_record_outputs``, registered in ``PreTrainedModel.__init__``  a model patched in place records hidden states as
-                                                                   its new class (:func:`register_recorded_outputs`)
-``get_text_config(decoder=True)`` (``DynamicCache``, ``generate``);  the patched config's cache view, layer types that
-a config's ``__dict__``; ``cache_utils.get_layer_types_and_kwargs``  hold conv states (``patching_classes``)
-``is_remote_code``, ``get_compiled_call``, ``init_continuous_...``  overridden (:class:`GenerationHooks`)
-``mismatched_keys`` entries ``(name, saved shape, model shape)``;  0.1.0 checkpoints' 0-d coefficients
-the load report (``modeling_utils``' logger, ``LOAD REPORT``)      (``checkpoint_conversion``)
-``utils.output_capturing``, ``utils.can_return_tuple``, ``utils``  the native model records outputs, returns tuples,
-``.deprecation.deprecate_kwarg``, ``integrations.sdpa_attention``  warns and repeats key/value heads as transformers'
-``.repeat_kv``                                                     models do
-``models.auto.modeling_auto.MODEL_*_MAPPING_NAMES``                a model type's heads (:func:`head_names`)
-``dynamic_module_utils.get_relative_import_files``                 the code files a saved folder needs (``hub``)
-releases: ``load_adapter`` loads ``modules_to_save`` from 5.18,    refused before (:func:`transformers_before`)
-an assistant's conv states roll back from 5.15, Doge from 5.18
-peft: ``mapping.PEFT_TYPE_TO_*_MAPPING``, ``DUMMY_TARGET_MODULES``,  the ``CTA_LORA`` adapter type (``peft_cta``,
-``LoraModel._pre_injection_hook`` / ``_prepare_adapter_config``     :func:`register_peft_tables`)
-=================================================================  ===================================================
+- hybrid cache layers' ``conv_states``, ``has_previous_state``, ``is_conv_states_initialized``,
+  ``lazy_initialization(state_idx)``, ``update_conv_state(state_idx=)``, ``record_past``: the causal PDE state, one
+  conv state per site and step (``pde_cache``)
+- ``_can_record_outputs``, registered in ``PreTrainedModel.__init__``: a model patched in place records hidden states
+  as its new class (:func:`register_recorded_outputs`)
+- ``get_text_config(decoder=True)`` (``DynamicCache``, ``generate``), a config's ``__dict__``,
+  ``cache_utils.get_layer_types_and_kwargs``: the patched config's cache view, hybrid layer types (``patching_classes``)
+- ``is_remote_code``, ``get_compiled_call``, ``init_continuous_batching``: overridden (:class:`GenerationHooks`)
+- ``mismatched_keys`` entries ``(name, saved shape, model shape)``, the load report (``modeling_utils``' logger,
+  ``LOAD REPORT``): 0.1.0 checkpoints' 0-d coefficients (``checkpoint_conversion``)
+- ``utils.output_capturing``, ``utils.can_return_tuple``, ``utils.deprecation.deprecate_kwarg``,
+  ``integrations.sdpa_attention.repeat_kv``: the native model records, returns tuples, warns as transformers' do
+- ``models.auto.modeling_auto.MODEL_*_MAPPING_NAMES``: a model type's heads (:func:`head_names`);
+  ``dynamic_module_utils.get_relative_import_files``: the code files a saved folder needs (``hub``)
+- releases (refused before, :func:`transformers_before`): ``load_adapter`` loads ``modules_to_save`` from 5.18, an
+  assistant's conv states roll back from 5.15, Doge from 5.18
+- peft ``mapping.PEFT_TYPE_TO_*_MAPPING``, ``DUMMY_TARGET_MODULES``, ``LoraModel._pre_injection_hook`` /
+  ``_prepare_adapter_config``: the ``CTA_LORA`` adapter type (``peft_cta``, :func:`register_peft_tables`)
 """
 
 from __future__ import annotations
@@ -92,9 +87,8 @@ def config_view(config, **fields):
 
 
 def register_recorded_outputs(cls, config) -> None:
-    """transformers learns what ``output_hidden_states`` / ``output_attentions`` record from a model's class when one
-    is built (``PreTrainedModel.__init__``): a class never built (a model patched in place gets one) is built once, on
-    the meta device."""
+    """Builds ``cls`` once on the meta device: transformers learns what ``output_*`` record from a class when it is
+    first built (``PreTrainedModel.__init__``), and a model patched in place gets a class never built."""
     if cls.__dict__.get("_cta_records_outputs") or getattr(cls, "_can_record_outputs", None) is None:
         return
     with torch.device("meta"):
@@ -116,8 +110,7 @@ def is_scalar_mismatch(key) -> bool:
     return isinstance(key, tuple) and len(key) == 3 and tuple(key[1]) == () and tuple(key[2]) == (1,)
 
 
-# transformers' load report of a from_pretrained call made while this is set (in this thread or task only) is dropped;
-# other warnings, and other threads' reports, are kept: the caller reports what matters.
+# Drops the load report of a from_pretrained call made while this is set (this thread / task only): the caller reports.
 logging.getLogger("transformers.modeling_utils").addFilter(
     lambda record: not (HOLD_BACK_LOAD_REPORT.get() and "LOAD REPORT" in str(record.msg)))
 
@@ -135,8 +128,7 @@ def conv_state(layer, index: int):
 
 
 def records_past(cache, layer_idx: int) -> bool:
-    """Whether the cache layer keeps every position's state until its next ``crop`` (on while assisted or prompt-lookup
-    decoding may reject draft tokens): a site then appends its states instead of overwriting the last one."""
+    """Whether the cache layer keeps each position's state until ``crop`` (assisted decoding): sites then append."""
     return bool(getattr(cache.layers[layer_idx], "record_past", False))
 
 
@@ -148,8 +140,7 @@ def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor)
 
 
 def fill_unused_pde_states(cache):
-    """Gives every conv state that no PDE site uses an empty one (after a forward of several tokens): every cache layer
-    gets the model's largest number of sites per layer, and ``crop`` (assisted decoding) walks every state."""
+    """Gives every conv state no PDE site uses an empty one (after a multi-token forward): ``crop`` walks them all."""
     layers = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "is_conv_states_initialized")]
     like = next((state for layer in layers for index, state in layer.conv_states.items()
                  if layer.is_conv_states_initialized[index]), None)
@@ -165,26 +156,22 @@ def fill_unused_pde_states(cache):
 def _bound_module(value):
     """The module a (compiled, wrapped) bound method of ``value`` is bound to, following ``__wrapped__``; or None."""
     for _ in range(8):  # (a few wrapper levels at most)
-        owner = getattr(value, "__self__", None)
-        if isinstance(owner, torch.nn.Module):
-            return owner
+        if isinstance(getattr(value, "__self__", None), torch.nn.Module):
+            return value.__self__
         value = getattr(value, "__wrapped__", None)
-        if value is None:
-            return None
     return None
 
 
 def compiled_calls(model, foreign_only: bool = False) -> list:
-    """Names of ``model``'s attributes that wrap a bound method of a module (what ``torch.compile(model.__call__)``
-    leaves), or with ``foreign_only`` only those bound to another module than ``model``."""
+    """Names of ``model``'s attributes wrapping a module's bound method (``torch.compile(model.__call__)`` leaves one);
+    ``foreign_only``: only those bound to another module."""
     owners = {name: _bound_module(value) for name, value in vars(model).items()
               if callable(value) and not isinstance(value, torch.nn.Module)}
     return [name for name, owner in owners.items() if owner is not None and (owner is not model or not foreign_only)]
 
 
 def drop_compiled_calls(model, foreign_only: bool = False) -> list:
-    """Removes :func:`compiled_calls` from ``model``; returns their names. transformers compiles again on the next
-    ``generate()``."""
+    """Removes :func:`compiled_calls` from ``model``; returns their names (``generate()`` compiles again)."""
     names = compiled_calls(model, foreign_only)
     for name in names:
         delattr(model, name)
@@ -196,10 +183,8 @@ class GenerationHooks:
 
     @classmethod
     def is_remote_code(cls) -> bool:
-        """transformers' answer (True: these classes are registered with the Auto classes, so that ``save_pretrained``
-        writes their code files), except inside ``generate()``: there it asks once per token, to hand
-        ``cache_position`` to remote code whose forward takes it (two ``inspect.signature`` calls per token, a few
-        percent of a compiled decode step); these forwards take no ``cache_position``."""
+        """transformers' answer (True: registered with the Auto classes), except in ``generate()``: it asks per token
+        (two ``inspect.signature`` calls, a few % of a compiled step) to pass ``cache_position``, which none takes."""
         return False if GENERATING.get() else super().is_remote_code()
 
     def get_compiled_call(self, compile_config):
