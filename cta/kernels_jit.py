@@ -46,11 +46,9 @@ def is_available() -> bool:
 
 
 class DirectLaunch:
-    """``kernel[grid](*args, num_warps=num_warps)`` without Triton's per-call argument binding: the binary Triton
-    compiles for the tensors' dtypes and 16-byte alignment (what it specialises on; every other argument is fixed per
-    launcher) is looked up once and launched directly, as Triton's fused-softmax tutorial does (about half the host
-    time of a JIT launch: docs/kernels.md). ``tensors``: the positions of the tensor arguments. The interpreter launches
-    through the JIT."""
+    """``kernel[grid](*args, num_warps=num_warps)`` launching, as Triton's fused-softmax tutorial does, the binary
+    ``kernel.warmup`` gives for the tensors' dtypes and 16-byte alignment (all else is fixed per launcher): no per-call
+    binding (docs/kernels.md). ``tensors``: the tensor arguments' positions. The interpreter launches via the JIT."""
 
     def __init__(self, kernel, grid, num_warps: int, tensors):
         self.kernel, self.num_warps, self.tensors = kernel, num_warps, tuple(tensors)

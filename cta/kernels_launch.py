@@ -10,18 +10,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .kernels_config import (
-    FIR_POINTER_STEPS,
-    MAX_FUSED_STEPS,
-    cdiv,
-    coef_grad_groups,
-    next_pow2,
-    static_rows,
-    stream_plan,
-    tile_config,
-    StreamKernelSpec,
-    walls_mode,
-)
+from .kernels_config import (FIR_POINTER_STEPS, MAX_FUSED_STEPS, cdiv, coef_grad_groups, next_pow2, static_rows,
+                             stream_plan, tile_config, StreamKernelSpec, walls_mode)
 from .kernels_jit import DirectLaunch, _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
 from .kernels_source import stream_args, stream_kernel
 from .pde_spec import SCHEMES
@@ -66,9 +56,8 @@ def _mask_arg(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _coef_grad_like(rows: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """The gradient of coefficient ``c``, in its dtype and shape, from fp32 partial sums ``rows`` ``[n, channels]``
-    (contiguous): summed over rows for a per-channel ``c``, over everything for a scalar one, by one launch (for no
-    ``c``, or a scheme whose kernel does not use it, a 0-d fp32 zero)."""
+    """Coefficient ``c``'s gradient in its dtype and shape from fp32 partial sums ``rows`` ``[n, channels]``
+    (contiguous), in one launch: summed over rows (per channel) or everything (scalar); no ``c``: a 0-d fp32 zero."""
     if c is None:
         return rows.new_zeros(())
     if not is_per_channel(c, rows.shape[-1]):
@@ -89,8 +78,7 @@ def _sum_rows_launch(n: int, channels: int):
 
 @functools.lru_cache(maxsize=None)
 def _scheme_constexprs(pde: str, bounds) -> tuple:
-    """The fixed kernels' constexprs (WAVE, ADV, HAS_BETA, REACT, REACT_DU, REACT_DB, CLAMP, A_LO, A_HI, B_LO,
-    B_HI) of a scheme and bounds."""
+    """The fixed kernels' constexprs (WAVE, ADV, HAS_BETA, REACT(_DU, _DB), CLAMP, A_LO, A_HI, B_LO, B_HI)."""
     scheme = SCHEMES[pde]
     unbounded = (-FLOAT32_MAX, FLOAT32_MAX)
     (a_lo, a_hi), (b_lo, b_hi) = (bounds[0], bounds[1] or unbounded) if bounds is not None else (unbounded,) * 2
@@ -124,8 +112,7 @@ def _forward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, dtype, o
 @functools.lru_cache(maxsize=4096)
 def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sgl, dtype, on_gpu, a_vec, b_vec,
                      has_mask, deterministic, bounds):
-    """(launcher, integer arguments, shape of the coefficient-gradient buffer, atomic) of the
-    streaming backward for one input's metadata."""
+    """(launcher, integer arguments, coefficient-gradient buffer shape, atomic) of the streaming backward."""
     per_channel = a_vec or b_vec
     t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "bwd", steps, causal, per_channel,
                                                     has_mask, True)
@@ -170,11 +157,9 @@ def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: boo
 
 def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, need_db: bool = True,
                     bounds=None):
-    """(dx, dalpha, dbeta), each coefficient's gradient in its dtype and shape (a 0-d fp32 zero for no beta); with
-    ``bounds`` (see :func:`launch_forward`) the clamped coefficients' gradients, passed straight through.
-    ``need_db=False``: the streaming backward returns None for dbeta instead of a zero."""
-    x = _channels_contiguous(x)
-    gy = _channels_contiguous(gy)
+    """(dx, dalpha, dbeta), each coefficient's gradient in its dtype and shape (no beta: a 0-d fp32 zero, or None
+    with ``need_db=False``); with ``bounds`` (:func:`launch_forward`) the clamped ones', passed straight through."""
+    x, gy = _channels_contiguous(x), _channels_contiguous(gy)
     batch, seq, channels = x.shape
     dx = x.new_empty(x.shape)
     filters = SCHEMES[pde].filters(causal) and init is None
@@ -193,7 +178,7 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
             return dx, da, _coef_grad_like(dc, beta)
         if not need_db:
             return dx, da, None
-        return dx, da, (torch.zeros_like(beta) if beta is not None else x.new_zeros((), dtype=torch.float32))
+        return dx, da, (torch.zeros_like(beta) if beta is not None else _coef_grad_like(dc, None))
     hl, t, block_l, block_c, warps = tile_config(seq, channels, causal, steps, filters, x.device)
     n_tiles = cdiv(seq, t)
     da = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)

@@ -16,16 +16,8 @@ from typing import Optional
 
 import torch
 
-from .pde_cache import (
-    CACHE_ARGUMENTS,
-    cache_lookup_order,
-    check_pde_states,
-    fill_unused_pde_states,
-    find_cache,
-    is_exporting,
-    missing_cache_error,
-    refuse_export_with_cache,
-)
+from .pde_cache import (CACHE_ARGUMENTS, cache_lookup_order, check_pde_states, fill_unused_pde_states, find_cache,
+                        is_exporting, missing_cache_error, refuse_export_with_cache)
 from .pde_sites import NO_WALLS, SiteWalls
 
 
@@ -119,11 +111,9 @@ class PatchContext:
         packable = position_ids is not None or kwargs.get("cu_seq_lens_q") is not None
         if training and cache is None and self.sites and (compiling or packable) and kwargs.get("use_cache") is None \
                 and len(args) <= 1 and _takes_use_cache(type(module)):
-            # A training forward decodes nothing: the cache transformers would start (the config's default use_cache)
-            # is not made where it matters. Traced, it costs graph breaks. With `position_ids`, transformers' masks
-            # separate packed rows only without a cache, as the sites do. (Eager without them, the cache is kept, as
-            # the unpatched model has it: without one, its mask builder would ask the device whether the default
-            # positions restart, a synchronisation per forward.) An explicit use_cache=True still gets a stateless one.
+            # A training forward decodes nothing: no cache where one costs graph breaks (traced) or would keep
+            # transformers' masks from separating packed rows (`position_ids`). Eager without them the unpatched model's
+            # cache stays: without it, its mask builder would synchronise with the device to look for packed rows.
             kwargs["use_cache"] = False
         # Nothing decodes from the cache of a training forward that starts one (transformers makes one whenever
         # use_cache is on): its sites keep no PDE state there and take their cache-free (fused) path; continuing

@@ -15,23 +15,10 @@ from .kernels_config import MAX_FUSED_STEPS
 from .pde_cache import cached_pde_levels, records_past, store_pde_state
 from .pde_decode import causal_decode_map, pde_decode_update
 from .pde_reference import causal_state_history, pde_decode_step_reference, pde_refine_reference
-from .pde_spec import (  # noqa: F401  (re-exported: the operator's public names live here too)
-    COEFFICIENT_BOUNDS,
-    MAX_PDE_STEPS,
-    PAPER_COEFFICIENTS,
-    PDE_BACKENDS,
-    PDE_TYPE_ALIASES,
-    PDE_TYPES,
-    WAVE_DAMPING,
-    check_decode_arguments,
-    check_pde_arguments,
-    check_steps,
-    clamp_coefficients,
-    coefficient_bounds,
-    normalize_pde_type,
-    scheme_of,
-    uses_beta,
-)
+# (the operator's public names are re-exported here too)
+from .pde_spec import (COEFFICIENT_BOUNDS, MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, PDE_TYPE_ALIASES,  # noqa
+                       PDE_TYPES, WAVE_DAMPING, check_decode_arguments, check_pde_arguments, check_steps,
+                       clamp_coefficients, coefficient_bounds, normalize_pde_type, scheme_of, uses_beta)
 
 
 _TRITON = []  # [(cta.triton_cta or None, why it cannot run here)] once looked up (cached: decode asks per token)
@@ -106,9 +93,8 @@ def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha,
         backend: ``auto`` (Triton on CUDA when importable), ``torch`` (the reference) or ``triton`` (raises,
             naming the missing requirement, where it cannot run).
 
-    A Python-number ``alpha`` / ``beta`` outside its stable interval (``coefficient_bounds(pde_type, causal)``)
-    raises a ValueError. Tensor coefficients are checked for shape and dtype only: their values are not range-checked
-    (reading them would synchronise the host with the device); :class:`PDERefinement` projects its own.
+    A Python-number ``alpha`` / ``beta`` outside its stable interval (``coefficient_bounds``) raises a ValueError;
+    tensors are checked for shape and dtype only (reading values would synchronise with the device).
     """
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
                   attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state)

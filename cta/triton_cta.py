@@ -2,10 +2,9 @@
 """The CUDA path of :func:`pde_cta.pde_refine`: the Triton kernels (``kernels_*``) with autograd, as custom ops.
 
 * Forward and backward are torch custom ops (``cta::pde_refine_fwd`` / ``_bwd``) with fake implementations and
-  autograd, so ``torch.compile`` traces them without graph breaks. A traced one-token decode step is torch ops
-  instead (``pde_decode``): Inductor fuses it into the norm that follows, where an opaque op would be a kernel of its
-  own. Eager calls use a plain ``torch.autograd.Function`` over the same launches (or the launch alone under
-  ``no_grad``): less host time per call than the custom-op dispatcher.
+  autograd: ``torch.compile`` traces them without graph breaks (a traced decode step is ``pde_decode``'s torch ops,
+  which Inductor fuses into the next norm). Eager calls take a plain ``torch.autograd.Function`` over the same
+  launches (the launch alone under ``no_grad``): less host time than the custom-op dispatcher.
 * Gradients that involve the streamed state (an ``initial_state`` that requires grad, or a used final state) run the
   reference's autograd on the saved inputs: exact, slower, rare (the models detach the state they cache).
 * ``steps`` 1..16 run fused, more fall back to the reference; fp32, bf16 and fp16 run fused (fp32 accumulation),
