@@ -94,7 +94,7 @@ def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha,
             naming the missing requirement, where it cannot run).
 
     A Python-number ``alpha`` / ``beta`` outside its stable interval (``coefficient_bounds``) raises a ValueError;
-    tensors are checked for shape and dtype only (reading values would synchronise with the device).
+    tensors are checked for shape and dtype, not range-checked (reading values would synchronise with the device).
     """
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
                   attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state)
