@@ -1,5 +1,5 @@
 """A patched Llama-shaped model against unpatched, eager: the tables ``patched_model_<gpu>.md`` (targets: prefill
-16k <= 2%, training step <= 5%) and ``cpu_decode.md`` (a decoded token <= 10% more on the CPU) of docs/decoding.md.
+16k <= 2%, training step <= 5%) and ``cpu_decode.md`` (a decoded token <= 7% more on the CPU) of docs/decoding.md.
 
     python benchmarks/bench_patched_model.py            # ~5 min on an H100
     python benchmarks/bench_patched_model.py --cpu-decode   # ~3 min on one CPU thread
@@ -75,7 +75,7 @@ def cpu_decode(args, build):
                          patched_step_us=1e6 * statistics.median(p for _, p in pairs),
                          overhead_percent=100 * (statistics.median(ratios) - 1),
                          overhead_ci95_percent=[100 * (low - 1), 100 * (high - 1)],
-                         host_us_per_site=1e6 * statistics.median(p - u for u, p in pairs) / sites, target_percent=10.0))
+                         host_us_per_site=1e6 * statistics.median(p - u for u, p in pairs) / sites, target_percent=7.0))
     info = dict(cpu=platform.processor() or platform.machine(), threads=args.threads, torch=torch.__version__,
                 transformers=transformers.__version__, model=dict(layers=args.layers, hidden=args.hidden,
                                                                   intermediate=args.intermediate, dtype="float32"),
