@@ -72,8 +72,8 @@ def _coef_grad_like(rows: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _sum_rows_launch(n: int, channels: int):
     block = min(max(next_pow2(channels), 16), SUM_ROWS_ELEMENTS)
-    return DirectLaunch(_sum_rows_kernel, (cdiv(channels, block),), 4, (0, 1)), block, min(
-        SUM_ROWS_ELEMENTS // block, next_pow2(n))
+    rows = min(SUM_ROWS_ELEMENTS // block, next_pow2(n))
+    return DirectLaunch(_sum_rows_kernel, (cdiv(channels, block),), 4, (0, 1)), block, rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,9 +147,9 @@ def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: boo
         a, a_vec = _coef_arg(alpha, x)
         b, b_vec = _coef_arg(beta, x)
         m = _mask_arg(mask)
-        launch, ints = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1),
-                                              x.dtype, x.is_cuda, a_vec, b_vec, m is not None,
-                                              init is not None and causal, fin is not None, bounds)
+        launch, ints = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), x.dtype,
+                                       x.is_cuda, a_vec, b_vec, m is not None, init is not None and causal,
+                                       fin is not None, bounds)
         ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else x
         launch(x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints)
     return y, fin
