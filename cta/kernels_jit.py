@@ -69,6 +69,14 @@ class DirectLaunch:
         binary(*args)
 
 
+def current_stream(device: torch.device):
+    """The raw current stream of a CUDA ``device`` (through Triton's driver, as its launcher asks: no Python stream
+    object), None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return triton.runtime.driver.active.get_current_stream(device.index)
+
+
 def exec_jit(name: str, src: str, **names):
     """The @triton.jit function ``name`` of the generated source ``src`` (in linecache, for Triton and tracebacks),
     seeing this module's names and ``names``."""

@@ -12,7 +12,7 @@ import torch
 
 from .kernels_config import (FIR_POINTER_STEPS, MAX_FUSED_STEPS, cdiv, coef_grad_groups, next_pow2, static_rows,
                              stream_plan, tile_config, StreamKernelSpec, walls_mode)
-from .kernels_jit import DirectLaunch, _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
+from .kernels_jit import DirectLaunch, current_stream, _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
 from .kernels_source import stream_args, stream_kernel
 from .pde_spec import SCHEMES
 
@@ -69,6 +69,14 @@ def _coef_grad_like(rows: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _coef_grad_output(c: Optional[torch.Tensor], like: torch.Tensor, channels: int) -> torch.Tensor:
+    """The tensor the backward kernel stores coefficient ``c``'s gradient in: its dtype and shape (no ``c``: fp32
+    per channel)."""
+    if c is None:
+        return like.new_empty((channels,), dtype=torch.float32)
+    return torch.empty(c.shape, device=like.device, dtype=c.dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _sum_rows_launch(n: int, channels: int):
     block = min(max(next_pow2(channels), 16), SUM_ROWS_ELEMENTS)
@@ -112,27 +120,46 @@ def _forward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, dtype, o
 @functools.lru_cache(maxsize=4096)
 def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sgl, dtype, on_gpu, a_vec, b_vec,
                      has_mask, deterministic, bounds):
-    """(launcher, integer arguments, coefficient-gradient buffer shape, atomic) of the streaming backward."""
+    """(launcher, integer arguments, ``_Workspace.get`` arguments) of the streaming backward, which finishes the
+    coefficient gradient itself (``kernels_source._coef_grad_store``)."""
     per_channel = a_vec or b_vec
     t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "bwd", steps, causal, per_channel,
                                                     has_mask, True)
     n_tiles = cdiv(seq, t)
+    grid = (cdiv(channels, block_c), n_tiles, batch)
     # per channel: atomics into a few [channels] rows; deterministic: [tiles, channels] partial sums in fixed order
     atomic = per_channel and not deterministic
     groups = coef_grad_groups(channels, batch * n_tiles) if atomic else 1
-    if atomic:
-        da_shape = (groups, channels)
-    else:
-        da_shape = (batch * n_tiles, channels if per_channel else cdiv(channels, block_c))
+    workspace = (groups if atomic else batch * n_tiles) * channels if per_channel else grid[0] * n_tiles * batch
     spec = StreamKernelSpec(
         "bwd", pde, causal, steps, d, has_mask=has_mask, a_vec=a_vec, b_vec=b_vec, even_c=channels % block_c == 0,
         fir_unroll=unroll, mma=mma, walls=walls_mode("bwd", seq, steps, causal, False, False, per_channel, mma > 0),
         coef_atomic=atomic, pointers=("bwd", causal, per_channel) in FIR_POINTER_STEPS,
         static_rows=static_rows("bwd", causal, per_channel, unroll, mma), bounds=bounds)
     ints, consts = stream_args("bwd", spec.static_rows, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl, sgb=sgb,
-                               sgl=sgl, n_tiles=n_tiles, n_groups=groups)
-    launch = DirectLaunch(stream_kernel(spec), (cdiv(channels, block_c), n_tiles, batch), warps, range(7))
-    return launch, ints + consts, da_shape, atomic
+                               sgl=sgl, n_tiles=n_tiles, n_groups=groups,
+                               FIN_ROWS=max(1, SUM_ROWS_ELEMENTS // block_c))
+    return DirectLaunch(stream_kernel(spec), grid, warps, range(10)), ints + consts, (workspace, grid[0], atomic)
+
+
+class _Workspace:
+    """The backward's fp32 partial sums and int32 counters per device and stream, left at zero by each launch's last
+    program (``kernels_source._coef_grad_store``): a launch allocates and clears nothing. Under CUDA graph capture
+    each launch gets its own (a cached one would outlive the graph's memory pool)."""
+
+    buffers = {}
+
+    @classmethod
+    def get(cls, device, floats: int, counters: int, atomic: bool):
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        key = (device, current_stream(device), atomic)
+        held = None if capturing else cls.buffers.get(key)
+        if held is None or held[0].numel() < floats or held[1].numel() < counters:
+            old = held or (torch.empty(1024), torch.empty(64))
+            held = (torch.zeros(max(floats, old[0].numel()), device=device, dtype=torch.float32),
+                    torch.zeros(max(counters, old[1].numel()), device=device, dtype=torch.int32))
+            cls.buffers.update({} if capturing else {key: held})
+        return held
 
 
 def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, want_final: bool, bounds=None):
@@ -164,21 +191,25 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
     dx = x.new_empty(x.shape)
     filters = SCHEMES[pde].filters(causal) and init is None
     if dx.numel() > 0 and steps > 0 and filters:
+        scheme = SCHEMES[pde]
         a, a_vec = _coef_arg(alpha, x)
-        b, b_vec = _coef_arg(beta, x)
+        b, b_vec = _coef_arg(beta, x) if scheme.uses_beta else (x, False)
         m = _mask_arg(mask)
-        launch, ints, dc_shape, atomic = _backward_launch(
+        launch, ints, workspace = _backward_launch(
             pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
             x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(), bounds)
-        dc = (torch.zeros if atomic else torch.empty)(dc_shape, device=x.device, dtype=torch.float32)  # (atomics add)
-        launch(gy, x, dx, m if m is not None else x, a, b, dc, *ints)
-        # (partial sums: per channel [rows, channels], else one per program)
-        da = _coef_grad_like(dc, alpha)
-        if SCHEMES[pde].advection:  # causal advection-diffusion is diffusion with a + b: d/db = d/da
-            return dx, da, _coef_grad_like(dc, beta)
-        if not need_db:
-            return dx, da, None
-        return dx, da, (torch.zeros_like(beta) if beta is not None else _coef_grad_like(dc, None))
+        partials, counters = _Workspace.get(x.device, *workspace)
+        # causal advection's scalar and per-channel coefficients together: per-channel sums, then finished here
+        mixed = scheme.advection and a_vec != b_vec
+        da = _coef_grad_output(None if mixed else alpha, x, channels)
+        db = _coef_grad_output(None if mixed else beta, x, channels) if scheme.advection else None
+        launch(gy, x, dx, m if m is not None else x, a, b, da, db if db is not None else gy, partials, counters,
+               *ints)  # (gy in DB's place: never written, and the interpreter copies aliased arguments back)
+        if mixed:
+            da, db = _coef_grad_like(da.view(1, -1), alpha), _coef_grad_like(da.view(1, -1), beta)
+        elif db is None and need_db:  # (a scheme without beta gives zeros)
+            db = torch.zeros_like(beta) if beta is not None else x.new_zeros((), dtype=torch.float32)
+        return dx, da, db
     hl, t, block_l, block_c, warps = tile_config(seq, channels, causal, steps, filters, x.device)
     n_tiles = cdiv(seq, t)
     da = torch.zeros((batch * n_tiles, channels), device=x.device, dtype=torch.float32)

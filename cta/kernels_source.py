@@ -447,6 +447,11 @@ def _mma_interior(w, kind, c, causal, S, ahead=0, walls=False):
     return f"(start - {half} >= 0) & (start + T + {half} <= L)"
 
 
+# The backward's last program sums the coefficient gradient's partial sums FIN_ROWS rows (or FIN_ROWS * BLOCK_C
+# scalars) at a time.
+FINISH_CONSTEXPRS = {"fwd": (), "bwd": ("FIN_ROWS",)}
+
+
 @functools.lru_cache(maxsize=None)  # (asked at every launch)
 def stream_int_args(kind: str, static_rows: bool) -> Tuple[tuple, tuple]:
     """The streaming kernels' integer parameters: (runtime ints, constexprs before T and BLOCK_C: with
@@ -459,7 +464,8 @@ def stream_int_args(kind: str, static_rows: bool) -> Tuple[tuple, tuple]:
 def stream_args(kind: str, static_rows: bool, t: int, block_c: int, **values) -> Tuple[tuple, tuple]:
     """(ints, constexprs) of a streaming launch from the named integer ``values`` (see ``stream_int_args``)."""
     ints, statics = stream_int_args(kind, static_rows)
-    return tuple(values[n] for n in ints), tuple(values[n] for n in statics) + (t, block_c)
+    return tuple(values[n] for n in ints), tuple(values[n] for n in statics) + (t, block_c) + \
+        tuple(values[n] for n in FINISH_CONSTEXPRS[kind])
 
 
 def stream_source(spec: StreamKernelSpec) -> str:
@@ -520,8 +526,8 @@ def _stream_head(w, spec: StreamKernelSpec) -> _Walk:
     kind, causal, S, walk = spec.kind, spec.causal, spec.steps, _Walk(spec)
     scheme = SCHEMES[spec.pde]
     ints, statics = stream_int_args(kind, spec.static_rows)
-    tensors = "X, Y, M, A, Bc, INIT, FIN" if kind == "fwd" else "GY, X, DX, M, A, Bc, DA"
-    params = list(ints) + [f"{n}: tl.constexpr" for n in statics + ("T", "BLOCK_C")]
+    tensors = "X, Y, M, A, Bc, INIT, FIN" if kind == "fwd" else "GY, X, DX, M, A, Bc, DA, DB, WS, CNT"
+    params = list(ints) + [f"{n}: tl.constexpr" for n in statics + ("T", "BLOCK_C") + FINISH_CONSTEXPRS[kind]]
     w("@triton.jit", f"def {spec.name}({tensors}, {', '.join(params)}):")
     w.depth = 1
     w("pid_c = tl.program_id(0)", "pid_l = tl.program_id(1)", "b64 = tl.program_id(2).to(tl.int64)",
@@ -592,17 +598,46 @@ def _stream_filters(spec: StreamKernelSpec):
 
 
 def _coef_grad_store(spec: StreamKernelSpec) -> str:
-    """The backward's store of its coefficient-gradient partial sums (``acc``, times S)."""
+    """The coefficient gradient (``acc``, times S) finished in the backward: partial sums into ``WS`` (stored, or
+    with ``coef_atomic`` added into zeroed rows); the last program to count itself in ``CNT`` (per channel block, or
+    one) sums them in a fixed order into ``DA`` (and ``DB``: causal advection uses a + b), zeroes what it read and
+    its counter."""
     S = spec.steps
     if spec.kind != "bwd":
         return ""
-    if (spec.a_vec or spec.b_vec) and spec.coef_atomic:  # summed in place (relaxed: only the sum is wanted)
-        return (f"\n    tl.atomic_add(DA + ((b64 * n_tiles + pid_l) % n_groups) * C + cols, acc * {S}, mask=cmask, "
-                f"sem='relaxed')")
-    if spec.a_vec or spec.b_vec:  # per-channel partial sums (causal advection's coefficient is a + b)
-        return f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)"
-    # a scalar coefficient: one partial sum per program (masked channels hold zeros)
-    return f"\n    tl.store(DA + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, 0) * {S})"
+    w = _Src(depth=1)
+    per_channel = spec.a_vec or spec.b_vec
+    if per_channel and spec.coef_atomic:  # (relaxed: only the sum is wanted)
+        w(f"tl.atomic_add(WS + ((b64 * n_tiles + pid_l) % n_groups) * C + cols, acc * {S}, mask=cmask, sem='relaxed')")
+    elif per_channel:
+        w(f"tl.store(WS + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)")
+    else:  # one partial sum per program (masked channels hold zeros)
+        w(f"tl.store(WS + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, 0) * {S})")
+    # Every thread's partial sums precede the count (a CTA barrier, then the counter's acq_rel atomic: the release
+    # covers them), and the last program's loads follow it (L2 reads: `.cg`).
+    counter, programs = ("CNT + pid_c", "tl.num_programs(1) * tl.num_programs(2)") if per_channel else \
+        ("CNT", "tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)")
+    w("tl.debug_barrier()", f"if tl.atomic_add({counter}, 1, sem='acq_rel') == {programs} - 1:")
+    w.depth = 2
+    if per_channel:
+        rows = "n_groups" if spec.coef_atomic else "tl.num_programs(1) * tl.num_programs(2)"
+        w("total = tl.zeros([FIN_ROWS, BLOCK_C], dtype=tl.float32)", f"for r in range(0, {rows}, FIN_ROWS):",
+          "    at = r + tl.arange(0, FIN_ROWS)", "    wp = WS + at[:, None] * C + cols[None, :]",
+          f"    wm = (at[:, None] < {rows}) & cmask[None, :]",
+          "    total += tl.load(wp, mask=wm, other=0.0, cache_modifier='.cg')")
+        if spec.coef_atomic:
+            w("    tl.store(wp, tl.zeros([FIN_ROWS, BLOCK_C], dtype=tl.float32), mask=wm)")
+        w("grad = tl.sum(total, 0)", "at = cols")
+    else:
+        w("total = tl.zeros([FIN_ROWS * BLOCK_C], dtype=tl.float32)",
+          f"for r in range(0, {programs}, FIN_ROWS * BLOCK_C):", "    at = r + tl.arange(0, FIN_ROWS * BLOCK_C)",
+          f"    total += tl.load(WS + at, mask=at < {programs}, other=0.0, cache_modifier='.cg')",
+          "grad = tl.sum(total, 0)", "at = cols * 0", "cmask = tl.arange(0, BLOCK_C) == 0")
+    w("tl.store(DA + at, grad.to(DA.dtype.element_ty), mask=cmask)")
+    if SCHEMES[spec.pde].advection:
+        w("tl.store(DB + at, grad.to(DB.dtype.element_ty), mask=cmask)")
+    w(f"tl.store({counter}, 0)")
+    return "\n" + "\n".join(w.lines)
 
 
 def _stream_body(spec: StreamKernelSpec, walk: _Walk, carry, depth, interior):

@@ -196,11 +196,11 @@ def pde_refine_module_triton(hidden_states, alpha, beta, attention_mask, pde_typ
     :func:`pde_refine_triton` without the argument checks the module passed when it was built (only the token mask
     is checked). Returns None where the fused kernels do not apply (the caller then takes :func:`pde_refine`)."""
     if (steps > MAX_FUSED_STEPS or hidden_states.dtype == torch.float64 or torch.compiler.is_compiling()
-            or alpha.device != hidden_states.device):
+            or alpha.get_device() != hidden_states.get_device()):  # (device indices: no device objects made)
         return None
     if attention_mask is not None:
         check_attention_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
-        if attention_mask.device != hidden_states.device:
+        if attention_mask.get_device() != hidden_states.get_device():
             attention_mask = attention_mask.to(hidden_states.device)
     if torch.is_grad_enabled() and (hidden_states.requires_grad or alpha.requires_grad
                                     or (beta is not None and beta.requires_grad)):

@@ -590,13 +590,22 @@ def test_backward_op_coefficient_gradient_shapes(pde, causal, alpha_vec, beta):
 @pytest.mark.parametrize("pde,causal", [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 def test_per_channel_coefficient_gradient_paths(pde, causal, deterministic):
-    """A per-channel coefficient's gradient is summed with atomics into a few rows (then summed by a small kernel),
-    or, under ``torch.use_deterministic_algorithms(True)``, as partial sums per program reduced afterwards: both
-    equal the reference's gradient over several programs per sequence; a scalar coefficient likewise."""
+    """The backward kernel finishes the coefficient gradient itself: its programs add their per-channel sums with
+    atomics into a few rows or, under ``torch.use_deterministic_algorithms(True)``, store them per program, and the
+    last program of each channel block (a scalar coefficient: of the grid) sums them. Both equal the reference's
+    gradient over several programs per sequence, and each launch leaves its counters and atomic rows at zero for the
+    next (the workspace is shared by the launches of a stream, whatever their kind)."""
+    from cta.kernels_launch import _Workspace
+
     with deterministic_algorithms(deterministic):
         for per_channel in (True, False):
             check_parity(pde, causal, 37, 16, 3, "none", per_channel, batch=2, seed=11)
         check_parity(pde, causal, 37, 16, 3, "left", True, batch=2, seed=12)  # (the walk's programs, with a mask)
+    assert _Workspace.buffers, "the streaming backward did not use the workspace"
+    for (device, stream, atomic), (partials, counters) in _Workspace.buffers.items():
+        assert not counters.any(), "a launch left a counter set"
+        if atomic:
+            assert not partials.any(), "a launch left its atomic rows non-zero"
 
 
 @needs_kernels
