@@ -112,6 +112,12 @@ STATIC_ROWS = frozenset({("fwd", False, True), ("bwd", False, True), ("bwd", Tru
 COEF_GRAD_ATOMIC_SPREAD = 4096
 
 
+# The backward's last program finishes the coefficient gradient (one launch, host time) up to this many elements;
+# beyond, where the GPU time dominates, a second kernel sums the partial sums: at 1x16384x4096, 8x4096x4096 and
+# 1x65536x512 (4 and 8 steps, per channel, H200) the in-kernel finish cost 4-11% of the forward+backward's GPU time.
+FINISH_MAX_ELEMENTS = 1 << 24
+
+
 def coef_grad_groups(channels: int, programs: int) -> int:
     """Rows of the atomics' [rows, channels] sum: a power of two giving about ``COEF_GRAD_ATOMIC_SPREAD``
     addresses, or one row per program where there are fewer programs."""
@@ -178,7 +184,8 @@ class StreamKernelSpec:
     ``write_final`` (causal states), ``even_c`` (whole channel blocks). ``fir_unroll``: the banded filter's unroll
     factor (0: interior programs walk). ``mma`` > 0: interior programs filter on tensor cores, ``mma - 1`` blocks
     ahead. ``walls``: see ``walls_mode``. ``coef_atomic``: partial sums added with atomics into
-    ``DA[n_groups, channels]`` (``COEF_GRAD_ATOMIC_SPREAD``). ``pointers``: ``FIR_POINTER_STEPS``; ``static_rows``:
+    ``DA[n_groups, channels]`` (``COEF_GRAD_ATOMIC_SPREAD``); ``finish``: the last program sums them
+    (``FINISH_MAX_ELEMENTS``). ``pointers``: ``FIR_POINTER_STEPS``; ``static_rows``:
     ``STATIC_ROWS``. ``bounds``: the ``coefficient_bounds`` the coefficients are clamped into as they are loaded (the
     learnable module's projection), or None."""
 
@@ -197,6 +204,7 @@ class StreamKernelSpec:
     mma: int = 0
     walls: int = 0
     coef_atomic: bool = False
+    finish: bool = True
     pointers: bool = False
     static_rows: bool = False
     bounds: Optional[tuple] = None

@@ -10,8 +10,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from .kernels_config import (FIR_POINTER_STEPS, MAX_FUSED_STEPS, cdiv, coef_grad_groups, next_pow2, static_rows,
-                             stream_plan, tile_config, StreamKernelSpec, walls_mode)
+from .kernels_config import (FINISH_MAX_ELEMENTS, FIR_POINTER_STEPS, MAX_FUSED_STEPS, cdiv, coef_grad_groups,
+                             next_pow2, static_rows, stream_plan, tile_config, StreamKernelSpec, walls_mode)
 from .kernels_jit import DirectLaunch, current_stream, _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
 from .kernels_source import stream_args, stream_kernel
 from .pde_spec import SCHEMES
@@ -134,12 +134,14 @@ def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sg
     spec = StreamKernelSpec(
         "bwd", pde, causal, steps, d, has_mask=has_mask, a_vec=a_vec, b_vec=b_vec, even_c=channels % block_c == 0,
         fir_unroll=unroll, mma=mma, walls=walls_mode("bwd", seq, steps, causal, False, False, per_channel, mma > 0),
-        coef_atomic=atomic, pointers=("bwd", causal, per_channel) in FIR_POINTER_STEPS,
+        coef_atomic=atomic, finish=batch * seq * channels <= FINISH_MAX_ELEMENTS,
+        pointers=("bwd", causal, per_channel) in FIR_POINTER_STEPS,
         static_rows=static_rows("bwd", causal, per_channel, unroll, mma), bounds=bounds)
     ints, consts = stream_args("bwd", spec.static_rows, t, block_c, L=seq, C=channels, sxb=sxb, sxl=sxl, sgb=sgb,
                                sgl=sgl, n_tiles=n_tiles, n_groups=groups,
                                FIN_ROWS=max(1, SUM_ROWS_ELEMENTS // block_c))
-    return DirectLaunch(stream_kernel(spec), grid, warps, range(10)), ints + consts, (workspace, grid[0], atomic)
+    return DirectLaunch(stream_kernel(spec), grid, warps, range(10)), ints + consts, (workspace, grid[0], atomic), \
+        spec.finish
 
 
 class _Workspace:
@@ -195,19 +197,25 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
         a, a_vec = _coef_arg(alpha, x)
         b, b_vec = _coef_arg(beta, x) if scheme.uses_beta else (x, False)
         m = _mask_arg(mask)
-        launch, ints, workspace = _backward_launch(
+        launch, ints, workspace, finish = _backward_launch(
             pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
             x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(), bounds)
-        partials, counters = _Workspace.get(x.device, *workspace)
-        # causal advection's scalar and per-channel coefficients together: per-channel sums, then finished here
-        mixed = scheme.advection and a_vec != b_vec
-        da = _coef_grad_output(None if mixed else alpha, x, channels)
-        db = _coef_grad_output(None if mixed else beta, x, channels) if scheme.advection else None
-        launch(gy, x, dx, m if m is not None else x, a, b, da, db if db is not None else gy, partials, counters,
-               *ints)  # (gy in DB's place: never written, and the interpreter copies aliased arguments back)
-        if mixed:
-            da, db = _coef_grad_like(da.view(1, -1), alpha), _coef_grad_like(da.view(1, -1), beta)
-        elif db is None and need_db:  # (a scheme without beta gives zeros)
+        if finish:
+            partials, counters = _Workspace.get(x.device, *workspace)
+            # causal advection's scalar and per-channel coefficients together: per-channel sums, finished below
+            mixed = scheme.advection and a_vec != b_vec
+            da = _coef_grad_output(None if mixed else alpha, x, channels)
+            db = _coef_grad_output(None if mixed else beta, x, channels) if scheme.advection else None
+            launch(gy, x, dx, m if m is not None else x, a, b, da, db if db is not None else gy, partials, counters,
+                   *ints)  # (gy in DB's place: never written, and the interpreter copies aliased arguments back)
+            sums = da.view(1, -1) if mixed else None
+        else:  # the partial sums in a buffer of this call's, summed by a second kernel
+            sums = (torch.zeros if workspace[2] else torch.empty)(workspace[0], device=x.device, dtype=torch.float32)
+            launch(gy, x, dx, m if m is not None else x, a, b, gy, gy, sums, gy, *ints)  # (gy: never written)
+            sums = sums.view(-1, channels if a_vec or b_vec else 1)
+        if sums is not None:
+            da, db = _coef_grad_like(sums, alpha), (_coef_grad_like(sums, beta) if scheme.advection else None)
+        if db is None and need_db:  # (a scheme without beta gives zeros)
             db = torch.zeros_like(beta) if beta is not None else x.new_zeros((), dtype=torch.float32)
         return dx, da, db
     hl, t, block_l, block_c, warps = tile_config(seq, channels, causal, steps, filters, x.device)

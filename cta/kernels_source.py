@@ -613,6 +613,8 @@ def _coef_grad_store(spec: StreamKernelSpec) -> str:
         w(f"tl.store(WS + (b64 * n_tiles + pid_l) * C + cols, acc * {S}, mask=cmask)")
     else:  # one partial sum per program (masked channels hold zeros)
         w(f"tl.store(WS + (b64 * n_tiles + pid_l) * tl.num_programs(0) + pid_c, tl.sum(acc, 0) * {S})")
+    if not spec.finish:  # (summed by ``kernels_launch._coef_grad_like``)
+        return "\n" + "\n".join(w.lines)
     # Every thread's partial sums precede the count (a CTA barrier, then the counter's acq_rel atomic: the release
     # covers them), and the last program's loads follow it (L2 reads: `.cg`).
     counter, programs = ("CNT + pid_c", "tl.num_programs(1) * tl.num_programs(2)") if per_channel else \

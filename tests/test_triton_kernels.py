@@ -333,6 +333,38 @@ def test_parity_half_precision_gpu(dtype, pde, causal):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("per_channel", (True, False), ids=("per_channel", "scalar"))
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomics", "deterministic"))
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["in_kernel", "second_kernel"])
+def test_coefficient_gradient_finish_on_large_grids_gpu(per_channel, deterministic, in_kernel, monkeypatch):
+    """The backward's last program sums thousands of programs' partial sums on a real GPU, where programs run
+    concurrently: every launch gives the fp64 reference's gradient, and under deterministic algorithms the same bits
+    every time (a race between the counters and the partial sums would show as a wrong or varying gradient)."""
+    from cta import kernels_launch
+    from cta.kernels_launch import launch_backward
+
+    monkeypatch.setattr(kernels_launch, "FINISH_MAX_ELEMENTS", 1 << 30 if in_kernel else 0)
+    kernels_launch._backward_launch.cache_clear()
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 4096, 768, generator=gen).to(DEVICE)
+    gy = torch.randn(4, 4096, 768, generator=gen).to(DEVICE)
+    alpha = (torch.rand(768, generator=gen) * 0.2 if per_channel else torch.tensor([0.15])).to(DEVICE)
+    a_ref = alpha.double().clone().requires_grad_(True)
+    y = pde_refine_reference(x.double(), pde_type="diffusion", steps=4, alpha=a_ref, causal=True)
+    (y * gy.double()).sum().backward()
+    try:
+        with deterministic_algorithms(deterministic):
+            grads = [launch_backward(gy, x, alpha, None, None, None, "diffusion", 4, True)[1] for _ in range(20)]
+    finally:
+        kernels_launch._backward_launch.cache_clear()
+    for got in grads:
+        torch.testing.assert_close(got.double(), a_ref.grad, rtol=1e-4, atol=1e-2)
+    if deterministic:
+        assert all(torch.equal(got, grads[0]) for got in grads)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("pde,causal", [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)])
 @pytest.mark.parametrize("steps", range(1, 9))
@@ -589,18 +621,29 @@ def test_backward_op_coefficient_gradient_shapes(pde, causal, alpha_vec, beta):
 @needs_kernels
 @pytest.mark.parametrize("pde,causal", [("diffusion", False), ("diffusion", True), ("advection_diffusion", True)])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
-def test_per_channel_coefficient_gradient_paths(pde, causal, deterministic):
+@pytest.mark.parametrize("in_kernel", [True, False], ids=["in_kernel", "second_kernel"])
+def test_per_channel_coefficient_gradient_paths(pde, causal, deterministic, in_kernel, monkeypatch):
     """The backward kernel finishes the coefficient gradient itself: its programs add their per-channel sums with
     atomics into a few rows or, under ``torch.use_deterministic_algorithms(True)``, store them per program, and the
     last program of each channel block (a scalar coefficient: of the grid) sums them. Both equal the reference's
     gradient over several programs per sequence, and each launch leaves its counters and atomic rows at zero for the
-    next (the workspace is shared by the launches of a stream, whatever their kind)."""
+    next (the workspace is shared by the launches of a stream, whatever their kind). Beyond
+    ``FINISH_MAX_ELEMENTS`` (here: all) a second kernel sums them instead, to the same gradient."""
+    from cta import kernels_launch
     from cta.kernels_launch import _Workspace
 
-    with deterministic_algorithms(deterministic):
-        for per_channel in (True, False):
-            check_parity(pde, causal, 37, 16, 3, "none", per_channel, batch=2, seed=11)
-        check_parity(pde, causal, 37, 16, 3, "left", True, batch=2, seed=12)  # (the walk's programs, with a mask)
+    if not in_kernel:
+        monkeypatch.setattr(kernels_launch, "FINISH_MAX_ELEMENTS", 0)
+    kernels_launch._backward_launch.cache_clear()  # (the choice is cached with the launch)
+    try:
+        with deterministic_algorithms(deterministic):
+            for per_channel in (True, False):
+                check_parity(pde, causal, 37, 16, 3, "none", per_channel, batch=2, seed=11)
+            check_parity(pde, causal, 37, 16, 3, "left", True, batch=2, seed=12)  # (the walk's programs, a mask)
+    finally:
+        kernels_launch._backward_launch.cache_clear()
+    if not in_kernel:
+        return
     assert _Workspace.buffers, "the streaming backward did not use the workspace"
     for (device, stream, atomic), (partials, counters) in _Workspace.buffers.items():
         assert not counters.any(), "a launch left a counter set"
