@@ -184,7 +184,7 @@ class StreamKernelSpec:
     ``write_final`` (causal states), ``even_c`` (whole channel blocks). ``fir_unroll``: the banded filter's unroll
     factor (0: interior programs walk). ``mma`` > 0: interior programs filter on tensor cores, ``mma - 1`` blocks
     ahead. ``walls``: see ``walls_mode``. ``coef_atomic``: partial sums added with atomics into
-    ``DA[n_groups, channels]`` (``COEF_GRAD_ATOMIC_SPREAD``); ``finish``: the last program sums them
+    ``WS[n_groups, channels]`` (``COEF_GRAD_ATOMIC_SPREAD``); ``finish``: the last program sums them
     (``FINISH_MAX_ELEMENTS``). ``pointers``: ``FIR_POINTER_STEPS``; ``static_rows``:
     ``STATIC_ROWS``. ``bounds``: the ``coefficient_bounds`` the coefficients are clamped into as they are loaded (the
     learnable module's projection), or None."""

@@ -12,7 +12,8 @@ import torch
 
 from .kernels_config import (FINISH_MAX_ELEMENTS, FIR_POINTER_STEPS, MAX_FUSED_STEPS, cdiv, coef_grad_groups,
                              next_pow2, static_rows, stream_plan, tile_config, StreamKernelSpec, walls_mode)
-from .kernels_jit import DirectLaunch, current_stream, _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel, reaction_functions
+from .kernels_jit import (DirectLaunch, current_stream, _pde_bwd_kernel, _pde_decode_kernel, _sum_rows_kernel,
+                          reaction_functions)
 from .kernels_source import stream_args, stream_kernel
 from .pde_spec import SCHEMES
 
@@ -120,8 +121,8 @@ def _forward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, dtype, o
 @functools.lru_cache(maxsize=4096)
 def _backward_launch(pde, causal, steps, batch, seq, channels, sxb, sxl, sgb, sgl, dtype, on_gpu, a_vec, b_vec,
                      has_mask, deterministic, bounds):
-    """(launcher, integer arguments, ``_Workspace.get`` arguments) of the streaming backward, which finishes the
-    coefficient gradient itself (``kernels_source._coef_grad_store``)."""
+    """(launcher, integer arguments, ``_Workspace.get`` arguments, finish) of the streaming backward; ``finish``: it
+    sums the coefficient gradient itself (``kernels_source._coef_grad_store``), else a second kernel does."""
     per_channel = a_vec or b_vec
     t, block_c, warps, d, unroll, mma = stream_plan(seq, channels, dtype, on_gpu, "bwd", steps, causal, per_channel,
                                                     has_mask, True)
@@ -157,10 +158,12 @@ class _Workspace:
         key = (device, current_stream(device), atomic)
         held = None if capturing else cls.buffers.get(key)
         if held is None or held[0].numel() < floats or held[1].numel() < counters:
-            old = held or (torch.empty(1024), torch.empty(64))
-            held = (torch.zeros(max(floats, old[0].numel()), device=device, dtype=torch.float32),
-                    torch.zeros(max(counters, old[1].numel()), device=device, dtype=torch.int32))
-            cls.buffers.update({} if capturing else {key: held})
+            floats, counters = (max(floats, 1024), max(counters, 64)) if held is None else \
+                (max(floats, held[0].numel()), max(counters, held[1].numel()))  # (grows, never shrinks)
+            held = (torch.zeros(floats, device=device, dtype=torch.float32),
+                    torch.zeros(counters, device=device, dtype=torch.int32))
+            if not capturing:
+                cls.buffers[key] = held
         return held
 
 
