@@ -4,8 +4,9 @@
 
 Host time per site: 8 ``PDERefinement`` modules (1 x 64 tokens) chained in one graph, forward + backward on a CPU clock
 over a ``mul`` in their place, beside the floor of any Triton op (one trivial launch each way). The step of patched and
-native models on ``--batch`` x ``--seq`` tokens, bf16, in paired ``--rounds`` (median [quartiles]), peak memory and
-the PDE kernels' GPU time.
+native models on ``--batch`` x ``--seq`` tokens, bf16, in paired ``--rounds`` (median [quartiles]), peak memory,
+the PDE kernels' GPU time, each step's host time (until its work is queued) beside the GPU's busy time, and the host
+time a site adds inside the model (the step's host time over its reference's, per site).
 
 ``torchrun --nproc_per_node N bench_train_step.py --context_parallel [--probe]``: torch's ``context_parallel`` (ring
 sdpa, head-tail) shards one ``--seq``-token sequence of a 0.95B Llama shape (16 x 2048, MHA) over N GPUs, the sites told
@@ -20,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -64,18 +66,25 @@ def train_step(model, batch):
 
 
 def paired_rounds(models, batch, rounds, steps, warmup=3):
-    """({name: [seconds per step, one per round]}, {name: peak GiB of a step}), the models taking turns in a round."""
+    """({name: [seconds per step, one per round]}, the same for the host's part (the steps queued, before the closing
+    synchronisation), {name: peak GiB of a step}), the models taking turns in a round."""
     memory = {}
     for name, model in models.items():  # warm-up: kernels compiled, caches filled
         torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
         for _ in range(warmup):
             train_step(model, batch)
         memory[name] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    times = {name: [] for name in models}
+    times, host = {name: [] for name in models}, {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
-            times[name].append(clocked(lambda: [train_step(model, batch) for _ in range(steps)]) / steps)
-    return times, memory
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                train_step(model, batch)
+            host[name].append((time.perf_counter() - start) / steps)
+            sync()
+            times[name].append((time.perf_counter() - start) / steps)
+    return times, host, memory
 
 
 def overhead(times, name, reference):
@@ -85,8 +94,9 @@ def overhead(times, name, reference):
     return {"median_pct": statistics.median(ratios), "q1_pct": quartiles[0], "q3_pct": quartiles[-1]}
 
 
-def pde_kernel_ms(model, batch):
-    """GPU time per step of the PDE kernels (names containing ``_cta_``), from torch.profiler over 3 steps."""
+def gpu_profile(model, batch):
+    """(GPU ms per step of the PDE kernels (names containing ``_cta_``), GPU-busy ms per step: the union of all kernels'
+    intervals), from torch.profiler over 3 steps; None off CUDA."""
     if not torch.cuda.is_available():
         return None
     from torch.profiler import ProfilerActivity, profile
@@ -95,7 +105,13 @@ def pde_kernel_ms(model, batch):
         for _ in range(3):
             train_step(model, batch)
         sync()
-    return sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key) / 3 / 1000
+    pde = sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key) / 3 / 1000
+    busy, end = 0.0, None
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                              if e.device_type.name == "CUDA"):
+        busy += max(0.0, stop - max(start, end)) if end is not None else stop - start
+        end = stop if end is None else max(end, stop)
+    return pde, busy / 3 / 1000
 
 
 def _minimal_triton_op(device):
@@ -224,16 +240,25 @@ def main():
         models = build_models(args.hidden, args.layers, args.vocab, device, dtype, args.compile)
         batch = {"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), device=device)}
         batch["labels"] = batch["input_ids"]
-    times, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps, args.warmup)
+    times, host, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps, args.warmup)
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
     record["step_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    record["host_ms"] = {k: 1e3 * statistics.median(v) for k, v in host.items()}
     pairs = {"patched_vs_llama": ("patched", "llama"), "native_0_vs_llama": ("native_0", "llama"),
              f"native_{PDE['steps']}_vs_native_0": (f"native_{PDE['steps']}", "native_0")}
     record["overhead"] = {key: overhead(times, *pair) for key, pair in pairs.items() if pair[0] in times}
     if not args.compile and not args.context_parallel:
-        record["pde_kernel_ms_per_step"] = {k: pde_kernel_ms(models[k], batch)
-                                            for k in ("patched", f"native_{PDE['steps']}")}
+        # inside the model: the host time a site adds to a step (the step's median host time over its reference's,
+        # per site), beside what the GPU does: a step whose host time exceeds its GPU-busy time waits on its host
+        sites = len([m for m in models["patched"].modules() if isinstance(m, cta.PDERefinement)])
+        record["in_model_host_per_site_us"] = {
+            name: 1e6 * statistics.median((a - b) / sites for a, b in zip(host[name], host[reference]))
+            for name, reference in (("patched", "llama"), (f"native_{PDE['steps']}", "native_0"))}
+        profiles = {name: gpu_profile(model, batch) for name, model in models.items()}
+        if device.type == "cuda":
+            record["pde_kernel_ms_per_step"] = {k: profiles[k][0] for k in ("patched", f"native_{PDE['steps']}")}
+            record["gpu_busy_ms_per_step"] = {k: v[1] for k, v in profiles.items()}
     print(json.dumps(record, indent=1))
     if os.environ.get("RANK", "0") == "0":
         open(stem + ".json", "w").write(json.dumps(record, indent=1))

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .kernels_config import MAX_FUSED_STEPS
-from .pde_cache import cached_pde_levels, records_past, store_pde_state
+from .pde_cache import cached_pde_levels, conv_state_block, records_past, store_pde_state
 from .pde_decode import causal_decode_map, pde_decode_update
 from .pde_reference import causal_state_history, pde_decode_step_reference, pde_refine_reference
 # (the operator's public names are re-exported here too)
@@ -218,29 +218,36 @@ class PDERefinement(nn.Module):
             return _triton_lookup()[0].pde_decode_token_triton(
                 hidden_states, levels, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
-        decode_map = None
-        if levels[0].device.type == "cpu" and self.alpha.numel() == 1 and not torch.compiler.is_compiling():
-            # On the CPU, reading a value costs no device synchronisation: scalar coefficients are projected as
-            # Python floats and the linear map is kept while they keep their values (formed again after a training
-            # step). (A step mask of ones was dropped by the patched model's hooks, once per token.)
-            alpha = min(max(self.alpha.item(), self.alpha_bounds[0]), self.alpha_bounds[1])
-            beta = None if self.beta is None else min(max(self.beta.item(), self.beta_bounds[0]), self.beta_bounds[1])
-            if scheme_of(self.pde_type).linear:
-                decode_map = self._scalar_decode_map(alpha, beta, levels[0].dtype)
+        alpha = self.alpha
+        on_cpu = levels[0].is_cpu and not torch.compiler.is_compiling()
+        if on_cpu and alpha.numel() == 1:
+            # On the CPU, reading a value costs no device synchronisation: scalar coefficients are read as Python
+            # floats, and what they give (projected values, the linear schemes' map) is kept while they keep their
+            # values (formed again after a training step). (A step mask of ones was dropped by the site's walls.)
+            beta = self.beta
+            key = (alpha.item(), None if beta is None else beta.item(), levels[0].dtype)
+            kept = self.__dict__.get("_kept_scalar_decode")
+            if kept is None or kept[0] != key:
+                kept = self.__dict__["_kept_scalar_decode"] = (key, *self._scalar_decode(*key))
+            alpha, beta, decode_map = kept[1:]
         else:
-            alpha, beta = self.coefficients()
+            (alpha, beta), decode_map = self.coefficients(), None
+        if on_cpu:  # the site's state as one tensor where the cache holds it so: one read and one write
+            block = conv_state_block(levels)
+            levels = levels if block is None else block
         return pde_decode_update(hidden_states, levels, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
                                  beta=beta, token_mask=attention_mask, decode_map=decode_map)
 
-    def _scalar_decode_map(self, alpha: float, beta, dtype):
-        """The ``[S+1, S+1]`` decode map of these scalar coefficients, formed when they change."""
-        cached = self.__dict__.get("_decode_map_cache")
-        if cached is None or cached[0] != (alpha, beta, dtype):
-            as_tensor = lambda value: None if value is None else torch.tensor(value, dtype=dtype)  # noqa: E731
-            decode_map = causal_decode_map(self.pde_type, self.steps, as_tensor(alpha), as_tensor(beta), dtype)
-            cached = ((alpha, beta, dtype), decode_map[..., 0].contiguous())
-            self.__dict__["_decode_map_cache"] = cached
-        return cached[1]
+    def _scalar_decode(self, alpha: float, beta, dtype):
+        """``(alpha, beta, decode map)`` of raw scalar coefficients: projected onto their bounds, and the
+        ``[S+1, S+1]`` map of a linear scheme (else None)."""
+        alpha = min(max(alpha, self.alpha_bounds[0]), self.alpha_bounds[1])
+        beta = None if beta is None else min(max(beta, self.beta_bounds[0]), self.beta_bounds[1])
+        if not scheme_of(self.pde_type).linear:
+            return alpha, beta, None
+        as_tensor = lambda value: None if value is None else torch.tensor(value, dtype=dtype)  # noqa: E731
+        decode_map = causal_decode_map(self.pde_type, self.steps, as_tensor(alpha), as_tensor(beta), dtype)
+        return alpha, beta, decode_map[..., 0].contiguous()
 
     def forward(self, hidden_states, attention_mask=None, cache=None, packed=None):
         """Refines ``hidden_states`` ``[batch, seq, channels]``; ``attention_mask`` ``[batch, seq]`` (0: padding),

@@ -50,34 +50,60 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
     caller keeps it (``[S+1, S+1]`` for scalar ones), else the recurrence runs. Arguments are not checked here
     (:func:`pde_cta.pde_decode_step` checks them)."""
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
-    if torch.is_tensor(state):
-        stored, target = state.split(1, dim=1), state  # [batch, 1, channels] each; written back as one tensor
-    else:  # a cache's conv states ([batch, 1, channels, positions]: the level at the last position) or their views
-        stored = [level[..., -1] if level.dim() == 4 else level for level in state]
-        target = stored  # written back buffer by buffer
-    dtype = stored[0].dtype
+    whole = torch.is_tensor(state)
+    dtype = state.dtype if whole else state[0].dtype
     x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)  # fp32 (fp64 models)
     if x.dim() == 2:
         x = x.unsqueeze(1)  # [batch, 1, channels]: broadcasts against the levels
     valid = None if token_mask is None else token_mask.reshape(-1, 1, 1).to(dtype)
     scheme = scheme_of(pde_type)
-    if decode_map is not None and scheme.linear:
-        # the caller's map (the CPU's, for scalar coefficients: one concatenation and one small matrix product)
-        inputs = torch.cat([x, *stored], dim=1)  # [batch, S+1, channels]
-        if decode_map.dim() == 2:
-            levels = torch.matmul(decode_map, inputs)
-        else:  # per channel: [S+1, S+1, channels]
-            levels = (decode_map * inputs.unsqueeze(1)).sum(2)
-        refined = levels.narrow(1, steps, 1)
-        _write_state(target, levels.narrow(1, 0, steps).split(1, dim=1), valid)
+    if decode_map is not None and scheme.linear:  # the caller's map (the CPU's, for scalar coefficients)
+        refined = _mapped_update(x, state, decode_map, steps, valid)
     else:
         # the scheme's recurrence on the token, pointwise on [batch, 1, channels] (the stored values read as views)
+        stored = state.unsqueeze(2).unbind(1) if whole else _stored_levels(state)  # ([batch, 1, channels] views)
         levels = _levels(x, stored, scheme, alpha, beta)
         refined = levels[steps]
-        _write_state(target, levels[:steps], valid)
+        _write_state(state if whole else stored, levels[:steps], valid)
     if valid is not None:
         refined = torch.lerp(x, refined, valid)  # exactly x where valid is 0 and refined where it is 1: one op
     return _as_input(refined, hidden_states)
+
+
+def _mapped_update(x, state, decode_map, steps, valid):
+    """The refined token ``[batch, 1, channels]`` through the linear map, ``state`` written in place. On the CPU each op
+    costs a decoded token about 15 µs between the model's matrix products (a cold cache): one concatenation, one
+    matrix product, one write per level, and views."""
+    batch, _, channels = x.shape
+    rows = steps + 1
+    if torch.is_tensor(state):
+        inputs = torch.cat([x, state], dim=1)  # [batch, S+1, channels]
+    elif state[0].dim() == 4 and state[0].shape[-1] == 1:  # the cache's conv states [batch, 1, channels, 1]
+        inputs = torch.cat([x.view(batch, 1, channels, 1), *state], dim=1)  # (as they are: no view per level)
+    else:
+        state = _stored_levels(state)
+        inputs = torch.cat([x, *state], dim=1)
+    if decode_map.dim() == 2 and batch == 1:  # (a plain matrix product: a fraction of the batched one's host time)
+        levels = torch.mm(decode_map, inputs.view(rows, channels)).view(inputs.shape)
+    elif decode_map.dim() == 2:
+        levels = torch.matmul(decode_map, inputs.view(batch, rows, channels)).view(inputs.shape)
+    else:  # per channel: [S+1, S+1, channels]
+        levels = (decode_map * inputs.view(batch, 1, rows, channels)).sum(2).view(inputs.shape)
+    if valid is not None:
+        valid = valid.view(batch, *(1,) * (levels.dim() - 1))
+    if torch.is_tensor(state):
+        written = levels.narrow(1, 0, steps)
+        state.copy_(written if valid is None else written * valid)
+        return levels.narrow(1, steps, 1)
+    parts = levels.unsqueeze(2).unbind(1)  # each in its buffer's shape (Tensor.split: a Python wrapper)
+    for buffer, part in zip(state, parts):
+        buffer.copy_(part if valid is None else part * valid)
+    return parts[steps].view(batch, 1, channels)
+
+
+def _stored_levels(state) -> list:
+    """The ``[batch, 1, channels]`` views of a state's level buffers (a conv state's last position)."""
+    return [level[..., -1] if level.dim() == 4 else level for level in state]
 
 
 def _write_state(state, levels, valid):

@@ -224,11 +224,21 @@ def training_line():
     if chain.get("minimal_triton_op") is not None:
         host_text += (f" (a minimal Triton op with autograd, one trivial launch each way: "
                       f"{chain['minimal_triton_op']:.0f} us)")
+    inside = first.get("in_model_host_per_site_us")
+    if inside:  # (files from before it was measured lack it)
+        host_text += (f", inside the model {inside['patched']:.0f} us patched / {inside['native_4']:.0f} us native "
+                      f"(the step's host time over its reference's, per site)")
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
+    bound = ""
+    if first.get("gpu_busy_ms_per_step") and first.get("host_ms"):
+        bound = (f" The eager step is host-bound: Llama's host queues it in {first['host_ms']['llama']:.1f} ms while "
+                 f"the GPU is busy {first['gpu_busy_ms_per_step']['llama']:.1f} ms of it (patched: "
+                 f"{first['host_ms']['patched']:.1f} and {first['gpu_busy_ms_per_step']['patched']:.1f} ms), so every "
+                 "host microsecond a site costs shows in the step; compiled, the sites cost what their kernels do.")
     return [f"- **Training step** ({shape['layers']} layers x {shape['hidden']} hidden Llama-shaped model, "
             f"{shape['parameters'] / 1e6:.0f}M params, batch {shape['batch']} x {shape['seq']}, bf16, {first['device']};"
             f" diffusion, 4 steps after every block; medians [quartiles] of paired rounds; targets <= 2%): {modes}. Host time "
-            f"per site, forward + backward: {host_text} (target <= 60 us); PDE kernels {kernels:.2f} ms per step."]
+            f"per site, forward + backward: {host_text} (target <= 60 us); PDE kernels {kernels:.2f} ms per step.{bound}"]
 
 
 def context_parallel_line():

@@ -138,6 +138,9 @@ def test_train_step_cpu_smoke(tmp_path):
     assert set(chain["over_torch_mul_us"]) == {"pde_site"} and chain["torch_mul_us"] > 0 and chain["sites"] == 8
     assert set(record["step_ms"]) == {"llama", "patched", "native_0", "native_4"} and min(record["step_ms"].values()) > 0
     assert set(record["overhead"]) == {"patched_vs_llama", "native_0_vs_llama", "native_4_vs_native_0"}
+    # the host's part of each step (queued, before the closing synchronisation) never exceeds the step
+    assert all(0 < record["host_ms"][name] <= record["step_ms"][name] for name in record["step_ms"])
+    assert set(record["in_model_host_per_site_us"]) == {"patched", "native_4"}
 
 
 def test_train_step_context_parallel_cpu_smoke(tmp_path):

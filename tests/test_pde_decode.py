@@ -51,6 +51,29 @@ def test_update_equals_the_reference_step(pde_type, per_channel, masked):
         assert torch.equal(out[1], x[1]) and torch.all(state_2d[1] == 0)
 
 
+@pytest.mark.parametrize("pde_type", ("diffusion", "wave", "advection_diffusion"))
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("masked", [False, True])
+def test_map_on_the_cache_conv_states(pde_type, batch, masked):
+    """The kept map on a cache's own state (one ``[batch, 1, channels, 1]`` conv state per level, concatenated and
+    written back as they are; one sequence through a plain matrix product) equals the reference step."""
+    g = torch.Generator().manual_seed(2)
+    steps, channels = 4, 5
+    alpha, beta = coefficients(pde_type, channels, False, g)
+    x = torch.randn(batch, 1, channels, generator=g)
+    state = torch.randn(batch, steps, channels, generator=g)
+    mask = (torch.arange(batch) != 1).long() if masked else None
+    expected_state = state.clone()
+    expected = pde_decode_step_reference(x[:, 0], expected_state, pde_type=pde_type, steps=steps, alpha=alpha,
+                                         beta=beta, token_mask=mask)
+    conv_states = [state[:, s, :, None, None].transpose(1, 2).clone() for s in range(steps)]  # [batch, 1, C, 1]
+    decode_map = causal_decode_map(pde_type, steps, alpha, beta)[..., 0]
+    out = pde_decode_update(x, conv_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=mask,
+                            decode_map=decode_map)
+    torch.testing.assert_close(out[:, 0], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.cat([c[..., 0] for c in conv_states], 1), expected_state, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("pde_type", TYPES)
 def test_token_by_token_equals_the_sequence(pde_type):
     """Decoding a sequence token by token through the module's step (as cached generation does) gives the
@@ -84,3 +107,34 @@ def test_kept_map_follows_the_coefficients():
                                              alpha=module.alpha, coefficient_bounds=module.bounds)
         torch.testing.assert_close(out[:, 0], expected)
         torch.testing.assert_close(torch.cat(levels, 1), expected_state)
+
+
+@pytest.mark.parametrize("pde_type", ["diffusion", "reaction_diffusion"])
+def test_cpu_cache_holds_a_site_state_as_one_block(pde_type):
+    """On the CPU a site's conv states are the rows of one block (read and written by one op each); a cache whose
+    states were replaced (beam search's reorder) falls back to one buffer per step; both decode the full sequence."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from cta.pde_cache import CACHE_ARGUMENT, cached_pde_levels, conv_state_block
+    from pde_testing import randomize_pde
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    cta.patch_model(model, pde_type=pde_type, pde_steps=3, placement="block_output", backend="torch")
+    randomize_pde(model, seed=1)
+    model.eval()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    site = next(m for m in model.modules() if isinstance(m, cta.PDERefinement))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DynamicCache(config=model.config)
+        logits = [model(ids[:, :4], **{CACHE_ARGUMENT: cache}, use_cache=True).logits]
+        block = conv_state_block(cached_pde_levels(cache, site.layer_idx, site.state_idx, site.steps))
+        assert block is not None and block.shape == (2, 3, 32)
+        for t in range(4, 8):
+            if t == 6:  # (an identity reorder: the same values in new tensors)
+                cache.reorder_cache(torch.arange(2))
+                assert conv_state_block(cached_pde_levels(cache, site.layer_idx, site.state_idx, site.steps)) is None
+            logits.append(model(ids[:, t:t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
