@@ -168,8 +168,7 @@ def run_phase(accelerator, phase, paths, args, work_dir):
         return clocked(lambda: losses.append(train_step()), device), losses[0]
 
     losses, times = [], []
-    for _ in range(args.steps):
-        seconds, loss = timed_step()
+    for seconds, loss in (timed_step() for _ in range(args.steps)):
         times.append(seconds)
         losses.append(accelerator.reduce(loss.detach().float(), "mean").item())
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0],

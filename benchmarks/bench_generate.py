@@ -64,14 +64,12 @@ def step_kernels(model, prompt, profiled=4):
             step(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position,
                  position_ids=position[None].expand(prompt.shape[0], 1))
 
-        for i in range(4):
-            run(i)
+        [run(i) for i in range(4)]
         sync(prompt.device)
         if prompt.device.type != "cuda":
             return 0.0, 0.0, {}
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for i in range(4, 4 + profiled):
-                run(i)
+            [run(i) for i in range(4, 4 + profiled)]
             sync(prompt.device)
     torch.compiler.reset()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -108,8 +106,7 @@ def generate_row(models, args, mode, batch, device):
     steps = row["step_rounds_s"]
     row["step_overhead_interval_percent"] = [100.0 * bound for bound in
                                              bootstrap_median([p / u - 1.0 for u, p in steps], resamples=10000)]
-    row["unpatched_step_ms"] = 1e3 * statistics.median(u for u, _ in steps)
-    row["patched_step_ms"] = 1e3 * statistics.median(p for _, p in steps)
+    row["unpatched_step_ms"], row["patched_step_ms"] = (1e3 * statistics.median(side) for side in zip(*steps))
     row["us_per_site_and_step"] = 1e6 * statistics.median(p - u for u, p in steps) / len(pde_modules(models["patched"]))
     print(f"[{mode} batch {batch}] step {row['step_overhead_percent']:+.2f}% call {row['call_overhead_percent']:+.2f}%",
           flush=True)

@@ -62,8 +62,7 @@ def bench_graph(fn, rep_ms):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as capture needs (and compiles the kernels)
-        for _ in range(3):
-            fn()
+        [fn() for _ in range(3)]
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -80,8 +79,7 @@ def bench_loop(fn, calls, rounds=7):
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(calls):
-            fn()
+        [fn() for _ in range(calls)]
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
@@ -92,8 +90,7 @@ def measure(fn, x, alpha, beta, grad, kw, rep_ms, graph_and_loop):
     """``{fwd_ms, fwdbwd_ms, [fwd|fwdbwd]_[graph|loop]_ms, saved_x, peak_x}`` of ``fn`` (memory over the input)."""
     xx = x.detach().requires_grad_(True)
 
-    def fwd():
-        return fn(x, alpha=alpha, beta=beta, **kw)
+    fwd = lambda: fn(x, alpha=alpha, beta=beta, **kw)  # noqa: E731
 
     def fwdbwd():
         xx.grad = alpha.grad = None

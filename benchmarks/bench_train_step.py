@@ -3,14 +3,10 @@
     python benchmarks/bench_train_step.py [--compile]   # host time per site + the 12 x 1024 step (eager / compiled)
 
 Host time per site: 8 ``PDERefinement`` modules (1 x 64 tokens) chained in one graph, forward + backward on a CPU clock
-over a ``mul`` in their place, beside the floor of any Triton op (one trivial launch each way). The step of patched and
-native models on ``--batch`` x ``--seq`` tokens, bf16, in paired ``--rounds`` (median [quartiles]), peak memory,
-the PDE kernels' GPU time, each step's host time (until its work is queued) beside the GPU's busy time, and the host
-time a site adds inside the model (the step's host time over its reference's, per site).
-
-``torchrun --nproc_per_node N bench_train_step.py --context_parallel [--probe]``: torch's ``context_parallel`` (ring
-sdpa, head-tail) shards one ``--seq``-token sequence of a 0.95B Llama shape (16 x 2048, MHA) over N GPUs, the sites told
-by ``cta.shard_sequences``; no FSDP2. ``--probe``: the longest 8192 x 2^k tokens one GPU trains unsharded, times N.
+over a ``mul`` in their place, beside the floor of any Triton op (one trivial launch each way); inside the model, the
+step's host time (until its work is queued) over its reference's, per site. The step of patched and native models on
+``--batch`` x ``--seq`` tokens, bf16, in paired ``--rounds`` (median [quartiles]), peak memory, GPU-busy and PDE
+kernel time.
 """
 
 import argparse
@@ -45,13 +41,10 @@ def build_models(hidden, layers, vocab, device, dtype, compile_models=False, wit
                                          max_position_embeddings=8192, attn_implementation="sdpa"))
     patched = cta.patch_model(copy.deepcopy(llama), pde_type=PDE["pde_type"], pde_steps=PDE["steps"],
                               placement=PDE["placement"], init="paper")
-    native = {}
-    for steps in (0, PDE["steps"]) if with_native else ():
-        config = CTAConfig.modern_decoder(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                                          num_hidden_layers=layers, num_attention_heads=heads,
-                                          max_position_embeddings=8192, pde_type=PDE["pde_type"], pde_steps=steps,
-                                          pde_placement=PDE["placement"], attn_implementation="sdpa")
-        native[steps] = CTAForCausalLM(config)
+    native = {steps: CTAForCausalLM(CTAConfig.modern_decoder(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, max_position_embeddings=8192, pde_type=PDE["pde_type"], pde_steps=steps,
+        pde_placement=PDE["placement"], attn_implementation="sdpa")) for steps in ((0, PDE["steps"]) if with_native else ())}
     models = {"llama": llama, "patched": patched, **{f"native_{steps}": model for steps, model in native.items()}}
     for name, model in models.items():
         model.to(device=device, dtype=dtype).train()
@@ -71,19 +64,16 @@ def paired_rounds(models, batch, rounds, steps, warmup=3):
     memory = {}
     for name, model in models.items():  # warm-up: kernels compiled, caches filled
         torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-        for _ in range(warmup):
-            train_step(model, batch)
+        [train_step(model, batch) for _ in range(warmup)]
         memory[name] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     times, host = {name: [] for name in models}, {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
             sync()
             start = time.perf_counter()
-            for _ in range(steps):
-                train_step(model, batch)
+            [train_step(model, batch) for _ in range(steps)]
             host[name].append((time.perf_counter() - start) / steps)
-            sync()
-            times[name].append((time.perf_counter() - start) / steps)
+            times[name].append((sync() or time.perf_counter() - start) / steps)
     return times, host, memory
 
 
@@ -96,21 +86,17 @@ def overhead(times, name, reference):
 
 def gpu_profile(model, batch):
     """(GPU ms per step of the PDE kernels (names containing ``_cta_``), GPU-busy ms per step: the union of all kernels'
-    intervals), from torch.profiler over 3 steps; None off CUDA."""
-    if not torch.cuda.is_available():
-        return None
+    intervals), from torch.profiler over 3 steps (CUDA)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            train_step(model, batch)
+        [train_step(model, batch) for _ in range(3)]
         sync()
     pde = sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key) / 3 / 1000
-    busy, end = 0.0, None
+    busy, end = 0.0, float("-inf")
     for start, stop in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                               if e.device_type.name == "CUDA"):
-        busy += max(0.0, stop - max(start, end)) if end is not None else stop - start
-        end = stop if end is None else max(end, stop)
+        busy, end = busy + max(0.0, stop - max(start, end)), max(end, stop)  # (the part beyond the union so far)
     return pde, busy / 3 / 1000
 
 
@@ -127,8 +113,7 @@ def _minimal_triton_op(device):
         tl.store(target + tl.arange(0, BLOCK), tl.load(source + tl.arange(0, BLOCK)))
 
     def launch(x):
-        y = torch.empty_like(x)
-        copy_kernel[(1,)](x, y, BLOCK=16)
+        copy_kernel[(1,)](x, y := torch.empty_like(x), BLOCK=16)
         return y
 
     class MinimalTritonOp(torch.autograd.Function):
@@ -243,21 +228,18 @@ def main():
     times, host, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps, args.warmup)
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
-    record["step_ms"] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    record["host_ms"] = {k: 1e3 * statistics.median(v) for k, v in host.items()}
+    record["step_ms"], record["host_ms"] = ({k: 1e3 * statistics.median(v) for k, v in d.items()} for d in (times, host))
     pairs = {"patched_vs_llama": ("patched", "llama"), "native_0_vs_llama": ("native_0", "llama"),
              f"native_{PDE['steps']}_vs_native_0": (f"native_{PDE['steps']}", "native_0")}
     record["overhead"] = {key: overhead(times, *pair) for key, pair in pairs.items() if pair[0] in times}
-    if not args.compile and not args.context_parallel:
-        # inside the model: the host time a site adds to a step (the step's median host time over its reference's,
-        # per site), beside what the GPU does: a step whose host time exceeds its GPU-busy time waits on its host
-        sites = len([m for m in models["patched"].modules() if isinstance(m, cta.PDERefinement)])
-        record["in_model_host_per_site_us"] = {
-            name: 1e6 * statistics.median((a - b) / sites for a, b in zip(host[name], host[reference]))
-            for name, reference in (("patched", "llama"), (f"native_{PDE['steps']}", "native_0"))}
-        profiles = {name: gpu_profile(model, batch) for name, model in models.items()}
+    if not args.compile and not args.context_parallel:  # (a step that waits on its host shows each site's host time)
+        sites = sum(isinstance(m, cta.PDERefinement) for m in models["patched"].modules())
+        native = f"native_{PDE['steps']}"
+        record["in_model_host_per_site_us"] = {name: 1e6 * statistics.median((a - b) / sites for a, b in zip(
+            host[name], host[reference])) for name, reference in (("patched", "llama"), (native, "native_0"))}
         if device.type == "cuda":
-            record["pde_kernel_ms_per_step"] = {k: profiles[k][0] for k in ("patched", f"native_{PDE['steps']}")}
+            profiles = {name: gpu_profile(model, batch) for name, model in models.items()}
+            record["pde_kernel_ms_per_step"] = {k: profiles[k][0] for k in ("patched", native)}
             record["gpu_busy_ms_per_step"] = {k: v[1] for k, v in profiles.items()}
     print(json.dumps(record, indent=1))
     if os.environ.get("RANK", "0") == "0":
