@@ -33,8 +33,7 @@ def build_models(hidden, layers, vocab, device, dtype, compile_models=False, wit
     """{name: model}: transformers' Llama, that Llama patched, and (``with_native``) native models of 0 and 4 steps."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    heads = max(1, hidden // 64)
-    intermediate = 256 * ((int(hidden * 2.75) + 255) // 256)
+    heads, intermediate = max(1, hidden // 64), 256 * ((int(hidden * 2.75) + 255) // 256)
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
@@ -44,7 +43,8 @@ def build_models(hidden, layers, vocab, device, dtype, compile_models=False, wit
     native = {steps: CTAForCausalLM(CTAConfig.modern_decoder(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=heads, max_position_embeddings=8192, pde_type=PDE["pde_type"], pde_steps=steps,
-        pde_placement=PDE["placement"], attn_implementation="sdpa")) for steps in ((0, PDE["steps"]) if with_native else ())}
+        pde_placement=PDE["placement"], attn_implementation="sdpa"))
+        for steps in ((0, PDE["steps"]) if with_native else ())}
     models = {"llama": llama, "patched": patched, **{f"native_{steps}": model for steps, model in native.items()}}
     for name, model in models.items():
         model.to(device=device, dtype=dtype).train()
@@ -101,8 +101,7 @@ def gpu_profile(model, batch):
 
 
 def _minimal_triton_op(device):
-    """An autograd.Function launching one trivial Triton kernel each way: the host-time floor of any Triton op in
-    eager PyTorch (None off CUDA)."""
+    """One trivial Triton launch each way in an autograd.Function: an eager op's host-time floor (None off CUDA)."""
     if device.type != "cuda":
         return None
     import triton
@@ -228,7 +227,8 @@ def main():
     times, host, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps, args.warmup)
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
-    record["step_ms"], record["host_ms"] = ({k: 1e3 * statistics.median(v) for k, v in d.items()} for d in (times, host))
+    record["step_ms"], record["host_ms"] = (
+        {k: 1e3 * statistics.median(v) for k, v in t.items()} for t in (times, host))
     pairs = {"patched_vs_llama": ("patched", "llama"), "native_0_vs_llama": ("native_0", "llama"),
              f"native_{PDE['steps']}_vs_native_0": (f"native_{PDE['steps']}", "native_0")}
     record["overhead"] = {key: overhead(times, *pair) for key, pair in pairs.items() if pair[0] in times}

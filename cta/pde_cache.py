@@ -16,8 +16,9 @@ import torch
 import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+# (the state API: here too)
 from .transformers_compat import (conv_state, conv_state_block, conv_state_written, deprecate_kwarg,  # noqa
-                                  fill_unused_pde_states, holds_conv_states, records_past, store_pde_state)  # (the state API: here too)
+                                  fill_unused_pde_states, holds_conv_states, records_past, store_pde_state)
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
@@ -174,5 +175,5 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
            "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
-           "cached_pde_levels", "conv_state_block", "records_past", "store_pde_state", "fill_unused_pde_states", "is_exporting",
-           "refuse_export_with_cache", "check_pde_states", "missing_cache_error"]
+           "cached_pde_levels", "conv_state_block", "records_past", "store_pde_state", "fill_unused_pde_states",
+           "is_exporting", "refuse_export_with_cache", "check_pde_states", "missing_cache_error"]

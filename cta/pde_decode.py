@@ -72,7 +72,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
 
 def _mapped_update(x, state, decode_map, steps, valid):
     """The refined token ``[batch, 1, channels]`` through the linear map, ``state`` written in place. On the CPU each op
-    costs a decoded token about 15 µs between the model's matrix products (a cold cache): one concatenation, one
+    costs a decoded token 5-15 µs between the model's matrix products (a cold cache): one concatenation, one
     matrix product, one write per level, and views."""
     batch, _, channels = x.shape
     rows = steps + 1

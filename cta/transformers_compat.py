@@ -140,7 +140,7 @@ def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor)
     if (states.device.type == "cpu" and not getattr(layer, "record_past", False)
             and not getattr(layer, "is_conv_states_initialized", {}).get(state_idx, True)):
         # One [batch, steps, channels] tensor whose rows are the conv states: a CPU decode step reads and writes the
-        # site's state in one op each (an op costs a decoded token ~15 us there); the cache copies into them in place.
+        # site's state in one op each (an op costs a decoded token 5-15 us there); the cache copies into them in place.
         block = states.new_zeros(states.shape[:3])
         for step in range(states.shape[1]):
             row = block[:, step:step + 1, :, None]  # [batch, 1, channels, 1]
