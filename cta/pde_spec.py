@@ -6,6 +6,7 @@ defaults) and argument validation. The flux form is documented in ``pde_referenc
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
@@ -38,10 +39,13 @@ class PDEScheme:
     linear: bool = True
     aliases: Tuple[str, ...] = ()
     torch_reaction: Optional[Callable] = field(default=None, init=False, repr=False, compare=False)
+    torch_reaction_factor: Optional[Tuple[float, Callable]] = field(default=None, init=False, repr=False,
+                                                                   compare=False)
 
     def __post_init__(self):  # R(u, b) as a torch function, for the reference and the decode step
         react = self.reaction and eval(f"lambda u, b: {self.reaction[0]}", {"tanh": torch.tanh})  # noqa: S307
         object.__setattr__(self, "torch_reaction", react or None)
+        object.__setattr__(self, "torch_reaction_factor", self.reaction and _factor_in_b(self.reaction[0]))
 
     @property
     def uses_beta(self) -> bool:
@@ -50,6 +54,22 @@ class PDEScheme:
     def filters(self, causal: bool) -> bool:
         """A constant-coefficient flux stencil (``M = I + c L``): banded filters and the streaming backward apply."""
         return not self.wave and self.reaction is None and (causal or not self.advection)
+
+
+def _factor_in_b(expression: str):
+    """``(sign, f)`` with ``R(u, b) = sign * b * f(u)`` where the reaction is written ``b * f(u)`` or ``-b * f(u)`` (f
+    without ``b``), else None: with a number ``b`` a step adds it as one fused ``add(f(u), alpha=sign * b)`` (the CPU
+    decode step, where each op costs the token several microseconds)."""
+    tree = ast.parse(expression, mode="eval").body
+    if not (isinstance(tree, ast.BinOp) and isinstance(tree.op, ast.Mult)):
+        return None
+    left, sign = tree.left, 1.0
+    if isinstance(left, ast.UnaryOp) and isinstance(left.op, ast.USub):
+        left, sign = left.operand, -1.0
+    if not (isinstance(left, ast.Name) and left.id == "b") or any(
+            isinstance(node, ast.Name) and node.id == "b" for node in ast.walk(tree.right)):
+        return None
+    return sign, eval(f"lambda u: {ast.unparse(tree.right)}", {"tanh": torch.tanh})  # noqa: S307
 
 
 SCHEMES = {}  # name -> PDEScheme, in registration order (a kernel's scheme id is its index)

@@ -138,3 +138,18 @@ def test_cpu_cache_holds_a_site_state_as_one_block(pde_type):
                 assert conv_state_block(cached_pde_levels(cache, site.layer_idx, site.state_idx, site.steps)) is None
             logits.append(model(ids[:, t:t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
     torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_reaction_factor_form_is_found_only_where_it_holds():
+    """``R(u, b)`` written ``b * f(u)`` or ``-b * f(u)`` (f without ``b``) gets the factor form the CPU decode step adds
+    in one fused op, equal to R; any other expression gets none."""
+    from cta.pde_spec import SCHEMES, _factor_in_b
+
+    u, b = torch.linspace(-3, 3, 13), 0.37
+    for expression, sign in (("-b * tanh(u)", -1.0), ("b * u", 1.0), ("b * (1.0 - tanh(u))", 1.0)):
+        found_sign, f = _factor_in_b(expression)
+        expected = eval(f"lambda u, b: {expression}", {"tanh": torch.tanh})(u, b)  # noqa: S307
+        assert found_sign == sign and torch.allclose(found_sign * b * f(u), expected)
+    for expression in ("-b * tanh(u) + u", "b * b * u", "b * (b * u)", "u * b", "-(b * u)", "tanh(u)"):
+        assert _factor_in_b(expression) is None
+    assert SCHEMES["reaction_diffusion"].torch_reaction_factor[0] == -1.0

@@ -62,7 +62,8 @@ def test_reference_follows_the_definition(causal):
 @pytest.mark.parametrize("scalar", (False, True), ids=("per_channel", "scalar"))
 def test_decode_steps_continue_the_sequence(scalar):
     """Token by token, the torch recurrence, its linear map and the reference decode step continue the causal
-    sequence operator's state (and, with kernels, the Triton decode kernel does too)."""
+    sequence operator's state (and, with kernels, the Triton decode kernel does too); with Python numbers, the
+    recurrence adds the reaction ``-b * u`` through its factor form (one fused add)."""
     x, alpha, beta, _ = _inputs(True, padded=False)
     if scalar:
         alpha, beta = alpha[0], beta[0]
@@ -70,7 +71,8 @@ def test_decode_steps_continue_the_sequence(scalar):
     full = pde_refine_reference(x, pde_type=DECAY.name, steps=steps, alpha=alpha, beta=beta, causal=True)
     _, state = pde_refine_reference(x[:, :prefix], pde_type=DECAY.name, steps=steps, alpha=alpha, beta=beta,
                                     causal=True, return_final_state=True)
-    states = {name: state.clone() for name in ("recurrence", "map", "reference", "triton")}
+    states = {name: state.clone() for name in ("recurrence", "map", "reference", "triton", "numbers")}
+    assert DECAY.torch_reaction_factor[0] == -1.0
     decode_map = causal_decode_map(DECAY.name, steps, alpha, beta)
     decode_map = decode_map[..., 0] if scalar else decode_map
     kernels = _triton()
@@ -84,6 +86,9 @@ def test_decode_steps_continue_the_sequence(scalar):
             "reference": pde_decode_step_reference(token, states["reference"], pde_type=DECAY.name, steps=steps,
                                                    alpha=alpha, beta=beta),
         }
+        if scalar:
+            outs["numbers"] = pde_decode_update(token, states["numbers"], pde_type=DECAY.name, steps=steps,
+                                                alpha=float(alpha), beta=float(beta))
         if kernels is not None:  # (on DEVICE: CUDA in a GPU run)
             state_on_device = states["triton"].to(DEVICE)
             outs["triton"] = kernels.pde_decode_step_triton(
