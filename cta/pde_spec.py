@@ -43,7 +43,7 @@ class PDEScheme:
                                                                    compare=False)
 
     def __post_init__(self):  # R(u, b) as a torch function, for the reference and the decode step
-        react = self.reaction and eval(f"lambda u, b: {self.reaction[0]}", {"tanh": torch.tanh})  # noqa: S307
+        react = self.reaction and _torch_function("u, b", self.reaction[0])
         object.__setattr__(self, "torch_reaction", react or None)
         object.__setattr__(self, "torch_reaction_factor", self.reaction and _factor_in_b(self.reaction[0]))
 
@@ -69,7 +69,12 @@ def _factor_in_b(expression: str):
     if not (isinstance(left, ast.Name) and left.id == "b") or any(
             isinstance(node, ast.Name) and node.id == "b" for node in ast.walk(tree.right)):
         return None
-    return sign, eval(f"lambda u: {ast.unparse(tree.right)}", {"tanh": torch.tanh})  # noqa: S307
+    return sign, _torch_function("u", ast.unparse(tree.right))
+
+
+def _torch_function(arguments: str, expression: str) -> Callable:
+    """A reaction expression (in ``u``, ``b`` and ``tanh``) as a torch function of ``arguments``."""
+    return eval(f"lambda {arguments}: {expression}", {"tanh": torch.tanh})  # noqa: S307
 
 
 SCHEMES = {}  # name -> PDEScheme, in registration order (a kernel's scheme id is its index)
