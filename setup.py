@@ -13,7 +13,8 @@ setup(
     packages=find_packages(include=["cta", "cta.*"]) + ["cta.hub_cards"],
     # The model-card templates live at the top of the repo (hub_cards/) and install as cta/hub_cards.
     package_dir={"cta.hub_cards": "hub_cards"},
-    package_data={"cta.hub_cards": ["*.md", "*.jinja", "*.j2", "*.txt", "*.yaml"]},
+    # csrc/: the C++ site launcher, built on first CUDA use (cta/kernels_cpp.py; ninja builds it)
+    package_data={"cta.hub_cards": ["*.md", "*.jinja", "*.j2", "*.txt", "*.yaml"], "cta": ["csrc/*.cpp"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
@@ -25,10 +26,10 @@ setup(
         "huggingface_hub>=1.0",
     ],
     extras_require={
-        "triton": ["triton>=3.4"],
+        "triton": ["triton>=3.4", "ninja"],
         "examples": ["datasets>=3.0", "evaluate>=0.4", "matplotlib>=3.7", "scikit-learn>=1.3", PEFT],
         "peft": [PEFT],
-        "test": ["pytest>=8", "hypothesis>=6", "triton>=3.4", PEFT, "datasets>=3.0", "evaluate>=0.4",
+        "test": ["pytest>=8", "hypothesis>=6", "triton>=3.4", "ninja", PEFT, "datasets>=3.0", "evaluate>=0.4",
                  "matplotlib>=3.7", "scikit-learn>=1.3"],
     },
     entry_points={"console_scripts": ["cta-hub=cta.hub:main"]},

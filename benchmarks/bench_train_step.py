@@ -24,7 +24,7 @@ import torch
 from results_io import clocked, sync
 
 import cta  # noqa: E402  (after results_io: it puts the repository on the path)
-from cta import CTAConfig, CTAForCausalLM  # noqa: E402
+from cta import CTAConfig, CTAForCausalLM, kernels_cpp  # noqa: E402
 
 PDE = dict(pde_type="diffusion", steps=4, placement="block_output")
 
@@ -123,22 +123,22 @@ def _minimal_triton_op(device):
 
 def site_chain(device, dtype, hidden, calls, rounds, sites=8):
     """Host us per forward + backward of a lone ``PDERefinement`` (``sites`` of them chained in one graph on a 1 x 64
-    input: one backward start for all) over a ``mul`` in its place; the same for the minimal Triton op (the floor)."""
-    torch.manual_seed(0)
+    input: one backward start for all) over a ``mul`` in its place; the same launched from Python (CUDA: the C++
+    launcher off, ``kernels_cpp``; the next chain turns it on), and for the minimal Triton op (the floor)."""
     pde = [cta.PDERefinement(hidden, PDE["pde_type"], PDE["steps"], True).to(device, dtype) for _ in range(sites)]
-    chains = {"pde_site": pde, "minimal_triton_op": [_minimal_triton_op(device)] * sites,
-              "torch_mul": [lambda y: y.mul(1.0)] * sites}
-    chains = {name: ops for name, ops in chains.items() if ops[0] is not None}
+    chains = {"pde_site": pde, "pde_site_python_launch": pde if device.type == "cuda" else None,
+              "minimal_triton_op": _minimal_triton_op(device), "torch_mul": lambda y: y.mul(1.0)}
+    chains = {name: ops if isinstance(ops, list) else [ops] * sites for name, ops in chains.items() if ops is not None}
     x = torch.randn(1, 64, hidden, device=device, dtype=dtype, requires_grad=True)
 
     def run(ops):
         functools.reduce(lambda y, op: op(y), ops, x).sum().backward()
-        for tensor in [x] + [site.alpha for site in pde]:
-            tensor.grad = None
+        [setattr(tensor, "grad", None) for tensor in [x] + [site.alpha for site in pde]]
 
     times = {name: [] for name in chains}
     for _ in range(rounds + 1):  # (paired: the chains take turns; the first round warms up)
         for name, ops in chains.items():
+            kernels_cpp.set_enabled(name != "pde_site_python_launch")
             times[name].append(clocked(lambda: [run(ops) for _ in range(calls)]) / calls)
     mul = times.pop("torch_mul")[1:]
     per_site = {name: statistics.median((a - b) / sites * 1e6 for a, b in zip(t[1:], mul)) for name, t in times.items()}

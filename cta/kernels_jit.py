@@ -58,15 +58,19 @@ class DirectLaunch:
     def __call__(self, *args):
         if INTERPRET:
             return self.kernel[self.grid](*args, num_warps=self.num_warps)
+        self.binary(*args)[1](*args)
+
+    def binary(self, *args):
+        """(compiled kernel, its launcher) of these arguments (compiled, or found in Triton's cache, on first use)."""
         key = [args[0].get_device()]
         for i in self.tensors:
             key += (args[i].dtype, args[i].data_ptr() % 16)
         key = tuple(key)
         binary = self.binaries.get(key)
-        if binary is None:  # (compiled, or found in Triton's cache, for this specialisation)
-            binary = self.kernel.warmup(*args, grid=self.grid, num_warps=self.num_warps)[self.grid]
-            self.binaries[key] = binary
-        binary(*args)
+        if binary is None:
+            compiled = self.kernel.warmup(*args, grid=self.grid, num_warps=self.num_warps)
+            binary = self.binaries[key] = (compiled, compiled[self.grid])
+        return binary
 
 
 def current_stream(device: torch.device):

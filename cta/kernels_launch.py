@@ -175,16 +175,23 @@ def launch_forward(x, alpha, beta, mask, init, pde: str, steps: int, causal: boo
     y = x.new_empty(x.shape)
     fin = x.new_zeros((x.shape[0], steps, x.shape[2]), dtype=torch.float32) if causal and want_final else None
     if y.numel():
-        batch, seq, channels = x.shape
-        a, a_vec = _coef_arg(alpha, x)
-        b, b_vec = _coef_arg(beta, x)
-        m = _mask_arg(mask)
-        launch, ints = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), x.dtype,
-                                       x.is_cuda, a_vec, b_vec, m is not None, init is not None and causal,
-                                       fin is not None, bounds)
-        ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else x
-        launch(x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints)
+        launch, args = forward_arguments(x, y, alpha, beta, mask, init, fin, pde, steps, causal, bounds)
+        launch(*args)
     return y, fin
+
+
+def forward_arguments(x, y, alpha, beta, mask, init, fin, pde: str, steps: int, causal: bool, bounds):
+    """(launcher, arguments) of :func:`launch_forward`'s streaming kernel writing ``y`` (and ``fin``), in the
+    kernel's parameter order ``X, Y, M, A, Bc, INIT, FIN`` then its integers (``kernels_cpp`` replays them)."""
+    batch, seq, channels = x.shape
+    a, a_vec = _coef_arg(alpha, x)
+    b, b_vec = _coef_arg(beta, x)
+    m = _mask_arg(mask)
+    launch, ints = _forward_launch(pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), x.dtype,
+                                   x.is_cuda, a_vec, b_vec, m is not None, init is not None and causal,
+                                   fin is not None, bounds)
+    ini = init.to(device=x.device, dtype=torch.float32).contiguous() if init is not None else x
+    return launch, (x, y, m if m is not None else x, a, b, ini, fin if fin is not None else x, *ints)
 
 
 def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, need_db: bool = True,
@@ -197,25 +204,9 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
     filters = SCHEMES[pde].filters(causal) and init is None
     if dx.numel() > 0 and steps > 0 and filters:
         scheme = SCHEMES[pde]
-        a, a_vec = _coef_arg(alpha, x)
-        b, b_vec = _coef_arg(beta, x) if scheme.uses_beta else (x, False)
-        m = _mask_arg(mask)
-        launch, ints, workspace, finish = _backward_launch(
-            pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
-            x.is_cuda, a_vec, b_vec, m is not None, torch.are_deterministic_algorithms_enabled(), bounds)
-        if finish:
-            partials, counters = _Workspace.get(x.device, *workspace)
-            # causal advection's scalar and per-channel coefficients together: per-channel sums, finished below
-            mixed = scheme.advection and a_vec != b_vec
-            da = _coef_grad_output(None if mixed else alpha, x, channels)
-            db = _coef_grad_output(None if mixed else beta, x, channels) if scheme.advection else None
-            launch(gy, x, dx, m if m is not None else x, a, b, da, db if db is not None else gy, partials, counters,
-                   *ints)  # (gy in DB's place: never written, and the interpreter copies aliased arguments back)
-            sums = da.view(1, -1) if mixed else None
-        else:  # the partial sums in a buffer of this call's, summed by a second kernel
-            sums = (torch.zeros if workspace[2] else torch.empty)(workspace[0], device=x.device, dtype=torch.float32)
-            launch(gy, x, dx, m if m is not None else x, a, b, gy, gy, sums, gy, *ints)  # (gy: never written)
-            sums = sums.view(-1, channels if a_vec or b_vec else 1)
+        launch, args, da, db, sums = streaming_backward_arguments(
+            gy, x, dx, alpha, beta, mask, pde, steps, causal, bounds, torch.are_deterministic_algorithms_enabled())
+        launch(*args)
         if sums is not None:
             da, db = _coef_grad_like(sums, alpha), (_coef_grad_like(sums, beta) if scheme.advection else None)
         if db is None and need_db:  # (a scheme without beta gives zeros)
@@ -236,6 +227,35 @@ def launch_backward(gy, x, alpha, beta, mask, init, pde: str, steps: int, causal
             BLOCK_C=block_c, num_warps=warps,
         )
     return dx, _coef_grad_like(da, alpha), _coef_grad_like(db, beta)
+
+
+def streaming_backward_arguments(gy, x, dx, alpha, beta, mask, pde: str, steps: int, causal: bool, bounds,
+                                 deterministic: bool):
+    """``(launcher, arguments, da, db, sums)`` of the streaming backward writing ``dx``, in the kernel's parameter
+    order ``GY, X, DX, M, A, Bc, DA, DB, WS, CNT`` then its integers (``kernels_cpp`` replays them). Where it
+    finishes the coefficient gradients itself they land in ``da`` / ``db`` (their coefficients' dtype and shape);
+    ``sums`` ``[n, channels or 1]``: the fp32 partial sums still to finish (``_coef_grad_like``), else None."""
+    batch, seq, channels = x.shape
+    scheme = SCHEMES[pde]
+    a, a_vec = _coef_arg(alpha, x)
+    b, b_vec = _coef_arg(beta, x) if scheme.uses_beta else (x, False)
+    m = _mask_arg(mask)
+    m = m if m is not None else x
+    launch, ints, workspace, finish = _backward_launch(
+        pde, causal, steps, batch, seq, channels, x.stride(0), x.stride(1), gy.stride(0), gy.stride(1), x.dtype,
+        x.is_cuda, a_vec, b_vec, m is not x, deterministic, bounds)
+    if not finish:  # the partial sums in a buffer of this call's, summed by a second kernel (gy: never written)
+        sums = (torch.zeros if workspace[2] else torch.empty)(workspace[0], device=x.device, dtype=torch.float32)
+        return launch, (gy, x, dx, m, a, b, gy, gy, sums, gy, *ints), None, None, \
+            sums.view(-1, channels if a_vec or b_vec else 1)
+    partials, counters = _Workspace.get(x.device, *workspace)
+    # causal advection's scalar and per-channel coefficients together: per-channel sums in da, finished after
+    mixed = scheme.advection and a_vec != b_vec
+    da = _coef_grad_output(None if mixed else alpha, x, channels)
+    db = _coef_grad_output(None if mixed else beta, x, channels) if scheme.advection else None
+    # (gy in DB's place: never written, and the interpreter copies aliased arguments back)
+    args = (gy, x, dx, m, a, b, da, db if db is not None else gy, partials, counters, *ints)
+    return launch, args, da, db, (da.view(1, -1) if mixed else None)
 
 
 def _token_mask_arg(token_mask: Optional[torch.Tensor], x: torch.Tensor) -> Tuple[torch.Tensor, int]:

@@ -189,6 +189,7 @@ class PDERefinement(nn.Module):
             self.beta_init = None
             self.register_parameter("beta", None)
         self.register_load_state_dict_pre_hook(_scalar_coefficients_as_one_element)
+        self._launch_config = (self.pde_type, steps, self.causal, self.bounds)  # (the C++ launcher's plans: kernels_cpp)
         if backend != "torch":
             _triton_lookup()  # (now, not in the first forward: under torch.compile its import would break the graph)
 
@@ -257,6 +258,13 @@ class PDERefinement(nn.Module):
             return hidden_states
         if packed is not None:
             return self._packed_forward(hidden_states, cache, packed)
+        if cache is None and hidden_states.is_cuda and self.backend != "torch" and not torch.compiler.is_compiling():
+            # eager CUDA without a cache (training, full-sequence forwards): the C++ launcher where it has a plan
+            kernels = _triton_lookup()[0]
+            refined = None if kernels is None else kernels.refine_planned(self._launch_config, hidden_states,
+                                                                          self.alpha, self.beta, attention_mask)
+            if refined is not None:
+                return refined
         state, differentiable, history = None, False, False
         if cache is not None and self.causal:
             if self.layer_idx is None:

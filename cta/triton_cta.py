@@ -19,6 +19,7 @@ import torch
 
 from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
+from .kernels_cpp import refine_planned  # noqa: F401  (the module call on CUDA: pde_cta.PDERefinement)
 from .kernels_launch import launch_backward, launch_decode, launch_forward
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import PDE_IDS, check_attention_mask, check_decode_arguments, check_decode_levels, check_pde_arguments

@@ -221,6 +221,8 @@ def training_line():
     host = first.get("host_per_site", {})
     chain = host.get("site_chain", host).get("over_torch_mul_us", {})  # (earlier files kept it under "site_chain")
     host_text = f"the site alone {chain['pde_site']:.0f} us" if chain.get("pde_site") is not None else MISSING
+    if chain.get("pde_site_python_launch") is not None:  # (files from before the C++ launcher lack it)
+        host_text += f" through the C++ launcher ({chain['pde_site_python_launch']:.0f} us launched from Python)"
     if chain.get("minimal_triton_op") is not None:
         host_text += (f" (a minimal Triton op with autograd, one trivial launch each way: "
                       f"{chain['minimal_triton_op']:.0f} us)")

@@ -1,0 +1,307 @@
+// The eager CUDA path of a PDE site without Python per call: a C++ autograd node whose forward and backward launch
+// the Triton-compiled binaries of ``kernels_launch`` through the driver (``cuLaunchKernel``).
+//
+// Python (``kernels_native``) makes a plan per input metadata the first time it is seen: for the forward and the
+// backward, the binary, grid, threads, shared memory and each kernel parameter (an operand's address or an integer
+// the plan fixes). A call then costs a key match and the launches. The driver's entry points are looked up in
+// libcuda at run time, so the build needs no CUDA headers, only a C++ compiler and torch's.
+#include <torch/extension.h>
+
+#include <ATen/Context.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <dlfcn.h>
+
+#include <array>
+#include <memory>
+#include <vector>
+
+namespace {
+
+using CUresult = int;
+using CUfunction = void*;
+using CUstream = void*;
+using CUcontext = void*;
+constexpr int kMaxParams = 48;
+
+struct Driver {
+  CUresult (*launch)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                     void**, void**) = nullptr;
+  CUresult (*ctx_get)(CUcontext*) = nullptr;
+  CUresult (*ctx_push)(CUcontext) = nullptr;
+  CUresult (*ctx_pop)(CUcontext*) = nullptr;
+  CUresult (*primary_ctx)(CUcontext*, int) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*param_info)(CUfunction, size_t, size_t*, size_t*) = nullptr;
+  CUresult (*is_capturing)(CUstream, int*) = nullptr;
+};
+
+template <typename F>
+void find(void* lib, const char* name, F& target) {
+  target = reinterpret_cast<F>(dlsym(lib, name));
+  TORCH_CHECK(target != nullptr, "cta: libcuda has no ", name);
+}
+
+const Driver& driver() {
+  static const Driver loaded = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    TORCH_CHECK(lib != nullptr, "cta: libcuda.so.1 cannot be opened");
+    Driver d;
+    find(lib, "cuLaunchKernel", d.launch);
+    find(lib, "cuCtxGetCurrent", d.ctx_get);
+    find(lib, "cuCtxPushCurrent_v2", d.ctx_push);
+    find(lib, "cuCtxPopCurrent_v2", d.ctx_pop);
+    find(lib, "cuDevicePrimaryCtxRetain", d.primary_ctx);
+    find(lib, "cuDeviceGet", d.device_get);
+    find(lib, "cuFuncGetParamInfo", d.param_info);
+    find(lib, "cuStreamIsCapturing", d.is_capturing);
+    return d;
+  }();
+  return loaded;
+}
+
+// One kernel parameter: an operand's address (operand >= 0), a null pointer (-2) or an immediate (-1) of `size`
+// bytes, stored little-endian in `bits`.
+struct Slot {
+  int64_t operand;
+  int64_t size;
+  uint64_t bits;
+};
+
+struct Launch {
+  CUfunction function = nullptr;
+  unsigned grid[3] = {1, 1, 1};
+  unsigned threads = 128;
+  unsigned shared = 0;
+  std::vector<Slot> slots;
+
+  void run(void* const* operands, CUstream stream) const {
+    uint64_t values[kMaxParams];
+    void* params[kMaxParams];
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const Slot& s = slots[i];
+      values[i] = s.operand >= 0 ? reinterpret_cast<uint64_t>(operands[s.operand]) : (s.operand == -2 ? 0 : s.bits);
+      params[i] = &values[i];
+    }
+    CUresult r = driver().launch(function, grid[0], grid[1], grid[2], threads, 1, 1, shared, stream, params, nullptr);
+    TORCH_CHECK(r == 0, "cta: cuLaunchKernel failed with CUresult ", r);
+  }
+};
+
+Launch make_launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared,
+                   const std::vector<std::vector<int64_t>>& slots) {
+  Launch l;
+  l.function = reinterpret_cast<CUfunction>(function);
+  for (int i = 0; i < 3; ++i) l.grid[i] = static_cast<unsigned>(grid.at(i));
+  l.threads = static_cast<unsigned>(threads);
+  l.shared = static_cast<unsigned>(shared);
+  TORCH_CHECK(slots.size() <= kMaxParams, "cta: too many kernel parameters");
+  for (const auto& s : slots) l.slots.push_back({s.at(0), s.at(1), static_cast<uint64_t>(s.at(2))});
+  // The binary's own parameter list (the driver's) must be the plan's: same count, same sizes.
+  size_t offset = 0, size = 0, i = 0;
+  for (; driver().param_info(l.function, i, &offset, &size) == 0; ++i) {
+    TORCH_CHECK(i < l.slots.size() && size == static_cast<size_t>(l.slots[i].size),
+                "cta: the plan's parameter ", i, " does not match the binary's (", size, " bytes)");
+  }
+  TORCH_CHECK(i == l.slots.size(), "cta: the binary takes ", i, " parameters, the plan ", l.slots.size());
+  return l;
+}
+
+// What a plan is fixed by: each operand's device, dtype, shape, strides and 16-byte alignment (what the binaries are
+// specialised on), and whether deterministic algorithms are asked for. A fixed array: matched with no allocation.
+constexpr size_t kKeySize = 48;
+using Key = std::array<int64_t, kKeySize>;
+
+size_t put_tensor(Key& key, size_t n, const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage() || n + 4 + 2 * static_cast<size_t>(t.dim()) > kKeySize) {
+    key[n] = t.defined() ? -2 : -1;  // (-2: no storage of its own, or more dimensions than a key holds: no plan)
+    return n + 1;
+  }
+  key[n] = t.get_device();
+  key[n + 1] = static_cast<int64_t>(t.scalar_type());
+  key[n + 2] = t.dim();
+  key[n + 3] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16);
+  n += 4;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    key[n++] = t.size(d);
+    key[n++] = t.stride(d);
+  }
+  return n;
+}
+
+Key call_key(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& mask) {
+  Key key{};
+  key[0] = at::globalContext().deterministicAlgorithms() ? 1 : 0;
+  size_t n = 1;
+  for (const at::Tensor* t : {&x, &alpha, &beta, &mask}) n = put_tensor(key, n, *t);
+  return key;
+}
+
+// The backward's coefficient gradient of beta: none (no beta), written by the kernel, or zeros (a scheme without it).
+enum BetaGrad : int64_t { kNone = 0, kKernel = 1, kZeros = 2 };
+
+struct Plan {
+  Key key{};
+  bool usable = false;  // false: the Python path serves this metadata
+  int64_t device = 0;
+  CUcontext context = nullptr;
+  Launch forward, backward;
+  int64_t grad_strides[2] = {0, 0};  // the backward's gradient strides (batch, sequence)
+  int64_t beta_grad = kNone;
+  at::Tensor partials, counters;  // the backward's workspace, left at zero by each launch
+  CUstream workspace_stream = nullptr;
+  int64_t workspace_floats = 0, workspace_counters = 0;
+};
+
+// Makes the plan's device context current on this thread (autograd's device threads may have none) while alive.
+struct ContextScope {
+  bool pushed = false;
+  explicit ContextScope(CUcontext context) {
+    CUcontext current = nullptr;
+    driver().ctx_get(&current);
+    if (current != context) pushed = driver().ctx_push(context) == 0;
+  }
+  ~ContextScope() {
+    if (pushed) {
+      CUcontext popped = nullptr;
+      driver().ctx_pop(&popped);
+    }
+  }
+};
+
+CUstream current_stream(int64_t device) {
+  auto impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return impl->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))).native_handle();
+}
+
+class SiteRefine : public torch::autograd::Function<SiteRefine> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& alpha,
+                            const at::Tensor& beta, const at::Tensor& mask, int64_t plan_address) {
+    // (no beta or mask: x in its place, an operand the kernels do not read; autograd takes no undefined input)
+    const Plan& plan = *reinterpret_cast<const Plan*>(plan_address);
+    at::Tensor y = at::empty(x.sizes(), x.options());
+    void* operands[] = {x.data_ptr(), y.data_ptr(), mask.data_ptr(), alpha.data_ptr(), beta.data_ptr()};
+    ContextScope scope(plan.context);
+    plan.forward.run(operands, current_stream(plan.device));
+    ctx->save_for_backward({x, alpha, beta, mask});
+    ctx->saved_data["plan"] = plan_address;
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const Plan& plan = *reinterpret_cast<const Plan*>(ctx->saved_data["plan"].toInt());
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &alpha = saved[1], &beta = saved[2], &mask = saved[3];
+    at::Tensor g = grads[0];
+    if (g.stride(0) != plan.grad_strides[0] || g.stride(1) != plan.grad_strides[1] || g.stride(2) != 1 ||
+        reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 != 0) {
+      g = at::empty(x.sizes(), g.options()).copy_(g);  // (the strides and alignment the binary was made for)
+    }
+    at::Tensor dx = at::empty(x.sizes(), x.options());
+    at::Tensor da = at::empty(alpha.sizes(), alpha.options());
+    at::Tensor db;
+    if (plan.beta_grad == kKernel) db = at::empty(beta.sizes(), beta.options());  // (else beta may be x)
+    ContextScope scope(plan.context);
+    CUstream stream = current_stream(plan.device);
+    at::Tensor partials = plan.partials, counters = plan.counters;
+    int capturing = 0;
+    driver().is_capturing(stream, &capturing);
+    if (stream != plan.workspace_stream || capturing) {
+      // another stream, or a CUDA graph's capture: a workspace of this launch's own (as the Python path does)
+      partials = at::zeros({plan.workspace_floats}, x.options().dtype(at::kFloat));
+      counters = at::zeros({plan.workspace_counters}, x.options().dtype(at::kInt));
+    }
+    void* operands[] = {g.data_ptr(), x.data_ptr(), dx.data_ptr(), mask.data_ptr(), alpha.data_ptr(), beta.data_ptr(),
+                        da.data_ptr(), (db.defined() ? db : g).data_ptr(), partials.data_ptr(), counters.data_ptr()};
+    plan.backward.run(operands, stream);
+    if (plan.beta_grad == kZeros) db = at::zeros_like(beta);  // (kNone: beta is x's placeholder, no gradient)
+    return {dx, da, db, at::Tensor(), at::Tensor()};
+  }
+};
+
+// The plans of one site configuration (scheme, steps, causality, bounds), one per input metadata seen.
+class PlanTable {
+ public:
+  // The refined tensor, None where no plan was made for this metadata yet, False where the Python path serves it.
+  py::object refine(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
+                    const c10::optional<at::Tensor>& mask) {
+    const at::Tensor b = beta.has_value() ? *beta : at::Tensor(), m = mask.has_value() ? *mask : at::Tensor();
+    const Plan* plan = find(call_key(x, alpha, b, m));
+    if (plan == nullptr) return py::none();
+    if (!plan->usable) return py::bool_(false);
+    return py::cast(SiteRefine::apply(x, alpha, b.defined() ? b : x, m.defined() ? m : x,
+                                      reinterpret_cast<int64_t>(plan)));
+  }
+
+  Key key(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
+          const c10::optional<at::Tensor>& mask) const {
+    return call_key(x, alpha, beta.has_value() ? *beta : at::Tensor(), mask.has_value() ? *mask : at::Tensor());
+  }
+
+  // Python's path serves this metadata from now on.
+  void refuse(const Key& key) {
+    for (auto& plan : plans_) {
+      if (plan->key == key) {
+        plan->usable = false;
+        return;
+      }
+    }
+    auto plan = std::make_unique<Plan>();
+    plan->key = key;
+    plans_.push_back(std::move(plan));
+  }
+
+  void add(const Key& key, int64_t device, py::tuple forward, py::tuple backward,
+           std::vector<int64_t> grad_strides, int64_t beta_grad, at::Tensor partials, at::Tensor counters,
+           int64_t workspace_stream) {
+    auto plan = std::make_unique<Plan>();
+    plan->key = key;
+    plan->device = device;
+    int cu_device = 0;
+    TORCH_CHECK(driver().device_get(&cu_device, static_cast<int>(device)) == 0, "cta: no CUDA device ", device);
+    TORCH_CHECK(driver().primary_ctx(&plan->context, cu_device) == 0, "cta: no primary context on ", device);
+    auto launch_of = [](const py::tuple& spec) {  // (function, grid, threads, shared memory, slots)
+      return make_launch(spec[0].cast<int64_t>(), spec[1].cast<std::vector<int64_t>>(), spec[2].cast<int64_t>(),
+                         spec[3].cast<int64_t>(), spec[4].cast<std::vector<std::vector<int64_t>>>());
+    };
+    plan->forward = launch_of(forward);
+    plan->backward = launch_of(backward);
+    plan->grad_strides[0] = grad_strides.at(0);
+    plan->grad_strides[1] = grad_strides.at(1);
+    plan->beta_grad = beta_grad;
+    plan->partials = partials;
+    plan->counters = counters;
+    plan->workspace_floats = partials.numel();
+    plan->workspace_counters = counters.numel();
+    plan->workspace_stream = reinterpret_cast<CUstream>(workspace_stream);
+    plan->usable = true;
+    plans_.push_back(std::move(plan));
+  }
+
+  size_t size() const { return plans_.size(); }
+
+ private:
+  const Plan* find(const Key& key) const {
+    for (const auto& plan : plans_) {
+      if (plan->key == key) return plan.get();
+    }
+    return nullptr;
+  }
+
+  std::vector<std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<PlanTable>(m, "PlanTable")
+      .def(py::init<>())
+      .def("refine", &PlanTable::refine)
+      .def("key", &PlanTable::key)
+      .def("refuse", &PlanTable::refuse)
+      .def("add", &PlanTable::add)
+      .def("__len__", &PlanTable::size)
+      .def("__deepcopy__", [](py::object self, py::object) { return self; });
+}

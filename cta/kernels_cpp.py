@@ -1,0 +1,219 @@
+# coding=utf-8
+"""The eager CUDA call of a PDE site without Python per launch: ``csrc/site_launch.cpp``, a C++ autograd node that
+launches the Triton-compiled binaries of ``kernels_launch`` through the CUDA driver.
+
+An eager training step is host-bound at the sizes people fine-tune (docs/kernels.md): a Python autograd Function over
+Triton's launcher costs a site several hundred microseconds of host time inside a model. Here a site's call costs a
+key match in C++ and two launches. What each launch passes is *planned* in Python, once per input metadata, from the
+same argument builders the Python path launches with (``forward_arguments``, ``streaming_backward_arguments``): the
+binary, its grid, and each kernel parameter as an operand or a fixed integer. A new plan is checked against the
+Python path on the call that makes it (output and gradients) before it serves; what a plan does not cover (the tile
+backward of the schemes that do not filter, a second finishing kernel, an initial state) takes the Python path.
+
+The extension is built on first use with ``torch.utils.cpp_extension`` (about 30 s once, cached by torch; no CUDA
+headers needed, the driver's entry points are looked up at run time). ``CTA_CPP_LAUNCH=0`` turns it off; where it
+cannot build, the Python path serves and a warning says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+
+import torch
+
+from .kernels_config import MAX_FUSED_STEPS
+from .kernels_jit import INTERPRET, current_stream
+from .kernels_launch import forward_arguments, launch_backward, launch_forward, streaming_backward_arguments
+from .pde_spec import SCHEMES, check_attention_mask
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "site_launch.cpp")
+_EXTENSION = []  # [the built module, or None]
+_TABLES = {}  # (pde, steps, causal, bounds) -> PlanTable, or None without the extension
+_BETA_GRAD = {"none": 0, "kernel": 1, "zeros": 2}  # (site_launch.cpp's BetaGrad)
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def build():
+    """Builds (or loads torch's cached build of) ``csrc/site_launch.cpp``; raises where it cannot."""
+    from torch.utils.cpp_extension import load
+
+    start = time.perf_counter()
+    module = load("cta_site_launch", [SOURCE], extra_ldflags=["-ldl"], verbose=False)
+    if time.perf_counter() - start > 5:
+        logger.warning("cta: built the C++ PDE site launcher in %.0f s (once per machine and torch version; "
+                       "CTA_CPP_LAUNCH=0 turns it off).", time.perf_counter() - start)
+    return module
+
+
+def extension():
+    """The built C++ module, or None (turned off, or it did not build: the reason is logged once)."""
+    if not _EXTENSION:
+        module = None
+        if os.environ.get("CTA_CPP_LAUNCH", "1") != "0" and os.path.exists(SOURCE) and not INTERPRET:
+            try:
+                module = build()
+            except Exception as error:  # (no compiler, no Python headers, an old torch, ...)
+                logger.warning("cta: the C++ PDE site launcher did not build (%s); eager CUDA sites launch from "
+                               "Python (more host time per site and training step).", error)
+        _EXTENSION.append(module)
+    return _EXTENSION[0]
+
+
+def set_enabled(enabled: bool):
+    """Turns the C++ launcher on or off for the calls that follow (off: every call takes the Python path; tests and
+    ``benchmarks/bench_train_step.py`` compare the two)."""
+    _ENABLED[0] = bool(enabled)
+
+
+_ENABLED = [True]
+
+
+def refine_planned(config, x, alpha, beta, mask):
+    """``x`` refined by the site ``config`` ``(pde, steps, causal, bounds)`` through its C++ plan (differentiable in
+    ``x``, ``alpha`` and ``beta``), or None where the Python path serves this call."""
+    if not _ENABLED[0]:
+        return None
+    table = _TABLES.get(config, False)
+    if table is False:
+        module = extension()
+        table = _TABLES[config] = module.PlanTable() if module is not None else None
+    if table is None:
+        return None
+    out = table.refine(x, alpha, beta, mask)
+    if out is None and _may_plan():
+        _add_plan(table, config, x, alpha, beta, mask)
+        out = table.refine(x, alpha, beta, mask)
+    return out if torch.is_tensor(out) else None
+
+
+def _may_plan() -> bool:
+    # A plan is checked with a synchronising comparison and a backward: not while a CUDA graph is being captured, nor
+    # in inference mode (no gradients); such calls take the Python path, and a later call makes the plan.
+    return not (torch.is_inference_mode_enabled() or torch.cuda.is_current_stream_capturing())
+
+
+def _why_not_planned(config, x, alpha, beta, mask):
+    """Why the call takes the Python path, or None when a plan can serve it."""
+    pde, steps, causal, _ = config
+    if not 1 <= steps <= MAX_FUSED_STEPS or x.dtype not in FUSED_DTYPES or x.dim() != 3 or x.numel() == 0:
+        return "steps, dtype or shape outside the fused kernels"
+    if not SCHEMES[pde].filters(causal):
+        return "the scheme's backward is the tile kernel"
+    if x.stride(-1) != 1 or x.get_device() != torch.cuda.current_device():
+        return "the input is not on the current device with contiguous channels"
+    for t in (x, alpha, beta, mask):
+        if t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter):
+            return f"a {type(t).__name__} operand (a tensor subclass: DTensor, functorch, ...)"
+        if t is not None and (t.get_device() != x.get_device() or not t.is_contiguous()):
+            return "a coefficient or the mask is on another device or not contiguous"
+    return None
+
+
+def _add_plan(table, config, x, alpha, beta, mask):
+    """Makes (and checks) the plan of this call's metadata, or marks it for the Python path."""
+    pde, steps, causal, bounds = config
+    if mask is not None:
+        check_attention_mask(mask, x.shape[0], x.shape[1])  # (a bad mask raises as on the Python path)
+    key = table.key(x, alpha, beta, mask)
+    reason = _why_not_planned(config, x, alpha, beta, mask)
+    if reason is None:
+        try:
+            reason = _plan(table, key, config, x, alpha, beta, mask)
+        except Exception as error:  # (a Triton whose launch ABI the plan does not know)
+            reason = f"planning failed: {error}"
+            logger.warning("cta: the C++ PDE site launcher cannot plan a call (%s); it takes the Python path.", error)
+    if reason is not None:
+        table.refuse(key)
+        logger.debug("cta: %s call %s takes the Python path: %s", pde, tuple(x.shape), reason)
+        return
+    if not _agrees_with_python(table, config, x, alpha, beta, mask):
+        table.refuse(key)
+        logger.warning("cta: the C++ PDE site launcher disagreed with the Python path on a %s call %s; that call "
+                       "takes the Python path.", pde, tuple(x.shape))
+
+
+def _plan(table, key, config, x, alpha, beta, mask):
+    """Adds the plan of one call's metadata to ``table``; returns why not where it cannot."""
+    pde, steps, causal, bounds = config
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    x, alpha = x.detach(), alpha.detach()
+    beta = beta.detach() if beta is not None else None
+    y, gy, dx = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for _ in range(3))
+    launch, args = forward_arguments(x, y, alpha, beta, mask, None, None, pde, steps, causal, bounds)
+    m, b = (mask if mask is not None else x), (beta if beta is not None else x)  # (x: an operand the kernel skips)
+    forward = _launch_spec(launch, args, (x, y, m, alpha, b))
+    launch, args, da, db, sums = streaming_backward_arguments(gy, x, dx, alpha, beta, mask, pde, steps, causal, bounds,
+                                                              deterministic)
+    if sums is not None:
+        return "the coefficient gradient takes a second kernel"
+    partials, counters = args[8], args[9]
+    backward = _launch_spec(launch, args, (gy, x, dx, m, alpha, b, da, db if db is not None else gy, partials,
+                                           counters))
+    if forward is None or backward is None:
+        return "a kernel parameter the plan does not know"
+    beta_grad = "none" if beta is None else ("kernel" if db is not None else "zeros")
+    table.add(key, x.get_device(), forward, backward, [gy.stride(0), gy.stride(1)], _BETA_GRAD[beta_grad], partials,
+              counters, current_stream(x.device) or 0)
+    return None
+
+
+def _launch_spec(launch, args, operands):
+    """``(function, grid, threads, shared memory, slots)`` of one launch for the C++ plan, or None: each kernel
+    parameter of the binary (its signature without constexprs, then the scratch pointers Triton appends) as the
+    operand whose address it takes, or a fixed integer / float."""
+    binary = launch.binary(*args)[0]
+    binary._init_handles()
+    meta, source = binary.metadata, binary.src
+    if (getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "launch_cooperative_grid", False)
+            or getattr(meta, "launch_pdl", False) or getattr(meta, "global_scratch_size", 0)
+            or getattr(meta, "profile_scratch_size", 0) or any(d != 1 for d in getattr(meta, "cluster_dims", ()))):
+        return None
+    names = source.fn.arg_names
+    if len(names) != len(args):
+        return None
+    addresses = {t.data_ptr(): i for i, t in reversed(list(enumerate(operands)))}  # (first operand wins)
+    slots = []
+    for name, arg in zip(names, args):
+        kind = source.signature[name]
+        if kind == "constexpr":
+            continue
+        if kind.startswith("*"):
+            if not torch.is_tensor(arg) or arg.data_ptr() not in addresses:
+                return None
+            slots.append((addresses[arg.data_ptr()], 8, 0))
+        elif kind in ("i32", "u32", "i64", "u64"):
+            size = 8 if kind.endswith("64") else 4
+            slots.append((-1, size, int(arg) & ((1 << 8 * size) - 1) if size == 4 else int(arg)))
+        elif kind == "fp32":
+            slots.append((-1, 4, struct.unpack("<I", struct.pack("<f", float(arg)))[0]))
+        else:
+            return None
+    # Triton appends its global and profile scratch pointers (3.5 and later: both; 3.3, 3.4: the global one).
+    slots += [(-2, 8, 0)] * (hasattr(meta, "global_scratch_size") + hasattr(meta, "profile_scratch_size"))
+    return binary.function, list(launch.grid), 32 * meta.num_warps, meta.shared, slots
+
+
+def _agrees_with_python(table, config, x, alpha, beta, mask) -> bool:
+    """Whether the new plan gives the Python path's output and gradients on this call's values (once per plan)."""
+    pde, steps, causal, bounds = config
+    keep = lambda tensor: tensor  # noqa: E731
+    # (identity saved-tensor hooks: an enclosing activation checkpoint's must not take this check's saved tensors)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, keep):
+        leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, alpha, beta)]
+        y = table.refine(leaves[0], leaves[1], leaves[2], mask)
+        if not torch.is_tensor(y):
+            return False
+        gy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, [t for t in leaves if t is not None], gy)
+    plain = [t.detach() if t is not None else None for t in (x, alpha, beta)]
+    expected = launch_forward(plain[0], plain[1], plain[2], mask, None, pde, steps, causal, False, bounds)[0]
+    wanted = launch_backward(gy, plain[0], plain[1], plain[2], mask, None, pde, steps, causal,
+                             need_db=beta is not None, bounds=bounds)
+    # (the coefficient gradients may be summed with atomics: equal up to the order of the sum)
+    return torch.equal(y, expected) and torch.equal(grads[0], wanted[0]) and all(
+        torch.allclose(got, want.to(got.dtype), rtol=1e-4, atol=1e-6) for got, want in zip(grads[1:], wanted[1:]))

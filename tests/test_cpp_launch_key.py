@@ -1,0 +1,49 @@
+"""The C++ site launcher's plan lookup (``csrc/site_launch.cpp``), built here as on a user's machine: a call finds a
+plan only with the metadata the binaries were specialised on. (Its launches run on CUDA: test_gpu_cpp_launch.py.)"""
+
+import shutil
+
+import pytest
+import torch
+
+from cta import kernels_cpp
+
+
+@pytest.fixture(scope="module")
+def table():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the launcher is not built here (the Python path serves)")
+    return kernels_cpp.build().PlanTable()
+
+
+def test_key_tells_apart_what_the_binaries_are_specialised_on(table):
+    x = torch.randn(2, 8, 32)
+    alpha = torch.full((1,), 0.1)
+    key = table.key(x, alpha, None, None)
+    assert table.key(x.clone(), alpha.clone(), None, None) == key  # (fresh tensors: same metadata, aligned)
+    others = {
+        "shape": table.key(torch.randn(2, 9, 32), alpha, None, None),
+        "strides": table.key(torch.randn(8, 2, 32).transpose(0, 1), alpha, None, None),
+        "dtype": table.key(x.to(torch.float64), alpha, None, None),
+        "alignment": table.key(torch.randn(2 * 8 * 32 + 1)[1:].view(2, 8, 32), alpha, None, None),
+        "per-channel alpha": table.key(x, torch.full((32,), 0.1), None, None),
+        "beta": table.key(x, alpha, alpha.clone(), None),
+        "mask": table.key(x, alpha, None, torch.ones(2, 8, dtype=torch.bool)),
+        "mask dtype": table.key(x, alpha, None, torch.ones(2, 8)),
+    }
+    for name, other in others.items():
+        assert other != key, name
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert table.key(x, alpha, None, None) != key
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_unknown_and_refused_metadata_take_the_python_path(table):
+    x, alpha = torch.randn(1, 4, 16), torch.full((1,), 0.1)
+    assert table.refine(x, alpha, None, None) is None  # (no plan yet: Python makes one, or refuses)
+    table.refuse(table.key(x, alpha, None, None))
+    assert table.refine(x, alpha, None, None) is False
+    assert table.refine(torch.randn(1, 5, 16), alpha, None, None) is None
+    assert len(table) == 1

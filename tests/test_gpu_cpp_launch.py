@@ -1,0 +1,135 @@
+"""The C++ site launcher (``kernels_cpp``, ``csrc/site_launch.cpp``) against the Python path it replays: the same
+kernels, so the output and the input gradient are bitwise equal, the coefficient gradients equal up to the order of
+an atomic sum (GPU only)."""
+
+import pytest
+import torch
+
+import cta
+from cta import kernels_cpp
+from cta.pde_cta import PDERefinement
+
+pytestmark = pytest.mark.gpu
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or not cta.triton_available(), reason="needs CUDA and triton"
+)
+
+
+@pytest.fixture
+def python_path():
+    """A context that runs its calls on the Python path (the launcher off), restoring it after."""
+    class Switch:
+        def __enter__(self):
+            kernels_cpp.set_enabled(False)
+
+        def __exit__(self, *exc):
+            kernels_cpp.set_enabled(True)
+    yield Switch()
+    kernels_cpp.set_enabled(True)
+
+
+def _run(module, x, mask, gy_of=lambda y: y):
+    leaf = x.detach().requires_grad_()
+    module.zero_grad()
+    y = module(leaf, mask)
+    weights = torch.randn(gy_of(y).shape, device=x.device, generator=torch.Generator(x.device).manual_seed(1))
+    (gy_of(y).float() * weights).sum().backward()
+    grads = [leaf.grad] + [p.grad.clone() for p in module.parameters()]
+    return y.detach(), grads, y.grad_fn.name()
+
+
+@requires_cuda
+@pytest.mark.parametrize("pde_type,causal", [("diffusion", True), ("diffusion", False), ("advection_diffusion", True)])
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("dtype,masked", [(torch.bfloat16, False), (torch.float32, True), (torch.float16, True)])
+def test_planned_call_equals_the_python_path(pde_type, causal, per_channel, dtype, masked, python_path):
+    assert kernels_cpp.extension() is not None, "the C++ launcher did not build"
+    torch.manual_seed(0)
+    channels = 96  # (not a multiple of the channel block on every plan: masked channel blocks)
+    module = PDERefinement(channels, pde_type, steps=4, causal=causal, alpha=0.12, beta=0.05,
+                           per_channel=per_channel).cuda()
+    x = torch.randn(3, 37, channels, device="cuda", dtype=dtype)
+    mask = None
+    if masked:
+        mask = torch.ones(3, 37, dtype=torch.bool, device="cuda")
+        mask[1, :5] = False
+    # a gradient with other strides than the output's (the C++ backward copies it into the planned layout)
+    for gy_of in (lambda y: y, lambda y: y.transpose(0, 1)):
+        y, grads, node = _run(module, x, mask, gy_of)
+        with python_path:
+            y_py, grads_py, node_py = _run(module, x, mask, gy_of)
+        assert "SiteRefine" in node and "SiteRefine" not in node_py
+        assert torch.equal(y, y_py)
+        assert torch.equal(grads[0], grads_py[0])
+        for got, want in zip(grads[1:], grads_py[1:]):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@requires_cuda
+def test_calls_without_a_plan_take_the_python_path():
+    torch.manual_seed(0)
+    module = PDERefinement(64, "reaction_diffusion", steps=3, causal=True).cuda()  # (its backward: the tile kernel)
+    x = torch.randn(2, 16, 64, device="cuda", requires_grad=True)
+    assert "SiteRefine" not in module(x).grad_fn.name()
+    diffusion = PDERefinement(64, "diffusion", steps=2, causal=True).cuda()
+    strided = torch.randn(2, 64, 16, device="cuda").transpose(1, 2).requires_grad_()  # (channels not contiguous)
+    assert "SiteRefine" not in diffusion(strided).grad_fn.name()
+    assert "SiteRefine" in diffusion(x).grad_fn.name()
+
+@requires_cuda
+def test_another_stream_and_a_cuda_graph_get_their_own_workspace(python_path):
+    torch.manual_seed(0)
+    module = PDERefinement(128, "diffusion", steps=4, causal=True, per_channel=True).cuda()
+    x = torch.randn(2, 64, 128, device="cuda")
+    y, grads, _ = _run(module, x, None)  # (makes the plan on the default stream)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # (each launch leaves its workspace at zero: repeated calls agree)
+            y_s, grads_s, node = _run(module, x, None)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert "SiteRefine" in node and torch.equal(y_s, y) and torch.equal(grads_s[0], grads[0])
+    torch.testing.assert_close(grads_s[1], grads[1], rtol=1e-4, atol=1e-6)
+
+    static_x = x.clone().requires_grad_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        module(static_x).sum().backward()  # (warm-up on the side stream, as graph capture asks)
+    torch.cuda.current_stream().wait_stream(stream)
+    module.zero_grad()
+    static_x.grad = None
+    with torch.cuda.graph(graph):
+        static_y = module(static_x)
+        static_y.sum().backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    with python_path:
+        leaf = x.clone().requires_grad_()
+        expected = module(leaf)
+        expected.sum().backward()
+    assert torch.equal(static_y, expected) and torch.equal(static_x.grad, leaf.grad)
+
+
+@requires_cuda
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_plan_made_inside_an_activation_checkpoint(use_reentrant, python_path):
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    steps = 3 if use_reentrant else 5  # (a configuration no other test planned: its plan is made in the checkpoint)
+    module = PDERefinement(80, "diffusion", steps=steps, causal=True, per_channel=True).cuda()
+    x = torch.randn(2, 33, 80, device="cuda")
+
+    def run():
+        leaf = x.clone().requires_grad_()
+        module.zero_grad()
+        y = checkpoint(lambda v: module(v) * 1.5, leaf, use_reentrant=use_reentrant)
+        (y * torch.linspace(-1, 1, 80, device="cuda")).sum().backward()
+        return y.detach(), leaf.grad, module.alpha.grad.clone()
+
+    got = run()
+    assert "SiteRefine" in module(x.clone().requires_grad_()).grad_fn.name()
+    with python_path:
+        want = run()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-6)
