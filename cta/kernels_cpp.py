@@ -76,7 +76,7 @@ _ENABLED = [True]
 def refine_planned(config, x, alpha, beta, mask):
     """``x`` refined by the site ``config`` ``(pde, steps, causal, bounds)`` through its C++ plan (differentiable in
     ``x``, ``alpha`` and ``beta``), or None where the Python path serves this call."""
-    if not _ENABLED[0]:
+    if not _ENABLED[0] or torch.is_inference_mode_enabled():  # (inference tensors: the Python path, as tested)
         return None
     table = _TABLES.get(config, False)
     if table is False:
@@ -92,9 +92,9 @@ def refine_planned(config, x, alpha, beta, mask):
 
 
 def _may_plan() -> bool:
-    # A plan is checked with a synchronising comparison and a backward: not while a CUDA graph is being captured, nor
-    # in inference mode (no gradients); such calls take the Python path, and a later call makes the plan.
-    return not (torch.is_inference_mode_enabled() or torch.cuda.is_current_stream_capturing())
+    # A plan is checked with a synchronising comparison and a backward: not while a CUDA graph is being captured; such
+    # calls take the Python path, and a later call makes the plan.
+    return not torch.cuda.is_current_stream_capturing()
 
 
 def _why_not_planned(config, x, alpha, beta, mask):

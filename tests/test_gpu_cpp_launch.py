@@ -61,6 +61,8 @@ def test_planned_call_equals_the_python_path(pde_type, causal, per_channel, dtyp
         assert "SiteRefine" in node and "SiteRefine" not in node_py
         assert torch.equal(y, y_py)
         assert torch.equal(grads[0], grads_py[0])
+        with torch.no_grad():  # (no autograd node: the same launch)
+            assert torch.equal(module(x, mask), y)
         for got, want in zip(grads[1:], grads_py[1:]):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
