@@ -51,15 +51,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="1b", help="model shape (default: 1b, 1.1B parameters)")
     p.add_argument("--phases", default=",".join(PHASES), help=f"comma list of {PHASES} (default: all)")
-    p.add_argument("--steps", type=int, default=12, help="training steps per phase")
-    p.add_argument("--warmup", type=int, default=4, help="steps left out of the step-time median")
-    p.add_argument("--global_batch", type=int, default=8, help="sequences per step over all processes")
-    p.add_argument("--seq_len", type=int, default=1024, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=1e-4, help="learning rate of full fine-tuning")
-    p.add_argument("--lora_lr", type=float, default=1e-3, help="learning rate of the LoRA weights")
-    p.add_argument("--pde_lr", type=float, default=1e-2, help="learning rate of the PDE coefficients")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model init and the batch")
-    p.add_argument("--overhead_rounds", type=int, default=0, help="paired rounds, PDE sites on / at steps = 0 (notes)")
+    for flag, default, text in (  # (numbers: their type is their default's)
+            ("steps", 12, "training steps per phase"), ("warmup", 4, "steps left out of the step-time median"),
+            ("global_batch", 8, "sequences per step over all processes"), ("seq_len", 1024, "tokens per sequence"),
+            ("lr", 1e-4, "learning rate of full fine-tuning"), ("lora_lr", 1e-3, "learning rate of the LoRA weights"),
+            ("pde_lr", 1e-2, "learning rate of the PDE coefficients"), ("seed", 0, "seed of the init and the batch"),
+            ("overhead_rounds", 0, "paired rounds, PDE sites on / at steps = 0 (notes)")):
+        p.add_argument(f"--{flag}", type=type(default), default=default, help=text)
     p.add_argument("--merge", action="store_true", help="add the phases to the result file (one phase per process)")
     p.add_argument("--no_save", action="store_true", help="skip the save / reload / generation checks")
     p.add_argument("--work_dir", default=None, help="base models and checkpoints (default: a temp dir; ~9 GB at 1b)")

@@ -31,16 +31,14 @@ from cta.pde_cta import triton_available  # noqa: E402
 
 def parse_args(argv=None, known=False):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096, help="hidden size (heads of 128 channels, MLP 11008/4096 of it)")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--steps", type=int, default=4, help="PDE steps per site")
+    for flag, default, text in (("layers", 8, None), ("vocab", 32000, None), ("steps", 4, "PDE steps per site"),
+                                ("hidden", 4096, "hidden size (heads of 128 channels, MLP 11008/4096 of it)"),
+                                ("prompt", 512, "prompt tokens"), ("new-tokens", 256, None),
+                                ("rounds", 7, "paired rounds per mode and batch")):
+        p.add_argument(f"--{flag}", type=int, default=default, help=text)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--modes", default="compiled", help="'eager' (dynamic cache) and/or 'compiled' (static cache)")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--prompt", type=int, default=512, help="prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=7, help="paired rounds per mode and batch")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--tag", default=None, help="file-name tag (default: the GPU name)")
     p.add_argument("--replot", metavar="JSON", help="only rewrite the .md and .png of a generate_<gpu>.json")

@@ -122,9 +122,8 @@ def _minimal_triton_op(device):
 
 
 def site_chain(device, dtype, hidden, calls, rounds, sites=8):
-    """Host us per forward + backward of a lone ``PDERefinement`` (``sites`` of them chained in one graph on a 1 x 64
-    input: one backward start for all) over a ``mul`` in its place; the same launched from Python (CUDA: the C++
-    launcher off, ``kernels_cpp``; the next chain turns it on), and for the minimal Triton op (the floor)."""
+    """Host us per forward + backward of a lone ``PDERefinement`` (``sites`` chained in one graph on a 1 x 64 input)
+    over a ``mul`` in its place; also with the C++ launcher off (CUDA), and for the minimal Triton op (the floor)."""
     pde = [cta.PDERefinement(hidden, PDE["pde_type"], PDE["steps"], True).to(device, dtype) for _ in range(sites)]
     chains = {"pde_site": pde, "pde_site_python_launch": pde if device.type == "cuda" else None,
               "minimal_triton_op": _minimal_triton_op(device), "torch_mul": lambda y: y.mul(1.0)}

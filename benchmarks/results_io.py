@@ -17,8 +17,7 @@ sys.path.insert(0, ROOT)  # the scripts import this module first: then `import c
 
 def sync(device=None):
     """Waits for a CUDA device's queued work (no-op on the CPU): every wall-clock timing here calls it."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
+    if torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type == "cuda":
         torch.cuda.synchronize(device)
 
 
