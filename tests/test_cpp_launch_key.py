@@ -47,3 +47,10 @@ def test_unknown_and_refused_metadata_take_the_python_path(table):
     assert table.refine(x, alpha, None, None) is False
     assert table.refine(torch.randn(1, 5, 16), alpha, None, None) is None
     assert len(table) == 1
+    lengths = range(6, 206)  # (training with dynamic padding sees many lengths: one entry each, found by hash)
+    for length in lengths:
+        table.refuse(table.key(torch.randn(1, length, 16), alpha, None, None))
+    table.refuse(table.key(x, alpha, None, None))  # (refused again: still one entry)
+    assert len(table) == 1 + len(lengths)
+    assert all(table.refine(torch.randn(1, n, 16), alpha, None, None) is False for n in lengths)
+    assert table.refine(torch.randn(1, 206, 16), alpha, None, None) is None

@@ -13,6 +13,7 @@
 
 #include <array>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -129,6 +130,14 @@ size_t put_tensor(Key& key, size_t n, const at::Tensor& t) {
   return n;
 }
 
+struct KeyHash {
+  size_t operator()(const Key& key) const {
+    size_t h = 0;
+    for (int64_t v : key) h = h * 1000003u ^ static_cast<size_t>(v);
+    return h;
+  }
+};
+
 Key call_key(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& mask) {
   Key key{};
   key[0] = at::globalContext().deterministicAlgorithms() ? 1 : 0;
@@ -242,20 +251,17 @@ class PlanTable {
 
   // Python's path serves this metadata from now on.
   void refuse(const Key& key) {
-    for (auto& plan : plans_) {
-      if (plan->key == key) {
-        plan->usable = false;
-        return;
-      }
-    }
-    auto plan = std::make_unique<Plan>();
+    auto& plan = plans_[key];
+    if (!plan) plan = std::make_unique<Plan>();
     plan->key = key;
-    plans_.push_back(std::move(plan));
+    plan->usable = false;
   }
 
+  // (a plan is never replaced nor removed: a pending backward holds its address)
   void add(const Key& key, int64_t device, py::tuple forward, py::tuple backward,
            std::vector<int64_t> grad_strides, int64_t beta_grad, at::Tensor partials, at::Tensor counters,
            int64_t workspace_stream) {
+    TORCH_CHECK(plans_.count(key) == 0, "cta: a plan for this metadata exists");
     auto plan = std::make_unique<Plan>();
     plan->key = key;
     plan->device = device;
@@ -277,20 +283,18 @@ class PlanTable {
     plan->workspace_counters = counters.numel();
     plan->workspace_stream = reinterpret_cast<CUstream>(workspace_stream);
     plan->usable = true;
-    plans_.push_back(std::move(plan));
+    plans_.emplace(key, std::move(plan));
   }
 
   size_t size() const { return plans_.size(); }
 
  private:
   const Plan* find(const Key& key) const {
-    for (const auto& plan : plans_) {
-      if (plan->key == key) return plan.get();
-    }
-    return nullptr;
+    auto found = plans_.find(key);
+    return found == plans_.end() ? nullptr : found->second.get();
   }
 
-  std::vector<std::unique_ptr<Plan>> plans_;
+  std::unordered_map<Key, std::unique_ptr<Plan>, KeyHash> plans_;  // (one per metadata seen: shapes may vary)
 };
 
 }  // namespace
