@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import struct
 import time
 
@@ -43,7 +44,9 @@ def build():
     from torch.utils.cpp_extension import load
 
     start = time.perf_counter()
-    module = load("cta_site_launch", [SOURCE], extra_ldflags=["-ldl"], verbose=False)
+    # (torch's build cache is keyed on the sources and flags, not torch's version: a build per version, no stale ABI)
+    name = "cta_site_launch_" + re.sub(r"\W", "_", torch.__version__)
+    module = load(name, [SOURCE], extra_ldflags=["-ldl"], verbose=False)
     if time.perf_counter() - start > 5:
         logger.warning("cta: built the C++ PDE site launcher in %.0f s (once per machine and torch version; "
                        "CTA_CPP_LAUNCH=0 turns it off).", time.perf_counter() - start)
