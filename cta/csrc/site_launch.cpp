@@ -204,9 +204,10 @@ class SiteRefine : public torch::autograd::Function<SiteRefine> {
     auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &alpha = saved[1], &beta = saved[2], &mask = saved[3];
     at::Tensor g = grads[0];
-    if (g.stride(0) != plan.grad_strides[0] || g.stride(1) != plan.grad_strides[1] || g.stride(2) != 1 ||
-        reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 != 0) {
-      g = at::empty(x.sizes(), g.options()).copy_(g);  // (the strides and alignment the binary was made for)
+    const bool aligned = reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0;
+    if (g.scalar_type() != x.scalar_type() || g.stride(0) != plan.grad_strides[0] ||
+        g.stride(1) != plan.grad_strides[1] || g.stride(2) != 1 || !aligned) {
+      g = at::empty(x.sizes(), x.options()).copy_(g);  // (the dtype, strides and alignment the binary was made for)
     }
     at::Tensor dx = at::empty(x.sizes(), x.options());
     at::Tensor da = at::empty(alpha.sizes(), alpha.options());
