@@ -217,6 +217,11 @@ def _agrees_with_python(table, config, x, alpha, beta, mask) -> bool:
     expected = launch_forward(plain[0], plain[1], plain[2], mask, None, pde, steps, causal, False, bounds)[0]
     wanted = launch_backward(gy, plain[0], plain[1], plain[2], mask, None, pde, steps, causal,
                              need_db=beta is not None, bounds=bounds)
-    # (the coefficient gradients may be summed with atomics: equal up to the order of the sum)
+    # (the coefficient gradients may be summed with atomics: equal up to the order of the sum, a few of the
+    # parameter dtype's units in the last place: bf16 parameters differ by whole bf16 steps)
+    def close(got, want):
+        tolerance = max(1e-4, 4 * torch.finfo(got.dtype).eps)
+        return torch.allclose(got, want.to(got.dtype), rtol=tolerance, atol=tolerance * 1e-2)
+
     return torch.equal(y, expected) and torch.equal(grads[0], wanted[0]) and all(
-        torch.allclose(got, want.to(got.dtype), rtol=1e-4, atol=1e-6) for got, want in zip(grads[1:], wanted[1:]))
+        close(got, want) for got, want in zip(grads[1:], wanted[1:]))

@@ -135,3 +135,17 @@ def test_a_plan_made_inside_an_activation_checkpoint(use_reentrant, python_path)
         want = run()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-6)
+
+
+@requires_cuda
+def test_bf16_parameters_get_a_plan(python_path):
+    """A model cast to bf16 has bf16 coefficients; their per-channel gradients, summed with atomics in any order,
+    differ between two runs by bf16 steps: the plan's check allows that (and still serves)."""
+    torch.manual_seed(0)
+    module = PDERefinement(192, "diffusion", steps=4, causal=True, per_channel=True).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 257, 192, device="cuda", dtype=torch.bfloat16)
+    y, grads, node = _run(module, x, None)
+    with python_path:
+        y_py, grads_py, _ = _run(module, x, None)
+    assert "SiteRefine" in node and torch.equal(y, y_py) and torch.equal(grads[0], grads_py[0])
+    torch.testing.assert_close(grads[1], grads_py[1], rtol=3e-2, atol=1e-3)
