@@ -67,7 +67,7 @@ def cpu_decode(args, build):
         with tempfile.TemporaryDirectory() as tmp:
             for pde_type in args.pde_types.split(","):
                 subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--pde-types", pde_type,
-                                "--out", os.path.join(tmp, pde_type)], check=True)
+                                "--out", os.path.join(tmp, pde_type)], check=True, stdout=subprocess.DEVNULL)
                 rows += json.load(open(os.path.join(tmp, pde_type, "cpu_decode.json")))["rows"]
     else:
         unpatched, patched = build(), build()

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "site_launch.cpp")
 _EXTENSION = []  # [the built module, or None]
+_ENABLED = [True]  # (set_enabled)
 _TABLES = {}  # (pde, steps, causal, bounds) -> PlanTable, or None without the extension
 _BETA_GRAD = {"none": 0, "kernel": 1, "zeros": 2}  # (site_launch.cpp's BetaGrad)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -71,9 +72,6 @@ def set_enabled(enabled: bool):
     """Turns the C++ launcher on or off for the calls that follow (off: every call takes the Python path; tests and
     ``benchmarks/bench_train_step.py`` compare the two)."""
     _ENABLED[0] = bool(enabled)
-
-
-_ENABLED = [True]
 
 
 def refine_planned(config, x, alpha, beta, mask):
