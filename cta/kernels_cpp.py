@@ -77,6 +77,16 @@ def set_enabled(enabled: bool):
 def refine_planned(config, x, alpha, beta, mask):
     """``x`` refined by the site ``config`` ``(pde, steps, causal, bounds)`` through its C++ plan (differentiable in
     ``x``, ``alpha`` and ``beta``), or None where the Python path serves this call."""
+    table = _TABLES.get(config)
+    if table is not None and _ENABLED[0]:  # (the common call: one dictionary lookup, then C++)
+        out = table.refine(x, alpha, beta, mask)  # (False where the Python path serves: inference mode, a tangent)
+        if out is not None:
+            return out if out is not False else None
+    return _refine_unplanned(config, x, alpha, beta, mask)
+
+
+def _refine_unplanned(config, x, alpha, beta, mask):
+    """The first call of a site configuration or of new metadata: the table made, the call planned (and checked)."""
     if not _ENABLED[0] or torch.is_inference_mode_enabled():  # (inference tensors: the Python path, as tested)
         return None
     table = _TABLES.get(config, False)

@@ -149,3 +149,46 @@ def test_bf16_parameters_get_a_plan(python_path):
         y_py, grads_py, _ = _run(module, x, None)
     assert "SiteRefine" in node and torch.equal(y, y_py) and torch.equal(grads[0], grads_py[0])
     torch.testing.assert_close(grads[1], grads_py[1], rtol=3e-2, atol=1e-3)
+
+
+@requires_cuda
+def test_the_hand_written_node_keeps_autograd_s_guarantees(python_path):
+    torch.manual_seed(0)
+    module = PDERefinement(64, "diffusion", steps=2, causal=True).cuda()
+    x = torch.randn(2, 16, 64, device="cuda", requires_grad=True)
+    # an input changed in place after the call: the backward raises, as torch's own nodes do
+    hidden = x * 1
+    y = module(hidden)
+    assert "SiteRefine" in y.grad_fn.name()
+    hidden.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    # a second backward through a freed graph raises; with retain_graph the two gradients are equal
+    y = module(x)
+    y.sum().backward()
+    with pytest.raises(RuntimeError, match="a second time"):
+        y.sum().backward()
+    x.grad = None
+    y = module(x)
+    y.sum().backward(retain_graph=True)
+    first, x.grad = x.grad.clone(), None
+    y.sum().backward()
+    assert torch.equal(x.grad, first)
+    # only the coefficient asks for a gradient: the Python path's
+    module.zero_grad()
+    module(x.detach()).sum().backward()
+    planned = module.alpha.grad.clone()
+    module.zero_grad()
+    with python_path:
+        module(x.detach()).sum().backward()
+    torch.testing.assert_close(planned, module.alpha.grad, rtol=1e-4, atol=1e-6)
+    # saved-tensor hooks (activation offloading, checkpointing) see the node's saved operands
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        module(x)
+    assert any(t.data_ptr() == x.data_ptr() for t in packed)
+    # a forward-mode tangent is not dropped: the Python path serves the call (and says it has no jvp)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level(), pytest.raises(NotImplementedError):
+        module(fwAD.make_dual(x.detach(), torch.ones_like(x)))

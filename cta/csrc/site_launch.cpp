@@ -1,18 +1,23 @@
-// The eager CUDA path of a PDE site without Python per call: a C++ autograd node whose forward and backward launch
-// the Triton-compiled binaries of ``kernels_launch`` through the driver (``cuLaunchKernel``).
+// The eager CUDA path of a PDE site without Python per launch: a C++ call, and an autograd node written by hand, that
+// launch the Triton-compiled binaries of ``kernels_launch`` through the driver (``cuLaunchKernel``).
 //
-// Python (``kernels_native``) makes a plan per input metadata the first time it is seen: for the forward and the
+// Python (``kernels_cpp``) makes a plan per input metadata the first time it is seen: for the forward and the
 // backward, the binary, grid, threads, shared memory and each kernel parameter (an operand's address or an integer
 // the plan fixes). A call then costs a key match and the launches. The driver's entry points are looked up in
 // libcuda at run time, so the build needs no CUDA headers, only a C++ compiler and torch's.
 #include <torch/extension.h>
 
 #include <ATen/Context.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <dlfcn.h>
 
 #include <array>
 #include <memory>
+#include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -183,27 +188,34 @@ CUstream current_stream(int64_t device) {
   return impl->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))).native_handle();
 }
 
-class SiteRefine : public torch::autograd::Function<SiteRefine> {
- public:
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& alpha,
-                            const at::Tensor& beta, const at::Tensor& mask, int64_t plan_address) {
-    // (no beta or mask: x in its place, an operand the kernels do not read; autograd takes no undefined input)
-    const Plan& plan = *reinterpret_cast<const Plan*>(plan_address);
-    at::Tensor y = at::empty(x.sizes(), x.options());
-    void* operands[] = {x.data_ptr(), y.data_ptr(), mask.data_ptr(), alpha.data_ptr(), beta.data_ptr()};
-    ContextScope scope(plan.context);
-    plan.forward.run(operands, current_stream(plan.device));
-    ctx->save_for_backward({x, alpha, beta, mask});
-    ctx->saved_data["plan"] = plan_address;
-    return y;
-  }
+// Whatever the installed torch holds autograd nodes in (std::shared_ptr, later c10::intrusive_ptr).
+using NodePtr = decltype(torch::autograd::Edge::function);
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const Plan& plan = *reinterpret_cast<const Plan*>(ctx->saved_data["plan"].toInt());
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &alpha = saved[1], &beta = saved[2], &mask = saved[3];
+template <typename T, typename... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return NodePtr(new T(std::forward<Args>(args)...));
+  } else {
+    return NodePtr(c10::make_intrusive<T>(std::forward<Args>(args)...));
+  }
+}
+
+// The site's backward node, written by hand rather than as a torch::autograd::Function: inside a model that wrapper's
+// bookkeeping (a context, an IValue map, placeholder operands saved) cost more host time than the launches
+// (docs/kernels.md). Saved operands are SavedVariables: in-place changes are caught, saved-tensor hooks apply.
+struct SiteBackward : public torch::autograd::Node {
+  SiteBackward(const Plan* plan, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+               const at::Tensor& mask)
+      : plan_(plan), x_(x, false), alpha_(alpha, false), beta_(beta, false), mask_(mask, false) {}
+
+  std::string name() const override { return "CTASiteRefineBackward"; }
+
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Plan& plan = *plan_;
+    const at::Tensor x = x_.unpack(), alpha = alpha_.unpack(), beta = beta_.unpack(), mask = mask_.unpack();
     at::Tensor g = grads[0];
+    if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // (the output took no part in the loss)
     const bool aligned = reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0;
     if (g.scalar_type() != x.scalar_type() || g.stride(0) != plan.grad_strides[0] ||
         g.stride(1) != plan.grad_strides[1] || g.stride(2) != 1 || !aligned) {
@@ -212,7 +224,7 @@ class SiteRefine : public torch::autograd::Function<SiteRefine> {
     at::Tensor dx = at::empty(x.sizes(), x.options());
     at::Tensor da = at::empty(alpha.sizes(), alpha.options());
     at::Tensor db;
-    if (plan.beta_grad == kKernel) db = at::empty(beta.sizes(), beta.options());  // (else beta may be x)
+    if (plan.beta_grad == kKernel) db = at::empty(beta.sizes(), beta.options());
     ContextScope scope(plan.context);
     CUstream stream = current_stream(plan.device);
     at::Tensor partials = plan.partials, counters = plan.counters;
@@ -223,13 +235,48 @@ class SiteRefine : public torch::autograd::Function<SiteRefine> {
       partials = at::zeros({plan.workspace_floats}, x.options().dtype(at::kFloat));
       counters = at::zeros({plan.workspace_counters}, x.options().dtype(at::kInt));
     }
-    void* operands[] = {g.data_ptr(), x.data_ptr(), dx.data_ptr(), mask.data_ptr(), alpha.data_ptr(), beta.data_ptr(),
+    // (an absent beta or mask: x's address in its place, an operand the kernel does not read)
+    const at::Tensor& b = beta.defined() ? beta : x;
+    const at::Tensor& m = mask.defined() ? mask : x;
+    void* operands[] = {g.data_ptr(), x.data_ptr(), dx.data_ptr(), m.data_ptr(), alpha.data_ptr(), b.data_ptr(),
                         da.data_ptr(), (db.defined() ? db : g).data_ptr(), partials.data_ptr(), counters.data_ptr()};
     plan.backward.run(operands, stream);
-    if (plan.beta_grad == kZeros) db = at::zeros_like(beta);  // (kNone: beta is x's placeholder, no gradient)
-    return {dx, da, db, at::Tensor(), at::Tensor()};
+    if (plan.beta_grad == kZeros) db = at::zeros_like(beta);  // (a scheme whose beta has no gradient)
+    return {dx, da, db};
   }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    x_.reset_data();
+    alpha_.reset_data();
+    beta_.reset_data();
+    mask_.reset_data();
+  }
+
+ private:
+  const Plan* plan_;  // (plans are never removed: the address outlives the node)
+  torch::autograd::SavedVariable x_, alpha_, beta_, mask_;
 };
+
+// The forward: one launch, and the backward node where autograd asks for one.
+at::Tensor refine_with(const Plan& plan, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                       const at::Tensor& mask) {
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const at::Tensor& b = beta.defined() ? beta : x;
+  const at::Tensor& m = mask.defined() ? mask : x;
+  void* operands[] = {x.data_ptr(), y.data_ptr(), m.data_ptr(), alpha.data_ptr(), b.data_ptr()};
+  {
+    ContextScope scope(plan.context);
+    plan.forward.run(operands, current_stream(plan.device));
+  }
+  if (torch::autograd::compute_requires_grad(x, alpha, beta)) {
+    NodePtr node = make_node<SiteBackward>(&plan, x, alpha, beta, mask);
+    node->set_next_edges(torch::autograd::collect_next_edges(x, alpha, beta));
+    torch::autograd::set_history(y, node);
+    if (torch::autograd::AnomalyMode::is_enabled()) node->metadata()->store_stack();
+  }
+  return y;
+}
 
 // The plans of one site configuration (scheme, steps, causality, bounds), one per input metadata seen.
 class PlanTable {
@@ -240,9 +287,12 @@ class PlanTable {
     const at::Tensor b = beta.has_value() ? *beta : at::Tensor(), m = mask.has_value() ? *mask : at::Tensor();
     const Plan* plan = find(call_key(x, alpha, b, m));
     if (plan == nullptr) return py::none();
-    if (!plan->usable) return py::bool_(false);
-    return py::cast(SiteRefine::apply(x, alpha, b.defined() ? b : x, m.defined() ? m : x,
-                                      reinterpret_cast<int64_t>(plan)));
+    // (inference tensors, and forward-mode tangents the kernels would drop: the Python path, which handles both)
+    if (!plan->usable || c10::InferenceMode::is_enabled() || torch::autograd::isFwGradDefined(x) ||
+        torch::autograd::isFwGradDefined(alpha) || torch::autograd::isFwGradDefined(b)) {
+      return py::bool_(false);
+    }
+    return py::cast(refine_with(*plan, x, alpha, b, m));
   }
 
   Key key(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
