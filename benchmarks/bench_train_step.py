@@ -2,11 +2,9 @@
 
     python benchmarks/bench_train_step.py [--compile]   # host time per site + the 12 x 1024 step (eager / compiled)
 
-Host time per site: 8 ``PDERefinement`` modules (1 x 64 tokens) chained in one graph, forward + backward on a CPU clock
-over a ``mul`` in their place, beside the floor of any Triton op (one trivial launch each way); inside the model, the
-step's host time (until its work is queued) over its reference's, per site. The step of patched and native models on
-``--batch`` x ``--seq`` tokens, bf16, in paired ``--rounds`` (median [quartiles]), peak memory, GPU-busy and PDE
-kernel time.
+Host per site: 8 ``PDERefinement`` modules (1 x 64 tokens) chained, forward + backward on a CPU clock over a ``mul``
+in their place, beside a trivial Triton op's floor; in the model, the step's host time over its reference's. Paired
+``--rounds`` of steps on ``--batch`` x ``--seq`` tokens, bf16: median [quartiles], memory, GPU and PDE kernel time.
 """
 
 import argparse
@@ -190,7 +188,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="folder for train_step_<gpu>[_compiled].json")
+                        help="folder for train_step_<gpu>[_compiled][_<shape>, not the default].json")
     for flag, default in (("layers", 12), ("hidden", 1024), ("vocab", 32000), ("batch", 8), ("seq", 1024)):
         parser.add_argument(f"--{flag}", type=int, default=default, help="the step's model and batch")
     parser.add_argument("--rounds", type=int, default=61, help="paired rounds (the models take turns in each)")
@@ -212,7 +210,9 @@ def main():
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     record = {"command": "python " + " ".join(sys.argv), "device": name, "torch": torch.__version__,
               "dtype": str(dtype), "pde": PDE, "compile": args.compile}
-    stem = os.path.join(args.out, "train_step_" + name.replace(" ", "_") + ("_compiled" if args.compile else ""))
+    shape = (args.layers, args.hidden, args.batch, args.seq)
+    stem = os.path.join(args.out, "train_step_" + name.replace(" ", "_") + ("_compiled" if args.compile else "") + (
+        "" if shape == (12, 1024, 8, 1024) else "_{}x{}_{}x{}".format(*shape)))
     os.makedirs(args.out, exist_ok=True)
     if not args.compile and not args.context_parallel:
         record["host_per_site"] = site_chain(device, dtype, args.site_hidden, args.site_calls, args.rounds)

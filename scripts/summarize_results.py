@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -203,6 +204,8 @@ def overhead_line():
 def training_line():
     """The training step at the sizes people train (benchmarks/bench_train_step.py; issue 51's targets)."""
     files = sorted(p for p in (ROOT / "benchmarks" / "results").glob("train_step_*.json") if "_cp" not in p.name)
+    other_shapes = [p for p in files if re.search(r"_\d+x\d+_\d+x\d+$", p.stem)]  # (named by their shape)
+    files = [p for p in files if p not in other_shapes]
     runs = {mode: next((_load(p) for p in files if p.stem.endswith("_compiled") == (mode == "compiled")), None)
             for mode in ("eager", "compiled")}  # (the latest file per mode: older ones live in git history)
     if not runs["eager"]:
@@ -220,7 +223,8 @@ def training_line():
     modes = "; ".join(f"{mode}: {cells(run)}" for mode, run in runs.items() if run)
     host = first.get("host_per_site", {})
     chain = host.get("site_chain", host).get("over_torch_mul_us", {})  # (earlier files kept it under "site_chain")
-    host_text = f"the site alone {chain['pde_site']:.0f} us" if chain.get("pde_site") is not None else MISSING
+    host_text = (f"the site alone, over a `mul` in its place, {chain['pde_site']:.0f} us"
+                 if chain.get("pde_site") is not None else MISSING)
     if chain.get("pde_site_python_launch") is not None:  # (files from before the C++ launcher lack it)
         host_text += f" through the C++ launcher ({chain['pde_site_python_launch']:.0f} us launched from Python)"
     if chain.get("minimal_triton_op") is not None:
@@ -237,6 +241,9 @@ def training_line():
                  f"the GPU is busy {first['gpu_busy_ms_per_step']['llama']:.1f} ms of it (patched: "
                  f"{first['host_ms']['patched']:.1f} and {first['gpu_busy_ms_per_step']['patched']:.1f} ms), so every "
                  "host microsecond a site costs shows in the step; compiled, the sites cost what their kernels do.")
+    for run in map(_load, other_shapes):  # (a larger model: the matrix work hides the host time)
+        bound += (f" At {run['shape']['layers']} x {run['shape']['hidden']} ({run['shape']['parameters'] / 1e9:.2f}B "
+                  f"params, batch {run['shape']['batch']} x {run['shape']['seq']}), eager: {cells(run)}.")
     return [f"- **Training step** ({shape['layers']} layers x {shape['hidden']} hidden Llama-shaped model, "
             f"{shape['parameters'] / 1e6:.0f}M params, batch {shape['batch']} x {shape['seq']}, bf16, {first['device']};"
             f" diffusion, 4 steps after every block; medians [quartiles] of paired rounds; targets <= 2%): {modes}. Host time "

@@ -133,7 +133,7 @@ def test_train_step_cpu_smoke(tmp_path):
     each of the four models, and the three overheads, in one result file."""
     run("bench_train_step.py", "--layers", 1, "--hidden", 64, "--vocab", 128, "--batch", 1, "--seq", 16, "--rounds", 2,
         "--steps", 1, "--site_hidden", 64, "--site_calls", 1, "--out", tmp_path)
-    record = json.loads((tmp_path / "train_step_cpu.json").read_text())
+    record = json.loads((tmp_path / "train_step_cpu_1x64_1x16.json").read_text())  # (a shape of its own: named)
     chain = record["host_per_site"]  # (no Triton op on the CPU: the site runs the reference there)
     assert set(chain["over_torch_mul_us"]) == {"pde_site"} and chain["torch_mul_us"] > 0 and chain["sites"] == 8
     assert set(record["step_ms"]) == {"llama", "patched", "native_0", "native_4"} and min(record["step_ms"].values()) > 0
