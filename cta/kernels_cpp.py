@@ -86,19 +86,18 @@ def refine_planned(config, x, alpha, beta, mask):
 
 
 def _refine_unplanned(config, x, alpha, beta, mask):
-    """The first call of a site configuration or of new metadata: the table made, the call planned (and checked)."""
+    """A call :func:`refine_planned` found no plan for (a new site configuration or new metadata): the table made,
+    the call planned (and checked)."""
     if not _ENABLED[0] or torch.is_inference_mode_enabled():  # (inference tensors: the Python path, as tested)
         return None
     table = _TABLES.get(config, False)
     if table is False:
         module = extension()
         table = _TABLES[config] = module.PlanTable() if module is not None else None
-    if table is None:
+    if table is None or not _may_plan():  # (refine_planned found no plan for this metadata: none to look up again)
         return None
+    _add_plan(table, config, x, alpha, beta, mask)
     out = table.refine(x, alpha, beta, mask)
-    if out is None and _may_plan():
-        _add_plan(table, config, x, alpha, beta, mask)
-        out = table.refine(x, alpha, beta, mask)
     return out if torch.is_tensor(out) else None
 
 
