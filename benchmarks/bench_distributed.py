@@ -238,7 +238,7 @@ def main(argv=None):
             record["run_arguments"] = " ".join(sys.argv[1:])
         path = os.path.join(args.results_dir, name + ".json")
         if args.merge and os.path.exists(path):
-            phases = {**_read(path)["phases"], **phases}
+            phases = {**json.loads(open(path).read())["phases"], **phases}
         for patched, plain in (("full_pde", "full"), ("lora_pde", "lora")):
             if patched in phases and plain in phases:
                 phases[patched]["step_overhead_vs_" + plain] = (
@@ -269,11 +269,6 @@ ENGINE_LABEL = {"fsdp2": "FSDP2", "fsdp1": "FSDP1", "zero3": "DeepSpeed ZeRO-3",
                 "ddp": "DDP", "single": "one process"}
 
 
-def _read(path):
-    with open(path) as f:
-        return json.load(f)
-
-
 def _paired_ci(record):
     """Bootstrap 95% interval of the median per-pair ratio (on / off - 1), the first two pairs left out."""
     ratios = [a / b - 1 for a, b in zip(record["paired_step_seconds_on"], record["paired_step_seconds_off"])][2:]
@@ -286,19 +281,19 @@ def load_runs(results_dir):
     runs = {}
     for path in sorted(glob.glob(os.path.join(results_dir, "distributed_*.json"))):
         if re.search(r"distributed_[a-z0-9]+_\d+(gpu|cpu)\.json$", path):
-            runs[os.path.basename(path)[:-5]] = _read(path)
+            runs[os.path.basename(path)[:-5]] = json.loads(open(path).read())
     for stem, run in runs.items():
         path = os.path.join(results_dir, stem + "_overhead.json")
         if not os.path.exists(path):
             continue
-        timing = _read(path)
+        timing = json.loads(open(path).read())
         for phase, record in timing["phases"].items():
             if phase in run["phases"] and "paired_step_overhead_median" in record:
                 run["phases"][phase].update({k: v for k, v in record.items() if k.startswith("paired_")},
                                             paired_source=os.path.basename(path), paired_step_overhead_ci95=_paired_ci(record))
         run["overhead_variants"] = []
         for path in sorted(glob.glob(os.path.join(results_dir, stem + "_overhead_*.json"))):
-            timing = _read(path)
+            timing = json.loads(open(path).read())
             run["overhead_variants"].append({
                 "source": os.path.basename(path), "per_process_batch": timing["per_process_batch"],
                 "seq_len": timing["seq_len"], "device": timing.get("device"),

@@ -236,8 +236,13 @@ def training_line():
                       f"(the step's host time over its reference's, per site)")
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
     bound = ""
+    if "llama_gain_vs_llama" in first["overhead"]:  # (files from before the floor was measured lack it)
+        row = first["overhead"]["llama_gain_vs_llama"]
+        bound = (f" The floor of any separate op in a site's place, a learned gain on every block's output (one `mul`, "
+                 f"a forward hook), costs the eager step {row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, "
+                 f"{row['q3_pct']:+.1f}] ({inside['llama_gain']:.0f} us of host time per site).")
     if first.get("gpu_busy_ms_per_step") and first.get("host_ms"):
-        bound = (f" The eager step is host-bound: Llama's host queues it in {first['host_ms']['llama']:.1f} ms while "
+        bound += (f" The eager step is host-bound: Llama's host queues it in {first['host_ms']['llama']:.1f} ms while "
                  f"the GPU is busy {first['gpu_busy_ms_per_step']['llama']:.1f} ms of it (patched: "
                  f"{first['host_ms']['patched']:.1f} and {first['gpu_busy_ms_per_step']['patched']:.1f} ms), so every "
                  "host microsecond a site costs shows in the step; compiled, the sites cost what their kernels do.")

@@ -130,17 +130,19 @@ def test_kernels_gpu_smoke(tmp_path):
 
 def test_train_step_cpu_smoke(tmp_path):
     """bench_train_step on a tiny Llama shape: host time per site (the site alone), the step of
-    each of the four models, and the three overheads, in one result file."""
+    each of the five models, and the five overheads, in one result file."""
     run("bench_train_step.py", "--layers", 1, "--hidden", 64, "--vocab", 128, "--batch", 1, "--seq", 16, "--rounds", 2,
         "--steps", 1, "--site_hidden", 64, "--site_calls", 1, "--out", tmp_path)
     record = json.loads((tmp_path / "train_step_cpu_1x64_1x16.json").read_text())  # (a shape of its own: named)
     chain = record["host_per_site"]  # (no Triton op on the CPU: the site runs the reference there)
     assert set(chain["over_torch_mul_us"]) == {"pde_site"} and chain["torch_mul_us"] > 0 and chain["sites"] == 8
-    assert set(record["step_ms"]) == {"llama", "patched", "native_0", "native_4"} and min(record["step_ms"].values()) > 0
-    assert set(record["overhead"]) == {"patched_vs_llama", "native_0_vs_llama", "native_4_vs_native_0"}
+    models = {"llama", "patched", "native_0", "native_4", "llama_gain"}  # (llama_gain: one `mul` per block, the floor)
+    assert set(record["step_ms"]) == models and min(record["step_ms"].values()) > 0
+    assert set(record["overhead"]) == {"patched_vs_llama", "native_0_vs_llama", "native_4_vs_native_0",
+                                       "llama_gain_vs_llama", "patched_vs_llama_gain"}
     # the host's part of each step (queued, before the closing synchronisation) never exceeds the step
     assert all(0 < record["host_ms"][name] <= record["step_ms"][name] for name in record["step_ms"])
-    assert set(record["in_model_host_per_site_us"]) == {"patched", "native_4"}
+    assert set(record["in_model_host_per_site_us"]) == {"patched", "native_4", "llama_gain"}
 
 
 def test_train_step_context_parallel_cpu_smoke(tmp_path):
