@@ -1,5 +1,7 @@
 """CTA models on CUDA: the Triton backend matches the PyTorch reference inside whole models (GPU only)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -184,3 +186,33 @@ def test_no_host_device_synchronisation_in_a_patched_decode_step():
                 out = model(input_ids=token, use_cache=True, **{CACHE_ARGUMENT: getattr(out, CACHE_ARGUMENT)})
             finally:
                 torch.cuda.set_sync_debug_mode(0)
+
+
+@requires_cuda
+@pytest.mark.skipif(not hasattr(cta.CTAForCausalLM, "activation_checkpointing_enable"),
+                    reason="this transformers has no activation_checkpointing_enable(offload=...) (5.24 has)")
+@pytest.mark.parametrize("kind", ["native", "patched"])
+def test_offloaded_activation_checkpointing_gives_the_same_gradients(kind):
+    """Newer transformers keep a checkpointed layer's saved inputs in pinned host memory (``offload=True``, saved-tensor
+    hooks): the sites (the C++ launcher's node and the Python path alike) give the gradients of the plain model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    if kind == "native":
+        model = CTAForCausalLM(CTAConfig.modern_decoder(pde_type="diffusion", pde_steps=4, pde_alpha=0.2, **shape))
+    else:
+        model = cta.patch_model(LlamaForCausalLM(LlamaConfig(**shape)), pde_steps=4, init="paper")
+    model = model.cuda().train()
+    twin = copy.deepcopy(model)
+    twin.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    ids = torch.randint(1, 97, (2, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    grads = []
+    for m in (model, twin):
+        m(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("pde" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)

@@ -125,7 +125,8 @@ def test_gradient_checkpointing_same_gradients(kind):
         model.train()
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            assert model.is_gradient_checkpointing
+            # (transformers 5.24 renamed the property, the old name warning; 5.14 has only the old one)
+            assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
         model(ids, attention_mask=mask, labels=labels).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and any("_pde." in n for n in grads[0])

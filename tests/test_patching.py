@@ -247,6 +247,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(arch, reentrant):
         torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+@pytest.mark.skipif(not hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"),
+                    reason="this transformers has no activation_checkpointing_enable(every_n_layers=...) (5.24 has)")
+def test_checkpointing_every_other_layer_gives_the_same_gradients():
+    """Newer transformers checkpoint every n-th layer only (``activation_checkpointing_enable(every_n_layers=2)``): each
+    site reads its own layer's flag, so the recomputed layer and the kept one both see the padding walls."""
+    model = patch_model(tiny_model("llama"), pde_steps=3, placement=list(PATCH_PLACEMENTS), init="paper")
+    randomize_pde(model)
+    ids, mask = batch(pad=4)
+    twin = copy.deepcopy(model)
+    twin.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2)
+    assert [layer.gradient_checkpointing for layer in twin.model.layers] == [True, False]
+    grads = []
+    for m in (model, twin):
+        m.train()
+        m(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and any("cta_value" in n for n in grads[0])
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_recomputation_never_takes_another_forwards_walls(reentrant):
     """Gradient checkpointing recomputes a layer after the forwards returned. Two training forwards with different
