@@ -85,20 +85,47 @@ def refine_planned(config, x, alpha, beta, mask):
     return _refine_unplanned(config, x, alpha, beta, mask)
 
 
+def forward_planned(config, x, alpha, beta, mask):
+    """``x`` refined through the plan of ``config`` without an autograd node (the compiled graph's
+    ``cta::pde_refine_fwd``, whose autograd is the graph's), or None where the Python path serves this call."""
+    table = _TABLES.get(config)
+    out = table.forward(x, alpha, beta, mask) if table is not None and _ENABLED[0] else None
+    if out is None and _planned_table(config, x, alpha, beta, mask) is not None:
+        out = _TABLES[config].forward(x, alpha, beta, mask)
+    return out if torch.is_tensor(out) else None
+
+
+def backward_planned(config, gy, x, alpha, beta, mask):
+    """``(dx, dalpha, dbeta)`` of :func:`forward_planned`'s call for the output gradient ``gy`` (``cta::pde_refine_bwd``;
+    ``dbeta`` None without beta), or None where the Python path serves it."""
+    table = _TABLES.get(config)
+    out = table.backward(gy, x, alpha, beta, mask) if table is not None and _ENABLED[0] else None
+    if out is None and _planned_table(config, x, alpha, beta, mask) is not None:
+        out = _TABLES[config].backward(gy, x, alpha, beta, mask)
+    return out if isinstance(out, tuple) else None
+
+
 def _refine_unplanned(config, x, alpha, beta, mask):
     """A call :func:`refine_planned` found no plan for (a new site configuration or new metadata): the table made,
     the call planned (and checked)."""
+    table = _planned_table(config, x, alpha, beta, mask)
+    out = table.refine(x, alpha, beta, mask) if table is not None else None
+    return out if torch.is_tensor(out) else None
+
+
+def _planned_table(config, x, alpha, beta, mask):
+    """The table of ``config`` once this call's metadata is planned (or refused), or None where nothing can plan it
+    (the launcher off or not built, inference mode, a CUDA graph's capture)."""
     if not _ENABLED[0] or torch.is_inference_mode_enabled():  # (inference tensors: the Python path, as tested)
         return None
     table = _TABLES.get(config, False)
     if table is False:
         module = extension()
         table = _TABLES[config] = module.PlanTable() if module is not None else None
-    if table is None or not _may_plan():  # (refine_planned found no plan for this metadata: none to look up again)
+    if table is None or not _may_plan():  # (the caller found no plan for this metadata: none to look up again)
         return None
     _add_plan(table, config, x, alpha, beta, mask)
-    out = table.refine(x, alpha, beta, mask)
-    return out if torch.is_tensor(out) else None
+    return table
 
 
 def _may_plan() -> bool:
@@ -209,21 +236,20 @@ def _launch_spec(launch, args, operands):
 
 
 def _agrees_with_python(table, config, x, alpha, beta, mask) -> bool:
-    """Whether the new plan gives the Python path's output and gradients on this call's values (once per plan)."""
+    """Whether the new plan gives the Python path's output and gradients on this call's values (once per plan): its
+    two launches called directly (the autograd node runs the same backward launch), for an output gradient drawn
+    from a generator of its own (the user's random stream untouched)."""
     pde, steps, causal, bounds = config
-    keep = lambda tensor: tensor  # noqa: E731
-    # (identity saved-tensor hooks: an enclosing activation checkpoint's must not take this check's saved tensors)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, keep):
-        leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, alpha, beta)]
-        y = table.refine(leaves[0], leaves[1], leaves[2], mask)
-        if not torch.is_tensor(y):
-            return False
-        gy = torch.randn_like(y)
-        grads = torch.autograd.grad(y, [t for t in leaves if t is not None], gy)
-    plain = [t.detach() if t is not None else None for t in (x, alpha, beta)]
-    expected = launch_forward(plain[0], plain[1], plain[2], mask, None, pde, steps, causal, False, bounds)[0]
-    wanted = launch_backward(gy, plain[0], plain[1], plain[2], mask, None, pde, steps, causal,
-                             need_db=beta is not None, bounds=bounds)
+    x, alpha = x.detach(), alpha.detach()
+    beta = beta.detach() if beta is not None else None
+    y = table.forward(x, alpha, beta, mask)
+    if not torch.is_tensor(y):
+        return False
+    gy = torch.empty_like(y).normal_(generator=torch.Generator(y.device).manual_seed(0))
+    grads = table.backward(gy, x, alpha, beta, mask)
+    expected = launch_forward(x, alpha, beta, mask, None, pde, steps, causal, False, bounds)[0]
+    wanted = launch_backward(gy, x, alpha, beta, mask, None, pde, steps, causal, need_db=beta is not None,
+                             bounds=bounds)
     # (the coefficient gradients may be summed with atomics: equal up to the order of the sum, a few of the
     # parameter dtype's units in the last place: bf16 parameters differ by whole bf16 steps)
     def close(got, want):
@@ -231,4 +257,4 @@ def _agrees_with_python(table, config, x, alpha, beta, mask) -> bool:
         return torch.allclose(got, want.to(got.dtype), rtol=tolerance, atol=tolerance * 1e-2)
 
     return torch.equal(y, expected) and torch.equal(grads[0], wanted[0]) and all(
-        close(got, want) for got, want in zip(grads[1:], wanted[1:]))
+        close(got, want) for got, want in zip(grads[1:], wanted[1:]) if want is not None)

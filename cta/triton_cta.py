@@ -19,7 +19,7 @@ import torch
 
 from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, is_available
-from .kernels_cpp import refine_planned  # noqa: F401  (the module call on CUDA: pde_cta.PDERefinement)
+from .kernels_cpp import backward_planned, forward_planned, refine_planned  # noqa: F401  (refine_planned: pde_cta)
 from .kernels_launch import launch_backward, launch_decode, launch_forward
 from .pde_reference import pde_decode_step_reference, pde_refine_reference
 from .pde_spec import PDE_IDS, check_attention_mask, check_decode_arguments, check_decode_levels, check_pde_arguments
@@ -44,6 +44,10 @@ _REFINE_OPERANDS = ("Tensor x, Tensor alpha, Tensor? beta, Tensor? mask, Tensor?
 
 
 def _pde_refine_fwd_impl(x, alpha, beta, mask, init, pde, steps, causal, want_final):
+    if init is None and not want_final and x.is_cuda:  # (a compiled training step: the C++ launcher's plan)
+        y = forward_planned((_pde_name(pde), steps, causal, None), x, alpha, beta, mask)
+        if y is not None:
+            return y, _no_state(x)
     y, fin = launch_forward(x, alpha, beta, mask, init, _pde_name(pde), steps, causal, want_final)
     return y, (fin if fin is not None else _no_state(x))
 
@@ -61,6 +65,10 @@ def _pde_refine_fwd_fake(x, alpha, beta, mask, init, pde, steps, causal, want_fi
 
 
 def _pde_refine_bwd_impl(gy, x, alpha, beta, mask, init, pde, steps, causal):
+    if init is None and x.is_cuda:
+        grads = backward_planned((_pde_name(pde), steps, causal, None), gy, x, alpha, beta, mask)
+        if grads is not None:  # (no beta: the op's 0-d zero, as launch_backward gives)
+            return grads[0], grads[1], grads[2] if grads[2] is not None else x.new_zeros((), dtype=torch.float32)
     return launch_backward(gy, x, alpha, beta, mask, init, _pde_name(pde), steps, causal)
 
 

@@ -245,7 +245,12 @@ def training_line():
         bound += (f" The eager step is host-bound: Llama's host queues it in {first['host_ms']['llama']:.1f} ms while "
                  f"the GPU is busy {first['gpu_busy_ms_per_step']['llama']:.1f} ms of it (patched: "
                  f"{first['host_ms']['patched']:.1f} and {first['gpu_busy_ms_per_step']['patched']:.1f} ms), so every "
-                 "host microsecond a site costs shows in the step; compiled, the sites cost what their kernels do.")
+                 "host microsecond a site costs shows in the step.")
+        compiled = runs["compiled"]
+        if compiled and compiled.get("host_ms"):  # (whether the compiled step waits on its host: the hosts vary)
+            host, step = compiled["host_ms"]["llama"], compiled["step_ms"]["llama"]
+            bound += (f" Compiled, Llama's host queues a step in {host:.1f} of its {step:.1f} ms, so "
+                      + ("the sites cost what their kernels do." if host < step else "host time shows there too."))
     for run in map(_load, other_shapes):  # (a larger model: the matrix work hides the host time)
         bound += (f" At {run['shape']['layers']} x {run['shape']['hidden']} ({run['shape']['parameters'] / 1e9:.2f}B "
                   f"params, batch {run['shape']['batch']} x {run['shape']['seq']}), eager: {cells(run)}.")

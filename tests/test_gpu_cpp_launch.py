@@ -192,3 +192,38 @@ def test_the_hand_written_node_keeps_autograd_s_guarantees(python_path):
 
     with fwAD.dual_level(), pytest.raises(NotImplementedError):
         module(fwAD.make_dual(x.detach(), torch.ones_like(x)))
+
+
+@requires_cuda
+def test_a_compiled_call_launches_the_plans(python_path):
+    """Under torch.compile a site is the ``cta::pde_refine_fwd`` / ``_bwd`` custom ops (the graph holds the autograd);
+    their implementations launch the launcher's plans, made and checked on the first call, and give the Python path's
+    output and input gradient bitwise."""
+    torch.manual_seed(0)
+    module = PDERefinement(96, "diffusion", steps=4, causal=True, alpha=0.12, per_channel=True).cuda()
+    x = torch.randn(3, 37, 96, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(3, 37, dtype=torch.bool, device="cuda")
+    mask[1, :5] = False
+    compiled = torch.compile(module, fullgraph=True)
+    y, grads, _ = _run(compiled, x, mask)
+    # the op's plan (the coefficient projected in the graph, so the configuration has no bounds) serves this metadata
+    table = kernels_cpp._TABLES[(module.pde_type, module.steps, module.causal, None)]
+    alpha = module.alpha.detach().clamp(*module.alpha_bounds)
+    assert torch.equal(table.forward(x, alpha, None, mask), y)
+    with python_path:
+        y_py, grads_py, _ = _run(compiled, x, mask)
+    assert torch.equal(y, y_py) and torch.equal(grads[0], grads_py[0])
+    torch.testing.assert_close(grads[1], grads_py[1], rtol=1e-4, atol=1e-6)
+
+
+@requires_cuda
+def test_making_a_plan_leaves_the_random_stream_alone():
+    """The check of a new plan draws its output gradient from a generator of its own: a first step (every site makes
+    its plan) must not shift the user's random stream (dropout masks, sampling) against a run without the launcher."""
+    module = PDERefinement(80, "diffusion", steps=3, causal=True, alpha=0.1).cuda()
+    x = torch.randn(2, 29, 80, device="cuda", requires_grad=True)  # (a shape no other test plans)
+    config = (module.pde_type, module.steps, module.causal, module.bounds)
+    plans = len(kernels_cpp._TABLES[config]) if config in kernels_cpp._TABLES else 0
+    state = torch.cuda.get_rng_state()
+    assert "SiteRefine" in module(x).grad_fn.name()
+    assert len(kernels_cpp._TABLES[config]) == plans + 1 and torch.equal(torch.cuda.get_rng_state(), state)

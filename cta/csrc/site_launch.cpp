@@ -200,6 +200,39 @@ NodePtr make_node(Args&&... args) {
   }
 }
 
+// The backward launch of `plan` for the output gradient `g`: {dx, dalpha, dbeta} (dbeta undefined without beta).
+torch::autograd::variable_list backward_launch(const Plan& plan, at::Tensor g, const at::Tensor& x,
+                                               const at::Tensor& alpha, const at::Tensor& beta,
+                                               const at::Tensor& mask) {
+  const bool aligned = reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0;
+  if (g.scalar_type() != x.scalar_type() || g.stride(0) != plan.grad_strides[0] ||
+      g.stride(1) != plan.grad_strides[1] || g.stride(2) != 1 || !aligned) {
+    g = at::empty(x.sizes(), x.options()).copy_(g);  // (the dtype, strides and alignment the binary was made for)
+  }
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  at::Tensor da = at::empty(alpha.sizes(), alpha.options());
+  at::Tensor db;
+  if (plan.beta_grad == kKernel) db = at::empty(beta.sizes(), beta.options());
+  ContextScope scope(plan.context);
+  CUstream stream = current_stream(plan.device);
+  at::Tensor partials = plan.partials, counters = plan.counters;
+  int capturing = 0;
+  driver().is_capturing(stream, &capturing);
+  if (stream != plan.workspace_stream || capturing) {
+    // another stream, or a CUDA graph's capture: a workspace of this launch's own (as the Python path does)
+    partials = at::zeros({plan.workspace_floats}, x.options().dtype(at::kFloat));
+    counters = at::zeros({plan.workspace_counters}, x.options().dtype(at::kInt));
+  }
+  // (an absent beta or mask: x's address in its place, an operand the kernel does not read)
+  const at::Tensor& b = beta.defined() ? beta : x;
+  const at::Tensor& m = mask.defined() ? mask : x;
+  void* operands[] = {g.data_ptr(), x.data_ptr(), dx.data_ptr(), m.data_ptr(), alpha.data_ptr(), b.data_ptr(),
+                      da.data_ptr(), (db.defined() ? db : g).data_ptr(), partials.data_ptr(), counters.data_ptr()};
+  plan.backward.run(operands, stream);
+  if (plan.beta_grad == kZeros) db = at::zeros_like(beta);  // (a scheme whose beta has no gradient)
+  return {dx, da, db};
+}
+
 // The site's backward node, written by hand rather than as a torch::autograd::Function: inside a model that wrapper's
 // bookkeeping (a context, an IValue map, placeholder operands saved) cost more host time than the launches
 // (docs/kernels.md). Saved operands are SavedVariables: in-place changes are caught, saved-tensor hooks apply.
@@ -216,33 +249,7 @@ struct SiteBackward : public torch::autograd::Node {
     const at::Tensor x = x_.unpack(), alpha = alpha_.unpack(), beta = beta_.unpack(), mask = mask_.unpack();
     at::Tensor g = grads[0];
     if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // (the output took no part in the loss)
-    const bool aligned = reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0;
-    if (g.scalar_type() != x.scalar_type() || g.stride(0) != plan.grad_strides[0] ||
-        g.stride(1) != plan.grad_strides[1] || g.stride(2) != 1 || !aligned) {
-      g = at::empty(x.sizes(), x.options()).copy_(g);  // (the dtype, strides and alignment the binary was made for)
-    }
-    at::Tensor dx = at::empty(x.sizes(), x.options());
-    at::Tensor da = at::empty(alpha.sizes(), alpha.options());
-    at::Tensor db;
-    if (plan.beta_grad == kKernel) db = at::empty(beta.sizes(), beta.options());
-    ContextScope scope(plan.context);
-    CUstream stream = current_stream(plan.device);
-    at::Tensor partials = plan.partials, counters = plan.counters;
-    int capturing = 0;
-    driver().is_capturing(stream, &capturing);
-    if (stream != plan.workspace_stream || capturing) {
-      // another stream, or a CUDA graph's capture: a workspace of this launch's own (as the Python path does)
-      partials = at::zeros({plan.workspace_floats}, x.options().dtype(at::kFloat));
-      counters = at::zeros({plan.workspace_counters}, x.options().dtype(at::kInt));
-    }
-    // (an absent beta or mask: x's address in its place, an operand the kernel does not read)
-    const at::Tensor& b = beta.defined() ? beta : x;
-    const at::Tensor& m = mask.defined() ? mask : x;
-    void* operands[] = {g.data_ptr(), x.data_ptr(), dx.data_ptr(), m.data_ptr(), alpha.data_ptr(), b.data_ptr(),
-                        da.data_ptr(), (db.defined() ? db : g).data_ptr(), partials.data_ptr(), counters.data_ptr()};
-    plan.backward.run(operands, stream);
-    if (plan.beta_grad == kZeros) db = at::zeros_like(beta);  // (a scheme whose beta has no gradient)
-    return {dx, da, db};
+    return backward_launch(plan, g, x, alpha, beta, mask);
   }
 
   void release_variables() override {
@@ -258,17 +265,22 @@ struct SiteBackward : public torch::autograd::Node {
   torch::autograd::SavedVariable x_, alpha_, beta_, mask_;
 };
 
-// The forward: one launch, and the backward node where autograd asks for one.
-at::Tensor refine_with(const Plan& plan, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
-                       const at::Tensor& mask) {
+// The forward launch of `plan`: the refined tensor.
+at::Tensor forward_launch(const Plan& plan, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                          const at::Tensor& mask) {
   at::Tensor y = at::empty(x.sizes(), x.options());
   const at::Tensor& b = beta.defined() ? beta : x;
   const at::Tensor& m = mask.defined() ? mask : x;
   void* operands[] = {x.data_ptr(), y.data_ptr(), m.data_ptr(), alpha.data_ptr(), b.data_ptr()};
-  {
-    ContextScope scope(plan.context);
-    plan.forward.run(operands, current_stream(plan.device));
-  }
+  ContextScope scope(plan.context);
+  plan.forward.run(operands, current_stream(plan.device));
+  return y;
+}
+
+// The forward: one launch, and the backward node where autograd asks for one.
+at::Tensor refine_with(const Plan& plan, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+                       const at::Tensor& mask) {
+  at::Tensor y = forward_launch(plan, x, alpha, beta, mask);
   if (torch::autograd::compute_requires_grad(x, alpha, beta)) {
     NodePtr node = make_node<SiteBackward>(&plan, x, alpha, beta, mask);
     node->set_next_edges(torch::autograd::collect_next_edges(x, alpha, beta));
@@ -293,6 +305,28 @@ class PlanTable {
       return py::bool_(false);
     }
     return py::cast(refine_with(*plan, x, alpha, b, m));
+  }
+
+  // The launches alone, no autograd node (the compiled graph's custom ops, whose autograd is the graph's): the
+  // refined tensor, or (dx, dalpha, dbeta); None and False as for `refine`.
+  py::object forward(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
+                     const c10::optional<at::Tensor>& mask) {
+    const at::Tensor b = beta.has_value() ? *beta : at::Tensor(), m = mask.has_value() ? *mask : at::Tensor();
+    const Plan* plan = find(call_key(x, alpha, b, m));
+    if (plan == nullptr) return py::none();
+    if (!plan->usable) return py::bool_(false);
+    return py::cast(forward_launch(*plan, x, alpha, b, m));
+  }
+
+  py::object backward(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& alpha,
+                      const c10::optional<at::Tensor>& beta, const c10::optional<at::Tensor>& mask) {
+    const at::Tensor b = beta.has_value() ? *beta : at::Tensor(), m = mask.has_value() ? *mask : at::Tensor();
+    const Plan* plan = find(call_key(x, alpha, b, m));
+    if (plan == nullptr) return py::none();
+    if (!plan->usable) return py::bool_(false);
+    TORCH_CHECK(gy.sizes() == x.sizes() && gy.device() == x.device(), "cta: the gradient is not shaped as the input");
+    torch::autograd::variable_list grads = backward_launch(*plan, gy, x, alpha, b, m);
+    return py::make_tuple(grads[0], grads[1], grads[2]);  // (an undefined dbeta: None)
   }
 
   Key key(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
@@ -354,6 +388,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PlanTable>(m, "PlanTable")
       .def(py::init<>())
       .def("refine", &PlanTable::refine)
+      .def("forward", &PlanTable::forward)
+      .def("backward", &PlanTable::backward)
       .def("key", &PlanTable::key)
       .def("refuse", &PlanTable::refuse)
       .def("add", &PlanTable::add)
