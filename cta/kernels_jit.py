@@ -39,10 +39,15 @@ except Exception:  # pragma: no cover - depends on the environment
 INTERPRET = bool(HAS_TRITON and triton.knobs.runtime.interpret)
 
 
-@functools.lru_cache(maxsize=None)  # asked at every call; torch.cuda.is_available() reads the environment each time
+_AVAILABLE = []  # (asked at every call, traced calls too: torch.cuda.is_available() reads the environment each time,
+#                  and Dynamo warns about an lru_cache it traces through)
+
+
 def is_available() -> bool:
     """True when triton imports and can run here: on CUDA, or on CPU through ``TRITON_INTERPRET=1``."""
-    return HAS_TRITON and (INTERPRET or torch.cuda.is_available())
+    if not _AVAILABLE:
+        _AVAILABLE.append(HAS_TRITON and (INTERPRET or torch.cuda.is_available()))
+    return _AVAILABLE[0]
 
 
 class DirectLaunch:

@@ -9,8 +9,6 @@ a patched model gives hooks bound to the copy's sites.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import weakref
 from typing import Optional
 
@@ -60,19 +58,16 @@ def _same_mask(a, b) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
-@functools.lru_cache(maxsize=None)
-def _takes_use_cache(module_class) -> bool:
-    """Whether ``module_class.forward`` has a ``use_cache`` parameter."""
-    return "use_cache" in inspect.signature(module_class.forward).parameters
-
-
 class PatchContext:
     """Per-forward state shared by the hooks of one patched model, captured by the base model's forward pre-hook
-    (:meth:`enter`) and released by its forward hook (:meth:`exit`). ``site_hooks``: the model's site objects."""
+    (:meth:`enter`) and released by its forward hook (:meth:`exit`). ``site_hooks``: the model's site objects;
+    ``takes_use_cache``: whether the base model's forward has a ``use_cache`` parameter (read once, when patched:
+    under torch.compile the pre-hook is traced, and a cached signature lookup there makes Dynamo warn)."""
 
     def __init__(self, mask_position: Optional[int], cache_position: Optional[int], sites, model_name: str,
-                 position_ids_position: Optional[int] = None):
+                 position_ids_position: Optional[int] = None, takes_use_cache: bool = False):
         self.mask_position = mask_position
+        self.takes_use_cache = takes_use_cache
         self.cache_position = cache_position
         self.position_ids_position = position_ids_position
         self.sites = sites  # (site, cache layer, conv state) of every causal PDE site
@@ -110,7 +105,7 @@ class PatchContext:
             self.checkpoint_walls = CheckpointWalls(self.walls, self.checkpoint_walls)
         packable = position_ids is not None or kwargs.get("cu_seq_lens_q") is not None
         if training and cache is None and self.sites and (compiling or packable) and kwargs.get("use_cache") is None \
-                and len(args) <= 1 and _takes_use_cache(type(module)):
+                and len(args) <= 1 and self.takes_use_cache:
             # A training forward decodes nothing: no cache where one costs graph breaks (traced) or would keep
             # transformers' masks from separating packed rows (`position_ids`). Eager without them the unpatched model's
             # cache stays: without it, its mask builder would synchronise with the device to look for packed rows.

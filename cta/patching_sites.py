@@ -79,7 +79,8 @@ def _add_sites(model, spec, plan):
     sites = pde_sites(num_layers, states_of) if spec["causal"] else []
     base._cta_context = context = PatchContext(
         _positional_index(base.forward, ("attention_mask",)), _positional_index(base.forward, CACHE_ARGUMENTS), sites,
-        type(model).__name__, _positional_index(base.forward, ("position_ids",)))
+        type(model).__name__, _positional_index(base.forward, ("position_ids",)),
+        "use_cache" in parameters_of(type(base).forward))
     context.handles = [base.register_forward_pre_hook(context.enter, with_kwargs=True),
                        base.register_forward_hook(context.exit, with_kwargs=True, always_call=True)]
     if spec["pde_steps"] == 0:

@@ -179,6 +179,23 @@ def test_training_keeps_packed_rows_apart_with_the_default_use_cache(kind, check
             torch.testing.assert_close(packed[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_compiled_packed_training_forward_gives_no_dynamo_warning():
+    """Compiled, the patch's forward pre-hook is traced: it reads whether the base model takes ``use_cache`` from its
+    context (set when patched), not from a cached signature lookup that makes Dynamo warn of potential silent
+    incorrectness; the compiled packed step gives the eager loss."""
+    import warnings
+
+    model = model_of("patched").train()
+    batch = packed_batch(sequences(3))
+    eager = model(**batch).loss
+    compiled = torch.compile(model.forward, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = compiled(**batch).loss
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message)[:200] for w in caught]
+    torch.testing.assert_close(loss, eager)
+
+
 @pytest.mark.parametrize("placements", [ALL_PLACEMENTS, ["block_output"]])
 @pytest.mark.parametrize("kind", ["patched", "native"])
 def test_packed_rows_cannot_continue_a_cache(kind, placements):
