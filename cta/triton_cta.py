@@ -3,8 +3,9 @@
 
 * Forward and backward are torch custom ops (``cta::pde_refine_fwd`` / ``_bwd``) with fake implementations and
   autograd: ``torch.compile`` traces them without graph breaks (a traced decode step is ``pde_decode``'s torch ops,
-  which Inductor fuses into the next norm). Eager calls take a plain ``torch.autograd.Function`` over the same
-  launches (the launch alone under ``no_grad``): less host time than the custom-op dispatcher.
+  which Inductor fuses into the next norm); on CUDA their implementations launch the C++ launcher's plans
+  (``kernels_cpp``) where one serves. Eager calls take the launcher's autograd node (``PDERefinement``) or a plain
+  ``torch.autograd.Function`` over the same launches (the launch alone under ``no_grad``).
 * Gradients that involve the streamed state (an ``initial_state`` that requires grad, or a used final state) run the
   reference's autograd on the saved inputs: exact, slower, rare (the models detach the state they cache).
 * ``steps`` 1..16 run fused, more fall back to the reference; fp32, bf16 and fp16 run fused (fp32 accumulation),
