@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import struct
+import sys
 import time
 
 import torch
@@ -38,20 +39,50 @@ _ENABLED = [True]  # (set_enabled)
 _TABLES = {}  # (pde, steps, causal, bounds) -> PlanTable, or None without the extension
 _BETA_GRAD = {"none": 0, "kernel": 1, "zeros": 2}  # (site_launch.cpp's BetaGrad)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STALE_LOCK_SECONDS = 300  # (a build takes 20-35 s on the machines measured: docs/kernels.md)
 
 
 def build():
     """Builds (or loads torch's cached build of) ``csrc/site_launch.cpp``; raises where it cannot."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     start = time.perf_counter()
     # (torch's build cache is keyed on the sources and flags, not torch's version: a build per version, no stale ABI)
     name = "cta_site_launch_" + re.sub(r"\W", "_", torch.__version__)
-    module = load(name, [SOURCE], extra_ldflags=["-ldl"], verbose=False)
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), python, name)
+    os.makedirs(directory, exist_ok=True)
+    _wait_for_the_lock(os.path.join(directory, "lock"))
+    module = load(name, [SOURCE], extra_ldflags=["-ldl"], build_directory=directory, verbose=False)
     if time.perf_counter() - start > 5:
         logger.warning("cta: built the C++ PDE site launcher in %.0f s (once per machine and torch version; "
                        "CTA_CPP_LAUNCH=0 turns it off).", time.perf_counter() - start)
     return module
+
+
+def _wait_for_the_lock(lock, stale_after=STALE_LOCK_SECONDS, poll=1.0):
+    """Waits while another process builds (its ``lock`` file in the build directory). torch waits on that file without
+    end and without a word, so a build interrupted earlier (a Ctrl-C during the first step) would hang every later
+    run: a lock older than any build takes is removed, with a warning."""
+    warned = False
+    while True:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            return  # (no lock: nobody is building)
+        if age > stale_after:
+            logger.warning("cta: removing %s, left %.0f s ago by a build of the C++ PDE site launcher that did not "
+                           "finish (an interrupted process); building it again.", lock, age)
+            try:
+                os.remove(lock)
+            except FileNotFoundError:
+                pass
+            return
+        if not warned and age > 30:
+            logger.warning("cta: waiting for another process building the C++ PDE site launcher (%s); a lock older "
+                           "than %.0f s is taken for an interrupted build and removed.", lock, stale_after)
+            warned = True
+        time.sleep(poll)
 
 
 def extension():

@@ -54,3 +54,26 @@ def test_unknown_and_refused_metadata_take_the_python_path(table):
     assert len(table) == 1 + len(lengths)
     assert all(table.refine(torch.randn(1, n, 16), alpha, None, None) is False for n in lengths)
     assert table.refine(torch.randn(1, 206, 16), alpha, None, None) is None
+
+
+def test_a_lock_left_by_an_interrupted_build_is_removed(tmp_path, caplog):
+    """torch waits on its build lock without end and without a word: a lock older than any build (an interrupted first
+    build) is removed with a warning, a fresh one (another process building) is waited for and left to its owner."""
+    import os
+    import threading
+    import time
+
+    lock = tmp_path / "lock"
+    kernels_cpp._wait_for_the_lock(str(lock))  # (no lock: returns at once)
+    lock.touch()
+    os.utime(lock, (time.time() - 400, time.time() - 400))
+    with caplog.at_level("WARNING", logger=kernels_cpp.__name__):
+        kernels_cpp._wait_for_the_lock(str(lock), stale_after=300, poll=0.01)
+    assert not lock.exists() and "did not finish" in caplog.text
+    lock.touch()  # another process building: it removes its own lock when done
+    owner = threading.Timer(0.3, lock.unlink)
+    owner.start()
+    start = time.perf_counter()
+    kernels_cpp._wait_for_the_lock(str(lock), stale_after=300, poll=0.01)
+    owner.join()
+    assert time.perf_counter() - start >= 0.25 and not lock.exists()
