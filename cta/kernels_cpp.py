@@ -119,21 +119,25 @@ def refine_planned(config, x, alpha, beta, mask):
 def forward_planned(config, x, alpha, beta, mask):
     """``x`` refined through the plan of ``config`` without an autograd node (the compiled graph's
     ``cta::pde_refine_fwd``, whose autograd is the graph's), or None where the Python path serves this call."""
-    table = _TABLES.get(config)
-    out = table.forward(x, alpha, beta, mask) if table is not None and _ENABLED[0] else None
-    if out is None and _planned_table(config, x, alpha, beta, mask) is not None:
-        out = _TABLES[config].forward(x, alpha, beta, mask)
+    out = _through_plan(config, lambda table: table.forward(x, alpha, beta, mask), x, alpha, beta, mask)
     return out if torch.is_tensor(out) else None
 
 
 def backward_planned(config, gy, x, alpha, beta, mask):
     """``(dx, dalpha, dbeta)`` of :func:`forward_planned`'s call for the output gradient ``gy`` (``cta::pde_refine_bwd``;
     ``dbeta`` None without beta), or None where the Python path serves it."""
-    table = _TABLES.get(config)
-    out = table.backward(gy, x, alpha, beta, mask) if table is not None and _ENABLED[0] else None
-    if out is None and _planned_table(config, x, alpha, beta, mask) is not None:
-        out = _TABLES[config].backward(gy, x, alpha, beta, mask)
+    out = _through_plan(config, lambda table: table.backward(gy, x, alpha, beta, mask), x, alpha, beta, mask)
     return out if isinstance(out, tuple) else None
+
+
+def _through_plan(config, launch, x, alpha, beta, mask):
+    """``launch(table)`` on the table of ``config``, the call's metadata planned (and checked) first where it has no
+    plan yet: what the launch returns (None or False where the Python path serves)."""
+    table = _TABLES.get(config)
+    out = launch(table) if table is not None and _ENABLED[0] else None
+    if out is None and _planned_table(config, x, alpha, beta, mask) is not None:
+        out = launch(_TABLES[config])
+    return out
 
 
 def _refine_unplanned(config, x, alpha, beta, mask):

@@ -296,36 +296,33 @@ class PlanTable {
   // The refined tensor, None where no plan was made for this metadata yet, False where the Python path serves it.
   py::object refine(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
                     const c10::optional<at::Tensor>& mask) {
-    const at::Tensor b = beta.has_value() ? *beta : at::Tensor(), m = mask.has_value() ? *mask : at::Tensor();
-    const Plan* plan = find(call_key(x, alpha, b, m));
-    if (plan == nullptr) return py::none();
+    const Call call = lookup(x, alpha, beta, mask);
+    if (call.plan == nullptr) return py::none();
     // (inference tensors, and forward-mode tangents the kernels would drop: the Python path, which handles both)
-    if (!plan->usable || c10::InferenceMode::is_enabled() || torch::autograd::isFwGradDefined(x) ||
-        torch::autograd::isFwGradDefined(alpha) || torch::autograd::isFwGradDefined(b)) {
+    if (!call.plan->usable || c10::InferenceMode::is_enabled() || torch::autograd::isFwGradDefined(x) ||
+        torch::autograd::isFwGradDefined(alpha) || torch::autograd::isFwGradDefined(call.beta)) {
       return py::bool_(false);
     }
-    return py::cast(refine_with(*plan, x, alpha, b, m));
+    return py::cast(refine_with(*call.plan, x, alpha, call.beta, call.mask));
   }
 
   // The launches alone, no autograd node (the compiled graph's custom ops, whose autograd is the graph's): the
   // refined tensor, or (dx, dalpha, dbeta); None and False as for `refine`.
   py::object forward(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
                      const c10::optional<at::Tensor>& mask) {
-    const at::Tensor b = beta.has_value() ? *beta : at::Tensor(), m = mask.has_value() ? *mask : at::Tensor();
-    const Plan* plan = find(call_key(x, alpha, b, m));
-    if (plan == nullptr) return py::none();
-    if (!plan->usable) return py::bool_(false);
-    return py::cast(forward_launch(*plan, x, alpha, b, m));
+    const Call call = lookup(x, alpha, beta, mask);
+    if (call.plan == nullptr) return py::none();
+    if (!call.plan->usable) return py::bool_(false);
+    return py::cast(forward_launch(*call.plan, x, alpha, call.beta, call.mask));
   }
 
   py::object backward(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& alpha,
                       const c10::optional<at::Tensor>& beta, const c10::optional<at::Tensor>& mask) {
-    const at::Tensor b = beta.has_value() ? *beta : at::Tensor(), m = mask.has_value() ? *mask : at::Tensor();
-    const Plan* plan = find(call_key(x, alpha, b, m));
-    if (plan == nullptr) return py::none();
-    if (!plan->usable) return py::bool_(false);
+    const Call call = lookup(x, alpha, beta, mask);
+    if (call.plan == nullptr) return py::none();
+    if (!call.plan->usable) return py::bool_(false);
     TORCH_CHECK(gy.sizes() == x.sizes() && gy.device() == x.device(), "cta: the gradient is not shaped as the input");
-    torch::autograd::variable_list grads = backward_launch(*plan, gy, x, alpha, b, m);
+    torch::autograd::variable_list grads = backward_launch(*call.plan, gy, x, alpha, call.beta, call.mask);
     return py::make_tuple(grads[0], grads[1], grads[2]);  // (an undefined dbeta: None)
   }
 
@@ -374,6 +371,19 @@ class PlanTable {
   size_t size() const { return plans_.size(); }
 
  private:
+  // A call's plan (nullptr: none made yet for its metadata), its absent beta and mask as undefined tensors.
+  struct Call {
+    at::Tensor beta, mask;
+    const Plan* plan;
+  };
+
+  Call lookup(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
+              const c10::optional<at::Tensor>& mask) const {
+    Call call{beta.has_value() ? *beta : at::Tensor(), mask.has_value() ? *mask : at::Tensor(), nullptr};
+    call.plan = find(call_key(x, alpha, call.beta, call.mask));
+    return call;
+  }
+
   const Plan* find(const Key& key) const {
     auto found = plans_.find(key);
     return found == plans_.end() ? nullptr : found->second.get();
