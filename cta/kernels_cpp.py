@@ -110,7 +110,7 @@ def refine_planned(config, x, alpha, beta, mask):
     ``x``, ``alpha`` and ``beta``), or None where the Python path serves this call."""
     table = _TABLES.get(config)
     if table is not None and _ENABLED[0]:  # (the common call: one dictionary lookup, then C++)
-        out = table.refine(x, alpha, beta, mask)  # (False where the Python path serves: inference mode, a tangent)
+        out = _EXTENSION[0].refine(table, x, alpha, beta, mask)  # (False: the Python path serves, e.g. a tangent)
         if out is not None:
             return out if out is not False else None
     return _refine_unplanned(config, x, alpha, beta, mask)

@@ -54,6 +54,16 @@ def test_unknown_and_refused_metadata_take_the_python_path(table):
     assert len(table) == 1 + len(lengths)
     assert all(table.refine(torch.randn(1, n, 16), alpha, None, None) is False for n in lengths)
     assert table.refine(torch.randn(1, 206, 16), alpha, None, None) is None
+    # the fast entry (what a site calls) answers as the method does, the found plan remembered per metadata
+    refine = kernels_cpp.build().refine
+    for n in (6, 206, 7, 7, 206, 6):
+        assert refine(table, torch.randn(1, n, 16), alpha, None, None) is (None if n == 206 else False)
+    with pytest.raises(TypeError, match="argument 2 is not a tensor"):
+        refine(table, x, 0.1, None, None)
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        refine(table, x, alpha)
+    with pytest.raises(RuntimeError, match="cast"):  # (not a table: pybind11's cast error, as a Python error)
+        refine(alpha, x, alpha, None, None)
 
 
 def test_a_lock_left_by_an_interrupted_build_is_removed(tmp_path, caplog):

@@ -227,3 +227,21 @@ def test_making_a_plan_leaves_the_random_stream_alone():
     state = torch.cuda.get_rng_state()
     assert "SiteRefine" in module(x).grad_fn.name()
     assert len(kernels_cpp._TABLES[config]) == plans + 1 and torch.equal(torch.cuda.get_rng_state(), state)
+
+
+@requires_cuda
+def test_a_python_error_inside_a_planned_call_keeps_its_type():
+    """A saved-tensor hook that raises inside the planned call (non-reentrant checkpointing stops its recomputation
+    so) reaches the caller as its own exception, not as a RuntimeError of the launcher's."""
+    class Stop(Exception):
+        pass
+
+    def pack(tensor):
+        raise Stop("from the pack hook")
+
+    module = PDERefinement(64, "diffusion", steps=2, causal=True).cuda()
+    x = torch.randn(2, 16, 64, device="cuda", requires_grad=True)
+    assert "SiteRefine" in module(x).grad_fn.name()  # (planned)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), pytest.raises(Stop, match="pack hook"):
+        module(x)
+    assert "SiteRefine" in module(x).grad_fn.name()  # (and the next call is served as before)

@@ -296,14 +296,19 @@ class PlanTable {
   // The refined tensor, None where no plan was made for this metadata yet, False where the Python path serves it.
   py::object refine(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
                     const c10::optional<at::Tensor>& mask) {
-    const Call call = lookup(x, alpha, beta, mask);
-    if (call.plan == nullptr) return py::none();
+    return refine_call(x, alpha, beta.has_value() ? *beta : at::Tensor(), mask.has_value() ? *mask : at::Tensor());
+  }
+
+  // `refine` with an absent beta or mask as an undefined tensor (the entry `refine_fast` calls).
+  py::object refine_call(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& mask) {
+    const Plan* plan = find(call_key(x, alpha, beta, mask));
+    if (plan == nullptr) return py::none();
     // (inference tensors, and forward-mode tangents the kernels would drop: the Python path, which handles both)
-    if (!call.plan->usable || c10::InferenceMode::is_enabled() || torch::autograd::isFwGradDefined(x) ||
-        torch::autograd::isFwGradDefined(alpha) || torch::autograd::isFwGradDefined(call.beta)) {
+    if (!plan->usable || c10::InferenceMode::is_enabled() || torch::autograd::isFwGradDefined(x) ||
+        torch::autograd::isFwGradDefined(alpha) || torch::autograd::isFwGradDefined(beta)) {
       return py::bool_(false);
     }
-    return py::cast(refine_with(*call.plan, x, alpha, call.beta, call.mask));
+    return py::cast(refine_with(*plan, x, alpha, beta, mask));
   }
 
   // The launches alone, no autograd node (the compiled graph's custom ops, whose autograd is the graph's): the
@@ -385,12 +390,54 @@ class PlanTable {
   }
 
   const Plan* find(const Key& key) const {
+    if (last_ != nullptr && last_->key == key) return last_;  // (a model's sites mostly share one metadata)
     auto found = plans_.find(key);
-    return found == plans_.end() ? nullptr : found->second.get();
+    if (found == plans_.end()) return nullptr;
+    last_ = found->second.get();
+    return last_;
   }
 
   std::unordered_map<Key, std::unique_ptr<Plan>, KeyHash> plans_;  // (one per metadata seen: shapes may vary)
+  mutable const Plan* last_ = nullptr;  // the plan found last (plans are never removed; called with the GIL held)
 };
+
+// The site's call as a METH_FASTCALL function, `refine(table, x, alpha, beta, mask)` (beta and mask: tensors or
+// None): pybind11's argument dispatch cost about a tenth of a site's forward host time (H200 host, docs/kernels.md).
+PyObject* refine_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  // (errors set as Python's: nothing is thrown through the interpreter)
+  if (nargs != 5) {
+    PyErr_Format(PyExc_TypeError, "cta: refine(table, x, alpha, beta, mask) takes 5 arguments, got %zd", nargs);
+    return nullptr;
+  }
+  for (Py_ssize_t i = 1; i < 5; ++i) {
+    if (!(i >= 3 && args[i] == Py_None) && !THPVariable_Check(args[i])) {
+      PyErr_Format(PyExc_TypeError, "cta: refine's argument %zd is not a tensor%s", i, i >= 3 ? " or None" : "");
+      return nullptr;
+    }
+  }
+  static const at::Tensor absent;
+  auto tensor = [&](Py_ssize_t i) -> const at::Tensor& {
+    return args[i] == Py_None ? absent : THPVariable_Unpack(args[i]);
+  };
+  try {
+    PlanTable& table = py::cast<PlanTable&>(py::handle(args[0]));
+    return table.refine_call(tensor(1), tensor(2), tensor(3), tensor(4)).release().ptr();
+  } catch (python_error& error) {  // (a Python error raised inside, e.g. by a saved-tensor hook: restored as is;
+    error.restore();               // non-reentrant checkpointing stops its recomputation with one)
+  } catch (py::error_already_set& error) {
+    error.restore();
+  } catch (const c10::Error& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef fast_functions[] = {
+    {"refine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(refine_fast)), METH_FASTCALL,
+     "refine(table, x, alpha, beta, mask): PlanTable.refine without pybind11's argument dispatch"},
+    {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
 
@@ -405,4 +452,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add", &PlanTable::add)
       .def("__len__", &PlanTable::size)
       .def("__deepcopy__", [](py::object self, py::object) { return self; });
+  TORCH_CHECK(PyModule_AddFunctions(m.ptr(), fast_functions) == 0, "cta: the fast entry did not register");
 }
