@@ -57,27 +57,35 @@ def build_models(hidden, layers, vocab, device, dtype, compile_models=False, wit
 
 
 def train_step(model, batch):
-    batch(model) if callable(batch) else model(**batch).loss.backward()  # (callable: the context-parallel step)
+    """One step; returns the host seconds of its forward, until the loss (0 for a callable, context-parallel, step)."""
+    start, forward = time.perf_counter(), 0.0
+    if callable(batch):
+        batch(model)
+    else:
+        loss = model(**batch).loss
+        forward = time.perf_counter() - start
+        loss.backward()
     model.zero_grad(set_to_none=True)
+    return forward
 
 
 def paired_rounds(models, batch, rounds, steps, warmup=3):
     """({name: [seconds per step, one per round]}, the same for the host's part (the steps queued, before the closing
-    synchronisation), {name: peak GiB of a step}), the models taking turns in a round."""
+    synchronisation) and for its forward's, {name: peak GiB of a step}), the models taking turns in a round."""
     memory = {}
     for name, model in models.items():  # warm-up: kernels compiled, caches filled
         torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
         [train_step(model, batch) for _ in range(warmup)]
         memory[name] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    times, host = {name: [] for name in models}, {name: [] for name in models}
+    times, host, forward = ({name: [] for name in models} for _ in range(3))
     for _ in range(rounds):
         for name, model in models.items():
             sync()
             start = time.perf_counter()
-            [train_step(model, batch) for _ in range(steps)]
+            forward[name].append(sum(train_step(model, batch) for _ in range(steps)) / steps)
             host[name].append((time.perf_counter() - start) / steps)
             times[name].append((sync() or time.perf_counter() - start) / steps)
-    return times, host, memory
+    return times, host, forward, memory
 
 
 def overhead(times, name, reference):
@@ -228,7 +236,8 @@ def main():
         models = build_models(args.hidden, args.layers, args.vocab, device, dtype, args.compile)
         batch = {"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), device=device)}
         batch["labels"] = batch["input_ids"]
-    times, host, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps, args.warmup)
+    times, host, forward, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps,
+                                                                    args.warmup)
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
     record["step_ms"], record["host_ms"] = ({k: 1e3 * statistics.median(v) for k, v in t.items()}
@@ -239,8 +248,10 @@ def main():
     record["overhead"] = {f"{a}_vs_{b}": overhead(times, a, b) for a, b in pairs if a in times and b in times}
     if not args.compile and not args.context_parallel:  # (a step that waits on its host shows each site's host time)
         sites = sum(isinstance(m, cta.PDERefinement) for m in models["patched"].modules())
-        record["in_model_host_per_site_us"] = {a: 1e6 * statistics.median((x - y) / sites for x, y in zip(
-            host[a], host[b])) for a, b in pairs if "native_0" not in a and b != "llama_gain"}
+        for key, part in (("in_model_host_per_site_us", host), ("in_model_forward_host_per_site_us", forward)):
+            # (the forward's share: a backward that waits on its GPU hides its host time, a forward on its host not)
+            record[key] = {a: 1e6 * statistics.median((x - y) / sites for x, y in zip(part[a], part[b]))
+                           for a, b in pairs if "native_0" not in a and b != "llama_gain"}
         if device.type == "cuda":
             profiles = {name: gpu_profile(model, batch) for name, model in models.items()}
             record["pde_kernel_ms_per_step"] = {k: profiles[k][0] for k in ("patched", native)}

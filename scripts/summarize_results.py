@@ -234,6 +234,9 @@ def training_line():
     if inside:  # (files from before it was measured lack it)
         host_text += (f", inside the model {inside['patched']:.0f} us patched / {inside['native_4']:.0f} us native "
                       f"(the step's host time over its reference's, per site)")
+        forward = first.get("in_model_forward_host_per_site_us")
+        if forward:  # (the part the step pays where its backward waits on the GPU)
+            host_text += f", of which the forward {forward['patched']:.0f} / {forward['native_4']:.0f} us"
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
     bound = ""
     if "llama_gain_vs_llama" in first["overhead"]:  # (files from before the floor was measured lack it)

@@ -143,6 +143,9 @@ def test_train_step_cpu_smoke(tmp_path):
     # the host's part of each step (queued, before the closing synchronisation) never exceeds the step
     assert all(0 < record["host_ms"][name] <= record["step_ms"][name] for name in record["step_ms"])
     assert set(record["in_model_host_per_site_us"]) == {"patched", "native_4", "llama_gain"}
+    # and the forward's share of it (timed until the loss): as many entries, each a number
+    assert set(record["in_model_forward_host_per_site_us"]) == set(record["in_model_host_per_site_us"])
+    assert all(isinstance(v, float) for v in record["in_model_forward_host_per_site_us"].values())
 
 
 def test_train_step_context_parallel_cpu_smoke(tmp_path):
