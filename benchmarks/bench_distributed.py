@@ -13,8 +13,6 @@ the median step time, peak memory, tests/distributed_checks.py's checks and, wit
 share of a step (paired, sites on / at 0 steps). Writes ``distributed_<engine>_<N><gpu|cpu>.json``.
 """
 
-from __future__ import annotations
-
 import argparse
 import contextlib
 import gc
@@ -337,8 +335,7 @@ def summarize(results_dir, reference_name):
             "runs": {name: {"engine": run["engine"], "num_processes": run["num_processes"], "device": run["device"],
                             "versions": run.get("versions", {}), "per_process_batch": run["per_process_batch"],
                             "phases": compare(run, ref), "overhead_variants": run.get("overhead_variants", [])}
-                     for name, run in runs.items() if run["num_processes"] > 1},
-            "reference_phases": compare(ref, ref)}
+                     for name, run in runs.items() if run["num_processes"] > 1}, "reference_phases": compare(ref, ref)}
 
 
 def _overhead(row):

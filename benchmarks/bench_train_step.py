@@ -57,14 +57,10 @@ def build_models(hidden, layers, vocab, device, dtype, compile_models=False, wit
 
 
 def train_step(model, batch):
-    """One step; returns the host seconds of its forward, until the loss (0 for a callable, context-parallel, step)."""
-    start, forward = time.perf_counter(), 0.0
-    if callable(batch):
-        batch(model)
-    else:
-        loss = model(**batch).loss
-        forward = time.perf_counter() - start
-        loss.backward()
+    """One step; returns its forward's host seconds, until the loss (0 for the callable, context-parallel, step)."""
+    start, loss = time.perf_counter(), None if callable(batch) else model(**batch).loss
+    forward = 0.0 if loss is None else time.perf_counter() - start
+    batch(model) if loss is None else loss.backward()
     model.zero_grad(set_to_none=True)
     return forward
 
@@ -98,9 +94,7 @@ def overhead(times, name, reference):
 def gpu_profile(model, batch):
     """(GPU ms per step of the PDE kernels (names containing ``_cta_``), GPU-busy ms per step: the union of all kernels'
     intervals), from torch.profiler over 3 steps (CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         [train_step(model, batch) for _ in range(3)]
         sync()
     pde = sum(e.self_device_time_total for e in prof.key_averages() if "_cta_" in e.key) / 3 / 1000
@@ -236,8 +230,7 @@ def main():
         models = build_models(args.hidden, args.layers, args.vocab, device, dtype, args.compile)
         batch = {"input_ids": torch.randint(0, args.vocab, (args.batch, args.seq), device=device)}
         batch["labels"] = batch["input_ids"]
-    times, host, forward, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps,
-                                                                    args.warmup)
+    times, host, forward, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps, args.warmup)
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
     record["step_ms"], record["host_ms"] = ({k: 1e3 * statistics.median(v) for k, v in t.items()}
@@ -249,7 +242,6 @@ def main():
     if not args.compile and not args.context_parallel:  # (a step that waits on its host shows each site's host time)
         sites = sum(isinstance(m, cta.PDERefinement) for m in models["patched"].modules())
         for key, part in (("in_model_host_per_site_us", host), ("in_model_forward_host_per_site_us", forward)):
-            # (the forward's share: a backward that waits on its GPU hides its host time, a forward on its host not)
             record[key] = {a: 1e6 * statistics.median((x - y) / sites for x, y in zip(part[a], part[b]))
                            for a, b in pairs if "native_0" not in a and b != "llama_gain"}
         if device.type == "cuda":
