@@ -144,7 +144,7 @@ def _refine_unplanned(config, x, alpha, beta, mask):
     """A call :func:`refine_planned` found no plan for (a new site configuration or new metadata): the table made,
     the call planned (and checked)."""
     table = _planned_table(config, x, alpha, beta, mask)
-    out = table.refine(x, alpha, beta, mask) if table is not None else None
+    out = _EXTENSION[0].refine(table, x, alpha, beta, mask) if table is not None else None
     return out if torch.is_tensor(out) else None
 
 

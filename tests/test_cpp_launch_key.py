@@ -41,21 +41,21 @@ def test_key_tells_apart_what_the_binaries_are_specialised_on(table):
 
 
 def test_unknown_and_refused_metadata_take_the_python_path(table):
+    refine = kernels_cpp.build().refine  # (the call a site makes: the module's fast entry, the table its argument)
     x, alpha = torch.randn(1, 4, 16), torch.full((1,), 0.1)
-    assert table.refine(x, alpha, None, None) is None  # (no plan yet: Python makes one, or refuses)
+    assert refine(table, x, alpha, None, None) is None  # (no plan yet: Python makes one, or refuses)
     table.refuse(table.key(x, alpha, None, None))
-    assert table.refine(x, alpha, None, None) is False
-    assert table.refine(torch.randn(1, 5, 16), alpha, None, None) is None
+    assert refine(table, x, alpha, None, None) is False
+    assert refine(table, torch.randn(1, 5, 16), alpha, None, None) is None
     assert len(table) == 1
     lengths = range(6, 206)  # (training with dynamic padding sees many lengths: one entry each, found by hash)
     for length in lengths:
         table.refuse(table.key(torch.randn(1, length, 16), alpha, None, None))
     table.refuse(table.key(x, alpha, None, None))  # (refused again: still one entry)
     assert len(table) == 1 + len(lengths)
-    assert all(table.refine(torch.randn(1, n, 16), alpha, None, None) is False for n in lengths)
-    assert table.refine(torch.randn(1, 206, 16), alpha, None, None) is None
-    # the fast entry (what a site calls) answers as the method does, the found plan remembered per metadata
-    refine = kernels_cpp.build().refine
+    assert all(refine(table, torch.randn(1, n, 16), alpha, None, None) is False for n in lengths)
+    assert refine(table, torch.randn(1, 206, 16), alpha, None, None) is None
+    # the plan found last is remembered, and a call of other metadata still finds its own
     for n in (6, 206, 7, 7, 206, 6):
         assert refine(table, torch.randn(1, n, 16), alpha, None, None) is (None if n == 206 else False)
     with pytest.raises(TypeError, match="argument 2 is not a tensor"):

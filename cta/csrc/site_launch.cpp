@@ -293,14 +293,9 @@ at::Tensor refine_with(const Plan& plan, const at::Tensor& x, const at::Tensor& 
 // The plans of one site configuration (scheme, steps, causality, bounds), one per input metadata seen.
 class PlanTable {
  public:
-  // The refined tensor, None where no plan was made for this metadata yet, False where the Python path serves it.
-  py::object refine(const at::Tensor& x, const at::Tensor& alpha, const c10::optional<at::Tensor>& beta,
-                    const c10::optional<at::Tensor>& mask) {
-    return refine_call(x, alpha, beta.has_value() ? *beta : at::Tensor(), mask.has_value() ? *mask : at::Tensor());
-  }
-
-  // `refine` with an absent beta or mask as an undefined tensor (the entry `refine_fast` calls).
-  py::object refine_call(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& mask) {
+  // The refined tensor, None where no plan was made for this metadata yet, False where the Python path serves it; an
+  // absent beta or mask is an undefined tensor. (Called through `refine_fast`, the module's `refine`.)
+  py::object refine(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& mask) {
     const Plan* plan = find(call_key(x, alpha, beta, mask));
     if (plan == nullptr) return py::none();
     // (inference tensors, and forward-mode tangents the kernels would drop: the Python path, which handles both)
@@ -402,7 +397,8 @@ class PlanTable {
 };
 
 // The site's call as a METH_FASTCALL function, `refine(table, x, alpha, beta, mask)` (beta and mask: tensors or
-// None): pybind11's argument dispatch cost about a tenth of a site's forward host time (H200 host, docs/kernels.md).
+// None): as a pybind11 method its argument dispatch cost about 4 of a site's 21-26 us forward (H200 hosts,
+// docs/kernels.md).
 PyObject* refine_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   // (errors set as Python's: nothing is thrown through the interpreter)
   if (nargs != 5) {
@@ -421,7 +417,7 @@ PyObject* refine_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   };
   try {
     PlanTable& table = py::cast<PlanTable&>(py::handle(args[0]));
-    return table.refine_call(tensor(1), tensor(2), tensor(3), tensor(4)).release().ptr();
+    return table.refine(tensor(1), tensor(2), tensor(3), tensor(4)).release().ptr();
   } catch (python_error& error) {  // (a Python error raised inside, e.g. by a saved-tensor hook: restored as is;
     error.restore();               // non-reentrant checkpointing stops its recomputation with one)
   } catch (py::error_already_set& error) {
@@ -436,7 +432,7 @@ PyObject* refine_fast(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 PyMethodDef fast_functions[] = {
     {"refine", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(refine_fast)), METH_FASTCALL,
-     "refine(table, x, alpha, beta, mask): PlanTable.refine without pybind11's argument dispatch"},
+     "refine(table, x, alpha, beta, mask): a site's call through the table's plans (PlanTable::refine)"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
@@ -444,7 +440,6 @@ PyMethodDef fast_functions[] = {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PlanTable>(m, "PlanTable")
       .def(py::init<>())
-      .def("refine", &PlanTable::refine)
       .def("forward", &PlanTable::forward)
       .def("backward", &PlanTable::backward)
       .def("key", &PlanTable::key)
