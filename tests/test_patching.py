@@ -483,6 +483,22 @@ def test_training_forward_keeps_no_pde_state_in_a_cache_it_starts():
     torch.testing.assert_close(continued, full[:, 6:], atol=1e-5, rtol=0)
 
 
+def test_the_cache_view_is_kept_until_the_config_changes():
+    """transformers asks the config for its cache view at every forward that starts a cache: the view is kept, and made
+    again when a field changes, also one changed in place, so a cache always holds the states the patch needs."""
+    model = patched_decoder("llama", ["block_output"])
+    config = model.config
+    view = config.get_text_config(decoder=True)
+    assert config.get_text_config(decoder=True) is view
+    assert view.number_of_conv_states == config.cta_patch["pde_steps"] == 3
+    config.cta_patch["pde_steps"] = 2  # (changed in place: the view must not be the one kept)
+    changed = config.get_text_config(decoder=True)
+    assert changed is not view and changed.number_of_conv_states == 2
+    config.cta_patch["pde_steps"] = 3
+    assert config.get_text_config(decoder=True).number_of_conv_states == 3
+    assert "_cta_cache_view" not in config.to_dict() and config == copy.deepcopy(config)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # save / reload
 # ------------------------------------------------------------------------------------------------------------------
