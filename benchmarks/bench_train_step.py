@@ -195,7 +195,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                        help="folder for train_step_<gpu>[_compiled][_<shape>, not the default].json")
+                        help="folder for train_step_<gpu>[_compiled][_<shape>][_host_bound: eager, host-bound].json")
     for flag, default in (("layers", 12), ("hidden", 1024), ("vocab", 32000), ("batch", 8), ("seq", 1024)):
         parser.add_argument(f"--{flag}", type=int, default=default, help="the step's model and batch")
     parser.add_argument("--rounds", type=int, default=61, help="paired rounds (the models take turns in each)")
@@ -233,8 +233,7 @@ def main():
     times, host, forward, record["peak_memory_gib"] = paired_rounds(models, batch, args.rounds, args.steps, args.warmup)
     record["shape"] = dict(layers=args.layers, hidden=args.hidden, batch=args.batch, seq=args.seq,
                            parameters=sum(p.numel() for p in models["llama"].parameters()))
-    record["step_ms"], record["host_ms"] = ({k: 1e3 * statistics.median(v) for k, v in t.items()}
-                                            for t in (times, host))
+    record["step_ms"], record["host_ms"] = ({n: 1e3 * statistics.median(t[n]) for n in t} for t in [times, host])
     native = f"native_{PDE['steps']}"
     pairs = [("patched", "llama"), ("llama_gain", "llama"), ("patched", "llama_gain"), ("native_0", "llama"),
              (native, "native_0")]
@@ -248,6 +247,7 @@ def main():
             profiles = {name: gpu_profile(model, batch) for name, model in models.items()}
             record["pde_kernel_ms_per_step"] = {k: profiles[k][0] for k in ("patched", native)}
             record["gpu_busy_ms_per_step"] = {k: v[1] for k, v in profiles.items()}
+            stem += "_host_bound" * (record["host_ms"]["llama"] >= record["gpu_busy_ms_per_step"]["llama"])  # (regime)
     print(json.dumps(record, indent=1))
     if os.environ.get("RANK", "0") == "0":
         open(stem + ".json", "w").write(json.dumps(record, indent=1))

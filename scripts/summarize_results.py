@@ -202,15 +202,19 @@ def overhead_line():
 
 
 def training_line():
-    """The training step at the sizes people train (benchmarks/bench_train_step.py; issue 51's targets)."""
+    """The training step at the sizes people train (benchmarks/bench_train_step.py; issue 51's targets). An eager run is
+    filed by its regime (``_host_bound``: Llama's host queued the step slower than its GPU ran it); both are shown."""
     files = sorted(p for p in (ROOT / "benchmarks" / "results").glob("train_step_*.json") if "_cp" not in p.name)
-    other_shapes = [p for p in files if re.search(r"_\d+x\d+_\d+x\d+$", p.stem)]  # (named by their shape)
+    stem = lambda p: p.stem.removesuffix("_host_bound")  # noqa: E731
+    other_shapes = [p for p in files if re.search(r"_\d+x\d+_\d+x\d+$", stem(p))]  # (named by their shape)
     files = [p for p in files if p not in other_shapes]
-    runs = {mode: next((_load(p) for p in files if p.stem.endswith("_compiled") == (mode == "compiled")), None)
-            for mode in ("eager", "compiled")}  # (the latest file per mode: older ones live in git history)
+    pick = lambda compiled, bound: next((_load(p) for p in files if stem(p).endswith("_compiled") == compiled  # noqa
+                                         and p.stem.endswith("_host_bound") == bound), None)
+    runs = {"eager": pick(False, False), "compiled": pick(True, False), "host_bound": pick(False, True)}
+    runs["eager"] = runs["eager"] or runs.pop("host_bound")  # (only a host-bound eager run: it is the eager one)
     if not runs["eager"]:
         return [f"- **Training step, 12 x 1024 model:** {MISSING}"]
-    first, shape = runs["eager"], runs["eager"]["shape"]
+    first, shape, bound_run = runs["eager"], runs["eager"]["shape"], runs.get("host_bound")
 
     def cells(run):
         def cell(key):  # the median and the quartiles of the per-round ratios
@@ -220,7 +224,13 @@ def training_line():
         return (f"patched {cell('patched_vs_llama')} vs Llama, native 0 steps {cell('native_0_vs_llama')} vs Llama, "
                 f"native 4 steps {cell('native_4_vs_native_0')} vs its 0 steps")
 
-    modes = "; ".join(f"{mode}: {cells(run)}" for mode, run in runs.items() if run)
+    def regime(run):  # (how long Llama's host took to queue a step, against the GPU's busy time)
+        host, busy = run["host_ms"]["llama"], run["gpu_busy_ms_per_step"]["llama"]
+        return f"Llama's host queues a step in {host:.1f} ms, its GPU is busy {busy:.1f} ms"
+
+    names = {"eager": "eager", "compiled": "compiled", "host_bound": "eager on a host slower than the GPU"}
+    modes = "; ".join(f"{names[mode]}" + (f" ({regime(run)})" if mode == "host_bound" else "") + f": {cells(run)}"
+                      for mode, run in runs.items() if run)
     host = first.get("host_per_site", {})
     chain = host.get("site_chain", host).get("over_torch_mul_us", {})  # (earlier files kept it under "site_chain")
     host_text = (f"the site alone, over a `mul` in its place, {chain['pde_site']:.0f} us"
@@ -230,25 +240,31 @@ def training_line():
     if chain.get("minimal_triton_op") is not None:
         host_text += (f" (a minimal Triton op with autograd, one trivial launch each way: "
                       f"{chain['minimal_triton_op']:.0f} us)")
-    inside = first.get("in_model_host_per_site_us")
-    if inside:  # (files from before it was measured lack it)
-        host_text += (f", inside the model {inside['patched']:.0f} us patched / {inside['native_4']:.0f} us native "
-                      f"(the step's host time over its reference's, per site)")
-        forward = first.get("in_model_forward_host_per_site_us")
-        if forward:  # (the part the step pays where its backward waits on the GPU)
-            host_text += f", of which the forward {forward['patched']:.0f} / {forward['native_4']:.0f} us"
+    def per_site(key, run):  # (patched / native us per site, or None where the file lacks it)
+        row = (run or {}).get(key)
+        return row and f"{row['patched']:.0f} / {row['native_4']:.0f} us"
+
+    for key, what in (("in_model_host_per_site_us", "inside the model (the step's host time over its reference's, per "
+                                                    "site, patched / native)"),
+                      ("in_model_forward_host_per_site_us", "of which the forward")):
+        if per_site(key, first):  # (files from before it was measured lack it)
+            host_text += f", {what} {per_site(key, first)}" + (
+                f" ({per_site(key, bound_run)} on the host-bound host)" if per_site(key, bound_run) else "")
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
     bound = ""
-    if "llama_gain_vs_llama" in first["overhead"]:  # (files from before the floor was measured lack it)
-        row = first["overhead"]["llama_gain_vs_llama"]
-        bound = (f" The floor of any separate op in a site's place, a learned gain on every block's output (one `mul`, "
-                 f"a forward hook), costs the eager step {row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, "
-                 f"{row['q3_pct']:+.1f}] ({inside['llama_gain']:.0f} us of host time per site).")
+    floors = [f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]" for row in
+              (run["overhead"].get("llama_gain_vs_llama") for run in (first, bound_run or {"overhead": {}})) if row]
+    if floors:  # (files from before the floor was measured lack it)
+        bound += (" The floor of any separate op in a site's place, a learned gain on every block's output (one `mul`, "
+                  f"a forward hook), costs the eager step {floors[0]}"
+                  + (f" ({floors[1]} on the host-bound host)." if len(floors) > 1 else "."))
     if first.get("gpu_busy_ms_per_step") and first.get("host_ms"):
-        bound += (f" The eager step is host-bound: Llama's host queues it in {first['host_ms']['llama']:.1f} ms while "
-                 f"the GPU is busy {first['gpu_busy_ms_per_step']['llama']:.1f} ms of it (patched: "
-                 f"{first['host_ms']['patched']:.1f} and {first['gpu_busy_ms_per_step']['patched']:.1f} ms), so every "
-                 "host microsecond a site costs shows in the step.")
+        host_bound = first["host_ms"]["llama"] >= first["gpu_busy_ms_per_step"]["llama"]
+        bound += (f" In the eager run, {regime(first)} (patched: {first['host_ms']['patched']:.1f} and "
+                  f"{first['gpu_busy_ms_per_step']['patched']:.1f} ms): "
+                  + ("the step is host-bound, so every host microsecond a site costs shows in it." if host_bound else
+                     "the GPU bounds the step and hides the sites' host time; where the host is slower than the GPU, "
+                     "every host microsecond a site costs shows (the host-bound run)."))
         compiled = runs["compiled"]
         if compiled and compiled.get("host_ms"):  # (whether the compiled step waits on its host: the hosts vary)
             host, step = compiled["host_ms"]["llama"], compiled["step_ms"]["llama"]
