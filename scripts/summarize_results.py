@@ -231,8 +231,11 @@ def training_line():
     names = {"eager": "eager", "compiled": "compiled", "host_bound": "eager on a host slower than the GPU"}
     modes = "; ".join(f"{names[mode]}" + (f" ({regime(run)})" if mode == "host_bound" else "") + f": {cells(run)}"
                       for mode, run in runs.items() if run)
-    host = first.get("host_per_site", {})
-    chain = host.get("site_chain", host).get("over_torch_mul_us", {})  # (earlier files kept it under "site_chain")
+    def chain_of(run):  # (the chained site's host us over a `mul`; earlier files kept it under "site_chain")
+        host = (run or {}).get("host_per_site", {})
+        return host.get("site_chain", host).get("over_torch_mul_us", {})
+
+    chain, bound_chain = chain_of(first), chain_of(bound_run)
     host_text = (f"the site alone, over a `mul` in its place, {chain['pde_site']:.0f} us"
                  if chain.get("pde_site") is not None else MISSING)
     if chain.get("pde_site_python_launch") is not None:  # (files from before the C++ launcher lack it)
@@ -240,6 +243,10 @@ def training_line():
     if chain.get("minimal_triton_op") is not None:
         host_text += (f" (a minimal Triton op with autograd, one trivial launch each way: "
                       f"{chain['minimal_triton_op']:.0f} us)")
+    if bound_chain.get("pde_site") is not None:
+        host_text += (f", in the host-bound run {bound_chain['pde_site']:.0f} us (minimal Triton op: "
+                      f"{bound_chain.get('minimal_triton_op', float('nan')):.0f} us)")
+
     def per_site(key, run):  # (patched / native us per site, or None where the file lacks it)
         row = (run or {}).get(key)
         return row and f"{row['patched']:.0f} / {row['native_4']:.0f} us"

@@ -87,3 +87,13 @@ def test_a_lock_left_by_an_interrupted_build_is_removed(tmp_path, caplog):
     kernels_cpp._wait_for_the_lock(str(lock), stale_after=300, poll=0.01)
     owner.join()
     assert time.perf_counter() - start >= 0.25 and not lock.exists()
+
+
+def test_the_launcher_is_built_optimised(monkeypatch):
+    """torch's JIT build passes no optimisation flag of its own: unoptimised, a site's call cost 3-10 times its time
+    (most inside a model, between its ops: docs/kernels.md)."""
+    import torch.utils.cpp_extension
+
+    seen = {}
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *args, **kwargs: seen.update(kwargs) or "built")
+    assert kernels_cpp.build() == "built" and "-O2" in seen["extra_cflags"]
