@@ -2,7 +2,7 @@
 16k <= 2%, training step <= 5%) and ``cpu_decode.md`` (a decoded token <= 7% more on the CPU) of docs/decoding.md.
 
     python benchmarks/bench_patched_model.py            # ~5 min on an H100
-    python benchmarks/bench_patched_model.py --cpu-decode   # ~3 min on one CPU thread
+    python benchmarks/bench_patched_model.py --cpu-decode   # ~10 min on one CPU thread (3 processes per type)
     python benchmarks/bench_patched_model.py --layers 2 --hidden 128 --lengths 64 --device cpu  # a smoke run
 
 A random-weight Llama (8 x 4096, bf16, sdpa) patched in place (diffusion after every block, 4 steps) and unpatched
@@ -39,7 +39,7 @@ def parse_args(argv=None):
             ("train-length", 4096, "tokens of the training step"), ("rounds", 9, "paired unpatched/patched rounds"),
             ("decode-prefill", 512, "prompt tokens before decoding"), ("decode-tokens", 128, "tokens per decode pass"),
             ("decode-pair-tokens", 1024, "timed per-token pairs"), ("steps", 4, "PDE steps per site"),
-            ("threads", 1, "with --cpu-decode: torch threads")):
+            ("threads", 1, "with --cpu-decode: torch threads"), ("processes", 3, "with --cpu-decode: per type")):
         p.add_argument(f"--{flag}", type=int, default=default, help=text or None)
     p.add_argument("--intermediate", type=int, default=None, help="MLP size (default: 11008 * hidden / 4096)")
     p.add_argument("--lengths", default="4096,16384", help="prefill lengths")
@@ -59,29 +59,31 @@ def parse_args(argv=None):
 
 
 def cpu_decode(args, build):
-    """Per-token pairs (all-ones mask) of a patched copy and an unpatched one, per PDE type: ``cpu_decode.*``. Several
-    types run in a process each: a second type in one process read 1-1.5% more (its models built on a used heap)."""
+    """Per-token pairs (all-ones mask) of a patched and an unpatched copy per PDE type (``cpu_decode.*``), pooled over
+    ``--processes`` processes taking turns: one process's median read up to 1.5% off another's (its own heap)."""
     torch.set_num_threads(args.threads)
-    if "," in args.pde_types:
-        rows = []
-        with tempfile.TemporaryDirectory() as tmp:
-            for pde_type in args.pde_types.split(","):
-                subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--pde-types", pde_type,
-                                "--out", os.path.join(tmp, pde_type)], check=True, stdout=subprocess.DEVNULL)
-                rows += json.load(open(os.path.join(tmp, pde_type, "cpu_decode.json")))["rows"]
-    else:
-        unpatched, patched = build(), build()
-        patch_model(patched, pde_type=args.pde_types, pde_steps=args.steps, placement="block_output", init="paper",
-                    backend="torch")
+    if args.processes == 0:  # (one process of the run below: its pairs, as JSON to --out)
+        unpatched, patched = build(), patch_model(build(), pde_type=args.pde_types, pde_steps=args.steps,
+                                                  placement="block_output", init="paper", backend="torch")
         prompt = torch.randint(0, args.vocab, (1, args.decode_prefill), generator=torch.Generator().manual_seed(3))
         pairs = paired_decode(patched, unpatched, prompt, args.decode_tokens, args.decode_pair_tokens, mask=True)
-        ratios, sites = [p / u for u, p in pairs], len(pde_modules(patched))
-        mid, (low, high) = statistics.median(ratios), bootstrap_median(ratios)
-        rows = [dict(pde_type=args.pde_types, sites=sites, pairs=len(pairs),
-                     unpatched_step_us=1e6 * statistics.median(u for u, _ in pairs),
-                     patched_step_us=1e6 * statistics.median(p for _, p in pairs),
-                     overhead_percent=100 * (mid - 1), overhead_ci95_percent=[100 * (low - 1), 100 * (high - 1)],
-                     host_us_per_site=1e6 * statistics.median(p - u for u, p in pairs) / sites, target_percent=7.0)]
+        return json.dump({"sites": len(pde_modules(patched)), "pairs": pairs}, open(args.out, "w"))
+    runs, rows = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for pde_type in [t for _ in range(args.processes) for t in args.pde_types.split(",")]:
+            out = os.path.join(tmp, f"{pde_type}_{len(runs.get(pde_type, []))}.json")
+            subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--pde-types", pde_type,
+                            "--processes", "0", "--out", out], check=True, stdout=subprocess.DEVNULL)
+            runs.setdefault(pde_type, []).append(json.load(open(out)))
+    overhead = lambda pairs: 100 * (statistics.median(p / u for u, p in pairs) - 1)  # noqa: E731
+    for pde_type, parts in runs.items():
+        pairs, sites = [pair for part in parts for pair in part["pairs"]], parts[0]["sites"]
+        rows.append(dict(pde_type=pde_type, sites=sites, pairs=len(pairs),
+                         unpatched_step_us=1e6 * statistics.median(u for u, _ in pairs),
+                         patched_step_us=1e6 * statistics.median(p for _, p in pairs), overhead_percent=overhead(pairs),
+                         overhead_ci95_percent=[100 * (x - 1) for x in bootstrap_median([p / u for u, p in pairs])],
+                         process_overheads_percent=[overhead(part["pairs"]) for part in parts],
+                         host_us_per_site=1e6 * statistics.median(p - u for u, p in pairs) / sites, target_percent=7.0))
     info = dict(cpu=platform.processor() or platform.machine(), threads=args.threads, torch=torch.__version__,
                 transformers=transformers.__version__, model=dict(layers=args.layers, hidden=args.hidden,
                                                                   intermediate=args.intermediate, dtype="float32"),
@@ -89,14 +91,15 @@ def cpu_decode(args, build):
                 command="python benchmarks/bench_patched_model.py " + " ".join(sys.argv[1:]))
     lines = [f"# CPU decode: patched Llama vs an unpatched copy ({info['cpu']}, {args.threads} thread)", "",
              f"{args.layers} layers x {args.hidden} hidden, fp32, sdpa; PDE after every block, {args.steps} steps, "
-             "`init=\"paper\"`, backend `torch`. Per-token pairs (each token decoded by both models back to back); "
-             f"overhead: median of patched / unpatched - 1 [bootstrap 95%]. torch {info['torch']}, transformers "
-             f"{info['transformers']}.", "",
+             "`init=\"paper\"`, backend `torch`. Per-token pairs (each token decoded by both models back to back), "
+             f"pooled over {args.processes} processes per type; overhead: median of patched / unpatched - 1 [bootstrap "
+             f"95%] (each process's). torch {info['torch']}, transformers {info['transformers']}.", "",
              "| PDE type | unpatched µs/token | patched µs/token | overhead | host µs per site | target |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['pde_type']} | {r['unpatched_step_us']:.0f} | {r['patched_step_us']:.0f} | "
               f"{r['overhead_percent']:+.1f}% [{r['overhead_ci95_percent'][0]:+.1f}, {r['overhead_ci95_percent'][1]:+.1f}]"
-              f" | {r['host_us_per_site']:.1f} | <= {r['target_percent']:.0f}% |" for r in rows]
+              f" ({', '.join(f'{x:+.1f}' for x in r['process_overheads_percent'])}) | {r['host_us_per_site']:.1f} | "
+              f"<= {r['target_percent']:.0f}% |" for r in rows]
     write_result_files(os.path.join(args.out, "cpu_decode"), info, lines)
 
 

@@ -76,9 +76,12 @@ def test_distributed_gpu_sh_parses_and_names_its_modes(tmp_path):
 
 def test_cpu_decode_smoke(tmp_path):
     run("bench_patched_model.py", "--cpu-decode", "--layers", 2, "--hidden", 64, "--intermediate", 128, "--vocab", 128,
-        "--decode-prefill", 8, "--decode-tokens", 4, "--decode-pair-tokens", 4, "--out", tmp_path)
+        "--decode-prefill", 8, "--decode-tokens", 4, "--decode-pair-tokens", 4, "--processes", 2, "--out", tmp_path)
     rows = json.loads((tmp_path / "cpu_decode.json").read_text())["rows"]
-    assert [r["pde_type"] for r in rows] == ["diffusion", "reaction_diffusion"] and all(r["pairs"] == 4 for r in rows)
+    assert [r["pde_type"] for r in rows] == ["diffusion", "reaction_diffusion"] and all(r["pairs"] == 8 for r in rows)
+    for row in rows:  # (4 pairs from each of 2 processes, pooled: the pooled median lies between the processes')
+        processes = row["process_overheads_percent"]
+        assert len(processes) == 2 and min(processes) <= row["overhead_percent"] <= max(processes)
     assert "| diffusion |" in (tmp_path / "cpu_decode.md").read_text()
 
 
