@@ -231,6 +231,7 @@ def training_line():
     names = {"eager": "eager", "compiled": "compiled", "host_bound": "eager on a host slower than the GPU"}
     modes = "; ".join(f"{names[mode]}" + (f" ({regime(run)})" if mode == "host_bound" else "") + f": {cells(run)}"
                       for mode, run in runs.items() if run)
+
     def chain_of(run):  # (the chained site's host us over a `mul`; earlier files kept it under "site_chain")
         host = (run or {}).get("host_per_site", {})
         return host.get("site_chain", host).get("over_torch_mul_us", {})
