@@ -261,7 +261,7 @@ def training_line():
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
     bound = ""
     floors = [f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]" for row in
-              (run["overhead"].get("llama_gain_vs_llama") for run in (first, bound_run or {"overhead": {}})) if row]
+              (run["overhead"].get("llama_gain_vs_llama") for run in filter(None, (first, bound_run))) if row]
     if floors:  # (files from before the floor was measured lack it)
         bound += (" The floor of any separate op in a site's place, a learned gain on every block's output (one `mul`, "
                   f"a forward hook), costs the eager step {floors[0]}"
