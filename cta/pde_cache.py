@@ -18,7 +18,8 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 # (the state API: here too)
 from .transformers_compat import (conv_state, conv_state_block, conv_state_written, deprecate_kwarg,  # noqa
-                                  fill_unused_pde_states, holds_conv_states, records_past, store_pde_state)
+                                  fill_unused_pde_states, holds_conv_states, layer_records_past, records_past,
+                                  store_pde_state)
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
@@ -108,12 +109,15 @@ def _state_layer(cache, layer_idx: int):
     return layer
 
 
-def cached_pde_levels(cache, layer_idx: int, state_idx: int, steps: int) -> Optional[list]:
-    """The site's ``steps`` conv states ``[batch, 1, channels, positions]`` (not views), or None before prefill."""
+def cached_pde_state(cache, layer_idx: int, state_idx: int, steps: int) -> tuple:
+    """``(levels, records_past)``: the site's ``steps`` conv states ``[batch, 1, channels, positions]`` (not views), or
+    None before prefill, and whether its cache layer keeps each position's state (:func:`records_past`). One lookup of
+    the layer: a decoded token asks at every site."""
     layer = _state_layer(cache, layer_idx)
+    history = layer_records_past(layer)
     if not conv_state_written(layer, state_idx):
-        return None
-    return [conv_state(layer, index) for index in range(state_idx, state_idx + steps)]
+        return None, history
+    return [conv_state(layer, index) for index in range(state_idx, state_idx + steps)], history
 
 
 _torch_is_exporting = getattr(torch.compiler, "is_exporting", None)  # (public from torch 2.5)
@@ -175,5 +179,5 @@ def missing_cache_error(site: str) -> ValueError:
 
 __all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
            "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
-           "cached_pde_levels", "conv_state_block", "records_past", "store_pde_state", "fill_unused_pde_states",
+           "cached_pde_state", "conv_state_block", "records_past", "store_pde_state", "fill_unused_pde_states",
            "is_exporting", "refuse_export_with_cache", "check_pde_states", "missing_cache_error"]

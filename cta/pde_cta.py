@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .kernels_config import MAX_FUSED_STEPS
-from .pde_cache import cached_pde_levels, conv_state_block, records_past, store_pde_state
+from .pde_cache import cached_pde_state, conv_state_block, records_past, store_pde_state
 from .pde_decode import causal_decode_map, pde_decode_update
 from .pde_reference import causal_state_history, pde_decode_step_reference, pde_refine_reference
 # (the operator's public names are re-exported here too)
@@ -212,15 +213,15 @@ class PDERefinement(nn.Module):
         """One token ``[batch, 1, channels]``; ``levels`` (this site's cached state, one fp32 conv state per step) are
         updated in place. CUDA eager: the fused kernel on the raw parameters, projected in the kernel (decode is
         host-bound). Elsewhere and traced: ``pde_decode.pde_decode_update``'s plain torch ops."""
-        if (levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS and not torch.compiler.is_compiling()
-                and _use_triton(self.backend, hidden_states)):
+        on_cpu = levels[0].is_cpu and not torch.compiler.is_compiling()
+        if (not on_cpu and levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS
+                and not torch.compiler.is_compiling() and _use_triton(self.backend, hidden_states)):
             if levels[0].shape[-1] != 1:  # (a cache that kept several positions: the kernel takes the last one's)
                 levels = [level[..., -1] for level in levels]
             return _triton_lookup()[0].pde_decode_token_triton(
                 hidden_states, levels, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
         alpha = self.alpha
-        on_cpu = levels[0].is_cpu and not torch.compiler.is_compiling()
         if on_cpu and alpha.numel() == 1:
             # On the CPU, reading a value costs no device synchronisation: scalar coefficients are read as Python
             # floats, and what they give (projected values, the linear schemes' map) is kept while they keep their
@@ -233,11 +234,25 @@ class PDERefinement(nn.Module):
             alpha, beta, decode_map = kept[1:]
         else:
             (alpha, beta), decode_map = self.coefficients(), None
-        if on_cpu:  # the site's state as one tensor where the cache holds it so: one read and one write
-            block = conv_state_block(levels)
-            levels = levels if block is None else block
+        block = self._state_block(levels) if on_cpu else None
         return pde_decode_update(hidden_states, levels, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
-                                 beta=beta, token_mask=attention_mask, decode_map=decode_map)
+                                 beta=beta, token_mask=attention_mask, decode_map=decode_map, block=block)
+
+    def _state_block(self, levels):
+        """The tensor whose rows are the conv states ``levels`` where the CPU cache holds them so (one write per
+        token), else None: :func:`pde_cache.conv_state_block`, kept while the cache keeps these same tensors (held
+        weakly: a finished generation's cache is freed)."""
+        kept = self.__dict__.get("_kept_state_block")
+        if kept is not None and len(kept[0]) == len(levels):
+            for ref, level in zip(kept[0], levels):
+                if ref() is not level:
+                    break
+            else:
+                return kept[1]()
+        block = conv_state_block(levels)
+        refs = tuple(weakref.ref(level) for level in levels)
+        self.__dict__["_kept_state_block"] = (refs, (lambda: None) if block is None else weakref.ref(block))
+        return block
 
     def _scalar_decode(self, alpha: float, beta, dtype):
         """``(alpha, beta, decode map)`` of raw scalar coefficients: projected onto their bounds, and the
@@ -269,13 +284,12 @@ class PDERefinement(nn.Module):
         if cache is not None and self.causal:
             if self.layer_idx is None:
                 raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
-            levels = cached_pde_levels(cache, self.layer_idx, self.state_idx, self.steps)
+            # (history: a cache that may be rolled back, assisted decoding, keeps the state after every position)
+            levels, history = cached_pde_state(cache, self.layer_idx, self.state_idx, self.steps)
             differentiable = torch.is_grad_enabled() and (
                 hidden_states.requires_grad or self.alpha.requires_grad
                 or (self.beta is not None and self.beta.requires_grad)
             )
-            # A cache that may be rolled back (assisted decoding) keeps the state after every position.
-            history = records_past(cache, self.layer_idx)
             if levels is not None and hidden_states.shape[1] == 1 and not (differentiable or history):
                 # one decoded token (the decode kernel has no backward: under autograd the chunked path below)
                 return self._decode_step(hidden_states, levels, attention_mask)

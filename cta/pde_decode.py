@@ -39,7 +39,7 @@ def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Opti
 
 def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int, alpha: torch.Tensor,
                       beta: Optional[torch.Tensor] = None, token_mask: Optional[torch.Tensor] = None,
-                      decode_map: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      decode_map: Optional[torch.Tensor] = None, block: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Refines one token (``[batch, channels]`` or ``[batch, 1, channels]``) and updates the state in place; returns
     the refined token in the input's shape and dtype. ``state``: ``[batch, steps, channels]``, or its ``steps``
     level buffers ``[batch, 1, channels]`` or the ``[batch, 1, channels, positions]`` conv states holding them at
@@ -47,8 +47,10 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
 
     ``pde_type`` normalised, ``alpha`` / ``beta`` inside their bounds (tensors or floats); ``token_mask``: one entry
     per sequence (0: padding). ``decode_map``: the scheme's :func:`causal_decode_map` of these coefficients when the
-    caller keeps it (``[S+1, S+1]`` for scalar ones), else the recurrence runs. Arguments are not checked here
-    (:func:`pde_cta.pde_decode_step` checks them)."""
+    caller keeps it (``[S+1, S+1]`` for scalar ones), else the recurrence runs. ``block``: the ``[batch, steps,
+    channels, 1]`` tensor whose rows are the level buffers ``state`` (``[batch, 1, channels, 1]`` each; the CPU cache's
+    layout), read as they are and written by one op. Arguments are not checked here (:func:`pde_cta.pde_decode_step`
+    checks them)."""
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
     whole = torch.is_tensor(state)
     dtype = state.dtype if whole else state[0].dtype
@@ -58,22 +60,28 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
     valid = None if token_mask is None else token_mask.reshape(-1, 1, 1).to(dtype)
     scheme = scheme_of(pde_type)
     if decode_map is not None and scheme.linear:  # the caller's map (the CPU's, for scalar coefficients)
-        refined = _mapped_update(x, state, decode_map, steps, valid)
+        refined = _mapped_update(x, state, decode_map, steps, valid, block)
     else:
         # the scheme's recurrence on the token, pointwise on [batch, 1, channels] (the stored values read as views)
-        stored = state.unsqueeze(2).unbind(1) if whole else _stored_levels(state)  # ([batch, 1, channels] views)
+        if block is not None:  # (the buffers as they are, the token as one of them: no view per level)
+            x, stored = x.unsqueeze(-1), state
+            valid = None if valid is None else valid.unsqueeze(-1)
+            # per-channel coefficients [channels] along the channels, now the buffers' dim 2
+            alpha, beta = (c.unsqueeze(-1) if torch.is_tensor(c) and c.dim() else c for c in (alpha, beta))
+        else:
+            stored = state.unsqueeze(2).unbind(1) if whole else _stored_levels(state)  # ([batch, 1, channels] views)
         levels = _levels(x, stored, scheme, alpha, beta)
         refined = levels[steps]
-        _write_state(state if whole else stored, levels[:steps], valid)
+        _write_state(state if whole else stored if block is None else block, levels[:steps], valid)
     if valid is not None:
         refined = torch.lerp(x, refined, valid)  # exactly x where valid is 0 and refined where it is 1: one op
     return _as_input(refined, hidden_states)
 
 
-def _mapped_update(x, state, decode_map, steps, valid):
-    """The refined token ``[batch, 1, channels]`` through the linear map, ``state`` written in place. On the CPU each op
-    costs a decoded token 5-15 µs between the model's matrix products (a cold cache): one concatenation, one
-    matrix product, one write per level, and views."""
+def _mapped_update(x, state, decode_map, steps, valid, block=None):
+    """The refined token ``[batch, 1, channels]`` through the linear map, ``state`` (or the ``block`` of its buffers)
+    written in place. On the CPU each op costs a decoded token 5-15 µs between the model's matrix products (a cold
+    cache): one concatenation, one matrix product, one write (one per level without a block), and views."""
     batch, _, channels = x.shape
     rows = steps + 1
     if torch.is_tensor(state):
@@ -91,10 +99,10 @@ def _mapped_update(x, state, decode_map, steps, valid):
         levels = (decode_map * inputs.view(batch, 1, rows, channels)).sum(2).view(inputs.shape)
     if valid is not None:
         valid = valid.view(batch, *(1,) * (levels.dim() - 1))
-    if torch.is_tensor(state):
+    if torch.is_tensor(state) or block is not None:
         written = levels.narrow(1, 0, steps)
-        state.copy_(written if valid is None else written * valid)
-        return levels.narrow(1, steps, 1)
+        (state if block is None else block).copy_(written if valid is None else written * valid)
+        return levels.narrow(1, steps, 1).view(batch, 1, channels)
     parts = levels.unsqueeze(2).unbind(1)  # each in its buffer's shape (Tensor.split: a Python wrapper)
     for buffer, part in zip(state, parts):
         buffer.copy_(part if valid is None else part * valid)

@@ -129,7 +129,11 @@ def conv_state(layer, index: int):
 
 def records_past(cache, layer_idx: int) -> bool:
     """Whether the cache layer keeps each position's state until ``crop`` (assisted decoding): sites then append."""
-    return bool(getattr(cache.layers[layer_idx], "record_past", False))
+    return layer_records_past(cache.layers[layer_idx])
+
+
+def layer_records_past(layer) -> bool:
+    return bool(getattr(layer, "record_past", False))
 
 
 def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor):
@@ -137,13 +141,13 @@ def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor)
     the cache records its past) as its conv states ``state_idx ..``, one per step, one position per column. On the
     CPU a site's first store makes its conv states the rows of one block (:func:`conv_state_block`)."""
     layer = cache.layers[layer_idx]
-    if (states.device.type == "cpu" and not getattr(layer, "record_past", False)
+    if (states.device.type == "cpu" and not layer_records_past(layer)
             and not getattr(layer, "is_conv_states_initialized", {}).get(state_idx, True)):
         # One [batch, steps, channels] tensor whose rows are the conv states: a CPU decode step reads and writes the
         # site's state in one op each (an op costs a decoded token 5-15 us there); the cache copies into them in place.
-        block = states.new_zeros(states.shape[:3])
+        block = states.new_zeros((*states.shape[:3], 1))
         for step in range(states.shape[1]):
-            row = block[:, step:step + 1, :, None]  # [batch, 1, channels, 1]
+            row = block[:, step:step + 1]  # [batch, 1, channels, 1]
             layer.lazy_initialization(conv_states=row, state_idx=state_idx + step, conv_kernel_size=1)
             layer.conv_states[state_idx + step] = row
     for step in range(states.shape[1]):
@@ -151,14 +155,15 @@ def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor)
 
 
 def conv_state_block(levels):
-    """The ``[batch, steps, channels]`` tensor whose rows ``0 .. steps - 1`` are a site's conv states ``levels`` in
+    """The ``[batch, steps, channels, 1]`` tensor whose rows ``0 .. steps - 1`` are a site's conv states ``levels`` in
     order (:func:`store_pde_state`'s CPU layout), or None (another layout, or states the cache has replaced since: a
     reordered, offloaded or copied cache)."""
     block = levels[0]._base
-    if block is None or block.dim() != 3 or block.shape[1] != len(levels):
+    if block is None or block.dim() != 4 or block.shape[1] != len(levels):
         return None
+    row, offset, stride = (block.shape[0], 1, *block.shape[2:]), block.storage_offset(), block.stride(1)
     for step, level in enumerate(levels):
-        if level._base is not block or level.storage_offset() != block.storage_offset() + step * block.stride(1):
+        if level._base is not block or level.storage_offset() != offset + step * stride or level.shape != row:
             return None
     return block
 

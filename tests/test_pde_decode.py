@@ -110,34 +110,44 @@ def test_kept_map_follows_the_coefficients():
 
 
 @pytest.mark.parametrize("pde_type", ["diffusion", "reaction_diffusion"])
-def test_cpu_cache_holds_a_site_state_as_one_block(pde_type):
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_cpu_cache_holds_a_site_state_as_one_block(pde_type, per_channel):
     """On the CPU a site's conv states are the rows of one block (read and written by one op each); a cache whose
-    states were replaced (beam search's reorder) falls back to one buffer per step; both decode the full sequence."""
+    states were replaced (beam search's reorder) falls back to one buffer per step; both decode the full sequence,
+    a padded token inside the decoded part included (its wall)."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from cta.pde_cache import CACHE_ARGUMENT, cached_pde_levels, conv_state_block
+    from cta.pde_cache import CACHE_ARGUMENT, cached_pde_state, conv_state_block
     from pde_testing import randomize_pde
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
-    cta.patch_model(model, pde_type=pde_type, pde_steps=3, placement="block_output", backend="torch")
+    cta.patch_model(model, pde_type=pde_type, pde_steps=3, placement="block_output", backend="torch",
+                    per_channel=per_channel)
     randomize_pde(model, seed=1)
     model.eval()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5] = 0  # (a padded token while decoding: the site's walls)
     site = next(m for m in model.modules() if isinstance(m, cta.PDERefinement))
+    block_of = lambda cache: conv_state_block(cached_pde_state(cache, site.layer_idx, site.state_idx, site.steps)[0])  # noqa: E731
     with torch.no_grad():
-        full = model(ids).logits
+        full = model(ids, attention_mask=mask).logits
         cache = DynamicCache(config=model.config)
-        logits = [model(ids[:, :4], **{CACHE_ARGUMENT: cache}, use_cache=True).logits]
-        block = conv_state_block(cached_pde_levels(cache, site.layer_idx, site.state_idx, site.steps))
-        assert block is not None and block.shape == (2, 3, 32)
+        logits = [model(ids[:, :4], attention_mask=mask[:, :4], **{CACHE_ARGUMENT: cache}, use_cache=True).logits]
+        block = block_of(cache)
+        assert block is not None and block.shape == (2, 3, 32, 1)
         for t in range(4, 8):
-            if t == 6:  # (an identity reorder: the same values in new tensors)
+            if t == 7:  # (an identity reorder: the same values in new tensors)
                 cache.reorder_cache(torch.arange(2))
-                assert conv_state_block(cached_pde_levels(cache, site.layer_idx, site.state_idx, site.steps)) is None
-            logits.append(model(ids[:, t:t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True).logits)
-    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
+                assert block_of(cache) is None
+            else:
+                assert block_of(cache) is block
+            logits.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], **{CACHE_ARGUMENT: cache},
+                                use_cache=True).logits)
+    valid = mask.bool()
+    torch.testing.assert_close(torch.cat(logits, 1)[valid], full[valid], rtol=1e-4, atol=1e-5)
 
 
 def test_reaction_factor_form_is_found_only_where_it_holds():
