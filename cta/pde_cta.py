@@ -213,15 +213,16 @@ class PDERefinement(nn.Module):
         """One token ``[batch, 1, channels]``; ``levels`` (this site's cached state, one fp32 conv state per step) are
         updated in place. CUDA eager: the fused kernel on the raw parameters, projected in the kernel (decode is
         host-bound). Elsewhere and traced: ``pde_decode.pde_decode_update``'s plain torch ops."""
-        on_cpu = levels[0].is_cpu and not torch.compiler.is_compiling()
-        if (not on_cpu and levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS
-                and not torch.compiler.is_compiling() and _use_triton(self.backend, hidden_states)):
+        compiling = torch.compiler.is_compiling()
+        if (not hidden_states.is_cpu and levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS
+                and not compiling and _use_triton(self.backend, hidden_states)):
             if levels[0].shape[-1] != 1:  # (a cache that kept several positions: the kernel takes the last one's)
                 levels = [level[..., -1] for level in levels]
             return _triton_lookup()[0].pde_decode_token_triton(
                 hidden_states, levels, self.alpha, self.beta, attention_mask, self.pde_type, self.steps, self.bounds
             )
         alpha = self.alpha
+        on_cpu = levels[0].is_cpu and not compiling
         if on_cpu and alpha.numel() == 1:
             # On the CPU, reading a value costs no device synchronisation: scalar coefficients are read as Python
             # floats, and what they give (projected values, the linear schemes' map) is kept while they keep their
