@@ -260,8 +260,11 @@ def training_line():
                 f" ({per_site(key, bound_run)} on the host-bound host)" if per_site(key, bound_run) else "")
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
     bound = ""
-    floors = [f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]" for row in
-              (run["overhead"].get("llama_gain_vs_llama") for run in filter(None, (first, bound_run))) if row]
+    quartiles = lambda row: f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]"  # noqa: E731
+    floors = [quartiles(run["overhead"]["llama_gain_vs_llama"]) + (
+        f", patched over it {quartiles(run['overhead']['patched_vs_llama_gain'])}"
+        if "patched_vs_llama_gain" in run["overhead"] else "")
+        for run in filter(None, (first, bound_run)) if "llama_gain_vs_llama" in run["overhead"]]
     if floors:  # (files from before the floor was measured lack it)
         bound += (" The floor of any separate op in a site's place, a learned gain on every block's output (one `mul`, "
                   f"a forward hook), costs the eager step {floors[0]}"
