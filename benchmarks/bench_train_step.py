@@ -198,7 +198,7 @@ def main():
                         help="folder for train_step_<gpu>[_compiled][_<shape>][_host_bound: eager, host-bound].json")
     for flag, default in (("layers", 12), ("hidden", 1024), ("vocab", 32000), ("batch", 8), ("seq", 1024)):
         parser.add_argument(f"--{flag}", type=int, default=default, help="the step's model and batch")
-    parser.add_argument("--rounds", type=int, default=61, help="paired rounds (the models take turns in each)")
+    parser.add_argument("--rounds", type=int, default=61, help="paired rounds (host slower than the GPU: use 244)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per model and round")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model first")
     parser.add_argument("--site_hidden", type=int, default=256, help="channels of the host-time sites")
