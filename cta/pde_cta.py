@@ -22,6 +22,7 @@ from .pde_spec import (COEFFICIENT_BOUNDS, MAX_PDE_STEPS, PAPER_COEFFICIENTS, PD
                        clamp_coefficients, coefficient_bounds, normalize_pde_type, scheme_of, uses_beta)
 
 
+_DECODE_KEPT = ("_kept_scalar_decode", "_kept_state_block")  # PDERefinement's per-site decode memos
 _TRITON = []  # [(cta.triton_cta or None, why it cannot run here)] once looked up (cached: decode asks per token)
 # Dtypes the Triton backend takes: fp32 / bf16 / fp16 run fused, fp64 runs the reference inside it.
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -238,6 +239,11 @@ class PDERefinement(nn.Module):
         block = self._state_block(levels) if on_cpu else None
         return pde_decode_update(hidden_states, levels, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
                                  beta=beta, token_mask=attention_mask, decode_map=decode_map, block=block)
+
+    def __getstate__(self):
+        # What CPU decoding keeps per site (the coefficients' values, the cache's state block) is found again from the
+        # parameters and the cache: not pickled (`torch.save(model)`), and its weak references could not be.
+        return {key: value for key, value in super().__getstate__().items() if key not in _DECODE_KEPT}
 
     def _state_block(self, levels):
         """The tensor whose rows are the conv states ``levels`` where the CPU cache holds them so (one write per

@@ -150,6 +150,31 @@ def test_cpu_cache_holds_a_site_state_as_one_block(pde_type, per_channel):
     torch.testing.assert_close(torch.cat(logits, 1)[valid], full[valid], rtol=1e-4, atol=1e-5)
 
 
+def test_a_patched_model_pickles_after_cpu_decoding():
+    """What a site keeps while decoding on the CPU (the coefficients' values, the cache's state block, held weakly)
+    stays out of a whole-model pickle (``torch.save(model)``); the reloaded model decodes the same tokens."""
+    import io
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pde_testing import randomize_pde
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    cta.patch_model(model, pde_type="reaction_diffusion", pde_steps=3, placement="block_output", backend="torch")
+    randomize_pde(model, seed=2)
+    prompt = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1))
+    tokens = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    assert any("_kept_state_block" in vars(m) for m in model.modules())  # (the memo exists: what the test is about)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    reloaded = torch.load(buffer, weights_only=False)
+    assert not any("_kept_state_block" in vars(m) for m in reloaded.modules())
+    assert torch.equal(reloaded.generate(prompt, max_new_tokens=6, do_sample=False), tokens)
+
+
 def test_reaction_factor_form_is_found_only_where_it_holds():
     """``R(u, b)`` written ``b * f(u)`` or ``-b * f(u)`` (f without ``b``) gets the factor form the CPU decode step adds
     in one fused op, equal to R; any other expression gets none."""
