@@ -215,8 +215,8 @@ class PDERefinement(nn.Module):
         updated in place. CUDA eager: the fused kernel on the raw parameters, projected in the kernel (decode is
         host-bound). Elsewhere and traced: ``pde_decode.pde_decode_update``'s plain torch ops."""
         compiling = torch.compiler.is_compiling()
-        if (not hidden_states.is_cpu and levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS
-                and not compiling and _use_triton(self.backend, hidden_states)):
+        if (levels[0].dtype == torch.float32 and self.steps <= MAX_FUSED_STEPS and not compiling
+                and _use_triton(self.backend, hidden_states)):  # (on CUDA, or Triton's interpreter on the CPU)
             if levels[0].shape[-1] != 1:  # (a cache that kept several positions: the kernel takes the last one's)
                 levels = [level[..., -1] for level in levels]
             return _triton_lookup()[0].pde_decode_token_triton(
