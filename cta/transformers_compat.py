@@ -143,7 +143,7 @@ def store_pde_state(cache, layer_idx: int, state_idx: int, states: torch.Tensor)
     layer = cache.layers[layer_idx]
     if (states.device.type == "cpu" and not layer_records_past(layer)
             and not getattr(layer, "is_conv_states_initialized", {}).get(state_idx, True)):
-        # One [batch, steps, channels] tensor whose rows are the conv states: a CPU decode step reads and writes the
+        # One [batch, steps, channels, 1] tensor whose rows are the conv states: a CPU decode step reads and writes the
         # site's state in one op each (an op costs a decoded token 5-15 us there); the cache copies into them in place.
         block = states.new_zeros((*states.shape[:3], 1))
         for step in range(states.shape[1]):

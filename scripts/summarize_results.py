@@ -216,10 +216,12 @@ def training_line():
         return [f"- **Training step, 12 x 1024 model:** {MISSING}"]
     first, shape, bound_run = runs["eager"], runs["eager"]["shape"], runs.get("host_bound")
 
+    def quartiles(row):  # the median and the quartiles of the per-round ratios
+        return f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]"
+
     def cells(run):
-        def cell(key):  # the median and the quartiles of the per-round ratios
-            row = run["overhead"][key]
-            return f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]"
+        def cell(key):
+            return quartiles(run["overhead"][key])
 
         return (f"patched {cell('patched_vs_llama')} vs Llama, native 0 steps {cell('native_0_vs_llama')} vs Llama, "
                 f"native 4 steps {cell('native_4_vs_native_0')} vs its 0 steps")
@@ -260,7 +262,6 @@ def training_line():
                 f" ({per_site(key, bound_run)} on the host-bound host)" if per_site(key, bound_run) else "")
     kernels = first.get("pde_kernel_ms_per_step", {}).get("patched")
     bound = ""
-    quartiles = lambda row: f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]"  # noqa: E731
     floors = [quartiles(run["overhead"]["llama_gain_vs_llama"]) + (
         f", patched over it {quartiles(run['overhead']['patched_vs_llama_gain'])}"
         if "patched_vs_llama_gain" in run["overhead"] else "")
