@@ -220,11 +220,10 @@ def training_line():
         return f"{row['median_pct']:+.1f}% [{row['q1_pct']:+.1f}, {row['q3_pct']:+.1f}]"
 
     def cells(run):
-        def cell(key):
-            return quartiles(run["overhead"][key])
-
-        return (f"patched {cell('patched_vs_llama')} vs Llama, native 0 steps {cell('native_0_vs_llama')} vs Llama, "
-                f"native 4 steps {cell('native_4_vs_native_0')} vs its 0 steps")
+        row = run["overhead"]
+        return (f"patched {quartiles(row['patched_vs_llama'])} vs Llama, native 0 steps "
+                f"{quartiles(row['native_0_vs_llama'])} vs Llama, native 4 steps "
+                f"{quartiles(row['native_4_vs_native_0'])} vs its 0 steps")
 
     def regime(run):  # (how long Llama's host took to queue a step, against the GPU's busy time)
         host, busy = run["host_ms"]["llama"], run["gpu_busy_ms_per_step"]["llama"]
