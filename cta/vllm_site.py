@@ -1,0 +1,124 @@
+# coding=utf-8
+"""A PDE site inside vLLM: a stateful layer that keeps each sequence's causal PDE state in vLLM's own state cache, as
+vLLM's short convolution (``model_executor/layers/mamba/short_conv.py``) keeps its conv state.
+
+The state of one sequence is ``[steps, channels]`` fp32, the operator's ``initial_state`` / final state of one row
+(entry ``s``: the step-``s`` iterate at the last position seen). vLLM's batch is flat, decode tokens first:
+* **decode** tokens, one per sequence: one :func:`pde_cta.pde_decode_step` for all of them, on their gathered states;
+* **prefill** chunks: each sequence's chunk is refined by :func:`pde_cta.pde_refine` from its stored state when the
+  chunk continues the sequence (vLLM's ``has_initial_states_p``: chunked prefill, a prefix-cache hit) and from the
+  wall otherwise, and its final state is written back.
+Tokens past the batch's real ones (padding to a captured size) pass through unchanged.
+
+The site runs as one registered custom op (``torch.ops.cta_vllm.pde_site``), opaque to ``torch.compile`` and a
+break point of CUDA-graph capture, as vLLM's stateful layers are. This module imports vLLM: only the plugin loads it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from .pde_cta import PAPER_COEFFICIENTS, coefficient_bounds, pde_decode_step, pde_refine
+
+OP_LIBRARY = "cta_vllm"
+SITE_OP = f"{OP_LIBRARY}::pde_site"  # (named in vLLM's splitting ops: piecewise CUDA graphs break around it)
+
+
+class PDESiteSpec:
+    """What a serving site needs of a patch: type, steps, per-channel coefficients and their initial values (the
+    checkpoint's values replace them at load)."""
+
+    def __init__(self, pde_type: str, steps: int, alpha: float, beta, per_channel: bool):
+        self.pde_type, self.steps, self.per_channel = pde_type, steps, per_channel
+        self.alpha = alpha
+        self.beta = PAPER_COEFFICIENTS[pde_type][1] if beta is None else beta
+
+
+class VllmPDESite(MambaBase, nn.Module):
+    """A causal PDE site whose per-sequence state lives in vLLM's state cache (``self.kv_cache[0]``: ``[slots, steps,
+    channels]`` fp32). Parameters ``alpha`` / ``beta`` carry the checkpoint's names (``...cta_<placement>_pde.alpha``),
+    used projected onto the causal scheme's stable bounds as :class:`pde_cta.PDERefinement` uses them."""
+
+    def __init__(self, spec: PDESiteSpec, channels: int, prefix: str):
+        super().__init__()
+        self.pde_type, self.steps, self.channels, self.prefix = spec.pde_type, spec.steps, channels, prefix
+        self.bounds = coefficient_bounds(spec.pde_type, causal=True)
+        shape = (channels,) if spec.per_channel else (1,)
+        self.alpha = nn.Parameter(torch.full(shape, float(spec.alpha), dtype=torch.float32), requires_grad=False)
+        if self.bounds[1] is not None:
+            self.beta = nn.Parameter(torch.full(shape, float(spec.beta), dtype=torch.float32), requires_grad=False)
+        else:
+            self.register_parameter("beta", None)
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    def extra_repr(self) -> str:
+        return f"{self.pde_type}, steps={self.steps}, causal, channels={self.channels}"
+
+    def get_state_shape(self):
+        return ((self.steps, self.channels),)
+
+    def get_state_dtype(self):
+        return (torch.float32,)
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.SHORT_CONV  # (its metadata: state indices and prefill starts, all we read)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output = torch.empty_like(hidden_states)
+        torch.ops.cta_vllm.pde_site(hidden_states, output, self.prefix)
+        return output
+
+    def coefficients(self):
+        """``(alpha, beta)`` projected onto the causal scheme's bounds."""
+        alpha = self.alpha.clamp(*self.bounds[0])
+        return alpha, None if self.beta is None else self.beta.clamp(*self.bounds[1])
+
+    def refine(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
+        """Writes the refined ``hidden_states`` ``[tokens, channels]`` into ``output``, reading and writing the
+        states of the batch's sequences."""
+        metadata = get_forward_context().attn_metadata
+        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        output.copy_(hidden_states)  # (padding tokens; and the memory-profiling run, which has no metadata)
+        if metadata is None:
+            return
+        states = self.kv_cache[0]
+        alpha, beta = self.coefficients()
+        operator = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
+        decodes = metadata.num_decode_tokens
+        if decodes:
+            slots = metadata.state_indices_tensor_d.reshape(-1)[:decodes]
+            state = states[slots]  # [decodes, steps, channels], gathered: updated in place, then scattered back
+            output[:decodes] = pde_decode_step(hidden_states[:decodes], state, **operator)
+            states[slots] = state
+        if metadata.num_prefills:
+            starts = (metadata.query_start_loc_p + decodes).tolist()
+            continues = metadata.has_initial_states_p.tolist()
+            slots = metadata.state_indices_tensor_p.reshape(-1).tolist()
+            for start, end, has_state, slot in zip(starts, starts[1:], continues, slots):
+                chunk = hidden_states[start:end].unsqueeze(0)
+                initial = states[slot].unsqueeze(0) if has_state else None
+                refined, final = pde_refine(chunk, causal=True, initial_state=initial, return_final_state=True,
+                                            **operator)
+                output[start:end] = refined[0]
+                states[slot] = final[0]
+
+
+@eager_break_during_capture
+def _pde_site(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    get_forward_context().no_compile_layers[layer_name].refine(hidden_states, output)
+
+
+_LIBRARY = torch.library.Library(OP_LIBRARY, "FRAGMENT")  # (the op lives as long as this handle)
+direct_register_custom_op(op_name="pde_site", op_func=_pde_site, mutates_args=["output"], target_lib=_LIBRARY)
