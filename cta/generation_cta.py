@@ -26,6 +26,23 @@ REFUSED_CACHES = {
                         "every layer of this model's cache holds the PDE state (it fails at the first token)."}
 
 
+# The attention implementation vLLM's generic Transformers backend (`model_impl="transformers"`, or any custom-code
+# checkpoint without a registered vLLM class) sets on the config it builds a model from: it then runs the model on its
+# flattened batch, where a PDE site would read several sequences as one row and keep no state.
+VLLM_TRANSFORMERS_BACKEND = "vllm"
+
+
+def refuse_vllm_transformers_backend(config, model_name: str) -> None:
+    """Raises when vLLM's Transformers backend builds this model (it would decode every PDE sequence wrong)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if VLLM_TRANSFORMERS_BACKEND in (getattr(config, "_attn_implementation", None),
+                                     getattr(text_config, "_attn_implementation", None)):
+        raise ValueError(f"{model_name} cannot run on vLLM's generic Transformers backend: it runs the model on a "
+                         "flattened batch where the PDE sites would mix sequences and keep no decode state. Install "
+                         "the CTA plugin (`pip install \"cta[vllm]\"`), which serves CTA checkpoints with vLLM's own "
+                         "layers, and do not pass `model_impl=\"transformers\"`.")
+
+
 def check_cache_holds_pde_states(cache, sites, model_name: str):
     """Raises unless each cache layer a causal PDE site of ``sites`` (``pde_cache_sites()``) uses holds conv states."""
     if cache is None or not sites:

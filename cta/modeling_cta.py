@@ -22,7 +22,7 @@ from .configuration_cta import CTAConfig
 from .checkpoint_conversion import from_pretrained_with_pde_check, saved_as_own_class
 from .pde_cache import (CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, deprecate_past_key_values,
                         fill_unused_pde_states, pde_sites, pop_cache)
-from .generation_cta import PDEGenerationMixin
+from .generation_cta import PDEGenerationMixin, refuse_vllm_transformers_backend
 from .pde_cta import PDERefinement
 from .pde_sites import NO_WALLS, SiteWalls
 from .transformers_compat import OutputRecorder, can_return_tuple, capture_outputs, repeat_kv
@@ -285,6 +285,7 @@ class CTAModel(CTAPreTrainedModel):
     pde_sharding = None  # how the sequence is sharded over ranks (``cta.shard_sequences``), or None
 
     def __init__(self, config: CTAConfig):
+        refuse_vllm_transformers_backend(config, type(self).__name__)
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)

@@ -11,7 +11,7 @@ import transformers
 
 from .checkpoint_conversion import (SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, hub_arguments,
                                     saved_as_own_class)
-from .generation_cta import PDEGenerationMixin
+from .generation_cta import PDEGenerationMixin, refuse_vllm_transformers_backend
 from .patching_sites import apply_patch, state_indices_of
 from .patching_structure import base_model_type, config_is_decoder
 from .pde_cache import hybrid_cache_layout
@@ -103,6 +103,7 @@ class CTAPatchedModelMixin(PDEGenerationMixin):
         if not isinstance(spec, dict):
             raise ValueError(f"{type(self).__name__} needs `config.cta_patch` (the patch recorded by "
                              f"cta.patch_model); got {spec!r}.")
+        refuse_vllm_transformers_backend(config, type(self).__name__)
         super().__init__(config, *args, **kwargs)
         apply_patch(self, spec)
 

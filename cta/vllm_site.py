@@ -3,12 +3,10 @@
 vLLM's short convolution (``model_executor/layers/mamba/short_conv.py``) keeps its conv state.
 
 The state of one sequence is ``[steps, channels]`` fp32, the operator's ``initial_state`` / final state of one row
-(entry ``s``: the step-``s`` iterate at the last position seen). vLLM's batch is flat, decode tokens first:
-* **decode** tokens, one per sequence: one :func:`pde_cta.pde_decode_step` for all of them, on their gathered states;
-* **prefill** chunks: each sequence's chunk is refined by :func:`pde_cta.pde_refine` from its stored state when the
-  chunk continues the sequence (vLLM's ``has_initial_states_p``: chunked prefill, a prefix-cache hit) and from the
-  wall otherwise, and its final state is written back.
-Tokens past the batch's real ones (padding to a captured size) pass through unchanged.
+(entry ``s``: the step-``s`` iterate at the last position seen). vLLM's batch is flat, decode tokens first, then
+prefill chunks; vLLM's metadata says which state slot each sequence has and whether a chunk continues its sequence
+(``has_initial_states_p``: chunked prefill, a prefix-cache hit). :func:`pde_serving.refine_flat_batch` refines it
+through the operator's two entry points, ``pde_decode_step`` and ``pde_refine``.
 
 The site runs as one registered custom op (``torch.ops.cta_vllm.pde_site``), opaque to ``torch.compile`` and a
 break point of CUDA-graph capture, as vLLM's stateful layers are. This module imports vLLM: only the plugin loads it.
@@ -25,7 +23,8 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from .pde_cta import PAPER_COEFFICIENTS, coefficient_bounds, pde_decode_step, pde_refine
+from .pde_cta import PAPER_COEFFICIENTS, coefficient_bounds
+from .pde_serving import refine_flat_batch
 
 OP_LIBRARY = "cta_vllm"
 SITE_OP = f"{OP_LIBRARY}::pde_site"  # (named in vLLM's splitting ops: piecewise CUDA graphs break around it)
@@ -87,32 +86,21 @@ class VllmPDESite(MambaBase, nn.Module):
 
     def refine(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
         """Writes the refined ``hidden_states`` ``[tokens, channels]`` into ``output``, reading and writing the
-        states of the batch's sequences."""
+        states of the batch's sequences (:func:`pde_serving.refine_flat_batch`)."""
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-        output.copy_(hidden_states)  # (padding tokens; and the memory-profiling run, which has no metadata)
-        if metadata is None:
+        if metadata is None:  # the memory-profiling run: no sequences, no states
+            output.copy_(hidden_states)
             return
-        states = self.kv_cache[0]
-        alpha, beta = self.coefficients()
-        operator = dict(pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta)
         decodes = metadata.num_decode_tokens
-        if decodes:
-            slots = metadata.state_indices_tensor_d.reshape(-1)[:decodes]
-            state = states[slots]  # [decodes, steps, channels], gathered: updated in place, then scattered back
-            output[:decodes] = pde_decode_step(hidden_states[:decodes], state, **operator)
-            states[slots] = state
-        if metadata.num_prefills:
-            starts = (metadata.query_start_loc_p + decodes).tolist()
-            continues = metadata.has_initial_states_p.tolist()
-            slots = metadata.state_indices_tensor_p.reshape(-1).tolist()
-            for start, end, has_state, slot in zip(starts, starts[1:], continues, slots):
-                chunk = hidden_states[start:end].unsqueeze(0)
-                initial = states[slot].unsqueeze(0) if has_state else None
-                refined, final = pde_refine(chunk, causal=True, initial_state=initial, return_final_state=True,
-                                            **operator)
-                output[start:end] = refined[0]
-                states[slot] = final[0]
+        prefills = bool(metadata.num_prefills)
+        alpha, beta = self.coefficients()
+        refine_flat_batch(
+            hidden_states, output, self.kv_cache[0], pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta,
+            decode_slots=metadata.state_indices_tensor_d.reshape(-1)[:decodes] if decodes else None,
+            prefill_starts=(metadata.query_start_loc_p + decodes).tolist() if prefills else [],
+            prefill_slots=metadata.state_indices_tensor_p.reshape(-1).tolist() if prefills else [],
+            prefill_continues=metadata.has_initial_states_p.tolist() if prefills else [])
 
 
 @eager_break_during_capture
