@@ -70,6 +70,8 @@ def save_checkpoints(args, folder):
 
 def side(args):
     """One engine over ``args.side``'s checkpoint; reads a measurement name per line, answers seconds as JSON."""
+    answers = os.fdopen(os.dup(1), "w", buffering=1)  # the coordinator's channel; vLLM's own output goes to stderr
+    os.dup2(2, 1)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -89,7 +91,7 @@ def side(args):
         prompts = [TokensPrompt(prompt_token_ids=[(11 * i + b) % 400 + 3 for i in range(16)]) for b in range(batch)]
         return (timed(prompts, args.new_tokens + 1) - timed(prompts, 1)) / args.new_tokens
 
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=answers)
     for line in sys.stdin:
         name = line.strip()
         if name == "prefill":
@@ -98,7 +100,7 @@ def side(args):
             value = decode(int(name[len("decode"):]))
         else:
             value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB
-        print(json.dumps({"value": value}), flush=True)
+        print(json.dumps({"value": value}), file=answers)
 
 
 def ask(process, name):
