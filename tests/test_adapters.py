@@ -191,11 +191,13 @@ def _sgd(model, steps):
 @pytest.fixture(scope="module")
 def more(folders):
     """Besides ``folders``' adapters (``lora_pde``: SPEC, PDE at 2.0): one more of SPEC (other LoRA, PDE at 1.0), one
-    of SPEC with 4 steps, one of reaction-diffusion; the logits of each as trained."""
+    of SPEC with 4 steps, one of reaction-diffusion, one of SPEC with ``init="paper"``; the logits of each as
+    trained."""
     root, expected = folders
     trained = {"lora_pde": expected["lora_pde"], "second": _train(root, "second", SPEC, 1, 1.0),
                "other_steps": _train(root, "other_steps", OTHER_SPEC, 2, 1.5),
-               "other_type": _train(root, "other_type", OTHER_TYPE, 3, 1.5)}
+               "other_type": _train(root, "other_type", OTHER_TYPE, 3, 1.5),
+               "paper_init": _train(root, "paper_init", dict(SPEC, init="paper"), 4, 1.0)}
     assert (trained["second"] - trained["lora_pde"]).abs().max() > 1e-2
     return root, trained
 
@@ -275,6 +277,34 @@ def test_add_adapter_of_another_patch_raises(more):
     with pytest.raises(ValueError, match=r"'b' was trained with the patch \(.*pde_steps=4.*pde_steps=2"):
         model.add_adapter("b", other)
     _assert_unchanged(model, before, trained["lora_pde"])
+
+
+@pytest.mark.parametrize("deleted", ["default", "second"])
+def test_delete_adapter_leaves_the_other_exact(more, deleted):
+    root, trained = more
+    model = PeftModel.from_pretrained(_plain(root), root / "lora_pde")
+    model.load_adapter(root / "second", "second")
+    kept = {"default": "second", "second": "default"}[deleted]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PEFT: the deleted adapter was active; it activates the other)
+        model.delete_adapter(deleted)
+    assert model.active_adapters == [kept]
+    torch.testing.assert_close(logits(model, *batch()), trained[{"default": "lora_pde"}.get(kept, kept)], atol=1e-5,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("adapter", ["lora_pde", "paper_init"])
+def test_disable_adapter_gives_the_patch_at_its_initial_coefficients(more, adapter):
+    """docs/adapters.md: the plain model's outputs under init="identity" only."""
+    root, _ = more
+    model = PeftModel.from_pretrained(_plain(root), root / adapter)
+    init = "paper" if adapter == "paper_init" else "identity"
+    expected = logits(patch_model(_plain(root), init=init, **SPEC), *batch())
+    plain = logits(_plain(root), *batch())
+    with model.disable_adapter():
+        got = logits(model, *batch())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert ((got - plain).abs().max() > 1e-3) == (init == "paper")
 
 
 @pytest.mark.parametrize("weight", [1.0, 0.5])
