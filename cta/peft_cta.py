@@ -107,7 +107,7 @@ def ensure_patched(model, config) -> None:
 
 
 def check_next_adapter(model, config, adapter_name, others) -> None:
-    """Raises where an adapter added to a model that carries ``others`` (``{name: config}``) records another patch:
+    """Raises where an adapter added to a model that carries the adapters ``others`` (names) records another patch:
     the model has one patch, which every adapter on it runs under."""
     spec = config.cta_patch
     if spec is None or not is_patched(model) or patch_summary(spec) == patch_summary(model.config.cta_patch):
