@@ -138,7 +138,8 @@ def unpatch_model(model):
     if peft_adapted(model):
         raise ValueError(f"PEFT adapts this {type(model).__name__}: its CTA adapters hold the PDE modules. "
                          "`peft_model.unload()` gives back the base model (the plain one, where an adapter patched "
-                         "it); `peft_model.merge_and_unload()` a patched model without PEFT, which unpatch_model takes.")
+                         "it); `peft_model.merge_and_unload()` a patched model without PEFT, which unpatch_model "
+                         "takes.")
     remove_patch_modules(model)
     drop_compiled_calls(model)
     config = model.config

@@ -23,7 +23,7 @@ class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or th
   assistant's conv states roll back from 5.15, Doge from 5.18
 - peft ``mapping.PEFT_TYPE_TO_*_MAPPING``, ``DUMMY_TARGET_MODULES``, ``LoraModel._pre_injection_hook`` /
   ``_prepare_adapter_config``: the ``CTA_LORA`` adapter type (``peft_cta``, :func:`register_peft_tables`)
-- peft's adapter operations after the first (checked on peft 0.21.0 and 0.21.2, transformers 5.24): the tuner's
+- peft's adapter operations after the first (checked: peft 0.21.0 and 0.21.2, transformers 5.14 and 5.24): the tuner's
   constructor calls ``_pre_injection_hook``, and adds its config to a ``peft_config`` the model already holds (what
   transformers' ``load_adapter`` of a second adapter does); ``PeftModel.add_adapter`` / ``load_adapter`` and
   ``LoraModel.add_weighted_adapter`` call ``inject_adapter`` directly (and roll back ``peft_config`` where it raises);

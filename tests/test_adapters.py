@@ -240,8 +240,9 @@ def test_second_adapter_of_another_patch_raises_naming_both(more, first, second,
     root, trained = more
     model = PeftModel.from_pretrained(_plain(root), root / first)
     before = _state(model)
-    with pytest.raises(ValueError, match=rf"'b' was trained with the patch \(.*{named[0]}.*\), but this model carries "
-                                         rf"adapters \['default'\] under the patch \(.*{named[1]}.*PeftModel.from_pretrained"):
+    message = (rf"'b' was trained with the patch \(.*{named[0]}.*\), but this model carries adapters \['default'\] "
+               rf"under the patch \(.*{named[1]}.*PeftModel.from_pretrained")
+    with pytest.raises(ValueError, match=message):
         model.load_adapter(root / second, "b")
     _assert_unchanged(model, before, trained[first])
 
