@@ -65,6 +65,17 @@ class CTAPatchedConfigMixin:
             return _cache_view(self) or config
         return config
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """A patched checkpoint's config; the config of a plain checkpoint of the base type as the plain config it
+        is (a patched model's adapter names the plain model it was made from, and PEFT reads that config with the
+        patched model's config class when it saves the adapter: read as a patched one, transformers warns that the
+        types differ)."""
+        config_dict, _ = cls.get_config_dict(pretrained_model_name_or_path, **hub_arguments(kwargs))
+        if config_dict.get("model_type") == cls._cta_base_model_type and "cta_patch" not in config_dict:
+            return cls._cta_original_class.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
 
 class CTAPatchedModelMixin(PDEGenerationMixin):
     """Mixed into the model classes of patched models: builds the plain model, then applies ``config.cta_patch``;

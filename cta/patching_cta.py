@@ -31,9 +31,13 @@ from .patching_structure import (  # noqa: F401  (REFUSED, supported_placements:
     ALL_PLACEMENTS as PATCH_PLACEMENTS, REFUSED, architecture_name, config_is_decoder, config_refusal, plan_patch,
     supported_placements)
 from .pde_cta import PAPER_COEFFICIENTS, PDE_BACKENDS, PDERefinement, check_steps, normalize_pde_type, uses_beta
-from .transformers_compat import drop_compiled_calls, register_recorded_outputs
+from .transformers_compat import drop_compiled_calls, peft_adapted, register_recorded_outputs
 
 PATCH_INITS = ("identity", "paper")
+_PATCH_BEFORE_PEFT = (
+    "patching it now would add PDE coefficients that its adapters do not record (saved, an adapter would load "
+    "without them). Patch the plain model first, then `get_peft_model(model, cta.CTALoraConfig(...))`; to keep a "
+    "trained adapter, patch the model that `peft_model.merge_and_unload()` returns.")
 PATCH_FORMAT_VERSION = 1
 __getattr__ = patched_class_named  # `CTAPatched<Base>`, made on first access (auto_map, architectures, pickling)
 
@@ -89,9 +93,14 @@ def patch_model(model, pde_type="diffusion", pde_steps=1, placement="block_outpu
         alpha, beta: explicit initial coefficients (override ``init``); must lie in the stable interval.
     """
     if not isinstance(model, transformers.PreTrainedModel):
+        if callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+            raise ValueError(f"`model` is a PEFT model ({type(model).__name__}): {_PATCH_BEFORE_PEFT}")
         raise ValueError(f"`model` must be a transformers PreTrainedModel, got {type(model).__name__}.")
     if is_patched(model):
         raise ValueError("This model is already patched with CTA; call `unpatch_model(model)` first.")
+    if peft_adapted(model):
+        # Its adapter would train the PDE coefficients without recording them: saved, it loads without its PDE.
+        raise ValueError(f"PEFT already adapts this {type(model).__name__}: {_PATCH_BEFORE_PEFT}")
     spec = make_patch_spec(model.config, pde_type, pde_steps, placement, layers, init, backend, per_channel, alpha,
                            beta)
     plan = plan_patch(model, spec["placement"], layer_indices(spec, model.config.num_hidden_layers))  # (or raises)
@@ -126,6 +135,11 @@ def unpatch_model(model):
     """Removes a CTA patch (hooks, PDE modules and what they learnt, class swap, ``cta_patch``) in place; returns it."""
     if not is_patched(model):
         raise ValueError("This model is not patched with CTA.")
+    if peft_adapted(model):
+        raise ValueError(f"PEFT adapts this {type(model).__name__}: its CTA adapters hold the PDE modules. "
+                         "`peft_model.unload()` gives back the base model (the plain one, where an adapter patched "
+                         "it); `peft_model.merge_and_unload()` a patched model without PEFT, which unpatch_model "
+                         "takes.")
     remove_patch_modules(model)
     drop_compiled_calls(model)
     config = model.config
@@ -150,8 +164,10 @@ def pde_parameter_names(model):
 
 
 def pde_modules_to_save(model):
-    """PEFT ``modules_to_save`` entries that train and save the PDE modules: their ``cta_<placement>_pde`` suffixes."""
-    return sorted({name.rsplit(".", 1)[-1] for name, _ in pde_modules(model) if "cta_" in name.rsplit(".", 1)[-1]})
+    """PEFT ``modules_to_save`` entries that train and save the PDE modules: their ``cta_<placement>_pde`` names (by
+    name: where an adapter is loaded already, PEFT's wrapper holds the module under that name)."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    return sorted(name for name in names if name.startswith("cta_") and name.endswith("_pde"))
 
 
 def mark_pde_trainable(model, freeze_others=False):

@@ -24,8 +24,10 @@ if version.parse(peft.__version__) < version.parse("0.21"):
 from peft.utils.constants import DUMMY_TARGET_MODULES
 
 from . import patching_cta
-from .patching_cta import PATCHED_CLASS_PREFIX, PATCHED_MODEL_TYPE_PREFIX, is_patched, patch_model, pde_modules_to_save
-from .transformers_compat import inside_load_adapter, register_peft_tables, transformers_before
+from .patching_cta import (PATCHED_CLASS_PREFIX, PATCHED_MODEL_TYPE_PREFIX, is_patched, patch_model,
+                           pde_modules_to_save, unpatch_model)
+from .transformers_compat import (inside_load_adapter, register_peft_tables, saved_module_wrappers,
+                                  transformers_before, wrapped_copies, wrapped_original)
 
 # What makes two patches the same model (the initial coefficients and the compute backend do not).
 SPEC_KEYS = ("pde_type", "pde_steps", "placement", "layers", "causal", "per_channel")
@@ -104,12 +106,69 @@ def ensure_patched(model, config) -> None:
     config.modules_to_save = sorted(set(config.modules_to_save or ()) | set(pde_modules_to_save(model))) or None
 
 
+def check_next_adapter(model, config, adapter_name, others) -> None:
+    """Raises where an adapter added to a model that carries the adapters ``others`` (names) records another patch:
+    the model has one patch, which every adapter on it runs under."""
+    spec = config.cta_patch
+    if spec is None or not is_patched(model) or patch_summary(spec) == patch_summary(model.config.cta_patch):
+        return
+    raise ValueError(f"Adapter {adapter_name!r} was trained with the patch ({_describe(spec)}), but this model carries "
+                     f"adapters {sorted(others)} under the patch ({_describe(model.config.cta_patch)}). The adapters "
+                     "of one model share its patch, so adapters of two patches cannot be switched between on one "
+                     f"model: load {adapter_name!r} onto its own plain base model (`PeftModel.from_pretrained(base, "
+                     "adapter)`, which applies its patch).")
+
+
 class CTALoraModel(LoraModel):
-    """LoRA's tuner that first makes the model carry the adapter's patch (:func:`ensure_patched`)."""
+    """LoRA's tuner that makes the model carry the adapter's patch (:func:`ensure_patched`) before any adapter is
+    injected; every adapter of the model has its own PDE coefficients (PEFT's ``modules_to_save`` copies), and the
+    operations after the first load keep them or raise (``docs/adapters.md``)."""
 
     def _pre_injection_hook(self, model, config, adapter_name):
+        # The tuner's constructor: the first adapter (get_peft_model, PeftModel.from_pretrained, transformers'
+        # load_adapter). A config already there is another tuner's adapter, added to the model's own `peft_config`.
+        others = [name for name in self.peft_config if name != adapter_name]
+        if others:
+            del self.peft_config[adapter_name]  # (the model's dict: left as it was)
+            raise ValueError(_second_tuner_error(model, adapter_name, others))
+        self.cta_applied_patch = not is_patched(model)  # `unload()` gives back the plain model
         ensure_patched(model, config)
         super()._pre_injection_hook(model, config, adapter_name)
+
+    def inject_adapter(self, model, adapter_name, *args, **kwargs):
+        # peft calls `_pre_injection_hook` from the tuner's constructor only: `add_adapter`, `load_adapter` and
+        # `add_weighted_adapter` inject here directly (and drop the new config from `peft_config` where this raises).
+        config = self.peft_config[adapter_name]
+        check_next_adapter(model, config, adapter_name, [name for name in self.peft_config if name != adapter_name])
+        ensure_patched(model, config)
+        super().inject_adapter(model, adapter_name, *args, **kwargs)
+
+    def add_weighted_adapter(self, adapters, weights, adapter_name, *args, **kwargs):
+        """PEFT's, keeping the PDE: the weights combine the LoRA weights; the new adapter's PDE coefficients are those
+        of the adapter among ``adapters`` that holds them (PEFT refuses two that hold the same module to save),
+        where PEFT would start them at the patch's initial values."""
+        new = adapter_name not in self.peft_config
+        super().add_weighted_adapter(adapters, weights, adapter_name, *args, **kwargs)
+        if not new:
+            return
+        for _, _, wrapper in saved_module_wrappers(self.model, pde_modules_to_save(self.model)):
+            copies = wrapped_copies(wrapper)
+            sources = [name for name in adapters if name in copies]
+            if sources and adapter_name in copies:
+                copies[adapter_name].load_state_dict(copies[sources[0]].state_dict())
+
+    def unload(self):
+        """PEFT's ``unload()``, giving back the base the adapters were loaded onto: the plain model where the first
+        adapter patched it (PEFT would keep the patch, with the active adapter's PDE coefficients), else the patched
+        base with its own PDE modules."""
+        originals = [(parent, attribute, wrapped_original(wrapper)) for parent, attribute, wrapper
+                     in saved_module_wrappers(self.model, pde_modules_to_save(self.model))]
+        model = super().unload()
+        for parent, attribute, module in originals:
+            setattr(parent, attribute, module)
+        if self.cta_applied_patch:
+            unpatch_model(model)
+        return model
 
     def _prepare_adapter_config(self, peft_config, model_config):
         # LoRA's default target modules are listed by the base model type, not the patched one.
@@ -119,9 +178,24 @@ class CTALoraModel(LoraModel):
         return super()._prepare_adapter_config(peft_config, model_config)
 
 
+def _second_tuner_error(model, adapter_name, others) -> str:
+    if inside_load_adapter():
+        # (peft 0.21 activates the new adapter's LoRA layers before it makes its `modules_to_save` copies, which then
+        # stay inactive: the PDE would run at the patch's initial coefficients under the new adapter's LoRA)
+        return (f"transformers' `model.load_adapter` of a second CTA adapter ({adapter_name!r}; the model has "
+                f"{others}) would run its LoRA weights with the PDE at the patch's initial coefficients, not its own "
+                f"(peft {peft.__version__} leaves its `modules_to_save` inactive). Load the adapters with PEFT: "
+                "`peft_model = PeftModel.from_pretrained(base, first_adapter)`, then `peft_model.load_adapter("
+                f"second_adapter, adapter_name={adapter_name!r})` and `peft_model.set_adapter({adapter_name!r})`.")
+    return (f"{type(model).__name__} already carries PEFT adapters {others}: a second tuner would inject "
+            f"{adapter_name!r} beside them without PEFT's bookkeeping of several adapters. Add it to the PeftModel "
+            "that holds them: `peft_model.add_adapter(name, config)` or `peft_model.load_adapter(adapter, name)`.")
+
+
 def register_peft_type() -> None:
     """Makes PEFT build :class:`CTALoraConfig` / :class:`CTALoraModel` for adapters of type ``CTA_LORA``."""
     register_peft_tables(CTAPeftType.CTA_LORA, CTALoraConfig, CTALoraModel)
 
 
-__all__ = ["CTALoraConfig", "CTALoraModel", "CTAPeftType", "ensure_patched", "patch_summary", "register_peft_type"]
+__all__ = ["CTALoraConfig", "CTALoraModel", "CTAPeftType", "check_next_adapter", "ensure_patched", "patch_summary",
+           "register_peft_type"]

@@ -23,6 +23,14 @@ class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or th
   assistant's conv states roll back from 5.15, Doge from 5.18
 - peft ``mapping.PEFT_TYPE_TO_*_MAPPING``, ``DUMMY_TARGET_MODULES``, ``LoraModel._pre_injection_hook`` /
   ``_prepare_adapter_config``: the ``CTA_LORA`` adapter type (``peft_cta``, :func:`register_peft_tables`)
+- peft's adapter operations after the first (checked: peft 0.21.0 and 0.21.2, transformers 5.14 and 5.24): the tuner's
+  constructor calls ``_pre_injection_hook``, and adds its config to a ``peft_config`` the model already holds (what
+  transformers' ``load_adapter`` of a second adapter does); ``PeftModel.add_adapter`` / ``load_adapter`` and
+  ``LoraModel.add_weighted_adapter`` call ``inject_adapter`` directly (and roll back ``peft_config`` where it raises);
+  ``ModulesToSaveWrapper``'s ``original_module`` and ``modules_to_save`` (one copy per adapter, made from the
+  original): a CTA adapter's PDE coefficients (:func:`saved_module_wrappers`); ``BaseTunerLayer`` /
+  ``AuxiliaryTrainingWrapper`` and transformers' ``_hf_peft_config_loaded``: a model PEFT adapts
+  (:func:`peft_adapted`); ``PeftAdapterMixin.load_adapter``'s code object (:func:`inside_load_adapter`)
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import contextvars
 import copy
 import inspect
 import logging
+import sys
 
 import torch
 import transformers
@@ -243,3 +252,36 @@ def register_peft_tables(kind, config_class, tuner_class) -> None:
     PEFT_TYPE_TO_CONFIG_MAPPING[kind] = config_class
     PEFT_TYPE_TO_TUNER_MAPPING[kind] = tuner_class
     PEFT_TYPE_TO_PREFIX_MAPPING[kind] = tuner_class.prefix
+
+
+def peft_adapted(model) -> bool:
+    """Whether PEFT adapts ``model``: a ``peft_config`` set on it (by PEFT's tuner or transformers' ``load_adapter``),
+    or PEFT's tuner layers / ``modules_to_save`` wrappers among its modules."""
+    if model.__dict__.get("peft_config") or model.__dict__.get("_cta_peft_config") or getattr(
+            model, "_hf_peft_config_loaded", False):
+        return True
+    # (where peft was never imported, nothing of it can be in the model)
+    kinds = tuple(kind for kind in (getattr(sys.modules.get("peft.tuners.tuners_utils"), "BaseTunerLayer", None),
+                                    getattr(sys.modules.get("peft.utils.other"), "AuxiliaryTrainingWrapper", None))
+                  if kind is not None)
+    return bool(kinds) and any(isinstance(module, kinds) for module in model.modules())
+
+
+def saved_module_wrappers(model, names) -> list:
+    """``[(parent, attribute, wrapper)]``: PEFT's ``modules_to_save`` wrappers in ``model`` whose attribute name is in
+    ``names``."""
+    from peft.utils import ModulesToSaveWrapper
+
+    return [(parent, attribute, wrapper) for parent in model.modules()
+            for attribute, wrapper in parent.named_children()
+            if attribute in names and isinstance(wrapper, ModulesToSaveWrapper)]
+
+
+def wrapped_original(wrapper):
+    """The module a ``ModulesToSaveWrapper`` wraps (the base model's own)."""
+    return wrapper.original_module
+
+
+def wrapped_copies(wrapper):
+    """A ``ModulesToSaveWrapper``'s copies of its module, by adapter name (a ``ModuleDict``)."""
+    return wrapper.modules_to_save
