@@ -96,6 +96,13 @@ def _state_shape(vllm_config):
     return ((spec["pde_steps"], vllm_config.model_config.hf_config.hidden_size),)
 
 
+def project_site_coefficients(model) -> None:
+    """Every site's loaded coefficients projected onto their bounds (:meth:`VllmPDESite.project_coefficients`)."""
+    for module in model.modules():
+        if isinstance(module, VllmPDESite):
+            module.project_coefficients()
+
+
 @lru_cache(maxsize=None)  # (one subclass per vLLM module class: a bounded set)
 def refining_class(module_class: type, placement: str) -> type:
     """``module_class`` whose ``forward`` refines its output with its child ``cta_<placement>_pde``."""
@@ -136,6 +143,11 @@ class CTASitesMixin:
         if isinstance(splitting, list) and splitting and SITE_OP not in splitting:
             splitting.append(SITE_OP)  # (piecewise CUDA graphs: the site's host-side work runs between pieces)
         self._add_sites(spec, vllm_config.model_config.hf_config.hidden_size)
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        project_site_coefficients(self)
+        return loaded
 
     def _add_sites(self, spec, hidden_size):
         site_spec = PDESiteSpec(spec["pde_type"], spec["pde_steps"], spec["alpha"], spec["beta"],
@@ -188,7 +200,9 @@ class CTAForCausalLM(CTASitesMixin, LlamaForCausalLM, HasInnerState, IsHybrid):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
 
     def load_weights(self, weights):
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        loaded = AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        project_site_coefficients(self)
+        return loaded
 
 
 # architecture (the checkpoint's `architectures[0]`) -> class; the plugin registers each with vLLM's registry.

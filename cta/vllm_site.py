@@ -43,7 +43,8 @@ class PDESiteSpec:
 class VllmPDESite(MambaBase, nn.Module):
     """A causal PDE site whose per-sequence state lives in vLLM's state cache (``self.kv_cache[0]``: ``[slots, steps,
     channels]`` fp32). Parameters ``alpha`` / ``beta`` carry the checkpoint's names (``...cta_<placement>_pde.alpha``),
-    used projected onto the causal scheme's stable bounds as :class:`pde_cta.PDERefinement` uses them."""
+    projected onto the causal scheme's stable bounds when loaded (:meth:`project_coefficients`), as
+    :class:`pde_cta.PDERefinement` projects them."""
 
     def __init__(self, spec: PDESiteSpec, channels: int, prefix: str):
         super().__init__()
@@ -79,10 +80,14 @@ class VllmPDESite(MambaBase, nn.Module):
         torch.ops.cta_vllm.pde_site(hidden_states, output, self.prefix)
         return output
 
-    def coefficients(self):
-        """``(alpha, beta)`` projected onto the causal scheme's bounds."""
-        alpha = self.alpha.clamp(*self.bounds[0])
-        return alpha, None if self.beta is None else self.beta.clamp(*self.bounds[1])
+    @torch.no_grad()
+    def project_coefficients(self) -> None:
+        """Projects the loaded coefficients onto the causal scheme's bounds, in place, as ``PDERefinement`` projects
+        them per call: the values the scheme uses, so that a served token pays no clamp (each op costs a decoded
+        token microseconds on the CPU). Called after every weight load."""
+        self.alpha.clamp_(*self.bounds[0])
+        if self.beta is not None:
+            self.beta.clamp_(*self.bounds[1])
 
     def refine(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
         """Writes the refined ``hidden_states`` ``[tokens, channels]`` into ``output``, reading and writing the
@@ -94,9 +99,9 @@ class VllmPDESite(MambaBase, nn.Module):
             return
         decodes = metadata.num_decode_tokens
         prefills = bool(metadata.num_prefills)
-        alpha, beta = self.coefficients()
         refine_flat_batch(
-            hidden_states, output, self.kv_cache[0], pde_type=self.pde_type, steps=self.steps, alpha=alpha, beta=beta,
+            hidden_states, output, self.kv_cache[0], pde_type=self.pde_type, steps=self.steps, alpha=self.alpha,
+            beta=self.beta,
             decode_slots=metadata.state_indices_tensor_d.reshape(-1)[:decodes] if decodes else None,
             prefill_starts=(metadata.query_start_loc_p + decodes).tolist() if prefills else [],
             prefill_slots=metadata.state_indices_tensor_p.reshape(-1).tolist() if prefills else [],
