@@ -283,7 +283,10 @@ def test_a_setting_changed_after_construction_takes_its_own_plan(pde_type, pytho
         fresh = site(steps, backend)
         fresh.alpha = nn.Parameter(live.alpha.detach().clone())
         y, grads, node = _run(live, x, None)
-        assert ("SiteRefine" in node) == (backend != "torch"), change
+        # (a per-channel alpha beside a scalar beta: causal advection's gradient takes a second kernel, which no plan
+        # covers, so that call takes the Python path)
+        mixed = change == "alpha per channel" and live.beta is not None
+        assert ("SiteRefine" in node) == (backend != "torch" and not mixed), change
         with python_path:
             y_fresh, grads_fresh, _ = _run(fresh, x, None)
         torch.testing.assert_close(y, y_fresh, rtol=1e-5, atol=1e-6, msg=change)
