@@ -7,7 +7,7 @@ VLLM = "vllm==0.32.0"
 
 setup(
     name="cta",
-    version="0.1.0",
+    version="0.2.0",
     description="Continuous-Time Attention (PDE-guided token refinement) for Hugging Face Transformers",
     long_description=open("README.md", encoding="utf-8").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
@@ -21,7 +21,7 @@ setup(
         "torch>=2.4",
         # Tested in CI: the newest release of this range and the lowest (.ci/run). 5.14 added the multi-state
         # conv-cache layers that hold the PDE state; the upper bound is the newest release CI has run.
-        "transformers>=5.14,<5.25",
+        "transformers>=5.14,<5.26",
         "accelerate>=1.0",
         "safetensors>=0.4",
         "huggingface_hub>=1.0",

@@ -9,7 +9,7 @@ from .patching_cta import load_patched, mark_pde_trainable, patch_model, pde_mod
 from .pde_cta import (COEFFICIENT_BOUNDS, PDE_TYPES, PDERefinement, coefficient_bounds, pde_decode_step,
                       pde_decode_step_reference, pde_refine, pde_refine_reference, triton_available)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 try:  # PEFT is optional: with it, adapters of patched models carry their patch (`CTALoraConfig`)
     from .peft_cta import CTALoraConfig, register_peft_type

@@ -13,6 +13,12 @@ backward of the schemes that do not filter, a second finishing kernel, an initia
 The extension is built on first use with ``torch.utils.cpp_extension`` (about 30 s once, cached by torch; no CUDA
 headers needed, the driver's entry points are looked up at run time). ``CTA_CPP_LAUNCH=0`` turns it off; where it
 cannot build, the Python path serves and a warning says so once.
+
+It replays what Triton's compiled kernels take (their parameters from the binary's signature and metadata, the scratch
+pointers Triton appends): internals that a Triton release may change. It runs only on the Triton releases it was run
+with on a GPU (:data:`TESTED_TRITON`, raised as a GPU run of tests/test_gpu_cpp_launch.py passes); on any other one
+the Python path serves and a warning says so once (``CTA_CPP_LAUNCH=1`` runs it anyway, e.g. to test a new release:
+each new plan is still checked against the Python path). A table keeps at most :data:`PLANS_PER_TABLE` plans.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from .kernels_config import MAX_FUSED_STEPS
 from .kernels_jit import INTERPRET, current_stream
 from .kernels_launch import forward_arguments, launch_backward, launch_forward, streaming_backward_arguments
-from .pde_spec import SCHEMES, check_attention_mask
+from .pde_spec import SCHEMES, check_attention_mask, coefficient_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,15 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "site_
 _EXTENSION = []  # [the built module, or None]
 _ENABLED = [True]  # (set_enabled)
 _TABLES = {}  # (pde, steps, causal, bounds) -> PlanTable, or None without the extension
+# The Triton releases (major.minor) the launcher has run with on a GPU: tests/test_gpu_cpp_launch.py passed on 3.6
+# (torch 2.11's). Others take the Python path unless CTA_CPP_LAUNCH=1 (raise this as a GPU run on a new one passes).
+TESTED_TRITON = ("3.6",)
+# Plans per site configuration (least recently used evicted). A plan is a few kB of host memory (its key, two launch
+# descriptions) and holds no GPU memory of its own; making one again costs a checked call on both paths (a device
+# synchronisation). 1024 keeps every plan of a run with dynamic padding (issue 69: 251 lengths in 300 steps, a plan
+# per length and site metadata) and bounds a long run over unbounded shapes at a few MB per configuration.
+PLANS_PER_TABLE = 1024
+_WARNED = set()  # (warnings given once per process: _warn_once)
 _BETA_GRAD = {"none": 0, "kernel": 1, "zeros": 2}  # (site_launch.cpp's BetaGrad)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 STALE_LOCK_SECONDS = 300  # (a build takes 20-35 s on the machines measured: docs/kernels.md)
@@ -87,16 +102,49 @@ def _wait_for_the_lock(lock, stale_after=STALE_LOCK_SECONDS, poll=1.0):
         time.sleep(poll)
 
 
+def _warn_once(kind, message, *args):
+    """``message`` as a warning the first time ``kind`` comes up in this process, at DEBUG level after."""
+    logger.log(logging.DEBUG if kind in _WARNED else logging.WARNING, message, *args)
+    _WARNED.add(kind)
+
+
+def triton_release() -> str | None:
+    """The installed Triton's ``major.minor``, or None without Triton."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    found = re.match(r"(\d+)\.(\d+)", getattr(triton, "__version__", ""))
+    return f"{found.group(1)}.{found.group(2)}" if found else getattr(triton, "__version__", "unknown")
+
+
+def untested_triton() -> str | None:
+    """Why the launcher does not run with the installed Triton (a release outside :data:`TESTED_TRITON`), or None."""
+    release = triton_release()
+    if release in TESTED_TRITON or os.environ.get("CTA_CPP_LAUNCH") == "1":
+        return None
+    return (f"it is tested with Triton {', '.join(TESTED_TRITON)} and Triton {release} is installed (it replays "
+            "Triton's launch internals, which a release may change)")
+
+
 def extension():
-    """The built C++ module, or None (turned off, or it did not build: the reason is logged once)."""
+    """The built C++ module, or None (turned off, an untested Triton, or it did not build: the reason is logged
+    once)."""
     if not _EXTENSION:
         module = None
-        if os.environ.get("CTA_CPP_LAUNCH", "1") != "0" and os.path.exists(SOURCE) and not INTERPRET:
-            try:
-                module = build()
-            except Exception as error:  # (no compiler, no Python headers, an old torch, ...)
-                logger.warning("cta: the C++ PDE site launcher did not build (%s); eager CUDA sites launch from "
-                               "Python (more host time per site and training step).", error)
+        if os.environ.get("CTA_CPP_LAUNCH", "") != "0" and os.path.exists(SOURCE) and not INTERPRET:
+            untested = untested_triton()
+            if untested is not None:
+                _warn_once("untested triton", "cta: the C++ PDE site launcher is off: %s. Eager CUDA sites launch "
+                           "from Python (more host time per site and training step; the same results). "
+                           "CTA_CPP_LAUNCH=1 runs it anyway (each new plan is still checked against the Python path).",
+                           untested)
+            else:
+                try:
+                    module = build()
+                except Exception as error:  # (no compiler, no Python headers, an old torch, ...)
+                    logger.warning("cta: the C++ PDE site launcher did not build (%s); eager CUDA sites launch from "
+                                   "Python (more host time per site and training step).", error)
         _EXTENSION.append(module)
     return _EXTENSION[0]
 
@@ -158,7 +206,7 @@ def _planned_table(config, x, alpha, beta, mask):
     table = _TABLES.get(config, False)
     if table is False:
         module = extension()
-        table = _TABLES[config] = module.PlanTable() if module is not None else None
+        table = _TABLES[config] = module.PlanTable(PLANS_PER_TABLE) if module is not None else None
     if table is None or not _may_plan():  # (the caller found no plan for this metadata: none to look up again)
         return None
     _add_plan(table, config, x, alpha, beta, mask)
@@ -200,15 +248,16 @@ def _add_plan(table, config, x, alpha, beta, mask):
             reason = _plan(table, key, config, x, alpha, beta, mask)
         except Exception as error:  # (a Triton whose launch ABI the plan does not know)
             reason = f"planning failed: {error}"
-            logger.warning("cta: the C++ PDE site launcher cannot plan a call (%s); it takes the Python path.", error)
+            _warn_once("planning failed", "cta: the C++ PDE site launcher cannot plan a call (%s); such calls take "
+                       "the Python path (warned once).", error)
     if reason is not None:
         table.refuse(key)
         logger.debug("cta: %s call %s takes the Python path: %s", pde, tuple(x.shape), reason)
         return
-    if not _agrees_with_python(table, config, x, alpha, beta, mask):
+    if not _agrees_with_python(table, key, config, x, alpha, beta, mask):
         table.refuse(key)
-        logger.warning("cta: the C++ PDE site launcher disagreed with the Python path on a %s call %s; that call "
-                       "takes the Python path.", pde, tuple(x.shape))
+        _warn_once("disagreed", "cta: the C++ PDE site launcher disagreed with the Python path on a %s call %s; "
+                   "calls it disagrees on take the Python path (warned once).", pde, tuple(x.shape))
 
 
 def _plan(table, key, config, x, alpha, beta, mask):
@@ -272,13 +321,45 @@ def _launch_spec(launch, args, operands):
     return binary.function, list(launch.grid), 32 * meta.num_warps, meta.shared, slots
 
 
-def _agrees_with_python(table, config, x, alpha, beta, mask) -> bool:
-    """Whether the new plan gives the Python path's output and gradients on this call's values (once per plan): its
-    two launches called directly (the autograd node runs the same backward launch), for an output gradient drawn
-    from a generator of its own (the user's random stream untouched)."""
+def stencil_coefficient(c, bounds, fractions):
+    """A coefficient with ``c``'s metadata (shape, strides, dtype, device and address modulo 16: what a plan's key
+    holds) at values inside ``bounds`` that move the stencil: ``low + (high - low) * f``, ``f`` from ``fractions[0]``
+    to ``fractions[1]`` across its elements (``fractions[0]`` for a scalar). None for None (or no bounds)."""
+    if c is None or bounds is None:
+        return c
+    low, high = bounds
+    n, size = c.numel(), c.element_size()
+    steps = torch.linspace(fractions[0], fractions[1], n, dtype=torch.float64) if n > 1 else \
+        torch.tensor([fractions[0]], dtype=torch.float64)
+    buffer = torch.empty(n + 16 // size, dtype=c.dtype, device=c.device)  # (allocations are 16-byte aligned)
+    start = (c.data_ptr() % 16) // size
+    out = buffer[start:start + n].view(c.shape)  # (c is contiguous: _why_not_planned)
+    out.copy_(low + (high - low) * steps)
+    return out
+
+
+def _check_coefficients(key, table, config, x, alpha, beta, mask):
+    """``(alpha, beta)`` to check a new plan at: inside the scheme's stable bounds, away from 0 and from each other
+    (the call's own may be the identity init, 0, at which a plan that swapped or misread a coefficient would agree),
+    of the call's metadata; the call's own where they cannot have it."""
+    pde, _, causal, bounds = config
+    alpha_bounds, beta_bounds = bounds if bounds is not None else coefficient_bounds(pde, causal)
+    check_alpha = stencil_coefficient(alpha, alpha_bounds, (0.35, 0.75))
+    check_beta = stencil_coefficient(beta, beta_bounds, (0.8, 0.6))
+    if table.key(x, check_alpha, check_beta, mask) != key:
+        return alpha, beta
+    return check_alpha, check_beta
+
+
+def _agrees_with_python(table, key, config, x, alpha, beta, mask) -> bool:
+    """Whether the new plan gives the Python path's output and gradients (once per plan), at coefficients that move
+    the stencil (:func:`_check_coefficients`): its two launches called directly (the autograd node runs the same
+    backward launch), for an output gradient drawn from a generator of its own (the user's random stream
+    untouched)."""
     pde, steps, causal, bounds = config
-    x, alpha = x.detach(), alpha.detach()
-    beta = beta.detach() if beta is not None else None
+    x = x.detach()
+    alpha, beta = _check_coefficients(key, table, config, x, alpha.detach(), beta.detach() if beta is not None else
+                                      None, mask)
     y = table.forward(x, alpha, beta, mask)
     if not torch.is_tensor(y):
         return False

@@ -23,6 +23,14 @@ from .pde_spec import (COEFFICIENT_BOUNDS, MAX_PDE_STEPS, PAPER_COEFFICIENTS, PD
 
 
 _DECODE_KEPT = ("_kept_scalar_decode", "_kept_state_block")  # PDERefinement's per-site decode memos
+# A site's settings after construction (issue 69): ``steps`` and ``backend`` may change, every path reading them at the
+# call (what they derive, the C++ launcher's key and the decode memos, made again on assignment); these cannot.
+_FIXED_SETTINGS = {
+    "pde_type": "its coefficients (beta or not), their stable bounds and its kernels follow from it",
+    "causal": "its stable bounds and its cache state follow from it",
+    "alpha_bounds": "they are the scheme's stable interval for its type and causality (pde_spec.coefficient_bounds)",
+    "beta_bounds": "they are the scheme's stable interval for its type and causality (pde_spec.coefficient_bounds)",
+}
 _TRITON = []  # [(cta.triton_cta or None, why it cannot run here)] once looked up (cached: decode asks per token)
 # Dtypes the Triton backend takes: fp32 / bf16 / fp16 run fused, fp64 runs the reference inside it.
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -160,6 +168,12 @@ class PDERefinement(nn.Module):
     stable interval (:func:`project_coefficient`). With a transformers ``Cache`` a causal site keeps its state in the
     conv states ``state_idx .. state_idx + steps - 1`` of cache layer ``layer_idx`` (one per step), so that decoding
     token by token or prefilling in chunks gives exactly the full-sequence result.
+
+    Settings after construction: ``steps`` and ``backend`` may be set on a built site (every path, the C++ launcher
+    and the decode step included, reads them at the call; with a cache, ``steps`` may go down but not above the
+    steps the site was built with: the cache holds that many states per site), and so may the coefficients (values
+    or parameters). ``pde_type``, ``causal`` and the bounds raise an AttributeError: build a new site, or patch again.
+    A changed ``steps`` is the site's, not the saved config's (``save_pretrained`` writes the steps it was built with).
     """
 
     def __init__(self, channels: int, pde_type: str = "diffusion", steps: int = 1, causal: bool = False,
@@ -191,9 +205,36 @@ class PDERefinement(nn.Module):
             self.beta_init = None
             self.register_parameter("beta", None)
         self.register_load_state_dict_pre_hook(_scalar_coefficients_as_one_element)
+        # The conv states this site owns in a cache (one per step, laid out by the model or patch at construction):
+        # a later `steps` may use fewer with a cache, not more.
+        self._cache_steps = steps
         self._launch_config = (self.pde_type, steps, self.causal, self.bounds)  # (the C++ launcher's plans: kernels_cpp)
         if backend != "torch":
             _triton_lookup()  # (now, not in the first forward: under torch.compile its import would break the graph)
+        self._built = True
+
+    def __setattr__(self, name, value):
+        """``steps`` and ``backend`` may be set after construction (an ablation, a curriculum over steps: every path
+        reads them at the call); the type, causality and bounds cannot (build a new site, or patch again)."""
+        if name in _FIXED_SETTINGS and self.__dict__.get("_built"):
+            raise AttributeError(
+                f"PDERefinement.{name} is fixed at construction ({_FIXED_SETTINGS[name]}); build a new "
+                f"PDERefinement, or unpatch the model (cta.unpatch_model) and patch it again, with the {name} you "
+                "want. `steps`, `backend` and the coefficients (alpha, beta) may be changed on a built site.")
+        if name == "steps" and self.__dict__.get("_built"):
+            super().__setattr__(name, check_steps(value))
+            self._launch_config = (self.pde_type, value, self.causal, self.bounds)
+            for kept in _DECODE_KEPT:  # (the CPU decode map has one row per step)
+                self.__dict__.pop(kept, None)
+            return
+        if name == "backend" and self.__dict__.get("_built"):
+            if value not in PDE_BACKENDS:
+                raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {value!r}.")
+            super().__setattr__(name, value)
+            if value != "torch":
+                _triton_lookup()
+            return
+        super().__setattr__(name, value)
 
     @property
     def bounds(self):
@@ -239,6 +280,20 @@ class PDERefinement(nn.Module):
         block = self._state_block(levels) if on_cpu else None
         return pde_decode_update(hidden_states, levels, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
                                  beta=beta, token_mask=attention_mask, decode_map=decode_map, block=block)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("_cache_steps", self.steps)  # (a site pickled before 0.2.0: torch.save(model))
+        self.__dict__.setdefault("_built", True)
+
+    def _check_cache_steps(self):
+        """Raises where ``steps`` was raised after construction beyond the conv states the site owns in a cache."""
+        if self.steps > self._cache_steps:
+            raise ValueError(
+                f"This causal PDE site was built with steps={self._cache_steps} and owns that many conv states of its "
+                f"cache layer (one per step); with steps={self.steps} it would use the states of another site. With a "
+                f"cache, use steps <= {self._cache_steps}, or build the model (pde_steps) or patch it again with the "
+                "steps you want; calls without a cache (training, full-sequence forwards) take any steps.")
 
     def __getstate__(self):
         # What CPU decoding keeps per site (the coefficients' values, the cache's state block) is found again from the
@@ -289,6 +344,7 @@ class PDERefinement(nn.Module):
                 return refined
         state, differentiable, history = None, False, False
         if cache is not None and self.causal:
+            self._check_cache_steps()
             if self.layer_idx is None:
                 raise ValueError("PDERefinement needs `layer_idx` to read/write its state in a Cache.")
             # (history: a cache that may be rolled back, assisted decoding, keeps the state after every position)
@@ -336,6 +392,7 @@ class PDERefinement(nn.Module):
         if cache is None or not self.causal:
             return packed.unpack(self(slots, packed.mask))
         if records_past(cache, self.layer_idx):
+            self._check_cache_steps()
             alpha, beta = self.coefficients()
             out, states = causal_state_history(slots, pde_type=self.pde_type, steps=self.steps, alpha=alpha,
                                                beta=beta, attention_mask=packed.mask)

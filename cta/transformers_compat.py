@@ -3,7 +3,7 @@
 (``transformers.<Name>``, ``transformers.logging``; the modules documented for model code: ``modeling_outputs``,
 ``cache_utils``, ``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``; a model
 class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or this module. Checked on transformers
-5.14 to 5.24 (the suite runs on both ends) and peft 0.21 (``setup.py``). Internal: why (where).
+5.14 to 5.25 (the suite runs on both ends) and peft 0.21 (``setup.py``). Internal: why (where).
 
 - hybrid cache layers' ``conv_states``, ``has_previous_state``, ``is_conv_states_initialized``,
   ``lazy_initialization(state_idx)``, ``update_conv_state(state_idx=)``, ``record_past``: the causal PDE state, one

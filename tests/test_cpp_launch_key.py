@@ -13,7 +13,7 @@ from cta import kernels_cpp
 def table():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the launcher is not built here (the Python path serves)")
-    return kernels_cpp.build().PlanTable()
+    return kernels_cpp.build().PlanTable(kernels_cpp.PLANS_PER_TABLE)
 
 
 def test_key_tells_apart_what_the_binaries_are_specialised_on(table):
@@ -64,6 +64,104 @@ def test_unknown_and_refused_metadata_take_the_python_path(table):
         refine(table, x, alpha)
     with pytest.raises(RuntimeError, match="cast"):  # (not a table: pybind11's cast error, as a Python error)
         refine(alpha, x, alpha, None, None)
+
+
+def test_a_table_keeps_its_capacity_evicting_the_least_recently_used():
+    """Plans are bounded per table (``PLANS_PER_TABLE``): a new one evicts the plan looked up least recently, whose
+    metadata then gets a new plan (None: no plan); the plan found last is forgotten when evicted. (Refused entries are
+    plans too: on CPU they are what a table can hold. A pending backward keeps an evicted plan alive: the GPU test.)"""
+    module = kernels_cpp.build()
+    assert module.PlanTable(kernels_cpp.PLANS_PER_TABLE).capacity == kernels_cpp.PLANS_PER_TABLE == 1024
+    with pytest.raises(RuntimeError, match="at least one plan"):
+        module.PlanTable(0)
+    table, alpha = module.PlanTable(3), torch.full((1,), 0.1)
+    x = {n: torch.randn(1, n, 16) for n in range(1, 8)}
+    key = {n: table.key(t, alpha, None, None) for n, t in x.items()}
+    for n in (1, 2, 3):
+        table.refuse(key[n])
+    assert module.refine(table, x[1], alpha, None, None) is False  # (1 is now the most recently used)
+    table.refuse(key[4])  # evicts 2, the least recently used
+    assert len(table) == 3
+    assert [module.refine(table, x[n], alpha, None, None) for n in (1, 2, 3, 4)] == [False, None, False, False]
+    table.refuse(key[3])  # refused again: no new entry, nothing evicted
+    assert len(table) == 3 and module.refine(table, x[1], alpha, None, None) is False
+    single = module.PlanTable(1)
+    single.refuse(key[5])
+    assert module.refine(single, x[5], alpha, None, None) is False  # (5 is the plan found last)
+    single.refuse(key[6])  # evicts 5, the plan found last
+    assert module.refine(single, x[5], alpha, None, None) is None
+    assert module.refine(single, x[6], alpha, None, None) is False and len(single) == 1
+
+
+def test_an_untested_triton_turns_the_launcher_off_with_one_warning(monkeypatch, caplog):
+    """On a Triton release outside ``TESTED_TRITON`` the launcher is not built: every call, whatever its shape, takes
+    the Python path, and one warning says why; ``CTA_CPP_LAUNCH=1`` builds it anyway, ``=0`` turns it off quietly."""
+    monkeypatch.setattr(kernels_cpp, "INTERPRET", False)  # (the CPU tests run Triton's interpreter: no launcher)
+    monkeypatch.setattr(kernels_cpp, "build", lambda: "built")
+    monkeypatch.setattr(kernels_cpp, "triton_release", lambda: "9.1")
+    monkeypatch.delenv("CTA_CPP_LAUNCH", raising=False)
+    monkeypatch.setattr(kernels_cpp, "_WARNED", set())
+    monkeypatch.setattr(kernels_cpp, "_EXTENSION", [])
+    monkeypatch.setattr(kernels_cpp, "_TABLES", {})
+    alpha = torch.full((1,), 0.1)
+    with caplog.at_level("DEBUG", logger=kernels_cpp.__name__):
+        for config in (("diffusion", 2, True, None), ("diffusion", 3, True, None)):
+            for length in (4, 5, 6):
+                assert kernels_cpp.refine_planned(config, torch.randn(1, length, 16), alpha, None, None) is None
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "tested with Triton 3.6 and Triton 9.1 is installed" in warnings[0].getMessage()
+    assert "CTA_CPP_LAUNCH=1 runs it anyway" in warnings[0].getMessage()
+    assert kernels_cpp.extension() is None
+    for setting, built in (("1", "built"), ("0", None)):
+        monkeypatch.setenv("CTA_CPP_LAUNCH", setting)
+        monkeypatch.setattr(kernels_cpp, "_EXTENSION", [])
+        assert kernels_cpp.extension() == built
+    monkeypatch.delenv("CTA_CPP_LAUNCH")
+    for release in kernels_cpp.TESTED_TRITON:
+        monkeypatch.setattr(kernels_cpp, "triton_release", lambda: release)
+        monkeypatch.setattr(kernels_cpp, "_EXTENSION", [])
+        assert kernels_cpp.extension() == "built"
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+
+
+def test_the_installed_triton_release_is_read():
+    triton = pytest.importorskip("triton")
+    release = kernels_cpp.triton_release()
+    assert triton.__version__.startswith(release + ".") or triton.__version__ == release
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_new_plan_is_checked_at_coefficients_that_move_the_stencil(table, dtype, monkeypatch):
+    """The identity init (coefficients 0) would let a plan that misreads or swaps a coefficient agree with the Python
+    path: the check runs at coefficients inside the stable bounds, away from 0 and from each other, with the call's
+    metadata (the same plan: the key holds each operand's 16-byte alignment too)."""
+    from cta.pde_spec import coefficient_bounds
+
+    x = torch.randn(2, 8, 32)
+    storage = torch.zeros(32 + 8, dtype=dtype)
+    for pde, causal in (("advection_diffusion", False), ("reaction_diffusion", True)):
+        (a_low, a_high), (b_low, b_high) = coefficient_bounds(pde, causal)
+        for alpha, beta in ((torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype)),
+                            (storage[1:33], storage[2:34])):  # per channel, at addresses off 16 bytes
+            key = table.key(x, alpha, beta, None)
+            seen = {}
+
+            class Table:  # (a plan's launches are CUDA's: what the check is given is what is checked)
+                def key(self, *operands):
+                    return table.key(*operands)
+
+                def forward(self, x, alpha, beta, mask):
+                    seen.update(alpha=alpha, beta=beta)
+                    return None
+
+            assert not kernels_cpp._agrees_with_python(Table(), key, (pde, 2, causal, None), x, alpha, beta, None)
+            a, b = seen["alpha"], seen["beta"]
+            assert table.key(x, a, b, None) == key
+            assert (a > a_low).all() and (a <= a_high).all() and (b.abs() > 0).all() and (b <= b_high).all()
+            assert not torch.equal(a, b) and (b >= b_low).all()
+            assert (a.numel() == 1) or len(set(a.float().tolist())) > 1  # (per channel: several values)
+            assert torch.equal(alpha.float().abs().sum(), torch.tensor(0.0))  # (the call's own: untouched)
 
 
 def test_a_lock_left_by_an_interrupted_build_is_removed(tmp_path, caplog):

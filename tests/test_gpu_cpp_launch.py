@@ -245,3 +245,94 @@ def test_a_python_error_inside_a_planned_call_keeps_its_type():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), pytest.raises(Stop, match="pack hook"):
         module(x)
     assert "SiteRefine" in module(x).grad_fn.name()  # (and the next call is served as before)
+
+
+@requires_cuda
+@pytest.mark.parametrize("pde_type", ["diffusion", "advection_diffusion"])
+def test_a_setting_changed_after_construction_takes_its_own_plan(pde_type, python_path):
+    """Issue 69: the launcher's key followed the steps a site was built with, so after ``site.steps = 2`` the eager
+    training call ran 4 steps (0.179 off on an H100). Each change (steps down and up, the backend, the coefficients
+    in place and replaced) against a site built with the new settings, on the launcher and on the Python path."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    channels = 64
+    x = torch.randn(2, 41, channels, device="cuda")
+
+    def site(steps, backend="auto"):
+        module = PDERefinement(channels, pde_type, steps=steps, causal=True, alpha=0.1, beta=0.05,
+                               backend=backend).cuda()
+        with torch.no_grad():
+            module.alpha.fill_(0.2)
+        return module
+
+    live = site(4)
+    assert "SiteRefine" in _run(live, x, None)[2]  # (a plan under the built settings)
+    for change, steps, backend in (("steps", 2, "auto"), ("steps", 1, "auto"), ("steps", 4, "auto"),
+                                   ("backend", 4, "torch"), ("backend", 4, "triton"), ("alpha", 4, "triton"),
+                                   ("alpha per channel", 4, "triton")):
+        if change == "steps":
+            live.steps = steps
+        elif change == "backend":
+            live.backend = backend
+        elif change == "alpha":
+            with torch.no_grad():
+                live.alpha.mul_(0.5)
+        else:
+            live.alpha = nn.Parameter(torch.linspace(0.01, 0.24, channels, device="cuda"))
+        fresh = site(steps, backend)
+        fresh.alpha = nn.Parameter(live.alpha.detach().clone())
+        y, grads, node = _run(live, x, None)
+        # (a per-channel alpha beside a scalar beta: causal advection's gradient takes a second kernel, which no plan
+        # covers, so that call takes the Python path)
+        mixed = change == "alpha per channel" and live.beta is not None
+        assert ("SiteRefine" in node) == (backend != "torch" and not mixed), change
+        with python_path:
+            y_fresh, grads_fresh, _ = _run(fresh, x, None)
+        torch.testing.assert_close(y, y_fresh, rtol=1e-5, atol=1e-6, msg=change)
+        for got, want in zip(grads, grads_fresh):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=change)
+
+
+@requires_cuda
+def test_an_evicted_plan_serves_its_pending_backward_and_is_made_again(monkeypatch, python_path):
+    """Tables keep ``PLANS_PER_TABLE`` plans (here 2): a call's backward still runs after its plan was evicted (the
+    node holds it), and the evicted metadata gets a new, checked plan."""
+    monkeypatch.setattr(kernels_cpp, "PLANS_PER_TABLE", 2)
+    monkeypatch.setattr(kernels_cpp, "_TABLES", {})
+    module = PDERefinement(48, "diffusion", steps=3, causal=True, alpha=0.2, per_channel=True).cuda()
+    inputs = [torch.randn(2, n, 48, device="cuda", requires_grad=True) for n in (11, 12, 13, 11)]
+    outputs = [module(x) for x in inputs]  # (the third evicts the first's plan; the fourth makes it again)
+    table = kernels_cpp._TABLES[module._launch_config]
+    assert len(table) == 2 and all("SiteRefine" in y.grad_fn.name() for y in outputs)
+    for x, y in zip(inputs, outputs):
+        y.square().sum().backward()
+        with python_path:
+            leaf = x.detach().clone().requires_grad_()
+            module(leaf).square().sum().backward()
+        assert torch.equal(x.grad, leaf.grad)
+
+
+@requires_cuda
+def test_a_plan_that_misreads_a_coefficient_is_refused_at_the_identity_init(monkeypatch, caplog):
+    """A plan whose alpha and beta slots are swapped (what a changed launch ABI could do) agrees with the Python path
+    at the identity init (both 0): the check runs at coefficients that move the stencil, so it is refused, with one
+    warning, and the call takes the Python path."""
+    original = kernels_cpp._launch_spec
+
+    def swapped(launch, args, operands):
+        spec = original(launch, args, operands)
+        if spec is None or len(operands) != 5:  # (the forward: x, y, mask, alpha, beta)
+            return spec
+        slots = [(4 if s[0] == 3 else 3 if s[0] == 4 else s[0], *s[1:]) for s in spec[4]]
+        return (*spec[:4], slots)
+
+    monkeypatch.setattr(kernels_cpp, "_launch_spec", swapped)
+    monkeypatch.setattr(kernels_cpp, "_TABLES", {})
+    monkeypatch.setattr(kernels_cpp, "_WARNED", set())
+    module = PDERefinement(64, "advection_diffusion", steps=2, causal=True, alpha=0.0, beta=0.0).cuda()
+    with caplog.at_level("WARNING", logger=kernels_cpp.__name__):
+        for n in (17, 18):
+            y = module(torch.randn(2, n, 64, device="cuda", requires_grad=True))
+            assert "SiteRefine" not in y.grad_fn.name()
+    assert len([r for r in caplog.records if "disagreed" in r.getMessage()]) == 1

@@ -45,7 +45,11 @@ DECODERS.update({t: None for t in (
     "modernbert-decoder", "trocr", "flex_olmo", "laguna", "solar_open", "minimax_m3_vl_text")})
 DECODERS.update({t: MOE for t in (
     "afmoe", "aria_text", "cohere2_moe", "exaone_moe", "hy_v3", "kolibri1", "mimo_v2_flash", "minimax_m2",
-    "sarvam_moe", "gemma4_text", "gemma4_unified_text")})
+    "sarvam_moe", "gemma4_text", "gemma4_unified_text", "minicpm5_moe", "param2moe")})
+# transformers 5.25: Ergo's dense first block and shared expert at tiny sizes (its defaults: 32768 and 8192), one
+# global-attention layer of the two (its default: every 4th)
+DECODERS["ergo"] = dict(MOE, first_dense_intermediate_size=128, shared_intermediate_size=32,
+                        global_attention_every_n_layers=2, sliding_window=64)
 MORE_ENCODERS = {t: NO_HEAD_DIM for t in (
     "camembert", "convbert", "data2vec-text", "deberta", "ernie", "esm", "eurobert", "fnet", "gte",
     "jina_embeddings_v3", "layoutlm", "luke", "megatron-bert", "mra", "neomme", "nomic_bert", "nystromformer",

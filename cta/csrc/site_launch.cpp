@@ -154,9 +154,12 @@ Key call_key(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& bet
 // The backward's coefficient gradient of beta: none (no beta), written by the kernel, or zeros (a scheme without it).
 enum BetaGrad : int64_t { kNone = 0, kKernel = 1, kZeros = 2 };
 
-struct Plan {
+// Held by its table and by the backward nodes of the calls it served (a plan the table evicts lives on until their
+// backward has run).
+struct Plan : std::enable_shared_from_this<Plan> {
   Key key{};
   bool usable = false;  // false: the Python path serves this metadata
+  mutable uint64_t last_used = 0;  // the table's clock at its last lookup (least recently used: evicted first)
   int64_t device = 0;
   CUcontext context = nullptr;
   Launch forward, backward;
@@ -237,9 +240,9 @@ torch::autograd::variable_list backward_launch(const Plan& plan, at::Tensor g, c
 // bookkeeping (a context, an IValue map, placeholder operands saved) cost more host time than the launches
 // (docs/kernels.md). Saved operands are SavedVariables: in-place changes are caught, saved-tensor hooks apply.
 struct SiteBackward : public torch::autograd::Node {
-  SiteBackward(const Plan* plan, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
+  SiteBackward(std::shared_ptr<const Plan> plan, const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta,
                const at::Tensor& mask)
-      : plan_(plan), x_(x, false), alpha_(alpha, false), beta_(beta, false), mask_(mask, false) {}
+      : plan_(std::move(plan)), x_(x, false), alpha_(alpha, false), beta_(beta, false), mask_(mask, false) {}
 
   std::string name() const override { return "CTASiteRefineBackward"; }
 
@@ -261,7 +264,7 @@ struct SiteBackward : public torch::autograd::Node {
   }
 
  private:
-  const Plan* plan_;  // (plans are never removed: the address outlives the node)
+  std::shared_ptr<const Plan> plan_;  // (its table may evict it before this backward runs)
   torch::autograd::SavedVariable x_, alpha_, beta_, mask_;
 };
 
@@ -282,7 +285,7 @@ at::Tensor refine_with(const Plan& plan, const at::Tensor& x, const at::Tensor& 
                        const at::Tensor& mask) {
   at::Tensor y = forward_launch(plan, x, alpha, beta, mask);
   if (torch::autograd::compute_requires_grad(x, alpha, beta)) {
-    NodePtr node = make_node<SiteBackward>(&plan, x, alpha, beta, mask);
+    NodePtr node = make_node<SiteBackward>(plan.shared_from_this(), x, alpha, beta, mask);
     node->set_next_edges(torch::autograd::collect_next_edges(x, alpha, beta));
     torch::autograd::set_history(y, node);
     if (torch::autograd::AnomalyMode::is_enabled()) node->metadata()->store_stack();
@@ -290,9 +293,15 @@ at::Tensor refine_with(const Plan& plan, const at::Tensor& x, const at::Tensor& 
   return y;
 }
 
-// The plans of one site configuration (scheme, steps, causality, bounds), one per input metadata seen.
+// The plans of one site configuration (scheme, steps, causality, bounds), one per input metadata seen, at most
+// `capacity` of them: a new one evicts the least recently used (made again, and checked again, if its metadata comes
+// back). Training with dynamic padding sees a metadata per length.
 class PlanTable {
  public:
+  explicit PlanTable(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) {
+    TORCH_CHECK(capacity >= 1, "cta: a plan table holds at least one plan, got capacity ", capacity);
+  }
+
   // The refined tensor, None where no plan was made for this metadata yet, False where the Python path serves it; an
   // absent beta or mask is an undefined tensor. (Called through `refine_fast`, the module's `refine`.)
   py::object refine(const at::Tensor& x, const at::Tensor& alpha, const at::Tensor& beta, const at::Tensor& mask) {
@@ -331,20 +340,24 @@ class PlanTable {
     return call_key(x, alpha, beta.has_value() ? *beta : at::Tensor(), mask.has_value() ? *mask : at::Tensor());
   }
 
-  // Python's path serves this metadata from now on.
+  // Python's path serves this metadata from now on (until evicted).
   void refuse(const Key& key) {
-    auto& plan = plans_[key];
-    if (!plan) plan = std::make_unique<Plan>();
+    auto found = plans_.find(key);
+    if (found != plans_.end()) {
+      found->second->usable = false;
+      return;
+    }
+    auto plan = std::make_shared<Plan>();
     plan->key = key;
-    plan->usable = false;
+    insert(std::move(plan));
   }
 
-  // (a plan is never replaced nor removed: a pending backward holds its address)
+  // (a plan is never replaced: a pending backward may hold it)
   void add(const Key& key, int64_t device, py::tuple forward, py::tuple backward,
            std::vector<int64_t> grad_strides, int64_t beta_grad, at::Tensor partials, at::Tensor counters,
            int64_t workspace_stream) {
     TORCH_CHECK(plans_.count(key) == 0, "cta: a plan for this metadata exists");
-    auto plan = std::make_unique<Plan>();
+    auto plan = std::make_shared<Plan>();
     plan->key = key;
     plan->device = device;
     int cu_device = 0;
@@ -365,10 +378,11 @@ class PlanTable {
     plan->workspace_counters = counters.numel();
     plan->workspace_stream = reinterpret_cast<CUstream>(workspace_stream);
     plan->usable = true;
-    plans_.emplace(key, std::move(plan));
+    insert(std::move(plan));
   }
 
   size_t size() const { return plans_.size(); }
+  size_t capacity() const { return capacity_; }
 
  private:
   // A call's plan (nullptr: none made yet for its metadata), its absent beta and mask as undefined tensors.
@@ -385,15 +399,34 @@ class PlanTable {
   }
 
   const Plan* find(const Key& key) const {
-    if (last_ != nullptr && last_->key == key) return last_;  // (a model's sites mostly share one metadata)
-    auto found = plans_.find(key);
-    if (found == plans_.end()) return nullptr;
-    last_ = found->second.get();
+    if (last_ == nullptr || last_->key != key) {  // (a model's sites mostly share one metadata)
+      auto found = plans_.find(key);
+      if (found == plans_.end()) return nullptr;
+      last_ = found->second.get();
+    }
+    last_->last_used = ++clock_;
     return last_;
   }
 
-  std::unordered_map<Key, std::unique_ptr<Plan>, KeyHash> plans_;  // (one per metadata seen: shapes may vary)
-  mutable const Plan* last_ = nullptr;  // the plan found last (plans are never removed; called with the GIL held)
+  // A new plan, the least recently used one evicted first where the table is full (a scan: plans are made rarely,
+  // each with a checked call on both paths, far dearer than this).
+  void insert(std::shared_ptr<Plan> plan) {
+    if (plans_.size() >= capacity_) {
+      auto oldest = plans_.begin();
+      for (auto it = plans_.begin(); it != plans_.end(); ++it) {
+        if (it->second->last_used < oldest->second->last_used) oldest = it;
+      }
+      if (last_ == oldest->second.get()) last_ = nullptr;
+      plans_.erase(oldest);
+    }
+    plan->last_used = ++clock_;
+    plans_.emplace(plan->key, std::move(plan));
+  }
+
+  size_t capacity_;
+  std::unordered_map<Key, std::shared_ptr<Plan>, KeyHash> plans_;  // (one per metadata seen: shapes may vary)
+  mutable const Plan* last_ = nullptr;  // the plan found last (cleared when evicted; called with the GIL held)
+  mutable uint64_t clock_ = 0;  // lookups and insertions so far (each plan's last_used)
 };
 
 // The site's call as a METH_FASTCALL function, `refine(table, x, alpha, beta, mask)` (beta and mask: tensors or
@@ -439,13 +472,14 @@ PyMethodDef fast_functions[] = {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PlanTable>(m, "PlanTable")
-      .def(py::init<>())
+      .def(py::init<int64_t>(), py::arg("capacity"))
       .def("forward", &PlanTable::forward)
       .def("backward", &PlanTable::backward)
       .def("key", &PlanTable::key)
       .def("refuse", &PlanTable::refuse)
       .def("add", &PlanTable::add)
       .def("__len__", &PlanTable::size)
+      .def_property_readonly("capacity", &PlanTable::capacity)
       .def("__deepcopy__", [](py::object self, py::object) { return self; });
   TORCH_CHECK(PyModule_AddFunctions(m.ptr(), fast_functions) == 0, "cta: the fast entry did not register");
 }
