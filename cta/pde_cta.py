@@ -15,6 +15,7 @@ from torch import nn
 from .kernels_config import MAX_FUSED_STEPS
 from .pde_cache import cached_pde_state, conv_state_block, records_past, store_pde_state
 from .pde_decode import causal_decode_map, pde_decode_update
+from .pde_filters import filtered_refine, scalar_decode_map
 from .pde_reference import causal_state_history, pde_decode_step_reference, pde_refine_reference
 # (the operator's public names are re-exported here too)
 from .pde_spec import (COEFFICIENT_BOUNDS, MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, PDE_TYPE_ALIASES,  # noqa
@@ -110,7 +111,26 @@ def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha,
                   attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state)
     if _use_triton(backend, hidden_states):
         return _triton_lookup()[0].pde_refine_triton(hidden_states, **kwargs)
+    if backend == "auto" and causal and attention_mask is None and _on_cpu_without_grad(hidden_states, initial_state):
+        pde, alpha, beta = check_pde_arguments(hidden_states, pde_type, steps, alpha, beta, None, initial_state, True)
+        scheme = scheme_of(pde)
+        if steps and scheme.filters(True) and alpha.numel() == 1 and (beta is None or beta.numel() == 1) \
+                and not _needs_grad(alpha, beta):  # (the constant-coefficient causal schemes as one banded filter)
+            c = alpha.item() + (beta.item() if scheme.advection else 0.0)
+            return filtered_refine(hidden_states, c, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
+                                   initial_state=initial_state, return_final_state=return_final_state)
+        kwargs.update(pde_type=pde, alpha=alpha, beta=beta)
     return pde_refine_reference(hidden_states, **kwargs)
+
+
+def _on_cpu_without_grad(hidden_states, initial_state) -> bool:
+    """A CPU call, outside ``torch.compile``, whose tensors ask no gradient (the filter paths' condition)."""
+    return (torch.is_tensor(hidden_states) and hidden_states.device.type == "cpu"
+            and not torch.compiler.is_compiling() and not _needs_grad(hidden_states, initial_state))
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in tensors)
 
 
 def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, token_mask=None, backend="auto",
@@ -125,8 +145,14 @@ def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, 
     pde_type, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta,
                                                            token_mask, coefficient_bounds)
     alpha, beta = clamp_coefficients(alpha, beta, bounds)
+    decode_map = None
+    if (backend == "auto" and steps and scheme_of(pde_type).linear and alpha.numel() == 1
+            and (beta is None or beta.numel() == 1) and _on_cpu_without_grad(hidden_states, state)
+            and not _needs_grad(alpha, beta)):  # (a linear scheme's token: one fixed map, kept per coefficient value)
+        decode_map = scalar_decode_map(pde_type, steps, alpha.item(), None if beta is None else beta.item(),
+                                       state.dtype)
     return pde_decode_update(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                             token_mask=token_mask)
+                             token_mask=token_mask, decode_map=decode_map)
 
 
 class _StraightThroughClamp(torch.autograd.Function):

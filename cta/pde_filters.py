@@ -1,0 +1,66 @@
+# coding=utf-8
+"""The causal constant-coefficient schemes (diffusion, advection-diffusion: ``PDEScheme.filters``) as fixed filters:
+the CPU path of the operator's entry points where no gradient is asked, in a few large ops instead of several per step
+(on the CPU every op costs a served token microseconds of host time).
+
+``S`` steps of ``u[i] += c (u[i-1] - u[i])`` (``c = a``, or ``a + b`` with advection) are one banded filter: level
+``s`` at position ``i`` is ``sum_k C(s, k) c^k (1 - c)^(s-k) x[i-k]``. The zero-inflow wall at the start is zero
+padding. A stored initial state (entry ``s``: level ``s`` at the position before the first) reaches level ``s' > s`` only
+at positions ``< s' - s``, so it changes the first ``S`` positions alone: those are the reference's, computed on them.
+A decoded token of a linear scheme is one fixed map of the token and the stored values (:func:`scalar_decode_map`).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from math import comb
+
+import torch
+
+from .pde_decode import causal_decode_map
+from .pde_reference import pde_refine_reference
+
+
+@lru_cache(maxsize=256)  # (a pure function of the coefficient's value: served coefficients keep theirs)
+def _level_taps(c: float, steps: int) -> tuple:
+    """``taps[s][k]``: the weight of ``x[i-k]`` in level ``s`` at position ``i`` (``s = 0 .. steps``)."""
+    return tuple(tuple(comb(s, k) * c ** k * (1.0 - c) ** (s - k) for k in range(s + 1)) for s in range(steps + 1))
+
+
+@lru_cache(maxsize=256)
+def _final_state_map(c: float, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[steps, steps + 1]``: levels ``0 .. steps-1`` at the last position from the last ``steps + 1`` inputs."""
+    taps = _level_taps(c, steps)
+    rows = [[taps[s][steps - j] if steps - j <= s else 0.0 for j in range(steps + 1)] for s in range(steps)]
+    return torch.tensor(rows, dtype=dtype)
+
+
+def filtered_refine(hidden_states: torch.Tensor, c: float, *, pde_type: str, steps: int, alpha, beta,
+                    initial_state, return_final_state: bool):
+    """:func:`pde_reference.pde_refine_reference` of a causal filter scheme with the scalar effective coefficient
+    ``c`` (the arguments checked, no attention mask); ``alpha`` / ``beta`` are passed on to the reference for the
+    positions an initial state reaches."""
+    batch, length, channels = hidden_states.shape
+    if length <= steps:  # (every position within reach of the initial state: the reference, on a few tokens)
+        return pde_refine_reference(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
+                                    initial_state=initial_state, return_final_state=return_final_state)
+    dtype = torch.promote_types(hidden_states.dtype, torch.float32)
+    u = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
+    taps = _level_taps(c, steps)[steps]
+    out = u * taps[0]
+    for k in range(1, steps + 1):
+        out[:, k:].add_(u[:, :-k], alpha=taps[k])
+    if initial_state is not None:
+        out[:, :steps] = pde_refine_reference(u[:, :steps], pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
+                                              causal=True, initial_state=initial_state)
+    out = out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
+    if not return_final_state:
+        return out
+    return out, torch.matmul(_final_state_map(c, steps, dtype), u[:, length - steps - 1:])
+
+
+@lru_cache(maxsize=256)
+def scalar_decode_map(pde_type: str, steps: int, alpha: float, beta, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[steps + 1, steps + 1]`` :func:`pde_decode.causal_decode_map` of scalar coefficients given as numbers."""
+    as_tensor = lambda value: None if value is None else torch.tensor(value, dtype=dtype)  # noqa: E731
+    return causal_decode_map(pde_type, steps, as_tensor(alpha), as_tensor(beta), dtype)[..., 0].contiguous()
