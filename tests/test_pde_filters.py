@@ -1,0 +1,53 @@
+"""The CPU filter paths of the operator's entry points (cta/pde_filters.py): the constant-coefficient causal schemes as
+one banded filter in ``pde_refine`` and a linear scheme's decoded token as one fixed map in ``pde_decode_step``, taken
+where no gradient is asked, equal the readable reference; where a gradient is asked, the reference runs."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+import cta.pde_cta as operator
+from cta.pde_cta import pde_decode_step, pde_decode_step_reference, pde_refine, pde_refine_reference
+
+STEPS = 4
+
+
+@pytest.mark.parametrize("pde_type,beta", [("diffusion", None), ("advection_diffusion", 0.2)])
+@pytest.mark.parametrize("length", [1, STEPS - 1, STEPS, STEPS + 1, 37])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_the_banded_filter_equals_the_reference(pde_type, beta, length, with_state):
+    generator = torch.Generator().manual_seed(length)
+    x = torch.randn(2, length, 16, generator=generator, dtype=torch.float64).to(torch.float32)
+    state = torch.randn(2, STEPS, 16, generator=generator) if with_state else None
+    arguments = dict(pde_type=pde_type, steps=STEPS, alpha=0.13, beta=beta, causal=True, initial_state=state,
+                     return_final_state=True)
+    with mock.patch.object(operator, "filtered_refine", wraps=operator.filtered_refine) as banded:
+        out, final = pde_refine(x, **arguments)
+    assert banded.call_count == 1
+    expected_out, expected_final = pde_refine_reference(x, **arguments)
+    torch.testing.assert_close(out, expected_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(final, expected_final, atol=1e-6, rtol=1e-6)
+
+
+def test_a_gradient_takes_the_reference():
+    x = torch.randn(1, 9, 8, requires_grad=True)
+    with mock.patch.object(operator, "filtered_refine", wraps=operator.filtered_refine) as banded:
+        out = pde_refine(x, pde_type="diffusion", steps=2, alpha=0.2, causal=True)
+    assert banded.call_count == 0
+    out.sum().backward()
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("pde_type,beta", [("diffusion", None), ("advection_diffusion", 0.2), ("wave", None)])
+def test_the_fixed_decode_map_equals_the_reference(pde_type, beta):
+    generator = torch.Generator().manual_seed(3)
+    state = torch.randn(3, STEPS, 16, generator=generator)
+    expected_state = state.clone()
+    for _ in range(3):  # (the map is kept between tokens: each must read the state the last one wrote)
+        token = torch.randn(3, 16, generator=generator)
+        coefficients = dict(alpha=torch.tensor([0.13]), beta=None if beta is None else torch.tensor([beta]))
+        out = pde_decode_step(token, state, pde_type=pde_type, steps=STEPS, **coefficients)
+        expected = pde_decode_step_reference(token, expected_state, pde_type=pde_type, steps=STEPS, **coefficients)
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(state, expected_state, atol=1e-6, rtol=1e-6)
