@@ -15,7 +15,7 @@ from torch import nn
 from .kernels_config import MAX_FUSED_STEPS
 from .pde_cache import cached_pde_state, conv_state_block, records_past, store_pde_state
 from .pde_decode import causal_decode_map, pde_decode_update
-from .pde_filters import filtered_refine, scalar_decode_map
+from .pde_filters import filtered_refine
 from .pde_reference import causal_state_history, pde_decode_step_reference, pde_refine_reference
 # (the operator's public names are re-exported here too)
 from .pde_spec import (COEFFICIENT_BOUNDS, MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, PDE_TYPE_ALIASES,  # noqa
@@ -145,14 +145,8 @@ def pde_decode_step(hidden_states, state, *, pde_type, steps, alpha, beta=None, 
     pde_type, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta,
                                                            token_mask, coefficient_bounds)
     alpha, beta = clamp_coefficients(alpha, beta, bounds)
-    decode_map = None
-    if (backend == "auto" and steps and scheme_of(pde_type).linear and alpha.numel() == 1
-            and (beta is None or beta.numel() == 1) and _on_cpu_without_grad(hidden_states, state)
-            and not _needs_grad(alpha, beta)):  # (a linear scheme's token: one fixed map, kept per coefficient value)
-        decode_map = scalar_decode_map(pde_type, steps, alpha.item(), None if beta is None else beta.item(),
-                                       state.dtype)
     return pde_decode_update(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                             token_mask=token_mask, decode_map=decode_map)
+                             token_mask=token_mask)
 
 
 class _StraightThroughClamp(torch.autograd.Function):

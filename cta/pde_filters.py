@@ -1,13 +1,12 @@
 # coding=utf-8
 """The causal constant-coefficient schemes (diffusion, advection-diffusion: ``PDEScheme.filters``) as fixed filters:
-the CPU path of the operator's entry points where no gradient is asked, in a few large ops instead of several per step
+the CPU path of ``pde_refine`` where no gradient is asked, in a few large ops instead of several per step
 (on the CPU every op costs a served token microseconds of host time).
 
 ``S`` steps of ``u[i] += c (u[i-1] - u[i])`` (``c = a``, or ``a + b`` with advection) are one banded filter: level
 ``s`` at position ``i`` is ``sum_k C(s, k) c^k (1 - c)^(s-k) x[i-k]``. The zero-inflow wall at the start is zero
 padding. A stored initial state (entry ``s``: level ``s`` at the position before the first) reaches level ``s' > s`` only
 at positions ``< s' - s``, so it changes the first ``S`` positions alone: those are the reference's, computed on them.
-A decoded token of a linear scheme is one fixed map of the token and the stored values (:func:`scalar_decode_map`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from math import comb
 
 import torch
 
-from .pde_decode import causal_decode_map
 from .pde_reference import pde_refine_reference
 
 
@@ -58,9 +56,3 @@ def filtered_refine(hidden_states: torch.Tensor, c: float, *, pde_type: str, ste
         return out
     return out, torch.matmul(_final_state_map(c, steps, dtype), u[:, length - steps - 1:])
 
-
-@lru_cache(maxsize=256)
-def scalar_decode_map(pde_type: str, steps: int, alpha: float, beta, dtype: torch.dtype) -> torch.Tensor:
-    """The ``[steps + 1, steps + 1]`` :func:`pde_decode.causal_decode_map` of scalar coefficients given as numbers."""
-    as_tensor = lambda value: None if value is None else torch.tensor(value, dtype=dtype)  # noqa: E731
-    return causal_decode_map(pde_type, steps, as_tensor(alpha), as_tensor(beta), dtype)[..., 0].contiguous()

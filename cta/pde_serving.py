@@ -34,7 +34,10 @@ def refine_flat_batch(hidden_states: torch.Tensor, output: torch.Tensor, states:
     if end < hidden_states.shape[0]:
         output[end:] = hidden_states[end:]  # (tokens that pad the batch to a captured size)
     operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta)
-    if decodes:
+    if decodes == 1 and states.device.type == "cpu":  # (one sequence: its slot as a view, updated in place)
+        slot = int(decode_slots.reshape(-1)[0])
+        output[:1] = pde_decode_step(hidden_states[:1], states[slot:slot + 1], **operator)
+    elif decodes:
         state = states[decode_slots]  # [decodes, steps, channels], gathered: updated in place, then scattered back
         output[:decodes] = pde_decode_step(hidden_states[:decodes], state, **operator)
         states[decode_slots] = state

@@ -1,6 +1,6 @@
-"""The CPU filter paths of the operator's entry points (cta/pde_filters.py): the constant-coefficient causal schemes as
-one banded filter in ``pde_refine`` and a linear scheme's decoded token as one fixed map in ``pde_decode_step``, taken
-where no gradient is asked, equal the readable reference; where a gradient is asked, the reference runs."""
+"""The CPU filter path of ``pde_refine`` (cta/pde_filters.py): the constant-coefficient causal schemes as one banded
+filter, taken where no gradient is asked, equal the readable reference; where a gradient is asked, the reference
+runs."""
 
 from unittest import mock
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cta.pde_cta as operator
-from cta.pde_cta import pde_decode_step, pde_decode_step_reference, pde_refine, pde_refine_reference
+from cta.pde_cta import pde_refine, pde_refine_reference
 
 STEPS = 4
 
@@ -38,16 +38,3 @@ def test_a_gradient_takes_the_reference():
     out.sum().backward()
     assert x.grad is not None
 
-
-@pytest.mark.parametrize("pde_type,beta", [("diffusion", None), ("advection_diffusion", 0.2), ("wave", None)])
-def test_the_fixed_decode_map_equals_the_reference(pde_type, beta):
-    generator = torch.Generator().manual_seed(3)
-    state = torch.randn(3, STEPS, 16, generator=generator)
-    expected_state = state.clone()
-    for _ in range(3):  # (the map is kept between tokens: each must read the state the last one wrote)
-        token = torch.randn(3, 16, generator=generator)
-        coefficients = dict(alpha=torch.tensor([0.13]), beta=None if beta is None else torch.tensor([beta]))
-        out = pde_decode_step(token, state, pde_type=pde_type, steps=STEPS, **coefficients)
-        expected = pde_decode_step_reference(token, expected_state, pde_type=pde_type, steps=STEPS, **coefficients)
-        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(state, expected_state, atol=1e-6, rtol=1e-6)
