@@ -3,7 +3,7 @@
     cta-hub export MODEL_DIR OUT_DIR [--results all_results.json] [--tokenizer DIR] [--dataset imdb] ...
     cta-hub push OUT_DIR REPO_ID [--private] [--revision BRANCH] [--commit-message MSG] [--token TOKEN]
     cta-hub card MODEL_DIR [--results all_results.json]       # print the rendered README.md only
-    cta-hub export --adapter ADAPTER_DIR OUT_DIR [--base-model ORG/NAME] [--base-model-dir DIR]   # cta.hub_adapter
+    cta-hub export --adapter ADAPTER_DIR OUT_DIR [--base-model ORG/NAME] [--base-model-dir DIR] [--results JSON]
 
 ``export`` re-saves a checkpoint with its code files, safetensors weights, tokenizer and a ``hub_cards/`` card, and
 checks that it loads with ``trust_remote_code=True`` without ``cta``. Trainer hooks: :func:`write_model_card`,
@@ -354,7 +354,8 @@ def _parser() -> argparse.ArgumentParser:
                        "cta.CTALoraConfig: publish it with an adapter card (library_name: peft). A plain LoRA adapter "
                        "is refused: it would load without its PDE")
         p.add_argument("--results", metavar="JSON", help="Trainer.save_metrics JSON (all_results.json...) whose "
-                       "eval_*/test_* values fill the card's model-index (not with --adapter)")
+                       "eval_*/test_* values fill the card's model-index; with --adapter, a result file with a "
+                       "card_results block naming the adapter by its sha256 (results/pretrained_finetune.json)")
         p.add_argument("--dataset", action="append", dest="datasets", metavar="DATASET_ID", help="Hub dataset id or "
                        "example task key (imdb, sst2...); repeatable, the first is the model-index's")
         p.add_argument("--license", help=f"license id (default: {DEFAULT_LICENSE}; 'other' for patched models and "
@@ -400,12 +401,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _adapter_main(args, card_args: dict) -> None:
     """``export --adapter`` / ``card --adapter``."""
-    for option in ("results", "tokenizer"):
-        if getattr(args, option, None):
-            raise HubExportError(f"--{option} does not apply to --adapter (an adapter card has no model-index, and "
-                                 "the base model's tokenizer is used).")
+    if getattr(args, "tokenizer", None):
+        raise HubExportError("--tokenizer does not apply to --adapter (the base model's tokenizer is used).")
     card_args = dict(card_args, datasets=[d[0] for d in _datasets(card_args["datasets"])], pip_spec=args.pip_spec)
-    del card_args["results"]
     if args.command == "card":
         sys.stdout.write(str(hub_adapter.render_adapter_card(args.model_dir, **card_args)))
         return

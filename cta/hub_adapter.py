@@ -7,6 +7,7 @@ that PEFT refuses it without ``cta``. ``cta.hub`` imports this module, not the o
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import json
 import math
@@ -22,7 +23,7 @@ from typing import Optional
 import jinja2
 import torch
 import transformers
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
@@ -196,12 +197,45 @@ def _lora_summary(config: dict, info: dict) -> dict:
         other_parameters=f"{info['other_parameters']:,}" if info["other_parameters"] else None)
 
 
+def load_adapter_results(path_or_dict, adapter_dir=None) -> dict:
+    """The ``card_results`` block of a result file (``examples/finetune_patched_llama.py --study`` writes one) for the
+    card's evaluation section: ``description``, ``columns``, ``rows``, ``model_index`` and ``adapter_sha256``, the
+    hash of the adapter the numbers belong to; with ``adapter_dir``, refuses the block when its weights differ."""
+    source = "<results>" if isinstance(path_or_dict, dict) else str(path_or_dict)
+    data = path_or_dict
+    if not isinstance(data, dict):
+        try:
+            data = json.loads(Path(source).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise AdapterExportError(f"Cannot read the results JSON {source}: {err}") from None
+    block = data.get("card_results", data) if isinstance(data, dict) else None
+    missing = [key for key in ("columns", "rows", "adapter_sha256") if not isinstance(block, dict) or key not in block]
+    if missing:
+        raise AdapterExportError(f"{source} has no adapter results (a `card_results` block with {missing}): with "
+                                 "--adapter, --results takes a result file that names the adapter it measured, such "
+                                 "as results/pretrained_finetune.json.")
+    if adapter_dir is not None:
+        digest = hashlib.sha256((Path(adapter_dir) / ADAPTER_WEIGHTS).read_bytes()).hexdigest()
+        if digest != block["adapter_sha256"]:
+            raise AdapterExportError(f"{source} reports on another adapter (sha256 {block['adapter_sha256'][:12]}... "
+                                     f"of its weights), not {adapter_dir} ({digest[:12]}...): its numbers would be "
+                                     "wrong on this card.")
+    return dict(block, source=block.get("source") or Path(source).name)
+
+
+def _eval_results(results: dict):
+    """``huggingface_hub.EvalResult``s of the ``model_index`` entries of adapter results (None without)."""
+    return [EvalResult(**entry) for entry in results.get("model_index") or []] or None
+
+
 def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_id: Optional[str] = None,
                         license: Optional[str] = None, datasets=None, language=None, templates=None,
-                        title: Optional[str] = None, pip_spec: str = DEFAULT_PIP_SPEC) -> ModelCard:
+                        title: Optional[str] = None, pip_spec: str = DEFAULT_PIP_SPEC, results=None) -> ModelCard:
     """The README card (``huggingface_hub.ModelCard``) of the CTA adapter in ``adapter_dir``: PEFT metadata
-    (``base_model``: see :func:`base_model_id`), the patch, learned coefficients, usage (``pip install pip_spec``)."""
+    (``base_model``: see :func:`base_model_id`), the patch, learned coefficients, usage (``pip install pip_spec``);
+    with ``results`` (a result file or dict, :func:`load_adapter_results`), an evaluation section and model-index."""
     info = read_adapter(adapter_dir)
+    results = load_adapter_results(results, adapter_dir) if results is not None else None
     config = info["config"]
     validate_repo_id(repo_id)  # None passes
     base_model = base_model_id(config, base_model)
@@ -211,13 +245,15 @@ def render_adapter_card(adapter_dir, *, base_model: Optional[str] = None, repo_i
     lora = _lora_summary(config, info)
     datasets = [datasets] if isinstance(datasets, str) else list(datasets or [])
     tags = ADAPTER_TAGS + [f"pde-{pde['type'].replace('_', '-')}"] + (["lora"] if lora["has_lora"] else [])
+    eval_results = _eval_results(results) if results else None
     card_data = ModelCardData(library_name="peft", base_model=base_model, pipeline_tag=task, license=license or "other",
                               tags=tags + [f"base_model:adapter:{base_model}"], language=language or None,
-                              datasets=datasets or None)
+                              datasets=datasets or None, eval_results=eval_results,
+                              model_name=repo_id.split("/")[-1] if eval_results else None)
     return render_card("adapter.md", templates, card_data, task, title=title or repo_id.split("/")[-1],
                        repo_id=repo_id, base_model=base_model, auto_class=auto_class, peft_auto_class=peft_auto_class,
                        task_type=config.get("task_type"), patch=config["cta_patch"], pde=pde, lora=lora,
-                       pip_spec=pip_spec, datasets=datasets)
+                       pip_spec=pip_spec, datasets=datasets, results=results)
 
 
 def render_card(template: str, templates, card_data: ModelCardData, task, **fields) -> ModelCard:
@@ -242,12 +278,15 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
                            reference_model=None, repo_id: Optional[str] = None, license: Optional[str] = None,
                            datasets=None, language=None, templates=None, title: Optional[str] = None,
                            pip_spec: str = DEFAULT_PIP_SPEC, overwrite: bool = False, verify: bool = True,
-                           verify_load: bool = True, atol: float = 1e-4, timeout: int = 600) -> dict:
-    """Writes the Hub folder of the CTA adapter in ``adapter_dir``, then :func:`verify_adapter_folder` (load checks with
-    ``verify_load`` and ``base_model_dir``); returns its report with ``folder``, ``base_model``, ``load_check``."""
+                           verify_load: bool = True, atol: float = 1e-4, timeout: int = 600, results=None) -> dict:
+    """Writes the Hub folder of the CTA adapter in ``adapter_dir`` (``results``: see :func:`render_adapter_card`), then
+    :func:`verify_adapter_folder` (load checks with ``verify_load`` and ``base_model_dir``); returns its report with
+    ``folder``, ``base_model``, ``load_check``."""
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     check_export_arguments(adapter_dir, "ADAPTER_DIR", out_dir, overwrite, repo_id, AdapterExportError)
     info = read_adapter(adapter_dir)
+    if results is not None:
+        results = load_adapter_results(results, adapter_dir)  # (before writing anything)
     base_model = base_model_id(info["config"], base_model)
     if verify and verify_load and base_model_dir is not None:
         _check_base_dir(base_model_dir)  # before writing anything
@@ -260,7 +299,7 @@ def export_adapter_for_hub(adapter_dir, out_dir, *, base_model: Optional[str] = 
     (out_dir / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     render_adapter_card(out_dir, base_model=base_model, repo_id=repo_id or out_dir.resolve().name, license=license,
                         datasets=datasets, language=language, templates=templates, title=title,
-                        pip_spec=pip_spec).save(out_dir / "README.md")
+                        pip_spec=pip_spec, results=results).save(out_dir / "README.md")
     report = dict(folder=out_dir, base_model=base_model)
     if not verify:
         return dict(report, load_check="skipped (verify=False)")
@@ -478,5 +517,6 @@ def report_lines(report: dict) -> list:
 
 
 __all__ = ["AdapterExportError", "BLOCK_CTA", "PICKLE_SUFFIXES", "adapter_pde_summary", "base_model_id",
-           "check_export_arguments", "coefficient_text", "export_adapter_for_hub", "is_adapter_folder", "read_adapter",
+           "check_export_arguments", "coefficient_text", "export_adapter_for_hub", "is_adapter_folder",
+           "load_adapter_results", "read_adapter",
            "render_adapter_card", "report_lines", "templates_dir", "verify_adapter_folder"]

@@ -437,12 +437,16 @@ def parse_arguments(dataclass_types, argv=None, **defaults):
 def setup_logging(training_args):
     """As transformers' example scripts: this script's INFO lines on the main process; transformers and datasets at
     ``--log_level`` (default: warnings)."""
-    import datasets
     import transformers
 
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", datefmt="%m/%d/%Y %H:%M:%S",
                         handlers=[logging.StreamHandler(sys.stdout)],
                         level=logging.INFO if is_main_process(training_args) else logging.WARNING)
     log_level = training_args.get_process_log_level()
-    datasets.utils.logging.set_verbosity(log_level)
+    try:  # (finetune_patched_llama.py --study runs where `datasets` is not installed)
+        import datasets
+
+        datasets.utils.logging.set_verbosity(log_level)
+    except ImportError:
+        pass
     transformers.utils.logging.set_verbosity(log_level)

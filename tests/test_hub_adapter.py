@@ -257,6 +257,42 @@ def test_refuses_what_is_not_a_cta_adapter(adapters, tmp_path, capsys):
     assert "--base-model-dir is for --adapter" in capsys.readouterr().err
 
 
+def test_card_reads_the_result_file_of_its_adapter(adapters, tmp_path, capsys):
+    """--results with --adapter: the card's evaluation table and model-index are the result file's numbers, and a
+    result file about other weights (another sha256) is refused before anything is written."""
+    import hashlib
+
+    source = adapters["lora_pde"]["dir"]
+    digest = hashlib.sha256((source / "adapter_model.safetensors").read_bytes()).hexdigest()
+    block = dict(source="results/study.json", run="lora_pde|diffusion|identity|0.01|seed1", adapter_sha256=digest,
+                 description="Fine-tuned for 3 steps.", columns=["model", "test perplexity, 1024 tokens"],
+                 rows=[["this adapter (seed 1)", 12.345], ["LoRA alone, 3 seeds", "12.400 ± 0.010"]],
+                 model_index=[dict(task_type="text-generation", dataset_type="wikitext", dataset_name="WikiText-2",
+                                   dataset_split="test", metric_type="perplexity",
+                                   metric_name="test perplexity (1024 tokens)", metric_value=12.345)])
+    results = tmp_path / "study.json"
+    results.write_text(json.dumps({"card_results": block, "cells": []}))
+    out = tmp_path / "hub"
+    assert hub.main(["export", "--adapter", str(source), str(out), "--base-model", BASE_ID, "--results",
+                     str(results), "--no-verify-load"]) == 0, capsys.readouterr().err
+    card = ModelCard.load(str(out / "README.md"))
+    assert "## Evaluation" in card.text and "Fine-tuned for 3 steps." in card.text
+    assert "| this adapter (seed 1) | 12.345 |" in card.text and "| LoRA alone, 3 seeds | 12.400 ± 0.010 |" in card.text
+    assert digest in card.text and "results/study.json" in card.text
+    (entry,) = card.data.eval_results
+    assert (entry.metric_type, entry.metric_value, entry.dataset_split) == ("perplexity", 12.345, "test")
+    # without results: no evaluation section
+    assert "## Evaluation" not in (adapters["lora_pde"]["folder"] / "README.md").read_text()
+    # numbers of other weights, or a file without a card_results block: refused, nothing written
+    results.write_text(json.dumps({"card_results": dict(block, adapter_sha256="0" * 64)}))
+    assert hub.main(["export", "--adapter", str(source), str(tmp_path / "other"), "--base-model", BASE_ID,
+                     "--results", str(results), "--no-verify-load"]) == 2
+    assert "reports on another adapter" in capsys.readouterr().err and not (tmp_path / "other").exists()
+    results.write_text(json.dumps({"eval_loss": 1.0}))
+    with pytest.raises(hub_adapter.AdapterExportError, match="no adapter results"):
+        hub_adapter.render_adapter_card(source, base_model=BASE_ID, results=results)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Push, card, help
 # ---------------------------------------------------------------------------------------------------------------------
