@@ -30,7 +30,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
-from .vllm_site import SITE_OP, PDESiteSpec, VllmPDESite
+from .vllm_site import SITE_OP, VllmPDESite
 
 SERVED_PLACEMENTS = ("block_output", "attention_output", "mlp_output")
 # The module of a vLLM decoder layer whose output each placement refines ("" for the layer itself).
@@ -150,8 +150,6 @@ class CTASitesMixin:
         return loaded
 
     def _add_sites(self, spec, hidden_size):
-        site_spec = PDESiteSpec(spec["pde_type"], spec["pde_steps"], spec["alpha"], spec["beta"],
-                                spec["per_channel"])
         layers = self.model.layers
         selected = range(len(layers)) if spec["layers"] is None else spec["layers"]
         model_prefix = next(name for name, module in self.named_modules() if module is layers)
@@ -162,7 +160,7 @@ class CTASitesMixin:
                 module = layer.get_submodule(path) if path else layer
                 name = f"cta_{placement}_pde"
                 prefix = ".".join(filter(None, (model_prefix, str(index), path, name)))
-                module.add_module(name, VllmPDESite(site_spec, hidden_size, prefix))
+                module.add_module(name, VllmPDESite(spec, hidden_size, prefix))
                 module.__class__ = refining_class(type(module), placement)
 
 

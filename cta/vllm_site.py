@@ -30,30 +30,23 @@ OP_LIBRARY = "cta_vllm"
 SITE_OP = f"{OP_LIBRARY}::pde_site"  # (named in vLLM's splitting ops: piecewise CUDA graphs break around it)
 
 
-class PDESiteSpec:
-    """What a serving site needs of a patch: type, steps, per-channel coefficients and their initial values (the
-    checkpoint's values replace them at load)."""
-
-    def __init__(self, pde_type: str, steps: int, alpha: float, beta, per_channel: bool):
-        self.pde_type, self.steps, self.per_channel = pde_type, steps, per_channel
-        self.alpha = alpha
-        self.beta = PAPER_COEFFICIENTS[pde_type][1] if beta is None else beta
-
-
 class VllmPDESite(MambaBase, nn.Module):
     """A causal PDE site whose per-sequence state lives in vLLM's state cache (``self.kv_cache[0]``: ``[slots, steps,
     channels]`` fp32). Parameters ``alpha`` / ``beta`` carry the checkpoint's names (``...cta_<placement>_pde.alpha``),
     projected onto the causal scheme's stable bounds when loaded (:meth:`project_coefficients`), as
     :class:`pde_cta.PDERefinement` projects them."""
 
-    def __init__(self, spec: PDESiteSpec, channels: int, prefix: str):
+    def __init__(self, spec: dict, channels: int, prefix: str):
+        """``spec``: the served patch (``vllm_models.serving_spec``); the checkpoint's coefficients replace the initial
+        values it names when the weights load."""
         super().__init__()
-        self.pde_type, self.steps, self.channels, self.prefix = spec.pde_type, spec.steps, channels, prefix
-        self.bounds = coefficient_bounds(spec.pde_type, causal=True)
-        shape = (channels,) if spec.per_channel else (1,)
-        self.alpha = nn.Parameter(torch.full(shape, float(spec.alpha), dtype=torch.float32), requires_grad=False)
+        self.pde_type, self.steps, self.channels, self.prefix = spec["pde_type"], spec["pde_steps"], channels, prefix
+        self.bounds = coefficient_bounds(self.pde_type, causal=True)
+        shape = (channels,) if spec["per_channel"] else (1,)
+        self.alpha = nn.Parameter(torch.full(shape, float(spec["alpha"]), dtype=torch.float32), requires_grad=False)
         if self.bounds[1] is not None:
-            self.beta = nn.Parameter(torch.full(shape, float(spec.beta), dtype=torch.float32), requires_grad=False)
+            beta = PAPER_COEFFICIENTS[self.pde_type][1] if spec["beta"] is None else spec["beta"]
+            self.beta = nn.Parameter(torch.full(shape, float(beta), dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("beta", None)
         context = get_current_vllm_config().compilation_config.static_forward_context

@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import cta
 from cta.patching_cta import is_patched, make_patch_spec, patch_model, unpatch_model
+from shared_data import STORIES260K
 
 peft = pytest.importorskip("peft")
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model  # noqa: E402
@@ -441,9 +442,7 @@ def test_documented_flow_warns_for_nothing_of_ours(tmp_path):
     """docs/adapters.md's flow on a real checkpoint (stories260K): patch, get_peft_model, train, save, load every PEFT
     way. No warning but peft's own; in particular not transformers' "model of type `llama` to instantiate a model of
     type `cta_patched_llama`" (PEFT reads the base's config with the patched config class when it saves)."""
-    base_dir = Path("/work/shared/models/stories260K")
-    if not base_dir.is_dir():
-        pytest.skip("the shared stories260K checkpoint is not here")
+    base_dir = STORIES260K  # (shipped in examples/demo_data: no skip on a bare clone)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     with _collected_warnings() as records:
         model = patch_model(transformers.AutoModelForCausalLM.from_pretrained(base_dir), pde_type="diffusion",

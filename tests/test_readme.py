@@ -3,11 +3,8 @@ they name, results/summary.md equals what scripts/summarize_results.py renders f
 stays a short front page that links the detailed pages, and every relative link resolves."""
 
 import importlib.util
-import json
 import re
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -54,18 +51,3 @@ def test_relative_links_resolve():
                 continue
             assert (path.parent / target.split("#")[0]).exists(), f"{path.relative_to(ROOT)} links {target}, missing"
 
-
-def test_exported_adapter_card_reads_the_result_file():
-    """The card of the pretrained study's exported LoRA + PDE adapter (``cta-hub export --adapter --results``) shows
-    the numbers of results/pretrained_finetune.json and names the adapter's weights by the hash the file records."""
-    results, card = ROOT / "results" / "pretrained_finetune.json", ROOT / "results" / "pretrained_finetune_adapter"
-    if not results.exists():
-        pytest.skip("no results/pretrained_finetune.json")
-    block = json.loads(results.read_text(encoding="utf-8"))["card_results"]
-    text = (card / "README.md").read_text(encoding="utf-8")
-    for row in block["rows"]:
-        assert "| " + " | ".join(map(str, row)) + " |" in text, row
-    assert block["adapter_sha256"] in text and block["description"] in text
-    config = json.loads((card / "adapter_config.json").read_text(encoding="utf-8"))
-    assert config["peft_type"] == "CTA_LORA"
-    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"

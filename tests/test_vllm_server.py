@@ -23,7 +23,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("openai"
                 allow_module_level=True)
 
 import cta  # noqa: E402
-from cta.pde_cta import coefficient_bounds  # noqa: E402
+from test_vllm import _draw_coefficients  # noqa: E402
 from test_pretrained_decoding import _load, saveable  # noqa: E402  (SmolLM2 from its GGUF; skips or fails as CI asks)
 
 NEW_TOKENS = 12
@@ -39,19 +39,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """A patched SmolLM2 (reaction-diffusion, 2 steps after every block, coefficients inside their bounds) saved
+    """A patched SmolLM2 (reaction-diffusion, 2 steps after every block, coefficients drawn inside their bounds) saved
     with its tokenizer and served by ``vllm serve``; yields ``(model, tokenizer, client, server process)``."""
     import openai
 
     model, tokenizer = _load("SmolLM2-135M")
     model = saveable(model)
     cta.patch_model(model, pde_type="reaction_diffusion", pde_steps=2, placement="block_output", init="paper")
-    (alpha_low, alpha_high), (beta_low, beta_high) = coefficient_bounds("reaction_diffusion", True)
-    with torch.no_grad():
-        for index, (name, module) in enumerate((n, m) for n, m in model.named_modules()
-                                               if isinstance(m, cta.PDERefinement)):
-            module.alpha.fill_(alpha_low + (alpha_high - alpha_low) * ((index * 7) % 10) / 10)
-            module.beta.fill_(beta_low + (beta_high - beta_low) * ((index * 3) % 10) / 10)
+    _draw_coefficients(model, seed=0)
     folder = tmp_path_factory.mktemp("smollm2-patched")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
