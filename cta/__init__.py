@@ -7,7 +7,8 @@ from .modeling_cta import CTAForCausalLM, CTAForSequenceClassification, CTAModel
 from .pde_context_parallel import ContextParallelCallback, SequenceSharding, shard_sequences
 from .patching_cta import load_patched, mark_pde_trainable, patch_model, pde_modules_to_save, unpatch_model
 from .pde_cta import (COEFFICIENT_BOUNDS, PDE_TYPES, PDERefinement, coefficient_bounds, pde_decode_step,
-                      pde_decode_step_reference, pde_refine, pde_refine_reference, triton_available)
+                      pde_decode_step_reference, pde_decode_update, pde_refine, pde_refine_reference,
+                      triton_available)
 
 __version__ = "0.2.0"
 

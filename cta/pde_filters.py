@@ -16,7 +16,7 @@ from math import comb
 
 import torch
 
-from .pde_reference import pde_refine_reference
+from .pde_reference import reference_refine
 
 
 @lru_cache(maxsize=256)  # (a pure function of the coefficient's value: served coefficients keep theirs)
@@ -40,8 +40,9 @@ def filtered_refine(hidden_states: torch.Tensor, c: float, *, pde_type: str, ste
     positions an initial state reaches."""
     batch, length, channels = hidden_states.shape
     if length <= steps:  # (every position within reach of the initial state: the reference, on a few tokens)
-        return pde_refine_reference(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
-                                    initial_state=initial_state, return_final_state=return_final_state)
+        return reference_refine(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
+                                attention_mask=None, initial_state=initial_state,
+                                return_final_state=return_final_state)
     dtype = torch.promote_types(hidden_states.dtype, torch.float32)
     u = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
     taps = _level_taps(c, steps)[steps]
@@ -49,8 +50,9 @@ def filtered_refine(hidden_states: torch.Tensor, c: float, *, pde_type: str, ste
     for k in range(1, steps + 1):
         out[:, k:].add_(u[:, :-k], alpha=taps[k])
     if initial_state is not None:
-        out[:, :steps] = pde_refine_reference(u[:, :steps], pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                                              causal=True, initial_state=initial_state)
+        out[:, :steps] = reference_refine(u[:, :steps], pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
+                                          causal=True, attention_mask=None, initial_state=initial_state,
+                                          return_final_state=False)
     out = out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
     if not return_final_state:
         return out

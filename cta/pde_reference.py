@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .pde_spec import WAVE_DAMPING, check_decode_arguments, check_pde_arguments, clamp_coefficients, scheme_of
+from .pde_spec import WAVE_DAMPING, check_decode_arguments, check_pde_arguments, project_coefficients, scheme_of
 
 
 def _bidirectional_step(u, v, scheme, alpha, beta, open_edge, valid):
@@ -67,9 +67,11 @@ def pde_refine_reference(hidden_states: torch.Tensor, *, pde_type: str, steps: i
 
     ``initial_state`` / the returned final state (causal only) are ``[batch, steps, channels]``: entry ``s`` is the
     value of the step-``s`` iterate at the position just before the first one (zeros = start of sequence / wall)."""
-    return _reference(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
-                      attention_mask=attention_mask, initial_state=initial_state,
-                      return_final_state=return_final_state)
+    pde_type, alpha, beta = check_pde_arguments(hidden_states, pde_type, steps, alpha, beta, attention_mask,
+                                                initial_state, causal)
+    return reference_refine(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=causal,
+                            attention_mask=attention_mask, initial_state=initial_state,
+                            return_final_state=return_final_state)
 
 
 def causal_state_history(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha, beta=None,
@@ -77,15 +79,17 @@ def causal_state_history(hidden_states: torch.Tensor, *, pde_type: str, steps: i
     """The causal :func:`pde_refine_reference` and the state after *every* position: ``(out, states)`` with
     ``states`` ``[batch, steps, channels, seq]`` (column ``-1`` is the final state). What a cache that may be rolled
     back to an earlier position keeps (assisted decoding)."""
-    return _reference(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
-                      attention_mask=attention_mask, initial_state=initial_state, return_final_state=True,
-                      return_state_history=True)
-
-
-def _reference(hidden_states, *, pde_type, steps, alpha, beta, causal, attention_mask, initial_state,
-               return_final_state, return_state_history=False):
     pde_type, alpha, beta = check_pde_arguments(hidden_states, pde_type, steps, alpha, beta, attention_mask,
-                                                initial_state, causal)
+                                                initial_state, True)
+    return reference_refine(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
+                            attention_mask=attention_mask, initial_state=initial_state, return_final_state=True,
+                            return_state_history=True)
+
+
+def reference_refine(hidden_states, *, pde_type, steps, alpha, beta, causal, attention_mask, initial_state,
+                     return_final_state, return_state_history=False):
+    """:func:`pde_refine_reference` on arguments :func:`pde_spec.check_pde_arguments` has checked (``pde_cta``'s
+    torch backend: the checks run once per call)."""
     batch, seq, channels = hidden_states.shape
     compute_dtype = torch.promote_types(hidden_states.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     u = hidden_states.to(compute_dtype)
@@ -132,8 +136,11 @@ def pde_decode_step_reference(hidden_states: torch.Tensor, state: torch.Tensor, 
     Returns the refined token."""
     pde_type, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta,
                                                            token_mask, coefficient_bounds)
-    alpha, beta = clamp_coefficients(alpha, beta, bounds)
-    out, new_state = pde_refine_reference(
+    if not torch.is_tensor(state) or state.dim() != 3 or hidden_states.dim() != 2:
+        raise ValueError("pde_decode_step_reference takes `hidden_states` [batch, channels] and `state` [batch, steps, "
+                         "channels] (cta.pde_decode_update also takes a cache's level buffers).")
+    alpha, beta = project_coefficients(alpha, beta, bounds)
+    out, new_state = reference_refine(
         hidden_states.unsqueeze(1), pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
         attention_mask=None if token_mask is None else token_mask.reshape(-1, 1), initial_state=state,
         return_final_state=True)

@@ -3,7 +3,7 @@
 sequences in one ``[tokens, channels]`` tensor, one-token decodes first, then prefill chunks, and each sequence's
 state ``[steps, channels]`` (fp32) in a slot of a state table ``[slots, steps, channels]``.
 
-* decodes: one :func:`pde_cta.pde_decode_step` for all of them on their gathered states (the fused Triton decode
+* decodes: one :func:`pde_cta.pde_decode_update` for all of them on their gathered states (the fused Triton decode
   kernel on CUDA), written back to their slots;
 * prefill chunks: each refined by :func:`pde_cta.pde_refine` from its slot's state where the chunk continues its
   sequence (chunked prefill, a prefix-cache hit) and from the wall otherwise; the final state is written to the slot.
@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .pde_cta import pde_decode_step, pde_refine
+from .pde_cta import pde_decode_update, pde_refine
 
 
 def refine_flat_batch(hidden_states: torch.Tensor, output: torch.Tensor, states: torch.Tensor, *,
@@ -36,10 +36,10 @@ def refine_flat_batch(hidden_states: torch.Tensor, output: torch.Tensor, states:
     operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta)
     if decodes == 1 and states.device.type == "cpu":  # (one sequence: its slot as a view, updated in place)
         slot = int(decode_slots.reshape(-1)[0])
-        output[:1] = pde_decode_step(hidden_states[:1], states[slot:slot + 1], **operator)
+        output[:1] = pde_decode_update(hidden_states[:1], states[slot:slot + 1], **operator)
     elif decodes:
         state = states[decode_slots]  # [decodes, steps, channels], gathered: updated in place, then scattered back
-        output[:decodes] = pde_decode_step(hidden_states[:decodes], state, **operator)
+        output[:decodes] = pde_decode_update(hidden_states[:decodes], state, **operator)
         states[decode_slots] = state
     for start, stop, slot, continues in zip(prefill_starts, prefill_starts[1:], prefill_slots, prefill_continues):
         initial = states[slot].unsqueeze(0) if continues else None

@@ -229,7 +229,7 @@ def check_attention_mask(attention_mask, batch: int, seq: int) -> None:
                          f"got {tuple(attention_mask.shape)}.")
 
 
-def _check_bounds(bounds):
+def check_bounds(bounds):
     """``coefficient_bounds`` as a hashable ``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` of floats."""
     if bounds is None or (type(bounds) is tuple and bounds in COEFFICIENT_BOUNDS.values()):
         return bounds
@@ -248,12 +248,15 @@ _STATE_DTYPES = (torch.float32, torch.float64)
 
 
 def check_decode_state(state, batch: int, steps: int, channels: int) -> None:
-    """Raises unless ``state`` is the fp32 (fp64 for float64 models) ``[batch, steps, channels]`` a decode step reads
-    and writes (one of another shape would be read out of bounds by the kernel)."""
-    if not torch.is_tensor(state) or state.shape != (batch, steps, channels) or state.dtype not in _STATE_DTYPES:
+    """Raises unless ``state`` is the fp32 (fp64 for float64 models) ``[batch, steps, channels]`` (or ``[batch, steps,
+    channels, 1]``) with contiguous channels that a decode step reads and writes (one of another shape would be read
+    out of bounds by the kernel)."""
+    shape = (batch, steps, channels)
+    if (not torch.is_tensor(state) or state.shape not in (shape, (*shape, 1)) or state.dtype not in _STATE_DTYPES
+            or state.stride(2) != 1):
         got = (tuple(state.shape), state.dtype) if torch.is_tensor(state) else type(state)
         raise ValueError(f"`state` must be a float32 (or float64) tensor of shape [batch, steps, channels] = "
-                         f"[{batch}, {steps}, {channels}], got {got}.")
+                         f"[{batch}, {steps}, {channels}] with contiguous channels, got {got}.")
 
 
 def check_decode_levels(levels, batch: int, steps: int, channels: int) -> None:
@@ -270,25 +273,54 @@ def check_decode_levels(levels, batch: int, steps: int, channels: int) -> None:
 
 
 def check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, token_mask, coefficient_bounds=None):
-    """Validates the arguments of :func:`pde_decode_step`; returns ``(pde_type, alpha, beta, coefficient_bounds)``
-    normalised as :func:`check_pde_arguments` does."""
-    if not torch.is_tensor(hidden_states) or hidden_states.dim() != 2 or not hidden_states.is_floating_point():
+    """Validates the arguments of :func:`pde_cta.pde_decode_update`; returns ``(pde_type, alpha, beta,
+    coefficient_bounds)`` normalised as :func:`check_pde_arguments` does. ``hidden_states``: ``[batch, channels]`` or
+    ``[batch, 1, channels]``; ``state``: ``[batch, steps, channels]`` (or the cache's ``[batch, steps, channels, 1]``
+    block), or its ``steps`` level buffers (:func:`check_decode_levels`)."""
+    if (not torch.is_tensor(hidden_states) or hidden_states.dim() not in (2, 3) or not hidden_states.is_floating_point()
+            or (hidden_states.dim() == 3 and hidden_states.shape[1] != 1)):
         shape = tuple(hidden_states.shape) if torch.is_tensor(hidden_states) else type(hidden_states)
-        raise ValueError(f"`hidden_states` must be a floating point tensor of shape [batch, channels], got {shape}.")
-    batch, channels = hidden_states.shape
+        raise ValueError("`hidden_states` must be a floating point tensor of shape [batch, channels] or [batch, 1, "
+                         f"channels] (one token per sequence), got {shape}.")
+    batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
     pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device, causal=True)
-    check_decode_state(state, batch, steps, channels)
+    if torch.is_tensor(state):
+        check_decode_state(state, batch, steps, channels)
+    else:
+        check_decode_levels(state, batch, steps, channels)
     if token_mask is not None and token_mask.numel() != batch:
         raise ValueError(f"`token_mask` must have {batch} elements (one per sequence), got {tuple(token_mask.shape)}.")
-    return pde_type, alpha, beta, _check_bounds(coefficient_bounds)
+    return pde_type, alpha, beta, check_bounds(coefficient_bounds)
 
 
-def clamp_coefficients(alpha, beta, bounds):
-    """``(alpha, beta)`` clamped into ``bounds`` (``((alpha_min, alpha_max), (beta_min, beta_max) | None)``, or None:
-    unchanged)."""
+class _StraightThroughClamp(torch.autograd.Function):
+    """Clamps in the forward pass, passes the gradient unchanged (so a coefficient at a bound can come back)."""
+
+    @staticmethod
+    def forward(ctx, raw, low, high):
+        return raw.clamp(low, high)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def project_coefficient(raw: torch.Tensor, bounds) -> torch.Tensor:
+    """The coefficient the scheme uses: ``raw`` projected onto ``bounds`` ``(low, high)`` (straight-through gradient).
+
+    The parameter *is* the coefficient while inside its bounds, so ``init="identity"`` (0) is exact, and no value
+    the optimiser can reach leaves the stable region. (A sigmoid cannot reach 0 and saturates near its bounds.)
+    """
+    if raw is None or bounds is None:
+        return raw
+    if not (torch.is_grad_enabled() and raw.requires_grad):
+        return raw.clamp(bounds[0], bounds[1])  # (inference: no autograd.Function, whose call costs host time)
+    return _StraightThroughClamp.apply(raw, bounds[0], bounds[1])
+
+
+def project_coefficients(alpha, beta, bounds):
+    """``(alpha, beta)`` projected onto ``bounds`` (``((alpha_min, alpha_max), (beta_min, beta_max) | None)``, or
+    None: unchanged), each by :func:`project_coefficient`."""
     if bounds is None:
         return alpha, beta
-    alpha = alpha.clamp(*bounds[0])
-    if beta is not None and bounds[1] is not None:
-        beta = beta.clamp(*bounds[1])
-    return alpha, beta
+    return project_coefficient(alpha, bounds[0]), project_coefficient(beta, bounds[1])

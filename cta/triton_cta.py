@@ -4,29 +4,27 @@
 * Forward and backward are torch custom ops (``cta::pde_refine_fwd`` / ``_bwd``) with fake implementations and
   autograd: ``torch.compile`` traces them without graph breaks (a traced decode step is ``pde_decode``'s torch ops,
   which Inductor fuses into the next norm); on CUDA their implementations launch the C++ launcher's plans
-  (``kernels_cpp``) where one serves. Eager calls take the launcher's autograd node (``PDERefinement``) or a plain
-  ``torch.autograd.Function`` over the same launches (the launch alone under ``no_grad``).
+  (``kernels_cpp``) where one serves. Eager calls take the launcher's autograd node or a plain
+  ``torch.autograd.Function`` over the same launches (the launch alone under ``no_grad``): :func:`refine` chooses.
 * Gradients that involve the streamed state (an ``initial_state`` that requires grad, or a used final state) run the
   reference's autograd on the saved inputs: exact, slower, rare (the models detach the state they cache).
-* ``steps`` 1..16 run fused, more fall back to the reference; fp32, bf16 and fp16 run fused (fp32 accumulation),
-  fp64 runs the reference. No call synchronises the host with the GPU.
+* ``steps`` 1..16 run fused in fp32, bf16 and fp16 (fp32 accumulation); ``pde_cta`` sends other calls to the
+  reference. No call synchronises the host with the GPU.
 """
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
 from .kernels_config import MAX_FUSED_STEPS
-from .kernels_jit import INTERPRET, is_available
-from .kernels_cpp import backward_planned, forward_planned, refine_planned  # noqa: F401  (refine_planned: pde_cta)
-from .kernels_launch import launch_backward, launch_decode, launch_forward
-from .pde_reference import pde_decode_step_reference, pde_refine_reference
-from .pde_spec import PDE_IDS, check_attention_mask, check_decode_arguments, check_decode_levels, check_pde_arguments
+from .kernels_jit import INTERPRET, is_available  # noqa: F401  (pde_cta's lookup reads them here)
+from .kernels_cpp import backward_planned, forward_planned, refine_planned
+from .kernels_launch import launch_backward, launch_decode, launch_forward  # noqa: F401  (launch_decode: pde_cta)
+from .pde_reference import pde_refine_reference
+from .pde_spec import PDE_IDS, project_coefficients
 
-__all__ = ["MAX_FUSED_STEPS", "is_available", "pde_decode_step_triton", "pde_decode_token_triton",
-           "pde_refine_module_triton", "pde_refine_triton"]
+__all__ = ["MAX_FUSED_STEPS", "is_available", "launch_decode", "refine"]
 
 
 def _pde_name(pde_id: int) -> str:
@@ -161,85 +159,33 @@ else:  # pragma: no cover - a second copy of this module shares the first copy's
     _pde_refine_bwd = torch.ops.cta.pde_refine_bwd
 
 
-def pde_refine_triton(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha, beta=None,
-                      causal: bool = False, attention_mask: Optional[torch.Tensor] = None,
-                      initial_state: Optional[torch.Tensor] = None, return_final_state: bool = False):
-    """Triton implementation of :func:`pde_cta.pde_refine_reference` (same signature, semantics and gradients)."""
-    if not is_available():
-        raise RuntimeError("pde_refine_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
-    pde, alpha, beta = check_pde_arguments(hidden_states, pde_type, steps, alpha, beta, attention_mask,
-                                           initial_state, causal)
-    if steps > MAX_FUSED_STEPS or hidden_states.dtype == torch.float64:  # fp64: the reference computes in fp64
-        return pde_refine_reference(
-            hidden_states, pde_type=pde, steps=steps, alpha=alpha, beta=beta, causal=causal,
-            attention_mask=attention_mask, initial_state=initial_state, return_final_state=return_final_state,
-        )
-    causal = bool(causal)
-    if steps == 0:
-        return (hidden_states, _no_state(hidden_states)) if return_final_state else hidden_states
-    device = hidden_states.device
-    if device.type != "cuda" and not INTERPRET:
-        raise ValueError("pde_refine_triton needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors).")
+def refine(x, alpha, beta, mask, init, pde: str, steps: int, causal: bool, want_final: bool, bounds=None):
+    """The Triton backend of :func:`pde_cta.pde_refine` (arguments checked there; ``steps`` 1..MAX_FUSED_STEPS, a
+    fused dtype): ``y``, or ``(y, final state)`` with ``want_final``. ``bounds``: the raw coefficients are projected
+    onto them (straight-through gradient), inside the kernels where they run eagerly.
+
+    One operation, its implementations chosen here by how it is called: traced, the registered op (no graph break);
+    eager on CUDA without a streamed state, the C++ launcher's plan (one autograd node, no Python per launch); eager
+    under autograd, the same kernels through :class:`_PDERefineFunction`; eager without gradients, the launch."""
+    device = x.device
     alpha = alpha if alpha.device == device else alpha.to(device)
     beta = beta if beta is None or beta.device == device else beta.to(device)
-    mask = attention_mask if attention_mask is None or attention_mask.device == device else attention_mask.to(device)
-    init = initial_state
-    want_final = bool(return_final_state)
-    if torch.compiler.is_compiling():  # the registered custom op: no graph break
-        y, fin = _pde_refine_fwd(hidden_states, alpha, beta, mask, init, PDE_IDS[pde], steps, causal, want_final)
-    elif torch.is_grad_enabled() and (
-        hidden_states.requires_grad or alpha.requires_grad or (beta is not None and beta.requires_grad)
-        or (init is not None and init.requires_grad)
-    ):  # eager training: the same kernels through a plain autograd.Function (less dispatch overhead per call)
-        y, fin = _PDERefineFunction.apply(hidden_states, alpha, beta, mask, init,
-                                          (pde, steps, causal, want_final, None))
-    else:  # eager inference: launch directly
-        y, fin = launch_forward(hidden_states, alpha, beta, mask, init, pde, steps, causal, want_final)
+    mask = mask if mask is None or mask.device == device else mask.to(device)
+    if bounds is not None and (torch.compiler.is_compiling() or init is not None or want_final):
+        # (traced: Inductor fuses the clamp; a streamed state's gradient runs the reference on what it is given)
+        alpha, beta = project_coefficients(alpha, beta, bounds)
+        bounds = None
+    if torch.compiler.is_compiling():
+        y, fin = _pde_refine_fwd(x, alpha, beta, mask, init, PDE_IDS[pde], steps, causal, want_final)
+        return (y, fin) if want_final else y
+    if init is None and not want_final and x.is_cuda:
+        y = refine_planned((pde, steps, causal, bounds), x, alpha, beta, mask)
+        if y is not None:
+            return y
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, alpha, beta, init)):
+        y, fin = _PDERefineFunction.apply(x, alpha, beta, mask, init, (pde, steps, causal, want_final, bounds))
+    else:
+        y, fin = launch_forward(x, alpha, beta, mask, init, pde, steps, causal, want_final, bounds)
     if want_final:
-        return y, (fin if fin is not None else _no_state(hidden_states))
+        return y, (fin if fin is not None else _no_state(x))
     return y
-
-
-def pde_refine_module_triton(hidden_states, alpha, beta, attention_mask, pde_type: str, steps: int, causal: bool,
-                             bounds):
-    """:class:`PDERefinement`'s eager call without a cache on its raw coefficients, projected onto ``bounds`` inside:
-    :func:`pde_refine_triton` without the argument checks the module passed when it was built (only the token mask
-    is checked). Returns None where the fused kernels do not apply (the caller then takes :func:`pde_refine`)."""
-    if (steps > MAX_FUSED_STEPS or hidden_states.dtype == torch.float64 or torch.compiler.is_compiling()
-            or alpha.get_device() != hidden_states.get_device()):  # (device indices: no device objects made)
-        return None
-    if attention_mask is not None:
-        check_attention_mask(attention_mask, hidden_states.shape[0], hidden_states.shape[1])
-        if attention_mask.get_device() != hidden_states.get_device():
-            attention_mask = attention_mask.to(hidden_states.device)
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or alpha.requires_grad
-                                    or (beta is not None and beta.requires_grad)):
-        return _PDERefineFunction.apply(hidden_states, alpha, beta, attention_mask, None,
-                                        (pde_type, steps, bool(causal), False, bounds))[0]
-    return launch_forward(hidden_states, alpha, beta, attention_mask, None, pde_type, steps, bool(causal), False,
-                          bounds)[0]
-
-
-def pde_decode_step_triton(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_type: str, steps: int, alpha,
-                           beta=None, token_mask: Optional[torch.Tensor] = None, coefficient_bounds=None):
-    """One-token causal decode step updating ``state`` ``[batch, steps, channels]`` (fp32) in place, as
-    :func:`pde_reference.pde_decode_step_reference` does (which runs traced and beyond ``MAX_FUSED_STEPS``)."""
-    if not is_available():
-        raise RuntimeError("pde_decode_step_triton needs triton and a CUDA device (or TRITON_INTERPRET=1).")
-    pde, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, token_mask,
-                                                      coefficient_bounds)
-    if steps == 0:
-        return hidden_states.clone()
-    if torch.compiler.is_compiling() or steps > MAX_FUSED_STEPS or state.stride(-1) != 1:
-        return pde_decode_step_reference(hidden_states, state, pde_type=pde, steps=steps, alpha=alpha, beta=beta,
-                                         token_mask=token_mask, coefficient_bounds=bounds)
-    return launch_decode(hidden_states, state.split(1, dim=1), alpha, beta, token_mask, pde, steps, bounds)
-
-
-def pde_decode_token_triton(hidden_states, levels, alpha, beta, token_mask, pde_type: str, steps: int, bounds):
-    """:class:`PDERefinement`'s eager decode step on its state's ``levels`` (fp32 ``[batch, 1, channels, 1]`` conv
-    states, or ``[batch, 1, channels]`` views): :func:`pde_decode_step_triton` without the checks the module passed
-    when built; only the cache's state is checked (a wrong shape would be read out of bounds)."""
-    batch, _, channels = hidden_states.shape
-    check_decode_levels(levels, batch, steps, channels)
-    return launch_decode(hidden_states, levels, alpha, beta, token_mask, pde_type, steps, bounds)

@@ -6,7 +6,7 @@ The state of one sequence is ``[steps, channels]`` fp32, the operator's ``initia
 (entry ``s``: the step-``s`` iterate at the last position seen). vLLM's batch is flat, decode tokens first, then
 prefill chunks; vLLM's metadata says which state slot each sequence has and whether a chunk continues its sequence
 (``has_initial_states_p``: chunked prefill, a prefix-cache hit). :func:`pde_serving.refine_flat_batch` refines it
-through the operator's two entry points, ``pde_decode_step`` and ``pde_refine``.
+through the operator's two entry points, ``pde_decode_update`` and ``pde_refine``.
 
 The site runs as one registered custom op (``torch.ops.cta_vllm.pde_site``), opaque to ``torch.compile`` and a
 break point of CUDA-graph capture, as vLLM's stateful layers are. This module imports vLLM: only the plugin loads it.

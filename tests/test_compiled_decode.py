@@ -1,5 +1,5 @@
 """The one-token decode step under ``torch.compile``: the recurrence as torch ops on the state's per-step buffers
-(``pde_decode.pde_decode_update``), against the PyTorch reference (``pde_decode_step_reference``, the ground truth)
+(``cta.pde_decode_update``, its torch backend ``pde_decode``), against the PyTorch reference (``pde_decode_step_reference``, the ground truth)
 through Inductor between a residual add and a norm, and in a patched model's compiled decode step through a
 StaticCache, where each of a site's state buffers is written in place once, at the index it is read (what lets
 Inductor fuse the site into the norm kernel after it: no kernel of its own on the GPU, ``bench_generate.py``). On CPU
@@ -13,9 +13,9 @@ import torch  # noqa: E402
 
 from cta.pde_cache import CACHE_ARGUMENT  # noqa: E402
 from cta.pde_cta import PDE_TYPES  # noqa: E402
-from cta.pde_decode import pde_decode_update  # noqa: E402
+from cta.pde_cta import pde_decode_update  # noqa: E402
 from cta.pde_reference import pde_decode_step_reference  # noqa: E402
-from cta.pde_spec import clamp_coefficients, coefficient_bounds  # noqa: E402
+from cta.pde_spec import project_coefficients, coefficient_bounds  # noqa: E402
 
 
 def _case(pde, batch, steps, channels, seed):
@@ -25,7 +25,7 @@ def _case(pde, batch, steps, channels, seed):
     alpha = torch.rand(channels, generator=gen) * 1.2 - 0.2
     beta = torch.rand(channels, generator=gen) * 1.4 - 0.6 if pde in ("reaction_diffusion", "advection_diffusion") \
         else None
-    alpha, beta = clamp_coefficients(alpha, beta, coefficient_bounds(pde, True))
+    alpha, beta = project_coefficients(alpha, beta, coefficient_bounds(pde, True))
     buffers = [torch.randn(batch, 1, channels, 1, generator=gen).to(DEVICE) for _ in range(steps)]
     return alpha.to(DEVICE), None if beta is None else beta.to(DEVICE), buffers
 

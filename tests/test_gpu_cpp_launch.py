@@ -303,7 +303,7 @@ def test_an_evicted_plan_serves_its_pending_backward_and_is_made_again(monkeypat
     module = PDERefinement(48, "diffusion", steps=3, causal=True, alpha=0.2, per_channel=True).cuda()
     inputs = [torch.randn(2, n, 48, device="cuda", requires_grad=True) for n in (11, 12, 13, 11)]
     outputs = [module(x) for x in inputs]  # (the third evicts the first's plan; the fourth makes it again)
-    table = kernels_cpp._TABLES[module._launch_config]
+    table = kernels_cpp._TABLES[(module.pde_type, module.steps, module.causal, module.bounds)]
     assert len(table) == 2 and all("SiteRefine" in y.grad_fn.name() for y in outputs)
     for x, y in zip(inputs, outputs):
         y.square().sum().backward()

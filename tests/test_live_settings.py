@@ -115,7 +115,6 @@ def test_a_changed_site_gives_what_a_site_built_so_gives(change, pde, causal, ba
     fresh = _site(pde, after["steps"], causal, backend)
     _copy_coefficients(site, fresh)
     _assert_same(_every_path(site, before["steps"]), _every_path(fresh, after["steps"]), change)
-    assert site._launch_config == fresh._launch_config  # (the C++ launcher's key: tests/test_gpu_cpp_launch.py)
 
 
 @pytest.mark.parametrize("to_backend", BACKENDS)
@@ -130,17 +129,17 @@ def test_a_changed_backend_gives_what_a_site_built_with_it_gives(from_backend, t
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cpu_decode_follows_a_changed_step_count(backend):
-    """The CPU decode step keeps its linear map per site (``_kept_scalar_decode``, one row per step): formed at 4
-    steps, it must not serve a 2-step site (it raised a shape error before 0.2.0)."""
+    """The CPU decode step's linear map (one row per step, kept by ``pde_decode.scalar_decode_map``) formed at 4 steps
+    must not serve a 2-step site (it raised a shape error before 0.2.0)."""
     site = _site("diffusion", 4, True, backend)
     levels = [torch.zeros(BATCH, 1, CHANNELS, 1, device=DEVICE) for _ in range(4)]
     x = torch.randn(BATCH, 1, CHANNELS, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     with torch.no_grad():
-        site._decode_step(x, levels, None)
+        site._decode(x, levels, None)
         site.steps = 2
         fresh = _site("diffusion", 2, True, backend)
-        got = site._decode_step(x, [torch.zeros_like(level) for level in levels[:2]], None)
-        want = fresh._decode_step(x, [torch.zeros_like(level) for level in levels[:2]], None)
+        got = site._decode(x, [torch.zeros_like(level) for level in levels[:2]], None)
+        want = fresh._decode(x, [torch.zeros_like(level) for level in levels[:2]], None)
     torch.testing.assert_close(got, want)
 
 
@@ -177,7 +176,7 @@ def test_a_live_setting_is_checked_when_set(name, value, message):
     site = _site("diffusion", 2, True, "torch")
     with pytest.raises(ValueError, match=message):
         setattr(site, name, value)
-    assert (site.steps, site.backend, site._launch_config[1]) == (2, "torch", 2)
+    assert (site.steps, site.backend) == (2, "torch")
 
 
 def test_a_patched_model_follows_its_sites_steps():

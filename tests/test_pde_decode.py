@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import cta
-from cta.pde_decode import causal_decode_map, pde_decode_update
+from cta.pde_decode import causal_decode_map
+from cta.pde_decode import decode_update_torch as pde_decode_update
 from cta.pde_reference import pde_decode_step_reference, pde_refine_reference
 
 TYPES = ("diffusion", "wave", "advection_diffusion", "reaction_diffusion")
@@ -66,12 +67,16 @@ def test_map_on_the_cache_conv_states(pde_type, batch, masked):
     expected_state = state.clone()
     expected = pde_decode_step_reference(x[:, 0], expected_state, pde_type=pde_type, steps=steps, alpha=alpha,
                                          beta=beta, token_mask=mask)
-    conv_states = [state[:, s, :, None, None].transpose(1, 2).clone() for s in range(steps)]  # [batch, 1, C, 1]
     decode_map = causal_decode_map(pde_type, steps, alpha, beta)[..., 0]
-    out = pde_decode_update(x, conv_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=mask,
-                            decode_map=decode_map)
-    torch.testing.assert_close(out[:, 0], expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.cat([c[..., 0] for c in conv_states], 1), expected_state, rtol=1e-5, atol=1e-6)
+    block = state.unsqueeze(-1).clone()  # [batch, steps, C, 1]: the CPU cache's rows
+    conv_states = list(block.clone().split(1, dim=1))  # [batch, 1, C, 1] each
+    for held, kept_map in ((block, decode_map), (conv_states, None), (block.clone(), None)):
+        held_before = held if torch.is_tensor(held) else None
+        out = pde_decode_update(x, held, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=mask,
+                                decode_map=kept_map)
+        torch.testing.assert_close(out[:, 0], expected, rtol=1e-5, atol=1e-6)
+        got = held_before[..., 0] if held_before is not None else torch.cat([c[..., 0] for c in held], 1)
+        torch.testing.assert_close(got, expected_state, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("pde_type", TYPES)
@@ -88,7 +93,7 @@ def test_token_by_token_equals_the_sequence(pde_type):
                                         causal=True)
         levels = tuple(torch.zeros(2, 1, 6) for _ in range(4))  # one buffer per step, as a cache keeps them
         with torch.no_grad():
-            tokens = [module._decode_step(x[:, i:i + 1], levels, torch.ones(2, 1)) for i in range(x.shape[1])]
+            tokens = [module._decode(x[:, i:i + 1], levels, torch.ones(2, 1)) for i in range(x.shape[1])]
         torch.testing.assert_close(torch.cat(tokens, 1), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
                                    atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
@@ -102,7 +107,7 @@ def test_kept_map_follows_the_coefficients():
         with torch.no_grad():
             module.alpha.fill_(value)
             levels, expected_state = tuple(torch.ones(1, 1, 4) for _ in range(3)), torch.ones(1, 3, 4)
-            out = module._decode_step(x, levels, None)
+            out = module._decode(x, levels, None)
         expected = pde_decode_step_reference(x[:, 0], expected_state, pde_type="diffusion", steps=3,
                                              alpha=module.alpha, coefficient_bounds=module.bounds)
         torch.testing.assert_close(out[:, 0], expected)

@@ -291,19 +291,27 @@ def test_bad_hidden_states_shape():
 
 
 def test_entry_points_share_one_signature():
-    # The dispatch, the reference and the Triton kernels each spell out their keyword-only parameters (a shared
-    # declaration would hide them from the `def`): they must not drift apart. The dispatch adds `backend`.
+    # The operator's two entry points and their references each spell out their keyword-only parameters (a shared
+    # declaration would hide them from the `def`): they must not drift apart. The entry points add the backend and
+    # the bounds a module's raw coefficients are projected onto (the decode reference takes the bounds too).
     import inspect
 
-    from cta.triton_cta import pde_decode_step_triton, pde_refine_triton
-
-    def parameters(function):
+    def parameters(function, extra=("backend", "coefficient_bounds")):
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()
-                if p.name != "backend"]
+                if p.name not in extra]
 
-    assert parameters(pde_refine) == parameters(pde_refine_reference) == parameters(pde_refine_triton)
-    decode_steps = (pde_cta.pde_decode_step, pde_decode_step_reference, pde_decode_step_triton)
-    assert parameters(decode_steps[0]) == parameters(decode_steps[1]) == parameters(decode_steps[2])
+    assert parameters(pde_refine) == parameters(pde_refine_reference)
+    assert parameters(pde_cta.pde_decode_update) == parameters(pde_decode_step_reference)
+    assert [name for name in inspect.signature(pde_cta.pde_decode_update).parameters][-2:] == \
+        ["backend", "coefficient_bounds"]
+
+
+def test_old_decode_name_warns_and_forwards():
+    state, x = torch.zeros(2, 3, 4), torch.randn(2, 4)
+    expected = pde_cta.pde_decode_update(x, state.clone(), pde_type="diffusion", steps=3, alpha=0.1)
+    with pytest.warns(FutureWarning, match="pde_decode_update"):
+        got = pde_cta.pde_decode_step(x, state, pde_type="diffusion", steps=3, alpha=0.1)
+    torch.testing.assert_close(got, expected)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -367,11 +375,11 @@ def test_triton_backend_names_the_missing_requirement(monkeypatch):
         ((None, "there is no CUDA device (torch.cuda.is_available() is False)"), x, "no CUDA device"),
         ((fake, None), x, "is on cpu.*TRITON_INTERPRET"),
     ]:
-        monkeypatch.setattr(pde_cta, "_TRITON", [lookup])
+        monkeypatch.setattr(pde_cta, "_triton_lookup", lambda lookup=lookup: lookup)
         with pytest.raises(ValueError, match=message):
             pde_refine(tensor, pde_type="diffusion", steps=1, alpha=0.1, backend="triton")
     fake.INTERPRET = True
-    monkeypatch.setattr(pde_cta, "_TRITON", [(fake, None)])
+    monkeypatch.setattr(pde_cta, "_triton_lookup", lambda: (fake, None))
     assert pde_cta.triton_missing_requirement(x) is None
     with pytest.raises(ValueError, match="float8_e4m3fn.*Triton backend takes"):
         pde_refine(x.to(torch.float8_e4m3fn), pde_type="diffusion", steps=1, alpha=0.1, backend="triton")

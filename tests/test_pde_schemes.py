@@ -5,11 +5,15 @@ and backward (interpreter on CPU; streamed states included) and cached generatio
 
 from triton_testing import DEVICE, needs_kernels  # (first: sets up Triton's interpreter before triton is imported)
 
+import functools  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import cta  # noqa: E402
 from cta import pde_spec  # noqa: E402
-from cta.pde_decode import causal_decode_map, pde_decode_update  # noqa: E402
+from cta.pde_decode import causal_decode_map  # noqa: E402
+from cta.pde_decode import decode_update_torch as pde_decode_update  # noqa: E402
 from cta.pde_reference import pde_decode_step_reference, pde_refine_reference  # noqa: E402
 
 DECAY = pde_spec.PDEScheme(
@@ -91,9 +95,9 @@ def test_decode_steps_continue_the_sequence(scalar):
                                                 alpha=float(alpha), beta=float(beta))
         if kernels is not None:  # (on DEVICE: CUDA in a GPU run)
             state_on_device = states["triton"].to(DEVICE)
-            outs["triton"] = kernels.pde_decode_step_triton(
+            outs["triton"] = cta.pde_decode_update(
                 token.to(DEVICE), state_on_device, pde_type=DECAY.name, steps=steps, alpha=alpha.to(DEVICE),
-                beta=beta.to(DEVICE)).cpu()
+                beta=beta.to(DEVICE), backend="triton").cpu()
             states["triton"].copy_(state_on_device)
         for name, out in outs.items():
             torch.testing.assert_close(out, full[:, t], rtol=1e-5, atol=1e-5, msg=f"{name} at {t}")
@@ -116,8 +120,7 @@ def test_triton_forward_and_backward(causal, state):
     """The Triton forward and backward (the walk and the tile backward the definition derives) equal the reference
     and its autograd: outputs, and the gradients of x, alpha, beta (and of the initial state that a causal call
     streams in and the final state it hands on)."""
-    from cta.triton_cta import pde_refine_triton
-
+    pde_refine_triton = functools.partial(cta.pde_refine, backend="triton")
     x, alpha, beta, mask = _inputs(causal, seed=1)
     steps = 3
     init = torch.randn(x.shape[0], steps, x.shape[2]) if state else None
