@@ -35,11 +35,13 @@ class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or th
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import inspect
 import logging
 import sys
+import threading
 
 import torch
 import transformers
@@ -119,9 +121,32 @@ def is_scalar_mismatch(key) -> bool:
     return isinstance(key, tuple) and len(key) == 3 and tuple(key[1]) == () and tuple(key[2]) == (1,)
 
 
-# Drops the load report of a from_pretrained call made while this is set (this thread / task only): the caller reports.
-logging.getLogger("transformers.modeling_utils").addFilter(
-    lambda record: not (HOLD_BACK_LOAD_REPORT.get() and "LOAD REPORT" in str(record.msg)))
+def _load_report_held_back(record) -> bool:
+    return not (HOLD_BACK_LOAD_REPORT.get() and "LOAD REPORT" in str(record.msg))
+
+
+_LOAD_REPORT_HOLDERS = [0]  # (how many held_back_load_report contexts are open, in all threads)
+_LOAD_REPORT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def held_back_load_report():
+    """Drops the load report (``modeling_utils``' logger, a message with ``LOAD REPORT``; checked on transformers
+    5.14-5.25) of a ``from_pretrained`` call made inside: the caller reports instead. The logger carries the filter
+    only while some thread is inside one; it drops only this thread's / task's reports (a ContextVar)."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    with _LOAD_REPORT_LOCK:
+        _LOAD_REPORT_HOLDERS[0] += 1
+        logger.addFilter(_load_report_held_back)
+    token = HOLD_BACK_LOAD_REPORT.set(True)
+    try:
+        yield
+    finally:
+        HOLD_BACK_LOAD_REPORT.reset(token)
+        with _LOAD_REPORT_LOCK:
+            _LOAD_REPORT_HOLDERS[0] -= 1
+            if not _LOAD_REPORT_HOLDERS[0]:
+                logger.removeFilter(_load_report_held_back)
 
 
 def holds_conv_states(layer) -> bool:
