@@ -54,8 +54,8 @@ def test_relative_links_resolve():
 
 
 
-COMMAND = re.compile(r"(?:python3?|torchrun[^`\n]*?|accelerate launch[^`\n]*?)\s+((?:benchmarks|examples|scripts)/[\w/]+\.py)"
-                     r"([^`\n]*)")
+COMMAND = re.compile(r"(?:python3?|torchrun[^`\n]*?|accelerate launch[^`\n]*?)\s+"
+                     r"((?:benchmarks|examples|scripts)/[\w/]+\.py)([^`\n]*)")
 FLAG = re.compile(r"(?<![\w-])--([A-Za-z][\w-]*)")
 
 
