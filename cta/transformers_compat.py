@@ -1,5 +1,6 @@
 # coding=utf-8
-"""The internals of transformers (and peft) that cta relies on, in one place: every other file uses public names
+"""The internals of transformers, peft, accelerate and DeepSpeed that cta relies on, in one place (a test,
+``tests/test_compat_boundary.py``, fails on a private name of theirs elsewhere): every other file uses public names
 (``transformers.<Name>``, ``transformers.logging``; the modules documented for model code: ``modeling_outputs``,
 ``cache_utils``, ``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``; a model
 class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or this module. Checked on transformers
@@ -31,6 +32,8 @@ class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or th
   original): a CTA adapter's PDE coefficients (:func:`saved_module_wrappers`); ``BaseTunerLayer`` /
   ``AuxiliaryTrainingWrapper`` and transformers' ``_hf_peft_config_loaded``: a model PEFT adapts
   (:func:`peft_adapted`); ``PeftAdapterMixin.load_adapter``'s code object (:func:`inside_load_adapter`)
+- accelerate's ``AcceleratorState._shared_state`` and its context-parallel guard on ``layer_types``, DeepSpeed's
+  ``groups._get_sequence_parallel_group``: sequence sharding (``pde_context_parallel``)
 """
 
 from __future__ import annotations
