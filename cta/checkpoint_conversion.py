@@ -21,7 +21,7 @@ from huggingface_hub.errors import EntryNotFoundError
 from safetensors import safe_open
 from transformers import logging
 
-from .transformers_compat import HOLD_BACK_LOAD_REPORT, is_scalar_mismatch, mismatch_name, mismatch_parts
+from .transformers_compat import held_back_load_report, is_scalar_mismatch, mismatch_name, mismatch_parts
 
 logger = logging.get_logger(__name__)
 
@@ -71,13 +71,9 @@ def from_pretrained_with_pde_check(load, cls, args, kwargs):
     caller_ignores_mismatch = kwargs.pop("ignore_mismatched_sizes", False)
     # transformers reports the 0-d coefficients as re-initialised size mismatches, which they are not: its report of a
     # legacy load is held back, the rest of it is logged below.
-    token = HOLD_BACK_LOAD_REPORT.set(True) if legacy else None
-    try:
+    with held_back_load_report() if legacy else contextlib.nullcontext():
         model, info = load(*args, output_loading_info=True, key_mapping=key_mapping or None,
                            ignore_mismatched_sizes=bool(legacy) or caller_ignores_mismatch, **kwargs)
-    finally:
-        if token is not None:
-            HOLD_BACK_LOAD_REPORT.reset(token)
     if legacy:
         converted = [k for k in info.get("mismatched_keys", ()) if mismatch_name(k) in legacy and is_scalar_mismatch(k)]
         parameters = dict(model.named_parameters())

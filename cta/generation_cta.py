@@ -9,21 +9,9 @@ import torch
 import transformers
 
 from .pde_cache import CACHE_ARGUMENTS, find_cache
-from .transformers_compat import (ASSISTANT_ROLLBACK_SINCE, GENERATING, GenerationHooks, compiled_calls,  # noqa
-                                  drop_compiled_calls, holds_conv_states, transformers_before)  # (importable here)
-
-# The cache implementations that build a static (compileable) cache.
-STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
-# Architectures sizing a 2D mask by a static cache's length (BLOOM's ALiBi), which hybrid layers cannot report; named,
-# as older transformers build it in the model's prepare_inputs_for_generation, not in create_masks_for_generate.
-STATIC_CACHE_2D_MASK = {"bloom"}
-# Cache implementations that cannot serve a model whose cache layers hold conv states, and why.
-REFUSED_CACHES = {
-    "quantized": "transformers' quantized cache has key/value layers only, with no room for the PDE sites' conv "
-                 "states.",
-    # (transformers 5.14-5.24: "ValueError: True is not in list" at the first token)
-    "offloaded_static": "transformers' offloaded static cache prefetches the next layer that holds no conv state, and "
-                        "every layer of this model's cache holds the PDE state (it fails at the first token)."}
+from .transformers_compat import (ASSISTANT_ROLLBACK_SINCE, GENERATING, REFUSED_CACHES, STATIC_CACHE_2D_MASK,  # noqa
+                                  STATIC_CACHES, GenerationHooks, compiled_calls, drop_compiled_calls,
+                                  holds_conv_states, transformers_before)  # (importable here)
 
 
 # The attention implementation vLLM's generic Transformers backend (`model_impl="transformers"`, or any custom-code

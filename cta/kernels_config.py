@@ -3,8 +3,8 @@
 rows, channels, warps and prefetched rows per program.
 
 Every entry was chosen on an H200 (triton 3.6, bf16) on the shapes 1x16384x4096, 8x4096x4096 and 1x65536x512, with
-its provenance beside it; the runs and the variants that lost are in ``docs/kernels.md`` and git history
-(``benchmarks/results/stream_tuning_*``). The interpreter takes ``INTERPRETER_CONFIG``: short programs and narrow
+its provenance beside it; the runs behind them are in git history (``benchmarks/results/stream_tuning_*``;
+``git show 25c3332:docs/kernels.md``). The interpreter takes ``INTERPRETER_CONFIG``: short programs and narrow
 channel blocks, so that small test shapes run every branch a long GPU input runs (interior, ends, partial blocks).
 """
 
@@ -51,17 +51,17 @@ def tile_config(seq: int, channels: int, causal: bool, steps: int, linear: bool,
 # count: rows and channels per program, warps, prefetch depth, the banded filter's unroll factor. Other step counts
 # use the nearest tuned one (ties: the smaller). Scalar coefficient (the models' default):
 STREAM_CONFIGS = {
-    # grid of 480 configurations per key, then unroll factors; 4 and 8 steps re-tuned with the closed-form taps
+    # the best of a grid of 480 configurations per key, then of unroll factors (4 and 8 steps: with closed-form taps)
     ("fwd", False): {1: (8, 256, 2, 3, 8), 2: (8, 256, 2, 3, 8), 4: (24, 64, 1, 3, 24), 8: (17, 256, 2, 2, 17)},
     ("fwd", True): {1: (8, 256, 2, 3, 8), 2: (8, 128, 1, 3, 16), 4: (8, 256, 2, 3, 8), 8: (18, 256, 2, 2, 18)},
-    # re-tuned once the backward filtered g only (rows 16-24, warps 1-4, prefetch 2-3, unroll 1 or whole)
+    # tuned for the backward that filters g only (rows 16-24, warps 1-4, prefetch 2-3, unroll 1 or whole)
     ("bwd", False): {1: (16, 256, 4, 3, 16), 2: (16, 128, 2, 3, 16), 4: (16, 128, 2, 2, 16), 8: (24, 128, 2, 3, 24)},
     ("bwd", True): {1: (16, 256, 4, 3, 1), 2: (16, 128, 1, 3, 16), 4: (16, 128, 2, 3, 1), 8: (16, 256, 2, 3, 16)},
 }
 # Entries that differ for a coefficient per channel (per-channel taps hold more registers; Nsight Compute showed the
 # 4-step kernels waiting on loads, hence deeper prefetch):
 STREAM_CONFIGS_PER_CHANNEL = {
-    # 8 steps: tuned again with constant row offsets and the ends filtering (17 rows beat 16, 18, 24 and 34)
+    # 8 steps: tuned with constant row offsets and filtering ends (17 rows beat 16, 18, 24 and 34)
     ("fwd", False): {4: (24, 64, 1, 8, 24), 8: (17, 256, 2, 4, 17)},
     ("fwd", True): {1: (8, 256, 2, 8, 8), 4: (8, 256, 2, 8, 8), 8: (24, 256, 2, 12, 24)},
     ("bwd", False): {1: (24, 256, 4, 8, 24), 2: (24, 128, 2, 8, 24), 4: (24, 128, 2, 8, 24), 8: (24, 128, 2, 8, 24)},
@@ -89,7 +89,7 @@ INTERPRETER_CONFIG = (16, 16, 1, 2, 2)
 INTERPRETER_MMA_CONFIG = (32, 16, 1, 2, 1)
 
 # The most steps at which per-channel launches filter their sequence ends, per (kernel, causal); above, the ends walk
-# (the ends' copy of the per-channel filter made the interior programs slower there).
+# (there the ends' copy of the per-channel filter slows the interior programs by more than walking costs).
 WALLS_MAX_STEPS_PER_CHANNEL = {("fwd", False): 8, ("fwd", True): 8, ("bwd", False): 8, ("bwd", True): 4}
 
 # Register-filter launches, keyed (kernel, causal, per-channel), whose end programs take longer than an interior tile
@@ -114,7 +114,7 @@ COEF_GRAD_ATOMIC_SPREAD = 4096
 
 # The backward's last program finishes the coefficient gradient (one launch, host time) up to this many elements;
 # beyond, where the GPU time dominates, a second kernel sums the partial sums: at 1x16384x4096, 8x4096x4096 and
-# 1x65536x512 (4 and 8 steps, per channel, H200) the in-kernel finish cost 4-11% of the forward+backward's GPU time.
+# 1x65536x512 (4 and 8 steps, per channel, H200) the in-kernel finish costs 4-11% of the forward+backward's GPU time.
 FINISH_MAX_ELEMENTS = 1 << 24
 
 

@@ -136,8 +136,8 @@ def _fir_tap_terms(causal: bool, S: int):
 def _fir_taps(w, name, causal, S, c):
     """Emits ``{name}{k}``, k = 0..S: taps of ``S`` levels (bidirectional: tap k at offsets -k and +k; causal: at -k;
     ``S = 0``: the identity), in ``_fir_tap_terms``' closed form: per-channel programs compute them per channel, and
-    the level-by-level convolution it replaced (~130 operations at 8 bidirectional steps) was a sizeable share of
-    their instructions. With 0 <= c <= 1/2 (1 causal) every term is non-negative: no cancellation."""
+    the level-by-level convolution would take about 130 operations per channel at 8 bidirectional steps, a sizeable
+    share of their instructions. With 0 <= c <= 1/2 (1 causal) every term is non-negative: no cancellation."""
     keep = f"{name}m"
     w(f"{keep} = 1.0 - {'' if causal else '2.0 * '}{c}")
     if S == 0:
@@ -379,8 +379,8 @@ def _mma_blocks(w, streams, ahead, dynamic):
     t0..t0+15), ``{pre}b0``, ``{pre}b1`` hold the input blocks around it (block j: rows start-8+16j ..
     start+7+16j; ``shift`` 8: the tile's own rows in ``{pre}b0``) of each stream ``(pre, row pointer, row stride,
     shift, wall)``, the next ``ahead`` blocks in flight. ``dynamic``: a loop the compiler keeps (the backward:
-    unrolled, it ran 13-17% slower on an H200 at 4 and 8 bidirectional steps), else unrolled (the forward: short
-    programs of two tiles were best)."""
+    unrolled, it is 13-17% slower on an H200 at 4 and 8 bidirectional steps), else unrolled (the forward: short
+    programs of two tiles are the fastest)."""
     half = MMA_BLOCK // 2
     for pre, ptr, stride, shift, wall in streams:
         w(*(f"{pre}b{i} = {_wall_load(ptr, f'start + {shift - half + MMA_BLOCK * i} + mi', stride, wall, True)}"
@@ -437,8 +437,8 @@ def _mma_interior(w, kind, c, causal, S, ahead=0, walls=False):
         _mma_blocks(w, streams, ahead, dynamic=True)
         # the coefficient's product first, so that its factor is dead before the input gradient is computed
         _mma_apply(w, "lu", "wl", "gb0", "gb1")
-        # x in the accumulator's layout through an MMA with the identity (exact): loaded in that layout, each tile
-        # paid a layout conversion (5-10% slower at 4 and 8 steps on the three large shapes)
+        # x in the accumulator's layout through an MMA with the identity (exact): loading it in that layout costs each
+        # tile a layout conversion (5-10% slower at 4 and 8 steps on the three large shapes)
         w(f"acc2 += {_mma_dot('eye', 'xb0')} * lu")
         _mma_apply(w, "dxv", "wd", "gb0", "gb1")
         w(f"tl.store(DX + (b64 * L + t0 + mi) * C + c2, dxv.to(DX.dtype.element_ty){store_mask})")

@@ -17,6 +17,7 @@ import torch
 from .pde_cache import (CACHE_ARGUMENTS, cache_lookup_order, check_pde_states, fill_unused_pde_states, find_cache,
                         is_exporting, missing_cache_error, refuse_export_with_cache)
 from .pde_sites import NO_WALLS, SiteWalls
+from .transformers_compat import training_forward_drops_cache
 
 
 class CheckpointWalls:
@@ -104,12 +105,9 @@ class PatchContext:
         if training and not compiling:  # (traced, a recomputed layer replays the compiled graph, not these hooks)
             self.checkpoint_walls = CheckpointWalls(self.walls, self.checkpoint_walls)
         packable = position_ids is not None or kwargs.get("cu_seq_lens_q") is not None
-        if training and cache is None and self.sites and (compiling or packable) and kwargs.get("use_cache") is None \
-                and len(args) <= 1 and self.takes_use_cache:
-            # A training forward decodes nothing: no cache where one costs graph breaks (traced) or would keep
-            # transformers' masks from separating packed rows (`position_ids`). Eager without them the unpatched model's
-            # cache stays: without it, its mask builder would synchronise with the device to look for packed rows.
-            kwargs["use_cache"] = False
+        if training and cache is None and self.sites and training_forward_drops_cache(compiling, packable) \
+                and kwargs.get("use_cache") is None and len(args) <= 1 and self.takes_use_cache:
+            kwargs["use_cache"] = False  # (a training forward decodes nothing)
         # Nothing decodes from the cache of a training forward that starts one (transformers makes one whenever
         # use_cache is on): its sites keep no PDE state there and take their cache-free (fused) path; continuing
         # that cache later raises (no state). A training forward that continues a cache keeps using its state.

@@ -11,10 +11,7 @@ from .patching_hooks import LayerSite, OutputSite, PatchContext, ValueSite
 from .patching_structure import parameters_of, plan_patch
 from .pde_cache import CACHE_ARGUMENTS, layer_state_indices, pde_sites
 from .pde_cta import PDERefinement
-
-# Older names of the layers' cache keyword: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode, BLOOM, Falcon),
-# ``past_key_value`` (AFMoE's layers in transformers 5.14; 5.17 and later pass ``past_key_values``).
-_LAYER_CACHE_ALIASES = ("layer_past", "past_key_value")
+from .transformers_compat import LAYER_CACHE_ALIASES as _LAYER_CACHE_ALIASES
 
 
 def _positional_index(function, names):

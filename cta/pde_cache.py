@@ -9,26 +9,19 @@ back: ``docs/decoding.md``). A decode step missing its state raises. transformer
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 import transformers
-from transformers.modeling_outputs import BaseModelOutputWithPast
 
 # (the state API: here too)
-from .transformers_compat import (conv_state, conv_state_block, conv_state_written, deprecate_kwarg,  # noqa
-                                  fill_unused_pde_states, holds_conv_states, layer_records_past, records_past,
-                                  store_pde_state)
+from .transformers_compat import (CACHE_ARGUMENT, PAST_KEY_VALUES_REMOVAL, conv_state, conv_state_block,  # noqa
+                                  conv_state_written, deprecate_kwarg, fill_unused_pde_states, holds_conv_states,
+                                  layer_records_past, records_past, store_pde_state)
 
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")
-# The installed transformers' name: the field of its model outputs (`out.cache` from 5.24 on).
-_OUTPUT_FIELDS = {field.name for field in dataclasses.fields(BaseModelOutputWithPast)}
-CACHE_ARGUMENT = "cache" if "cache" in _OUTPUT_FIELDS else "past_key_values"
 _CACHE_LOOKUP_ORDER = tuple(dict.fromkeys((CACHE_ARGUMENT, *CACHE_ARGUMENTS)))
-# The release from which transformers drops the old name (its models' own `deprecate_kwarg` version).
-PAST_KEY_VALUES_REMOVAL = "5.40.0"
 
 
 def deprecate_past_key_values(forward):

@@ -10,7 +10,6 @@ same collectives in order, and :func:`check_sharded_refinement` refuses what can
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,6 +18,8 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from .pde_packing import packed_rows
+from .transformers_compat import (accelerate_parallelism_config, deepspeed_sequence_parallel_group,
+                                  hide_hybrid_layer_types, restore_layer_types)
 
 LAYOUTS = ("contiguous", "head_tail")
 
@@ -118,10 +119,8 @@ class SequenceSharding:
         if sp:
             if config.sp_backend != "deepspeed":
                 raise ValueError(f"sp_backend={config.sp_backend!r} is not supported; DeepSpeed's is.")
-            from deepspeed.utils import groups
-
             # (accelerate registers Ulysses with ``disable_in_eval=True``: evaluation runs on whole sequences)
-            return cls("contiguous", groups._get_sequence_parallel_group(), training_only=True)
+            return cls("contiguous", deepspeed_sequence_parallel_group(), training_only=True)
         return None
 
 
@@ -151,8 +150,7 @@ def shard_sequences(model, sharding: Optional[SequenceSharding]):
 
 def accelerate_shards_sequences() -> bool:
     """Whether accelerate's ``parallelism_config`` shards sequences (cheap: creates and imports nothing)."""
-    state = sys.modules.get("accelerate.state")
-    config = None if state is None else state.AcceleratorState._shared_state.get("parallelism_config")
+    config = accelerate_parallelism_config()
     return config is not None and bool(config.cp_enabled or config.sp_enabled)
 
 
@@ -186,16 +184,12 @@ class ContextParallelCallback(TrainerCallback):
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         config = getattr(self._tell(model, prepared=False), "config", None)
-        if getattr(config, "model_type", None) == "cta" and set(config.layer_types or ()) == {"hybrid"}:
-            # accelerate's CP guard (at prepare) refuses layer_types but "full_attention"; a native "hybrid" layer is
-            # full causal attention plus PDE cache state, its sites told: the guard sees "full_attention" until then.
-            self._hidden_layer_types = (config, config.layer_types)
-            config.layer_types = ["full_attention"] * len(config.layer_types)
+        # (the sites are told by now: accelerate's guard sees "full_attention" until training begins)
+        self._hidden_layer_types = hide_hybrid_layer_types(config)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self._hidden_layer_types is not None:
-            config, config.layer_types = self._hidden_layer_types
-            self._hidden_layer_types = None
+        restore_layer_types(self._hidden_layer_types)
+        self._hidden_layer_types = None
         self._tell(model)
 
 

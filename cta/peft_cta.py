@@ -21,13 +21,12 @@ from peft import LoraConfig, LoraModel
 if version.parse(peft.__version__) < version.parse("0.21"):
     # Older releases save the state dict of a method they do not list in PeftType through no generic path.
     raise ImportError(f"adapters of patched models need peft >= 0.21, found {peft.__version__}")
-from peft.utils.constants import DUMMY_TARGET_MODULES
 
 from . import patching_cta
 from .patching_cta import (PATCHED_CLASS_PREFIX, PATCHED_MODEL_TYPE_PREFIX, is_patched, patch_model,
                            pde_modules_to_save, unpatch_model)
-from .transformers_compat import (inside_load_adapter, register_peft_tables, saved_module_wrappers,
-                                  transformers_before, wrapped_copies, wrapped_original)
+from .transformers_compat import (PeftTunerHooks, inside_load_adapter, peft_no_target_modules, register_peft_tables,
+                                  saved_module_wrappers, transformers_before, wrapped_copies, wrapped_original)
 
 # What makes two patches the same model (the initial coefficients and the compute backend do not).
 SPEC_KEYS = ("pde_type", "pde_steps", "placement", "layers", "causal", "per_channel")
@@ -59,7 +58,7 @@ class CTALoraConfig(LoraConfig):
 
     def __post_init__(self):
         if self.target_modules is not None and not isinstance(self.target_modules, str) and not self.target_modules:
-            self.target_modules = DUMMY_TARGET_MODULES  # PDE alone: PEFT's marker for "no LoRA layer"
+            self.target_modules = peft_no_target_modules()  # PDE alone: PEFT's marker for "no LoRA layer"
         super().__post_init__()
         self.peft_type = CTAPeftType.CTA_LORA
         if self.cta_patch is not None and not isinstance(self.cta_patch, dict):
@@ -119,12 +118,12 @@ def check_next_adapter(model, config, adapter_name, others) -> None:
                      "adapter)`, which applies its patch).")
 
 
-class CTALoraModel(LoraModel):
+class CTALoraModel(PeftTunerHooks, LoraModel):
     """LoRA's tuner that makes the model carry the adapter's patch (:func:`ensure_patched`) before any adapter is
     injected; every adapter of the model has its own PDE coefficients (PEFT's ``modules_to_save`` copies), and the
     operations after the first load keep them or raise (``docs/adapters.md``)."""
 
-    def _pre_injection_hook(self, model, config, adapter_name):
+    def before_injection(self, model, config, adapter_name):
         # The tuner's constructor: the first adapter (get_peft_model, PeftModel.from_pretrained, transformers'
         # load_adapter). A config already there is another tuner's adapter, added to the model's own `peft_config`.
         others = [name for name in self.peft_config if name != adapter_name]
@@ -133,7 +132,6 @@ class CTALoraModel(LoraModel):
             raise ValueError(_second_tuner_error(model, adapter_name, others))
         self.cta_applied_patch = not is_patched(model)  # `unload()` gives back the plain model
         ensure_patched(model, config)
-        super()._pre_injection_hook(model, config, adapter_name)
 
     def inject_adapter(self, model, adapter_name, *args, **kwargs):
         # peft calls `_pre_injection_hook` from the tuner's constructor only: `add_adapter`, `load_adapter` and
@@ -170,12 +168,12 @@ class CTALoraModel(LoraModel):
             unpatch_model(model)
         return model
 
-    def _prepare_adapter_config(self, peft_config, model_config):
+    def adapter_model_config(self, model_config):
         # LoRA's default target modules are listed by the base model type, not the patched one.
         model_type = str(model_config.get("model_type", ""))
         if model_type.startswith(PATCHED_MODEL_TYPE_PREFIX):
             model_config = {**model_config, "model_type": model_type[len(PATCHED_MODEL_TYPE_PREFIX):]}
-        return super()._prepare_adapter_config(peft_config, model_config)
+        return model_config
 
 
 def _second_tuner_error(model, adapter_name, others) -> str:

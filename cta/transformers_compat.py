@@ -1,5 +1,6 @@
 # coding=utf-8
-"""The internals of transformers (and peft) that cta relies on, in one place: every other file uses public names
+"""The internals of transformers, peft, accelerate and DeepSpeed that cta relies on, in one place (a test,
+``tests/test_compat_boundary.py``, fails on a private name of theirs elsewhere): every other file uses public names
 (``transformers.<Name>``, ``transformers.logging``; the modules documented for model code: ``modeling_outputs``,
 ``cache_utils``, ``masking_utils``, ``modeling_layers``, ``modeling_utils``, ``activations``, ``integrations``; a model
 class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or this module. Checked on transformers
@@ -31,15 +32,20 @@ class's ``_no_split_modules`` / ``_supports_*`` / ``_can_record_outputs``) or th
   original): a CTA adapter's PDE coefficients (:func:`saved_module_wrappers`); ``BaseTunerLayer`` /
   ``AuxiliaryTrainingWrapper`` and transformers' ``_hf_peft_config_loaded``: a model PEFT adapts
   (:func:`peft_adapted`); ``PeftAdapterMixin.load_adapter``'s code object (:func:`inside_load_adapter`)
+- accelerate's ``AcceleratorState._shared_state`` and its context-parallel guard on ``layer_types``, DeepSpeed's
+  ``groups._get_sequence_parallel_group``: sequence sharding (``pde_context_parallel``)
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
+import dataclasses
 import inspect
 import logging
 import sys
+import threading
 
 import torch
 import transformers
@@ -47,6 +53,7 @@ from packaging import version
 from transformers.cache_utils import get_layer_types_and_kwargs  # noqa: F401  (a config's cache layer types)
 from transformers.dynamic_module_utils import get_relative_import_files  # noqa: F401  (for hub)
 from transformers.integrations.sdpa_attention import repeat_kv  # noqa: F401  (for modeling_cta)
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.auto import modeling_auto
 from transformers.utils import can_return_tuple  # noqa: F401  (for modeling_cta)
 from transformers.utils.deprecation import deprecate_kwarg  # noqa: F401  (for pde_cache)
@@ -59,6 +66,28 @@ AUTO_HEADS = {auto: f"MODEL_{table}MAPPING_NAMES" for auto, table in {
     "AutoModelForQuestionAnswering": "FOR_QUESTION_ANSWERING_", "AutoModelForMaskedLM": "FOR_MASKED_LM_",
     "AutoModelForMultipleChoice": "FOR_MULTIPLE_CHOICE_", "AutoModelForPreTraining": "FOR_PRETRAINING_",
     "AutoModelForNextSentencePrediction": "FOR_NEXT_SENTENCE_PREDICTION_"}.items()}
+# The models' cache keyword: transformers renamed `past_key_values` to `cache` in 5.24 (its model outputs' field too)
+# and reads the old name until 5.40 (its models' own `deprecate_kwarg` version). Checked on: transformers 5.14-5.25.
+CACHE_ARGUMENT = "cache" if "cache" in {field.name for field in dataclasses.fields(BaseModelOutputWithPast)} \
+    else "past_key_values"
+PAST_KEY_VALUES_REMOVAL = "5.40.0"
+# Older names of a decoder layer's cache keyword: ``layer_past`` (GPT-NeoX, GPT-Neo, GPTBigCode, BLOOM, Falcon),
+# ``past_key_value`` (AFMoE's layers in 5.14; 5.17 and later pass ``past_key_values``). Checked on: transformers
+# 5.14-5.25.
+LAYER_CACHE_ALIASES = ("layer_past", "past_key_value")
+# `cache_implementation` values that build a static (compileable) cache. Checked on: transformers 5.14-5.25.
+STATIC_CACHES = ("static", "offloaded_static", "sliding_window", "hybrid", "hybrid_chunked")
+# Architectures sizing a 2D mask by a static cache's length (BLOOM's ALiBi), which hybrid layers cannot report; named,
+# as older transformers build it in the model's prepare_inputs_for_generation, not in create_masks_for_generate.
+STATIC_CACHE_2D_MASK = {"bloom"}
+# Cache implementations that cannot serve a model whose cache layers hold conv states, and why. Checked on:
+# transformers 5.14-5.25.
+REFUSED_CACHES = {
+    "quantized": "transformers' quantized cache has key/value layers only, with no room for the PDE sites' conv "
+                 "states.",
+    # (transformers 5.14-5.24: "ValueError: True is not in list" at the first token)
+    "offloaded_static": "transformers' offloaded static cache prefetches the next layer that holds no conv state, and "
+                        "every layer of this model's cache holds the PDE state (it fails at the first token)."}
 ASSISTANT_ROLLBACK_SINCE = version.parse("5.15.0")  # records an assistant cache's past (`crop` rolls conv states back)
 GENERATING = contextvars.ContextVar("cta_generating", default=False)  # inside a generate(): is_remote_code
 HOLD_BACK_LOAD_REPORT = contextvars.ContextVar("cta_hold_back_load_report", default=False)
@@ -119,9 +148,40 @@ def is_scalar_mismatch(key) -> bool:
     return isinstance(key, tuple) and len(key) == 3 and tuple(key[1]) == () and tuple(key[2]) == (1,)
 
 
-# Drops the load report of a from_pretrained call made while this is set (this thread / task only): the caller reports.
-logging.getLogger("transformers.modeling_utils").addFilter(
-    lambda record: not (HOLD_BACK_LOAD_REPORT.get() and "LOAD REPORT" in str(record.msg)))
+def _load_report_held_back(record) -> bool:
+    return not (HOLD_BACK_LOAD_REPORT.get() and "LOAD REPORT" in str(record.msg))
+
+
+_LOAD_REPORT_HOLDERS = [0]  # (how many held_back_load_report contexts are open, in all threads)
+_LOAD_REPORT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def held_back_load_report():
+    """Drops the load report (``modeling_utils``' logger, a message with ``LOAD REPORT``; checked on transformers
+    5.14-5.25) of a ``from_pretrained`` call made inside: the caller reports instead. The logger carries the filter
+    only while some thread is inside one; it drops only this thread's / task's reports (a ContextVar)."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    with _LOAD_REPORT_LOCK:
+        _LOAD_REPORT_HOLDERS[0] += 1
+        logger.addFilter(_load_report_held_back)
+    token = HOLD_BACK_LOAD_REPORT.set(True)
+    try:
+        yield
+    finally:
+        HOLD_BACK_LOAD_REPORT.reset(token)
+        with _LOAD_REPORT_LOCK:
+            _LOAD_REPORT_HOLDERS[0] -= 1
+            if not _LOAD_REPORT_HOLDERS[0]:
+                logger.removeFilter(_load_report_held_back)
+
+
+def training_forward_drops_cache(compiling: bool, packed: bool) -> bool:
+    """Whether a training forward given no cache passes ``use_cache=False`` (transformers then makes none). Traced, the
+    cache costs graph breaks; given ``position_ids`` / ``cu_seq_lens_q``, transformers' masks separate packed rows only
+    without a cache. Eager without them the model's cache stays: without one, its mask builder synchronises with the
+    device to look for packed rows. Checked on: transformers 5.14-5.25."""
+    return compiling or packed
 
 
 def holds_conv_states(layer) -> bool:
@@ -285,3 +345,65 @@ def wrapped_original(wrapper):
 def wrapped_copies(wrapper):
     """A ``ModulesToSaveWrapper``'s copies of its module, by adapter name (a ``ModuleDict``)."""
     return wrapper.modules_to_save
+
+
+class PeftTunerHooks:
+    """PEFT's private tuner hooks (checked on: peft 0.21.0-0.21.2), overridden for a ``LoraModel`` subclass put after
+    this class in its bases: :meth:`before_injection` runs where the tuner's constructor injects its first adapter,
+    :meth:`adapter_model_config` is the model config whose ``model_type`` picks LoRA's default target modules."""
+
+    def before_injection(self, model, config, adapter_name) -> None:
+        pass
+
+    def adapter_model_config(self, model_config: dict) -> dict:
+        return model_config
+
+    def _pre_injection_hook(self, model, config, adapter_name):
+        self.before_injection(model, config, adapter_name)
+        super()._pre_injection_hook(model, config, adapter_name)
+
+    def _prepare_adapter_config(self, peft_config, model_config):
+        return super()._prepare_adapter_config(peft_config, self.adapter_model_config(model_config))
+
+
+def peft_no_target_modules():
+    """PEFT's ``target_modules`` marker for an adapter without LoRA layers (``peft.utils.constants``; checked on: peft
+    0.21.0-0.21.2)."""
+    from peft.utils.constants import DUMMY_TARGET_MODULES
+
+    return DUMMY_TARGET_MODULES
+
+
+def deepspeed_sequence_parallel_group():
+    """DeepSpeed Ulysses' sequence-parallel process group, which accelerate's ``sp_backend="deepspeed"`` creates
+    (``deepspeed.utils.groups._get_sequence_parallel_group``: DeepSpeed has no public getter). Written for DeepSpeed
+    >= 0.18.2 (examples/README.md); not yet checked on a run: tests/test_gpu_context_parallel.py holds the test."""
+    from deepspeed.utils import groups
+
+    return groups._get_sequence_parallel_group()
+
+
+def accelerate_parallelism_config():
+    """The ``parallelism_config`` of accelerate's shared ``AcceleratorState``, or None: read from its shared state
+    (``AcceleratorState._shared_state``) so that asking creates no state and imports nothing where accelerate is not
+    in use (checked on: accelerate 1.16.0)."""
+    state = sys.modules.get("accelerate.state")
+    return None if state is None else state.AcceleratorState._shared_state.get("parallelism_config")
+
+
+def hide_hybrid_layer_types(config):
+    """accelerate's context-parallel guard (at ``prepare``; checked on: accelerate 1.16.0) refuses a config whose
+    ``layer_types`` hold anything but "full_attention". A native CTA "hybrid" layer is full causal attention plus PDE
+    cache state: sets ``layer_types`` to "full_attention" and returns ``(config, layer_types)`` for
+    :func:`restore_layer_types`, or None where ``config`` is no all-hybrid CTA config."""
+    if getattr(config, "model_type", None) != "cta" or set(config.layer_types or ()) != {"hybrid"}:
+        return None
+    hidden = (config, config.layer_types)
+    config.layer_types = ["full_attention"] * len(config.layer_types)
+    return hidden
+
+
+def restore_layer_types(hidden) -> None:
+    """Undoes :func:`hide_hybrid_layer_types` (given its answer; None: nothing to undo)."""
+    if hidden is not None:
+        config, config.layer_types = hidden

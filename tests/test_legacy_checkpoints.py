@@ -132,22 +132,23 @@ def test_a_legacy_load_changes_no_process_wide_log_state():
 
     from transformers.utils import logging as hf_logging
 
-    from cta.transformers_compat import HOLD_BACK_LOAD_REPORT
+    from cta.transformers_compat import held_back_load_report
 
     logger, records, levels = logging.getLogger("transformers.modeling_utils"), [], []
+    filters = list(logger.filters)
     handler = logging.Handler()
     handler.emit = lambda record: (records.append(record.getMessage()), levels.append(hf_logging.get_verbosity()))
     logger.addHandler(handler)
     try:
-        token = HOLD_BACK_LOAD_REPORT.set(True)
-        try:
+        with held_back_load_report():
+            with held_back_load_report():  # (nested, or another thread's: the filter stays until the last leaves)
+                logger.warning("W LOAD REPORT from: this load")
             logger.warning("X LOAD REPORT from: this load")
             logger.warning("another warning")
             thread = threading.Thread(target=logger.warning, args=("Y LOAD REPORT from: another thread",))
             thread.start()
             thread.join()
-        finally:
-            HOLD_BACK_LOAD_REPORT.reset(token)
+        assert logger.filters == filters
         logger.warning("Z LOAD REPORT from: a later load")
         level = hf_logging.get_verbosity()
         cta.load_patched(FIXTURES / "patched_llama")
