@@ -16,7 +16,7 @@ from torch import nn
 
 from .kernels_config import MAX_FUSED_STEPS
 from .pde_cache import cached_pde_state, conv_state_block, records_past, store_pde_state
-from .pde_decode import decode_update_torch, scalar_decode_map
+from .pde_decode import decode_update_torch
 from .pde_filters import filtered_refine
 from .pde_reference import (causal_state_history, pde_decode_step_reference, pde_refine_reference,  # noqa: F401
                             reference_refine)
@@ -184,18 +184,15 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
 
         levels = state.split(1, dim=1) if torch.is_tensor(state) else state
         return launch_decode(hidden_states, levels, alpha, beta, token_mask, pde_type, steps, bounds)
-    decode_map = None
     if (hidden_states.device.type == "cpu" and alpha.numel() == 1 and (beta is None or beta.numel() == 1)
             and not torch.compiler.is_compiling()):
-        # On the CPU a value is read without a device synchronisation: scalar coefficients as numbers (fewer ops),
-        # and the linear schemes' fixed map of the token and the state (one matrix product).
+        # On the CPU a value is read without a device synchronisation: scalar coefficients as numbers (one fused op
+        # per step, no tensor product and sum)
         alpha, beta = _projected_numbers(alpha.item(), None if beta is None else beta.item(), bounds)
-        if scheme_of(pde_type).linear:
-            decode_map = scalar_decode_map(pde_type, steps, alpha, beta, _state_dtype(state))
     else:
         alpha, beta = project_coefficients(alpha, beta, bounds)
     return decode_update_torch(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                               token_mask=token_mask, decode_map=decode_map)
+                               token_mask=token_mask)
 
 
 def pde_decode_step(*args, **kwargs):
@@ -203,10 +200,6 @@ def pde_decode_step(*args, **kwargs):
     warnings.warn("cta.pde_decode_step is renamed cta.pde_decode_update (same arguments); the old name goes in 0.4.0.",
                   FutureWarning, stacklevel=2)
     return pde_decode_update(*args, **kwargs)
-
-
-def _state_dtype(state) -> torch.dtype:
-    return state.dtype if torch.is_tensor(state) else state[0].dtype
 
 
 def _projected_numbers(alpha: float, beta: Optional[float], bounds):

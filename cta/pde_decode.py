@@ -5,11 +5,9 @@ Inductor fuses these ops with the residual add and norm around them.
 
 The state is ``[batch, steps, channels]`` fp32: entry ``s`` is the step-``s`` iterate at the previous position
 (:func:`pde_reference.pde_refine_reference`'s final state). For a new token ``x`` the levels ``u_0 = x, ..., u_S``
-are computed either by the scheme's causal recurrence (``S`` pointwise steps on ``[batch, 1, channels]``, each level
-written back to its own buffer where it was read: under ``torch.compile`` Inductor fuses the whole site, state writes
-included, into the kernel of the following norm), or, for the linear schemes, as a fixed linear map of the token and
-the ``S`` stored values (:func:`causal_decode_map`, from the coefficients alone; for scalar coefficients read as numbers
-on the CPU, :func:`scalar_decode_map` keeps it): one concatenation and one small matrix product per token.
+are the scheme's causal recurrence: ``S`` pointwise steps, one op each (scalar coefficients as numbers on the CPU),
+then one write of the state (one per level buffer where a cache keeps one per step: under ``torch.compile`` Inductor
+fuses the whole site, state writes included, into the kernel of the following norm).
 
 The refined token is ``u_S``, the new state ``u_0 .. u_{S-1}``. A padded token (``token_mask`` 0) is returned
 unchanged and leaves zeros (a wall) as the state, as the sequence operator does.
@@ -17,7 +15,6 @@ unchanged and leaves zeros (a wall) as the state, as the sequence operator does.
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -25,78 +22,35 @@ import torch
 from .pde_spec import WAVE_DAMPING, scheme_of
 
 
-def causal_decode_map(pde_type: str, steps: int, alpha: torch.Tensor, beta: Optional[torch.Tensor],
-                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The linear map ``[S+1 levels, S+1 inputs, C']`` of a linear causal scheme over the inputs ``(x, state_0 ..
-    state_{S-1})`` (``C'`` 1 for scalar coefficients, else ``channels``; in ``dtype``): the scheme's recurrence run
-    on that basis, ``S`` tiny steps on ``[S+1, C']`` tensors whatever the batch."""
-    to_row = lambda c: None if c is None else c.to(dtype).reshape(1, -1)  # noqa: E731  ([1, C'])
-    alpha, beta = to_row(alpha), to_row(beta)
-    width = max(alpha.shape[1], 1 if beta is None else beta.shape[1])
-    basis = torch.eye(steps + 1, device=alpha.device, dtype=dtype).unsqueeze(-1)  # [S+1, S+1, 1]
-    token = basis[0].expand(steps + 1, width)  # the token's own level: u_0 = x
-    return torch.stack(_levels(token, basis[1:], scheme_of(pde_type), alpha, beta))
-
-
-@lru_cache(maxsize=256)  # (a pure function of the coefficients' values: a served or decoding model keeps them)
-def scalar_decode_map(pde_type: str, steps: int, alpha: float, beta: Optional[float], dtype: torch.dtype):
-    """:func:`causal_decode_map` of scalar coefficients given as numbers: ``[S+1, S+1]``."""
-    as_tensor = lambda value: None if value is None else torch.tensor(value, dtype=dtype)  # noqa: E731
-    return causal_decode_map(pde_type, steps, as_tensor(alpha), as_tensor(beta), dtype)[..., 0].contiguous()
-
-
 def decode_update_torch(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int, alpha, beta=None,
-                        token_mask: Optional[torch.Tensor] = None,
-                        decode_map: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        token_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The torch backend of :func:`pde_cta.pde_decode_update` (its arguments checked there, ``alpha`` / ``beta``
     inside their bounds, tensors or numbers): refines one token (``[batch, channels]`` or ``[batch, 1, channels]``)
     and updates ``state`` in place; returns the refined token in the input's shape and dtype.
 
     ``state``: a ``[batch, steps, channels]`` tensor (or the cache's ``[batch, steps, channels, 1]`` block), or its
     ``steps`` level buffers ``[batch, 1, channels]`` / ``[batch, 1, channels, positions]`` (the last position is the
-    state); fp32 (fp64 for float64 models), the dtype it computes in. ``decode_map``: the scheme's
-    :func:`causal_decode_map` of these coefficients (``[S+1, S+1]`` for scalar ones), else the recurrence runs."""
+    state); fp32 (fp64 for float64 models), the dtype it computes in."""
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
     whole = torch.is_tensor(state)
     dtype = state.dtype if whole else state[0].dtype
     batch = hidden_states.shape[0]
     x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
-    if whole:
-        x = x.reshape(batch, *state.shape[2:])  # one level's shape: [batch, channels(, 1)]
-        stored = state.unbind(1)
-    else:
-        stored = _stored_levels(state)  # [batch, 1, channels] views
-        x = x.reshape(batch, 1, -1)
+    level = (batch, *state.shape[2:]) if whole else (batch, 1, x.shape[-1])  # one level: [batch, (1,) channels(, 1)]
+    if x.shape != level:
+        x = x.reshape(level)
+    stored = state.unbind(1) if whole else _stored_levels(state)
     valid = None if token_mask is None else token_mask.reshape(batch, *(1,) * (x.dim() - 1)).to(dtype)
     if whole and state.dim() == 4:  # per-channel coefficients [channels] along the block's channel dim
         alpha, beta = (c.unsqueeze(-1) if torch.is_tensor(c) and c.dim() else c for c in (alpha, beta))
-    scheme = scheme_of(pde_type)
-    if decode_map is not None and scheme.linear and whole:
-        inputs = torch.cat([x.unsqueeze(1), state], dim=1)  # [batch, S+1, channels(, 1)]
-        levels = _apply_map(decode_map, inputs)
-        written = levels.narrow(1, 0, steps)
-        state.copy_(written if valid is None else written * valid.unsqueeze(1))
-        refined = levels.select(1, steps)
-    else:
-        levels = _levels(x, stored, scheme, alpha, beta)
-        refined = levels[steps]
-        _write_state(state, levels[:steps], valid)
+    levels = _levels(x, stored, scheme_of(pde_type), alpha, beta)
+    refined = levels[steps]
+    _write_state(state, levels[:steps], valid)
     if valid is not None:
         refined = torch.lerp(x, refined, valid)  # exactly x where valid is 0 and refined where it is 1: one op
-    refined = refined.reshape(hidden_states.shape)
+    if refined.shape != hidden_states.shape:
+        refined = refined.reshape(hidden_states.shape)
     return refined if refined.dtype == hidden_states.dtype else refined.to(hidden_states.dtype)
-
-
-def _apply_map(decode_map, inputs):
-    """The levels ``[batch, S+1, ...]`` of ``inputs`` ``[batch, S+1, ...]`` under the linear map: one matrix product
-    (``[S+1, S+1]``, scalar coefficients) or a per-channel weighted sum (``[S+1, S+1, channels]``)."""
-    batch, rows = inputs.shape[:2]
-    flat = inputs.reshape(batch, rows, -1)
-    if decode_map.dim() == 2:
-        mapped = torch.mm(decode_map, flat[0]).unsqueeze(0) if batch == 1 else torch.matmul(decode_map, flat)
-    else:
-        mapped = (decode_map * flat.unsqueeze(1)).sum(2)
-    return mapped.view(inputs.shape)
 
 
 def _stored_levels(state) -> list:

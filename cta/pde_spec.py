@@ -26,8 +26,7 @@ class PDEScheme:
     ``v = (1 - WAVE_DAMPING) v + a lap(u)``, ``u += v``; ``reaction``: ``(R, dR/du, dR/db)``, expressions in ``u``,
     ``b`` (and ``tanh``) that torch and Triton both evaluate: ``R(u, b)`` joins every real token's update, its
     derivatives the backward. ``bounds[causal]``: ``((alpha_min, alpha_max), (beta_min, beta_max) | None)``, where the
-    steps are non-expansive (why: ``stability``). ``linear``: a decode step is one fixed matrix
-    (``pde_decode.causal_decode_map``). ``paper``: the default ``(alpha, beta)``."""
+    steps are non-expansive (why: ``stability``). ``linear``: the update is linear in ``u``. ``paper``: the default ``(alpha, beta)``."""
 
     name: str
     bounds: Tuple[tuple, tuple]

@@ -129,8 +129,8 @@ def test_a_changed_backend_gives_what_a_site_built_with_it_gives(from_backend, t
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cpu_decode_follows_a_changed_step_count(backend):
-    """The CPU decode step's linear map (one row per step, kept by ``pde_decode.scalar_decode_map``) formed at 4 steps
-    must not serve a 2-step site (it raised a shape error before 0.2.0)."""
+    """A decode step after ``steps`` went from 4 to 2 gives what a 2-step site gives (what a step count shapes must
+    follow it: a kept map raised a shape error before 0.2.0)."""
     site = _site("diffusion", 4, True, backend)
     levels = [torch.zeros(BATCH, 1, CHANNELS, 1, device=DEVICE) for _ in range(4)]
     x = torch.randn(BATCH, 1, CHANNELS, generator=torch.Generator().manual_seed(3)).to(DEVICE)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import cta
-from cta.pde_decode import causal_decode_map
 from cta.pde_decode import decode_update_torch as pde_decode_update
 from cta.pde_reference import pde_decode_step_reference, pde_refine_reference
 
@@ -39,13 +38,9 @@ def test_update_equals_the_reference_step(pde_type, per_channel, masked):
     out = pde_decode_update(x, state_2d, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=mask)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state_2d, expected_state, rtol=1e-5, atol=1e-6)
-    # a model's [batch, 1, channels] token, and the map kept by the caller (scalar coefficients: a matrix)
-    decode_map = None
-    if pde_type != "reaction_diffusion":
-        decode_map = causal_decode_map(pde_type, steps, alpha, beta)
-        decode_map = decode_map[..., 0] if not per_channel else decode_map
+    # a model's [batch, 1, channels] token
     out_3d = pde_decode_update(x.unsqueeze(1), state_3d, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                               token_mask=mask, decode_map=decode_map)
+                               token_mask=mask)
     torch.testing.assert_close(out_3d.squeeze(1), expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state_3d, expected_state, rtol=1e-5, atol=1e-6)
     if masked:  # a padded token comes back unchanged and leaves a wall (zeros) as the state
@@ -55,9 +50,10 @@ def test_update_equals_the_reference_step(pde_type, per_channel, masked):
 @pytest.mark.parametrize("pde_type", ("diffusion", "wave", "advection_diffusion"))
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("masked", [False, True])
-def test_map_on_the_cache_conv_states(pde_type, batch, masked):
-    """The kept map on a cache's own state (one ``[batch, 1, channels, 1]`` conv state per level, concatenated and
-    written back as they are; one sequence through a plain matrix product) equals the reference step."""
+def test_update_on_the_cache_conv_states(pde_type, batch, masked):
+    """The update on a cache's own state, its block of conv states ``[batch, steps, channels, 1]`` or its
+    ``[batch, 1, channels, 1]`` conv states one per level (read and written as they are), equals the reference
+    step."""
     g = torch.Generator().manual_seed(2)
     steps, channels = 4, 5
     alpha, beta = coefficients(pde_type, channels, False, g)
@@ -67,13 +63,11 @@ def test_map_on_the_cache_conv_states(pde_type, batch, masked):
     expected_state = state.clone()
     expected = pde_decode_step_reference(x[:, 0], expected_state, pde_type=pde_type, steps=steps, alpha=alpha,
                                          beta=beta, token_mask=mask)
-    decode_map = causal_decode_map(pde_type, steps, alpha, beta)[..., 0]
     block = state.unsqueeze(-1).clone()  # [batch, steps, C, 1]: the CPU cache's rows
     conv_states = list(block.clone().split(1, dim=1))  # [batch, 1, C, 1] each
-    for held, kept_map in ((block, decode_map), (conv_states, None), (block.clone(), None)):
+    for held in (block, conv_states):
         held_before = held if torch.is_tensor(held) else None
-        out = pde_decode_update(x, held, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=mask,
-                                decode_map=kept_map)
+        out = pde_decode_update(x, held, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, token_mask=mask)
         torch.testing.assert_close(out[:, 0], expected, rtol=1e-5, atol=1e-6)
         got = held_before[..., 0] if held_before is not None else torch.cat([c[..., 0] for c in held], 1)
         torch.testing.assert_close(got, expected_state, rtol=1e-5, atol=1e-6)

@@ -12,7 +12,6 @@ import torch  # noqa: E402
 
 import cta  # noqa: E402
 from cta import pde_spec  # noqa: E402
-from cta.pde_decode import causal_decode_map  # noqa: E402
 from cta.pde_decode import decode_update_torch as pde_decode_update  # noqa: E402
 from cta.pde_reference import pde_decode_step_reference, pde_refine_reference  # noqa: E402
 
@@ -65,7 +64,7 @@ def test_reference_follows_the_definition(causal):
 
 @pytest.mark.parametrize("scalar", (False, True), ids=("per_channel", "scalar"))
 def test_decode_steps_continue_the_sequence(scalar):
-    """Token by token, the torch recurrence, its linear map and the reference decode step continue the causal
+    """Token by token, the torch recurrence, the entry point and the reference decode step continue the causal
     sequence operator's state (and, with kernels, the Triton decode kernel does too); with Python numbers, the
     recurrence adds the reaction ``-b * u`` through its factor form (one fused add)."""
     x, alpha, beta, _ = _inputs(True, padded=False)
@@ -75,18 +74,16 @@ def test_decode_steps_continue_the_sequence(scalar):
     full = pde_refine_reference(x, pde_type=DECAY.name, steps=steps, alpha=alpha, beta=beta, causal=True)
     _, state = pde_refine_reference(x[:, :prefix], pde_type=DECAY.name, steps=steps, alpha=alpha, beta=beta,
                                     causal=True, return_final_state=True)
-    states = {name: state.clone() for name in ("recurrence", "map", "reference", "triton", "numbers")}
+    states = {name: state.clone() for name in ("recurrence", "entry", "reference", "triton", "numbers")}
     assert DECAY.torch_reaction_factor[0] == -1.0
-    decode_map = causal_decode_map(DECAY.name, steps, alpha, beta)
-    decode_map = decode_map[..., 0] if scalar else decode_map
     kernels = _triton()
     for t in range(prefix, x.shape[1]):
         token = x[:, t]
         outs = {
             "recurrence": pde_decode_update(token, states["recurrence"], pde_type=DECAY.name, steps=steps,
                                             alpha=alpha, beta=beta),
-            "map": pde_decode_update(token, states["map"], pde_type=DECAY.name, steps=steps, alpha=alpha, beta=beta,
-                                     decode_map=decode_map),
+            "entry": cta.pde_decode_update(token, states["entry"], pde_type=DECAY.name, steps=steps, alpha=alpha,
+                                           beta=beta, backend="torch"),
             "reference": pde_decode_step_reference(token, states["reference"], pde_type=DECAY.name, steps=steps,
                                                    alpha=alpha, beta=beta),
         }
