@@ -1,9 +1,9 @@
 # coding=utf-8
 """The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
 
-A causal PDE site keeps one fp32 ``[batch, 1, channels, 1]`` conv state per step in hybrid cache layers (site ``k`` of
-a layer owns ``k * steps .. (k + 1) * steps - 1``; while recording its past, one column per position, ``crop`` rolls it
-back: ``docs/decoding.md``). A decode step missing its state raises. transformers renamed ``past_key_values`` to
+A causal PDE site keeps one fp32 ``[batch, 1, channels, 1]`` conv state per step in hybrid cache layers, laid out by
+``site_spec`` (site ``k`` of a layer owns ``k * steps .. (k + 1) * steps - 1``; while recording its past, one column
+per position, ``crop`` rolls it back: ``docs/decoding.md``). A decode step missing its state raises. transformers renamed ``past_key_values`` to
 ``cache`` in 5.24 (deprecated until 5.40): models read either, pass on :data:`CACHE_ARGUMENT` (the installed name).
 """
 
@@ -36,42 +36,6 @@ def deprecate_past_key_values(forward):
     if CACHE_ARGUMENT != "cache":
         return forward
     return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
-
-
-# Per-layer placements that keep a causal state, in the order of their conv-state indices.
-STATE_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
-
-
-def layer_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
-    """placement -> first cache conv-state index of each causal PDE site of one layer (``pde_steps`` states each):
-    its sites in :data:`STATE_PLACEMENTS` order, then, in layer 0, the ``embedding`` site."""
-    sites = [name for name in STATE_PLACEMENTS if name in placements] if pde_steps > 0 and layer_has_pde else []
-    if pde_steps > 0 and layer_idx == 0 and "embedding" in placements:
-        sites.append("embedding")
-    return {name: number * pde_steps for number, name in enumerate(sites)}
-
-
-# The cache layer type that holds conv states beside the keys and values of each attention layer type.
-HYBRID_LAYER_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
-
-
-def hybrid_cache_layout(attention_types, state_indices, pde_steps: int):
-    """``(layer_types, number_of_conv_states)`` that make ``DynamicCache(config=...)`` hold the PDE states (each
-    attention type made hybrid; ``state_indices(i)``: layer ``i``'s :func:`layer_state_indices`), or None."""
-    counts = [len(state_indices(i)) * pde_steps for i in range(len(attention_types))]
-    if not any(counts):
-        return None
-    unsupported = sorted(set(attention_types) - set(HYBRID_LAYER_TYPES))
-    if unsupported:
-        raise ValueError(f"CTA patch: cache layer types {unsupported} cannot hold the PDE state (supported: "
-                         f"{list(HYBRID_LAYER_TYPES)}).")
-    return [HYBRID_LAYER_TYPES[t] for t in attention_types], max(counts)
-
-
-def pde_sites(num_layers: int, state_indices) -> list:
-    """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites (for :func:`check_pde_states`)."""
-    return [(f"{placement} of layer {i}", i, state) for i in range(num_layers)
-            for placement, state in state_indices(i).items()]
 
 
 def pop_cache(kwargs: dict, cache=None):
@@ -177,7 +141,6 @@ def missing_cache_error(site: str) -> ValueError:
         "with your transformers version.")
 
 
-__all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
-           "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
-           "cached_pde_state", "conv_state_block", "records_past", "store_pde_state", "fill_unused_pde_states",
+__all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "deprecate_past_key_values", "pop_cache", "cache_lookup_order",
+           "find_cache", "cached_pde_state", "conv_state_block", "records_past", "store_pde_state", "fill_unused_pde_states",
            "is_exporting", "refuse_export_with_cache", "check_pde_states", "missing_cache_error"]
