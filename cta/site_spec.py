@@ -19,6 +19,7 @@ from typing import Optional
 
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from .pde_cache import CacheSites
 from .pde_cta import PDERefinement
 
 # Per-layer placements that keep a causal state, in the order of their conv-state indices.
@@ -108,10 +109,10 @@ def layer_specs(specs, layer_idx: int) -> dict:
     return {spec.placement: spec for spec in specs if spec.layer_idx == layer_idx}
 
 
-def cache_sites(specs) -> list:
+def cache_sites(specs) -> CacheSites:
     """``[(site name, cache layer, conv state)]`` of the sites that keep a state (what ``check_pde_states`` and
     ``generate()`` check)."""
-    return [(spec.name, spec.layer_idx, spec.state_idx) for spec in specs if spec.keeps_state]
+    return CacheSites((spec.name, spec.layer_idx, spec.state_idx) for spec in specs if spec.keeps_state)
 
 
 @lru_cache(maxsize=64)
