@@ -8,8 +8,8 @@ from functools import partial
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .pde_cache import STATE_PLACEMENTS, hybrid_cache_layout, layer_state_indices
 from .pde_cta import PAPER_COEFFICIENTS, PDE_BACKENDS, check_steps, coefficient_bounds, normalize_pde_type
+from .site_spec import STATE_PLACEMENTS, cache_layout, site_specs
 
 PDE_PLACEMENTS = ("embedding", "value", "attention_output", "mlp_output", "block_output", "attention_matrix")
 # Placements applied inside every selected decoder layer, in the order their cache states are numbered.
@@ -192,26 +192,14 @@ class CTAConfig(PretrainedConfig):
         """``pde_placement`` as a list."""
         return normalize_placements(self.pde_placement)
 
-    def pde_layer_indices(self) -> list:
-        return list(range(self.num_hidden_layers)) if self.pde_layers is None else list(self.pde_layers)
-
-    def pde_layer_placements(self, layer_idx: int) -> list:
-        """The placements with a PDE site in block ``layer_idx`` (none at ``pde_steps=0`` or outside ``pde_layers``)."""
-        active = self.pde_steps > 0 and layer_idx in self.pde_layer_indices()
-        return self.pde_placements if active else []
-
-    def pde_state_indices(self, layer_idx: int) -> dict:
-        """The first cache conv-state index of every causal PDE site in block ``layer_idx`` (placement -> index; one
-        conv state per step; the embedding site's follow layer 0's; ``attention_matrix`` evolves each row alone)."""
-        layer_has_pde = layer_idx in self.pde_layer_indices()
-        return layer_state_indices(self.pde_placements, self.pde_steps, layer_has_pde, layer_idx)
-
     def update_cache_layout(self):
-        """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state."""
+        """Sets ``layer_types`` / ``number_of_conv_states`` so that ``DynamicCache(config=...)`` holds the PDE state
+        (``site_spec.cache_layout`` of this config's sites)."""
         attention = "sliding_attention" if self.sliding_window is not None else "full_attention"
-        attention_types = [attention] * self.num_hidden_layers
-        layout = self.is_causal and hybrid_cache_layout(attention_types, self.pde_state_indices, self.pde_steps)
-        self.layer_types, self.number_of_conv_states = layout or (attention_types, 1)
+        attention_types = (attention,) * self.num_hidden_layers
+        layout = cache_layout(attention_types, site_specs(self))
+        self.layer_types, self.number_of_conv_states = (list(layout[0]), layout[1]) if layout else (
+            list(attention_types), 1)
 
     @classmethod
     def paper_encoder(cls, **kwargs):

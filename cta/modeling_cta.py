@@ -21,10 +21,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from .configuration_cta import CTAConfig
 from .checkpoint_conversion import from_pretrained_with_pde_check, saved_as_own_class
 from .pde_cache import (CACHE_ARGUMENT, CACHE_ARGUMENTS, check_pde_states, deprecate_past_key_values,
-                        fill_unused_pde_states, pde_sites, pop_cache)
+                        fill_unused_pde_states, pop_cache)
 from .generation_cta import PDEGenerationMixin, refuse_vllm_transformers_backend
 from .pde_cta import PDERefinement
 from .pde_sites import NO_WALLS, SiteWalls
+from .site_spec import build_site, cache_sites, layer_specs, site_specs
 from .transformers_compat import OutputRecorder, can_return_tuple, capture_outputs, repeat_kv
 
 
@@ -46,14 +47,10 @@ def make_norm(config: CTAConfig) -> nn.Module:
     return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
 
-def make_pde(config: CTAConfig, channels: int, layer_idx: int, placement: str) -> Optional[PDERefinement]:
-    """The PDE module of ``placement`` in block ``layer_idx`` (``embedding``: before block 0), or None where none."""
-    states = config.pde_state_indices(layer_idx)
-    if placement not in (states if placement == "embedding" else config.pde_layer_placements(layer_idx)):
-        return None
-    return PDERefinement(channels=channels, pde_type=config.pde_type, steps=config.pde_steps, causal=config.is_causal,
-                         alpha=config.pde_alpha, beta=config.pde_beta, per_channel=config.pde_per_channel,
-                         backend=config.pde_backend, layer_idx=layer_idx, state_idx=states.get(placement, 0))
+def _site(config: CTAConfig, channels: int, layer_idx: int, placement: str) -> Optional[PDERefinement]:
+    """The PDE module (``site_spec.build_site``) of ``placement`` in block ``layer_idx`` (``embedding``: before block 0), or None where none."""
+    spec = layer_specs(site_specs(config), layer_idx).get(placement)
+    return None if spec is None else build_site(spec, channels)
 
 
 class CTARotaryEmbedding(nn.Module):
@@ -135,8 +132,8 @@ class CTAAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_key_value_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.value_pde = make_pde(config, self.num_key_value_heads * self.head_dim, layer_idx, "value")
-        self.matrix_pde = make_pde(config, self.num_heads, layer_idx, "attention_matrix")
+        self.value_pde = _site(config, self.num_key_value_heads * self.head_dim, layer_idx, "value")
+        self.matrix_pde = _site(config, self.num_heads, layer_idx, "attention_matrix")
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, walls=NO_WALLS, cache=None,
                 output_attentions=False, **kwargs):
@@ -212,7 +209,7 @@ class CTADecoderLayer(GradientCheckpointingLayer):
         self.mlp_norm = make_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
         for name in ("attention_output", "mlp_output", "block_output"):
-            setattr(self, f"{name}_pde", make_pde(config, config.hidden_size, layer_idx, name))
+            setattr(self, f"{name}_pde", _site(config, config.hidden_size, layer_idx, name))
 
     def forward(self, hidden_states, attention_mask=None, walls=NO_WALLS, position_embeddings=None,
                 output_attentions=False, **kwargs):
@@ -296,10 +293,10 @@ class CTAModel(CTAPreTrainedModel):
         self.embedding_norm = make_norm(config) if config.norm_position == "post" else None
         self.norm = make_norm(config) if config.norm_position == "pre" else None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout_prob)
-        self.embedding_pde = make_pde(config, config.hidden_size, 0, "embedding")
+        self.embedding_pde = _site(config, config.hidden_size, 0, "embedding")
         self.layers = nn.ModuleList([CTADecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         # (site, cache layer, conv state) of every causal PDE site: checked before a continuation step.
-        self.pde_sites = pde_sites(config.num_hidden_layers, config.pde_state_indices) if config.is_causal else []
+        self.pde_sites = cache_sites(site_specs(config))
         self.gradient_checkpointing = False
         self.post_init()
 

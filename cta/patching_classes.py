@@ -4,17 +4,14 @@ Their ``__module__`` is ``patching_cta`` (``auto_map`` and pickling find them th
 
 from __future__ import annotations
 
-import copy
-import weakref
-
 import transformers
 
 from .checkpoint_conversion import (SAVES_CURRENT_NAMES, from_pretrained_with_pde_check, hub_arguments,
                                     saved_as_own_class)
 from .generation_cta import PDEGenerationMixin, refuse_vllm_transformers_backend
-from .patching_sites import apply_patch, state_indices_of
+from .patching_sites import apply_patch
 from .patching_structure import base_model_type, config_is_decoder
-from .pde_cache import hybrid_cache_layout
+from .site_spec import cache_layout, site_specs
 from .transformers_compat import auto_classes_naming, config_view, get_layer_types_and_kwargs, head_names
 
 PATCHED_MODEL_TYPE_PREFIX = "cta_patched_"
@@ -30,34 +27,58 @@ def is_patched_config(config) -> bool:
     return isinstance(getattr(config, "cta_patch", None), dict)
 
 
+# The key of a patched config's ``__dict__`` that keeps its cache view, with what the view was made from; never saved,
+# copied or compared (:class:`CTAPatchedConfigMixin`).
+KEPT_CACHE_VIEW = "_cta_kept_cache_view"
+
+
+def _saved_fields(config) -> dict:
+    return {name: value for name, value in config.__dict__.items() if name != KEPT_CACHE_VIEW}
+
+
 def _cache_view(config):
-    """A shallow copy of ``config`` whose layer types make ``DynamicCache`` build hybrid (KV + conv state) layers.
+    """A shallow copy of ``config`` whose layer types make ``DynamicCache`` build hybrid (KV + conv state) layers, or
+    None where no site keeps a state (``site_spec.cache_layout``).
 
-    Kept while the config's fields keep their values: transformers asks for it at every forward that starts a cache
-    (a training forward too), and making it reads every layer's fields (about 0.2 ms at 12 layers)."""
-    kept = _CACHE_VIEWS.get(id(config))
-    if kept is not None and kept[0]() is config and kept[1] == config.__dict__:
-        return kept[2]
-    spec = config.cta_patch if is_patched_config(config) else {}
+    Kept on the config while its fields keep their values: transformers asks for it at every forward that starts a
+    cache (a training forward too), and the layout reads every layer's fields (about 0.2 ms at 12 layers). A field set
+    again makes a new view; so do the sites (``cta_patch``) and ``layer_types`` changed in place, which the view's
+    layout reads (the view shares every other field's object with the config)."""
+    spec = config.cta_patch if is_patched_config(config) else None
+    specs = site_specs(spec, config.num_hidden_layers) if spec is not None else ()
+    fields = _saved_fields(config)
+    key = (specs, tuple(fields.get("layer_types") or ()), fields)
+    kept = config.__dict__.get(KEPT_CACHE_VIEW)
+    if kept is not None and kept[0] == key:
+        return kept[1]
     view = None
-    if spec.get("causal") and spec["pde_steps"] != 0:
-        attention_types = get_layer_types_and_kwargs(config)[0]
-        layout = hybrid_cache_layout(attention_types, state_indices_of(spec, config.num_hidden_layers),
-                                     spec["pde_steps"])
-        view = None if layout is None else config_view(config, layer_types=layout[0], number_of_conv_states=layout[1],
-                                                       _cta_cache_view=True)
-    key = id(config)  # (a config's fields, deep-copied: a field changed in place is a change too)
-    _CACHE_VIEWS[key] = (weakref.ref(config, lambda _: _CACHE_VIEWS.pop(key, None)), copy.deepcopy(config.__dict__),
-                         view)
+    if any(site.keeps_state for site in specs):
+        layout = cache_layout(tuple(get_layer_types_and_kwargs(config)[0]), specs)
+        view = None if layout is None else config_view(config, layer_types=list(layout[0]),
+                                                       number_of_conv_states=layout[1], _cta_cache_view=True)
+    config.__dict__[KEPT_CACHE_VIEW] = (key, view)
     return view
-
-
-_CACHE_VIEWS = {}  # id(config) -> (weak reference to it, its fields when the view was made, the view or None)
 
 
 class CTAPatchedConfigMixin:
     """Mixed into the config class of a patched model: distinct ``model_type`` and the cache view."""
     _cta_patched = {}  # base config class -> its patched class
+
+    def __getstate__(self):  # (copies, deep copies and pickles: without the kept cache view)
+        return _saved_fields(self)
+
+    def __eq__(self, other):
+        return isinstance(other, transformers.PretrainedConfig) and _saved_fields(self) == _saved_fields(other)
+
+    __hash__ = None  # (as PretrainedConfig's: defining __eq__ drops it)
+
+    def to_dict(self):
+        kept = self.__dict__.pop(KEPT_CACHE_VIEW, None)
+        try:
+            return super().to_dict()
+        finally:
+            if kept is not None:
+                self.__dict__[KEPT_CACHE_VIEW] = kept
 
     def get_text_config(self, decoder=None, encoder=None):
         config = super().get_text_config(decoder=decoder, encoder=encoder)

@@ -24,8 +24,8 @@ import transformers
 
 from .configuration_cta import check_choice, check_coefficient, check_layers, normalize_placements
 from .patching_classes import (  # noqa: F401  (the patched classes' module: `auto_map` names them here)
-    PATCHED_CLASS_PREFIX, PATCHED_MODEL_TYPE_PREFIX, CTAPatchedConfigMixin, CTAPatchedModelMixin, auto_map_for,
-    is_patched_config, load_patched, patched_class, patched_class_named, patched_config_class, register_auto_classes)
+    KEPT_CACHE_VIEW, PATCHED_CLASS_PREFIX, PATCHED_MODEL_TYPE_PREFIX, CTAPatchedConfigMixin, CTAPatchedModelMixin,
+    auto_map_for, is_patched_config, load_patched, patched_class, patched_class_named, patched_config_class, register_auto_classes)
 from .patching_sites import apply_patch, layer_indices, remove_patch_modules
 from .patching_structure import (  # noqa: F401  (REFUSED, supported_placements: importable here)
     ALL_PLACEMENTS as PATCH_PLACEMENTS, REFUSED, architecture_name, config_is_decoder, config_refusal, plan_patch,
@@ -145,6 +145,7 @@ def unpatch_model(model):
     config = model.config
     del config.cta_patch
     config.__dict__.pop("auto_map", None)
+    config.__dict__.pop(KEPT_CACHE_VIEW, None)  # (a plain config would save it)
     config.__class__ = getattr(type(config), "_cta_original_class", type(config))
     for module in model.modules():  # the model, and the patched backbone of a generic head
         original = getattr(type(module), "_cta_original_class", None)

@@ -1,15 +1,15 @@
 # coding=utf-8
 """The causal PDE state in transformers' Cache, and the cache keyword of the installed transformers.
 
-A causal PDE site keeps one fp32 ``[batch, 1, channels, 1]`` conv state per step in hybrid cache layers (site ``k`` of
-a layer owns ``k * steps .. (k + 1) * steps - 1``; while recording its past, one column per position, ``crop`` rolls it
-back: ``docs/decoding.md``). A decode step missing its state raises. transformers renamed ``past_key_values`` to
+A causal PDE site keeps one fp32 ``[batch, 1, channels, 1]`` conv state per step in hybrid cache layers, laid out by
+``site_spec`` (site ``k`` of a layer owns ``k * steps .. (k + 1) * steps - 1``; while recording its past, one column
+per position, ``crop`` rolls it back: ``docs/decoding.md``). A decode step missing its state raises. transformers renamed ``past_key_values`` to
 ``cache`` in 5.24 (deprecated until 5.40): models read either, pass on :data:`CACHE_ARGUMENT` (the installed name).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import weakref
 
 import torch
 import transformers
@@ -29,42 +29,6 @@ def deprecate_past_key_values(forward):
     if CACHE_ARGUMENT != "cache":
         return forward
     return deprecate_kwarg("past_key_values", PAST_KEY_VALUES_REMOVAL, new_name="cache")(forward)
-
-
-# Per-layer placements that keep a causal state, in the order of their conv-state indices.
-STATE_PLACEMENTS = ("value", "attention_output", "mlp_output", "block_output")
-
-
-def layer_state_indices(placements, pde_steps: int, layer_has_pde: bool, layer_idx: int) -> dict:
-    """placement -> first cache conv-state index of each causal PDE site of one layer (``pde_steps`` states each):
-    its sites in :data:`STATE_PLACEMENTS` order, then, in layer 0, the ``embedding`` site."""
-    sites = [name for name in STATE_PLACEMENTS if name in placements] if pde_steps > 0 and layer_has_pde else []
-    if pde_steps > 0 and layer_idx == 0 and "embedding" in placements:
-        sites.append("embedding")
-    return {name: number * pde_steps for number, name in enumerate(sites)}
-
-
-# The cache layer type that holds conv states beside the keys and values of each attention layer type.
-HYBRID_LAYER_TYPES = {"full_attention": "hybrid", "sliding_attention": "hybrid_sliding"}
-
-
-def hybrid_cache_layout(attention_types, state_indices, pde_steps: int):
-    """``(layer_types, number_of_conv_states)`` that make ``DynamicCache(config=...)`` hold the PDE states (each
-    attention type made hybrid; ``state_indices(i)``: layer ``i``'s :func:`layer_state_indices`), or None."""
-    counts = [len(state_indices(i)) * pde_steps for i in range(len(attention_types))]
-    if not any(counts):
-        return None
-    unsupported = sorted(set(attention_types) - set(HYBRID_LAYER_TYPES))
-    if unsupported:
-        raise ValueError(f"CTA patch: cache layer types {unsupported} cannot hold the PDE state (supported: "
-                         f"{list(HYBRID_LAYER_TYPES)}).")
-    return [HYBRID_LAYER_TYPES[t] for t in attention_types], max(counts)
-
-
-def pde_sites(num_layers: int, state_indices) -> list:
-    """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites (for :func:`check_pde_states`)."""
-    return [(f"{placement} of layer {i}", i, state) for i in range(num_layers)
-            for placement, state in state_indices(i).items()]
 
 
 def pop_cache(kwargs: dict, cache=None):
@@ -90,25 +54,36 @@ def find_cache(kwargs: dict, order=_CACHE_LOOKUP_ORDER):
     return None
 
 
+def _no_conv_states(cache, layer_idx: int) -> ValueError:
+    layers = getattr(cache, "layers", None)
+    layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
+    return ValueError(
+        "A causal PDE refinement needs a cache whose layers hold conv states (transformers' hybrid layers); "
+        "build it with `transformers.DynamicCache(config=model.config)` or let `generate()` create it. "
+        f"Got {type(cache).__name__} with layer {layer_idx} of type {type(layer).__name__}.")
+
+
 def _state_layer(cache, layer_idx: int):
     """The cache layer that holds the PDE states of layer ``layer_idx``; raises unless it can hold conv states."""
     layers = getattr(cache, "layers", None)
     layer = layers[layer_idx] if layers is not None and layer_idx < len(layers) else None
     if layer is None or not holds_conv_states(layer):
-        raise ValueError(
-            "A causal PDE refinement needs a cache whose layers hold conv states (transformers' hybrid layers); "
-            "build it with `transformers.DynamicCache(config=model.config)` or let `generate()` create it. "
-            f"Got {type(cache).__name__} with layer {layer_idx} of type {type(layer).__name__}.")
+        raise _no_conv_states(cache, layer_idx)
     return layer
 
 
 def cached_pde_state(cache, layer_idx: int, state_idx: int, steps: int) -> tuple:
     """``(levels, records_past)``: the site's ``steps`` conv states ``[batch, 1, channels, positions]`` (not views), or
     None before prefill, and whether its cache layer keeps each position's state (:func:`records_past`). One lookup of
-    the layer: a decoded token asks at every site."""
-    layer = _state_layer(cache, layer_idx)
+    the layer, no check on the way (a decoded token asks at every site): a cache whose layer cannot hold conv states
+    fails the lookup, which raises naming it."""
+    try:
+        layer = cache.layers[layer_idx]
+        written = conv_state_written(layer, state_idx)
+    except (AttributeError, IndexError, TypeError):
+        raise _no_conv_states(cache, layer_idx) from None
     history = layer_records_past(layer)
-    if not conv_state_written(layer, state_idx):
+    if not written:
         return None, history
     return [conv_state(layer, index) for index in range(state_idx, state_idx + steps)], history
 
@@ -138,17 +113,36 @@ def refuse_export_with_cache(model_name: str):
     torch._assert(False, message)
 
 
+class CacheSites(list):
+    """``[(site name, cache layer, conv state)]`` of a model's causal PDE sites (``site_spec.cache_sites``), with the
+    last cache :func:`check_pde_states` found holding every site's state (weakly held)."""
+
+    checked = None  # a weak reference to that cache, or None
+
+    def __reduce__(self):  # (copied or pickled with its model: without the checked cache)
+        return CacheSites, (list(self),)
+
+
 def check_pde_states(cache, sites, model_name: str):
     """Raises unless each of ``sites`` (``[(site name, layer_idx, state_idx)]``) finds its state in a ``cache`` holding
-    past tokens, or while ``torch.export`` traces a forward given a cache."""
+    past tokens, or while ``torch.export`` traces a forward given a cache. Once a cache holds every state, later calls
+    with it (the decoded tokens) are not checked again: an identity check (``sites`` a :class:`CacheSites`)."""
     if cache is None or not sites:
         return
     if torch.compiler.is_compiling():
         if is_exporting():
             refuse_export_with_cache(model_name)
         return  # traced: the eager calls before (prefill) checked the same cache
+    checked = getattr(sites, "checked", None)
+    if checked is not None and checked() is cache:
+        return
     missing = [site for site in sites if not conv_state_written(_state_layer(cache, site[1]), site[2])]
     if not missing:
+        if isinstance(sites, CacheSites):
+            try:
+                sites.checked = weakref.ref(cache)
+            except TypeError:  # (a cache that takes no weak reference: checked at every call)
+                pass
         return  # host-side lookups only: no device synchronisation on a decode step
     past_length = int(cache.get_seq_length())  # a first chunk has no state yet; asked only then (a static cache syncs)
     if past_length > 0:
@@ -170,7 +164,6 @@ def missing_cache_error(site: str) -> ValueError:
         "with your transformers version.")
 
 
-__all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "STATE_PLACEMENTS", "HYBRID_LAYER_TYPES", "deprecate_past_key_values",
-           "layer_state_indices", "hybrid_cache_layout", "pde_sites", "pop_cache", "cache_lookup_order", "find_cache",
-           "cached_pde_state", "conv_state_block", "records_past", "store_pde_state", "fill_unused_pde_states",
-           "is_exporting", "refuse_export_with_cache", "check_pde_states", "missing_cache_error"]
+__all__ = ["CACHE_ARGUMENT", "CACHE_ARGUMENTS", "deprecate_past_key_values", "pop_cache", "cache_lookup_order",
+           "find_cache", "cached_pde_state", "conv_state_block", "records_past", "store_pde_state", "fill_unused_pde_states",
+           "is_exporting", "refuse_export_with_cache", "CacheSites", "check_pde_states", "missing_cache_error"]

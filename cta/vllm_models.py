@@ -21,7 +21,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
-from torch import nn
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -30,6 +29,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 
+from .site_spec import site_specs
 from .vllm_site import SITE_OP, VllmPDESite
 
 SERVED_PLACEMENTS = ("block_output", "attention_output", "mlp_output")
@@ -39,29 +39,28 @@ MERGE_ADVICE = ("merge the adapter into the patched model first (`peft_model.mer
                 "`save_pretrained`) and serve the merged checkpoint")
 
 
-def serving_spec(hf_config) -> dict:
-    """The patch a checkpoint serves (``cta_patch`` of a patched one, the ``pde_*`` fields of a native one) as
-    ``{pde_type, pde_steps, alpha, beta, per_channel, placement, layers}``; raises for what the plugin cannot serve."""
+def served_sites(hf_config) -> tuple:
+    """The :class:`site_spec.PDESiteSpec` of the sites a checkpoint serves (``cta_patch`` of a patched one, the
+    ``pde_*`` fields of a native one); raises for what the plugin cannot serve."""
     patch = getattr(hf_config, "cta_patch", None)
     if isinstance(patch, dict):
-        spec = dict(patch)
-        if not spec.get("causal", False):
+        if not patch.get("causal", False):
             raise ValueError("cta vLLM plugin: this patched checkpoint is bidirectional (an encoder); vLLM serves "
                              "causal decoders.")
+        placement = patch["placement"]
     else:
         _check_native_decoder(hf_config)
-        spec = dict(pde_type=hf_config.pde_type, pde_steps=hf_config.pde_steps, alpha=hf_config.pde_alpha,
-                    beta=hf_config.pde_beta, per_channel=hf_config.pde_per_channel,
-                    placement=hf_config.pde_placements, layers=hf_config.pde_layers)
-    placements = [spec["placement"]] if isinstance(spec["placement"], str) else list(spec["placement"])
+        placement = hf_config.pde_placement
+    placements = [placement] if isinstance(placement, str) else list(placement)
     unsupported = [p for p in placements if p not in SERVED_PLACEMENTS]
     if unsupported:
         raise ValueError(f"cta vLLM plugin: PDE placement(s) {unsupported} cannot be served by vLLM; the plugin "
                          f"serves {list(SERVED_PLACEMENTS)}. Use transformers' generate() for this checkpoint.")
-    if spec["pde_steps"] == 0:
+    specs = site_specs(hf_config)
+    if not specs:
         raise ValueError("cta vLLM plugin: this checkpoint's patch has pde_steps=0 (the identity): serve the base "
                          "model's checkpoint instead (`cta.unpatch_model(model)`, then `save_pretrained`).")
-    return {**spec, "placement": placements}
+    return specs
 
 
 def _check_native_decoder(config) -> None:
@@ -92,8 +91,8 @@ def check_servable(vllm_config) -> None:
 
 
 def _state_shape(vllm_config):
-    spec = serving_spec(vllm_config.model_config.hf_config)
-    return ((spec["pde_steps"], vllm_config.model_config.hf_config.hidden_size),)
+    specs = served_sites(vllm_config.model_config.hf_config)
+    return ((specs[0].steps, vllm_config.model_config.hf_config.hidden_size),)
 
 
 def project_site_coefficients(model) -> None:
@@ -137,31 +136,28 @@ class CTASitesMixin:
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         check_servable(vllm_config)
-        spec = serving_spec(vllm_config.model_config.hf_config)
+        specs = served_sites(vllm_config.model_config.hf_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         splitting = vllm_config.compilation_config.splitting_ops
         if isinstance(splitting, list) and splitting and SITE_OP not in splitting:
             splitting.append(SITE_OP)  # (piecewise CUDA graphs: the site's host-side work runs between pieces)
-        self._add_sites(spec, vllm_config.model_config.hf_config.hidden_size)
+        self._add_sites(specs, vllm_config.model_config.hf_config.hidden_size)
 
     def load_weights(self, weights):
         loaded = super().load_weights(weights)
         project_site_coefficients(self)
         return loaded
 
-    def _add_sites(self, spec, hidden_size):
+    def _add_sites(self, specs, hidden_size):
         layers = self.model.layers
-        selected = range(len(layers)) if spec["layers"] is None else spec["layers"]
         model_prefix = next(name for name, module in self.named_modules() if module is layers)
-        for index in selected:
-            layer = layers[index]
-            for placement in spec["placement"]:
-                path = _SITE_MODULES[placement]
-                module = layer.get_submodule(path) if path else layer
-                name = f"cta_{placement}_pde"
-                prefix = ".".join(filter(None, (model_prefix, str(index), path, name)))
-                module.add_module(name, VllmPDESite(spec, hidden_size, prefix))
-                module.__class__ = refining_class(type(module), placement)
+        for spec in specs:
+            path = _SITE_MODULES[spec.placement]
+            module = layers[spec.layer_idx].get_submodule(path) if path else layers[spec.layer_idx]
+            name = f"cta_{spec.placement}_pde"
+            prefix = ".".join(filter(None, (model_prefix, str(spec.layer_idx), path, name)))
+            module.add_module(name, VllmPDESite(spec, hidden_size, prefix))
+            module.__class__ = refining_class(type(module), spec.placement)
 
 
 class CTAPatchedLlamaForCausalLM(CTASitesMixin, LlamaForCausalLM, HasInnerState, IsHybrid):
@@ -191,7 +187,7 @@ class CTAForCausalLM(CTASitesMixin, LlamaForCausalLM, HasInnerState, IsHybrid):
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         config = vllm_config.model_config.hf_config
-        serving_spec(config)  # (refuses a native model Llama's layers cannot run before reading its fields)
+        served_sites(config)  # (refuses a native model Llama's layers cannot run before reading its fields)
         config.rms_norm_eps = config.layer_norm_eps
         config.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta}
         config.layer_types = ["full_attention"] * config.num_hidden_layers  # (its cache layout's names: not vLLM's)

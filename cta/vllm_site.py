@@ -25,6 +25,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from .pde_cta import PAPER_COEFFICIENTS, coefficient_bounds
 from .pde_serving import refine_flat_batch
+from .site_spec import PDESiteSpec
 
 OP_LIBRARY = "cta_vllm"
 SITE_OP = f"{OP_LIBRARY}::pde_site"  # (named in vLLM's splitting ops: piecewise CUDA graphs break around it)
@@ -36,16 +37,16 @@ class VllmPDESite(MambaBase, nn.Module):
     projected onto the causal scheme's stable bounds when loaded (:meth:`project_coefficients`), as
     :class:`pde_cta.PDERefinement` projects them."""
 
-    def __init__(self, spec: dict, channels: int, prefix: str):
-        """``spec``: the served patch (``vllm_models.serving_spec``); the checkpoint's coefficients replace the initial
-        values it names when the weights load."""
+    def __init__(self, spec: PDESiteSpec, channels: int, prefix: str):
+        """``spec``: the site (``vllm_models.served_sites``); the checkpoint's coefficients replace the initial values
+        it names when the weights load."""
         super().__init__()
-        self.pde_type, self.steps, self.channels, self.prefix = spec["pde_type"], spec["pde_steps"], channels, prefix
+        self.pde_type, self.steps, self.channels, self.prefix = spec.pde_type, spec.steps, channels, prefix
         self.bounds = coefficient_bounds(self.pde_type, causal=True)
-        shape = (channels,) if spec["per_channel"] else (1,)
-        self.alpha = nn.Parameter(torch.full(shape, float(spec["alpha"]), dtype=torch.float32), requires_grad=False)
+        shape = (channels,) if spec.per_channel else (1,)
+        self.alpha = nn.Parameter(torch.full(shape, float(spec.alpha), dtype=torch.float32), requires_grad=False)
         if self.bounds[1] is not None:
-            beta = PAPER_COEFFICIENTS[self.pde_type][1] if spec["beta"] is None else spec["beta"]
+            beta = PAPER_COEFFICIENTS[self.pde_type][1] if spec.beta is None else spec.beta
             self.beta = nn.Parameter(torch.full(shape, float(beta), dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("beta", None)

@@ -203,6 +203,26 @@ def test_plain_dynamic_cache_gets_a_clear_error():
         model(torch.randint(0, 61, (1, 4)), past_key_values=cache, use_cache=True)
 
 
+def test_the_pde_states_of_a_cache_are_checked_once_it_holds_them(monkeypatch):
+    """A decoded token does not check the cache again: once a cache holds every site's state, the model remembers
+    it (weakly); a site given a cache that cannot hold its state still raises, naming it."""
+    import cta.pde_cache as pde_cache
+
+    model = make_lm("diffusion", ["value", "block_output"])
+    ids = torch.randint(0, 61, (1, 5))
+    cache = DynamicCache(config=model.config)
+    model(ids[:, :4], past_key_values=cache, use_cache=True)
+    assert model.model.pde_sites.checked is None  # (the prefill started an empty cache)
+    model(ids[:, 4:], past_key_values=cache, use_cache=True)
+    assert model.model.pde_sites.checked() is cache
+    looked_up = []
+    monkeypatch.setattr(pde_cache, "_state_layer", lambda *args: looked_up.append(args))
+    model(ids[:, 4:], past_key_values=cache, use_cache=True)
+    assert not looked_up
+    with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
+        model.model.layers[0].block_output_pde(torch.randn(1, 1, 32), cache=DynamicCache())
+
+
 def test_cache_under_either_name_and_in_the_outputs():
     """The cache is read as `cache=` or `past_key_values=` (its name before transformers 5.24), returned under the
     installed release's name; two different caches are an error before 5.24, and from then on `cache` wins with

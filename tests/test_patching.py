@@ -4,6 +4,8 @@ import copy
 import json
 import os
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -497,6 +499,14 @@ def test_the_cache_view_is_kept_until_the_config_changes():
     config.cta_patch["pde_steps"] = 3
     assert config.get_text_config(decoder=True).number_of_conv_states == 3
     assert "_cta_cache_view" not in config.to_dict() and config == copy.deepcopy(config)
+    # The kept view lives on the config itself, never saved, copied or compared.
+    from cta.patching_classes import KEPT_CACHE_VIEW
+
+    assert KEPT_CACHE_VIEW in config.__dict__ and KEPT_CACHE_VIEW not in config.to_json_string()
+    assert KEPT_CACHE_VIEW not in copy.copy(config).__dict__ and KEPT_CACHE_VIEW not in copy.deepcopy(config).__dict__
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        assert KEPT_CACHE_VIEW not in (Path(folder) / "config.json").read_text()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -713,9 +723,9 @@ def test_pde_modules_take_the_models_dtype_under_deepspeed_zero3(zero3, monkeypa
     """DeepSpeed ZeRO-3 partitions the parameters of one dtype together and refuses an fp32 coefficient among bf16
     weights (found on 2 GPUs): a model loaded under ZeRO-3 gets PDE modules of its own dtype; elsewhere the
     coefficients stay fp32 (their updates are far below bf16's resolution)."""
-    import cta.patching_sites as patching
+    import cta.site_spec as site_spec
 
-    monkeypatch.setattr(patching, "is_deepspeed_zero3_enabled", lambda: zero3)
+    monkeypatch.setattr(site_spec, "is_deepspeed_zero3_enabled", lambda: zero3)
     model = tiny_model("llama").to(torch.bfloat16)
     patch_model(model, pde_type="diffusion", pde_steps=2, placement="block_output")
     dtypes = {p.dtype for _, module in pde_modules(model) for p in module.parameters()}
@@ -758,7 +768,7 @@ def test_a_failing_patch_leaves_the_model_untouched(monkeypatch):
     model = tiny_model("llama")
     ids, mask = batch()
     before, names = logits(model, ids, mask), [n for n, _ in model.named_modules()]
-    real, calls = patching._make_pde, []
+    real, calls = patching.build_site, []
 
     def failing(*args, **kwargs):
         if next(args[-1].parameters()).device.type != "meta":  # (not the class's one-off build on the meta device)
@@ -767,13 +777,13 @@ def test_a_failing_patch_leaves_the_model_untouched(monkeypatch):
             raise RuntimeError("boom")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(patching, "_make_pde", failing)
+    monkeypatch.setattr(patching, "build_site", failing)
     with pytest.raises(RuntimeError, match="boom"):
         patch_model(model, pde_steps=2, placement=list(PATCH_PLACEMENTS))
     assert type(model) is transformers.LlamaForCausalLM and type(model.config) is transformers.LlamaConfig
     assert not hasattr(model.config, "cta_patch") and [n for n, _ in model.named_modules()] == names
     assert not any("_cta_context" in m.__dict__ for m in model.modules())
     torch.testing.assert_close(logits(model, ids, mask), before, atol=0, rtol=0)
-    monkeypatch.setattr(patching, "_make_pde", real)
+    monkeypatch.setattr(patching, "build_site", real)
     patch_model(model, pde_steps=2, placement=list(PATCH_PLACEMENTS))
     torch.testing.assert_close(logits(model, ids, mask), before, atol=1e-5, rtol=0)
