@@ -39,15 +39,15 @@ except Exception:  # pragma: no cover - depends on the environment
 INTERPRET = bool(HAS_TRITON and triton.knobs.runtime.interpret)
 
 
-_AVAILABLE = []  # (asked at every call, traced calls too: torch.cuda.is_available() reads the environment each time,
-#                  and Dynamo warns about an lru_cache it traces through)
-
-
+@torch.compiler.assume_constant_result  # (traced calls read the answer, not the cache: Dynamo warns about one)
 def is_available() -> bool:
     """True when triton imports and can run here: on CUDA, or on CPU through ``TRITON_INTERPRET=1``."""
-    if not _AVAILABLE:
-        _AVAILABLE.append(HAS_TRITON and (INTERPRET or torch.cuda.is_available()))
-    return _AVAILABLE[0]
+    return _available()
+
+
+@functools.lru_cache(maxsize=1)  # (torch.cuda.is_available() reads the environment at each call)
+def _available() -> bool:
+    return bool(HAS_TRITON and (INTERPRET or torch.cuda.is_available()))
 
 
 class DirectLaunch:
