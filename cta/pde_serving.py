@@ -4,46 +4,70 @@ sequences in one ``[tokens, channels]`` tensor, one-token decodes first, then pr
 state ``[steps, channels]`` (fp32) in a slot of a state table ``[slots, steps, channels]``.
 
 * decodes: one :func:`pde_cta.pde_decode_update` for all of them on their gathered states (the fused Triton decode
-  kernel on CUDA), written back to their slots;
+  kernel on CUDA), written back to their slots (a lone decode on the CPU: its slot, a view, updated in place);
 * prefill chunks: each refined by :func:`pde_cta.pde_refine` from its slot's state where the chunk continues its
   sequence (chunked prefill, a prefix-cache hit) and from the wall otherwise; the final state is written to the slot.
+
+What a step's batch holds (:class:`FlatBatch`) is read from the engine's metadata once per step, for every site.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 
 from .pde_cta import pde_decode_update, pde_refine
 
 
-def refine_flat_batch(hidden_states: torch.Tensor, output: torch.Tensor, states: torch.Tensor, *,
-                      decode_slots: Optional[torch.Tensor], prefill_starts: Sequence[int],
-                      prefill_slots: Sequence[int], prefill_continues: Sequence[bool], pde_type: str, steps: int,
-                      alpha, beta=None) -> None:
-    """Writes the refined ``hidden_states`` ``[tokens, channels]`` into ``output`` (tokens outside the batch's
-    sequences are copied) and updates ``states`` in place.
+@dataclass(frozen=True)
+class FlatBatch:
+    """The sequences of one flat batch. ``decode_slots``: the state slots of the first ``decodes`` tokens (one
+    decoded token each), or None; ``lone_slot``: that slot as a number where the batch decodes one sequence on the
+    CPU (no gather, no scatter). ``prefill_starts``: token offsets of the prefill chunks and the end of the last;
+    ``prefill_slots`` / ``prefill_continues``: each chunk's slot and whether it starts from the slot's state."""
 
-    ``decode_slots``: the slots of the first ``len(decode_slots)`` tokens (one decoded token each), or None;
-    ``prefill_starts``: token offsets of the prefill chunks and the end of the last (``len(prefill_slots) + 1``
-    numbers); ``prefill_continues``: whether each chunk starts from its slot's state. ``alpha`` / ``beta``: the
-    coefficients, inside the causal scheme's bounds."""
-    decodes = 0 if decode_slots is None else decode_slots.numel()
-    end = prefill_starts[-1] if len(prefill_starts) else decodes
-    if end < hidden_states.shape[0]:
-        output[end:] = hidden_states[end:]  # (tokens that pad the batch to a captured size)
+    decodes: int = 0
+    decode_slots: Optional[torch.Tensor] = None
+    lone_slot: Optional[int] = None
+    prefill_starts: Tuple[int, ...] = ()
+    prefill_slots: Tuple[int, ...] = ()
+    prefill_continues: Tuple[bool, ...] = ()
+
+    @classmethod
+    def of(cls, decode_slots: Optional[torch.Tensor], prefill_starts=(), prefill_slots=(), prefill_continues=()):
+        """The batch of these slots and chunks (host reads happen here, once per step)."""
+        decodes = 0 if decode_slots is None else decode_slots.numel()
+        lone = int(decode_slots.reshape(-1)[0]) if decodes == 1 and decode_slots.device.type == "cpu" else None
+        return cls(decodes, decode_slots if decodes else None, lone, tuple(int(s) for s in prefill_starts),
+                   tuple(int(s) for s in prefill_slots), tuple(bool(c) for c in prefill_continues))
+
+    @property
+    def end(self) -> int:
+        """The tokens that belong to sequences (the rest pad the batch)."""
+        return self.prefill_starts[-1] if self.prefill_starts else self.decodes
+
+
+def refine_flat_batch(hidden_states: torch.Tensor, states: torch.Tensor, batch: FlatBatch, *, pde_type: str,
+                      steps: int, alpha, beta=None) -> torch.Tensor:
+    """The refined ``hidden_states`` ``[tokens, channels]`` (tokens outside the batch's sequences unchanged);
+    ``states`` updated in place. ``alpha`` / ``beta``: the coefficients, inside the causal scheme's bounds."""
     operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta)
-    if decodes == 1 and states.device.type == "cpu":  # (one sequence: its slot as a view, updated in place)
-        slot = int(decode_slots.reshape(-1)[0])
-        output[:1] = pde_decode_update(hidden_states[:1], states[slot:slot + 1], **operator)
-    elif decodes:
-        state = states[decode_slots]  # [decodes, steps, channels], gathered: updated in place, then scattered back
-        output[:decodes] = pde_decode_update(hidden_states[:decodes], state, **operator)
-        states[decode_slots] = state
-    for start, stop, slot, continues in zip(prefill_starts, prefill_starts[1:], prefill_slots, prefill_continues):
+    if batch.lone_slot is not None and hidden_states.shape[0] == 1:  # (one decoded token: the common step)
+        return pde_decode_update(hidden_states, states[batch.lone_slot:batch.lone_slot + 1], **operator)
+    output = hidden_states.clone() if batch.end < hidden_states.shape[0] else torch.empty_like(hidden_states)
+    if batch.lone_slot is not None:
+        output[:1] = pde_decode_update(hidden_states[:1], states[batch.lone_slot:batch.lone_slot + 1], **operator)
+    elif batch.decodes:
+        state = states[batch.decode_slots]  # [decodes, steps, channels], gathered: updated in place, scattered back
+        output[:batch.decodes] = pde_decode_update(hidden_states[:batch.decodes], state, **operator)
+        states[batch.decode_slots] = state
+    starts = batch.prefill_starts
+    for start, stop, slot, continues in zip(starts, starts[1:], batch.prefill_slots, batch.prefill_continues):
         initial = states[slot].unsqueeze(0) if continues else None
         refined, final = pde_refine(hidden_states[start:stop].unsqueeze(0), causal=True, initial_state=initial,
                                     return_final_state=True, **operator)
         output[start:stop] = refined[0]
         states[slot] = final[0]
+    return output

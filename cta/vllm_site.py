@@ -24,7 +24,7 @@ from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from .pde_cta import PAPER_COEFFICIENTS, coefficient_bounds
-from .pde_serving import refine_flat_batch
+from .pde_serving import FlatBatch, refine_flat_batch
 from .site_spec import PDESiteSpec
 
 OP_LIBRARY = "cta_vllm"
@@ -70,9 +70,7 @@ class VllmPDESite(MambaBase, nn.Module):
         return MambaAttentionBackendEnum.SHORT_CONV  # (its metadata: state indices and prefill starts, all we read)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        output = torch.empty_like(hidden_states)
-        torch.ops.cta_vllm.pde_site(hidden_states, output, self.prefix)
-        return output
+        return torch.ops.cta_vllm.pde_site(hidden_states, self.prefix)
 
     @torch.no_grad()
     def project_coefficients(self) -> None:
@@ -83,29 +81,43 @@ class VllmPDESite(MambaBase, nn.Module):
         if self.beta is not None:
             self.beta.clamp_(*self.bounds[1])
 
-    def refine(self, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
-        """Writes the refined ``hidden_states`` ``[tokens, channels]`` into ``output``, reading and writing the
-        states of the batch's sequences (:func:`pde_serving.refine_flat_batch`)."""
+    def refine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The refined ``hidden_states`` ``[tokens, channels]``; the states of the batch's sequences read and written
+        (:func:`pde_serving.refine_flat_batch`)."""
         metadata = get_forward_context().attn_metadata
         metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         if metadata is None:  # the memory-profiling run: no sequences, no states
-            output.copy_(hidden_states)
-            return
-        decodes = metadata.num_decode_tokens
-        prefills = bool(metadata.num_prefills)
-        refine_flat_batch(
-            hidden_states, output, self.kv_cache[0], pde_type=self.pde_type, steps=self.steps, alpha=self.alpha,
-            beta=self.beta,
-            decode_slots=metadata.state_indices_tensor_d.reshape(-1)[:decodes] if decodes else None,
-            prefill_starts=(metadata.query_start_loc_p + decodes).tolist() if prefills else [],
-            prefill_slots=metadata.state_indices_tensor_p.reshape(-1).tolist() if prefills else [],
-            prefill_continues=metadata.has_initial_states_p.tolist() if prefills else [])
+            return hidden_states.clone()
+        return refine_flat_batch(hidden_states, self.kv_cache[0], flat_batch(metadata), pde_type=self.pde_type,
+                                 steps=self.steps, alpha=self.alpha, beta=self.beta)
+
+
+def flat_batch(metadata) -> FlatBatch:
+    """The :class:`pde_serving.FlatBatch` of vLLM's state metadata (``ShortConvAttentionMetadata``, one object per
+    step shared by the sites): made by the first site of a step and kept on the metadata for the others."""
+    batch = metadata.__dict__.get("_cta_flat_batch") if hasattr(metadata, "__dict__") else None
+    if batch is None:
+        decodes, prefills = metadata.num_decode_tokens, bool(metadata.num_prefills)
+        batch = FlatBatch.of(
+            metadata.state_indices_tensor_d.reshape(-1)[:decodes] if decodes else None,
+            prefill_starts=(metadata.query_start_loc_p + decodes).tolist() if prefills else (),
+            prefill_slots=metadata.state_indices_tensor_p.reshape(-1).tolist() if prefills else (),
+            prefill_continues=metadata.has_initial_states_p.tolist() if prefills else ())
+        if hasattr(metadata, "__dict__"):  # (a slotted metadata class: each site reads it)
+            metadata.__dict__["_cta_flat_batch"] = batch
+    return batch
 
 
 @eager_break_during_capture
-def _pde_site(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
-    get_forward_context().no_compile_layers[layer_name].refine(hidden_states, output)
+def _pde_site(hidden_states: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return get_forward_context().no_compile_layers[layer_name].refine(hidden_states)
+
+
+def _pde_site_fake(hidden_states: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
 
 
 _LIBRARY = torch.library.Library(OP_LIBRARY, "FRAGMENT")  # (the op lives as long as this handle)
-direct_register_custom_op(op_name="pde_site", op_func=_pde_site, mutates_args=["output"], target_lib=_LIBRARY)
+# (the states it writes live in the engine's cache, outside the graph, as vLLM's short convolution's do)
+direct_register_custom_op(op_name="pde_site", op_func=_pde_site, mutates_args=[], fake_impl=_pde_site_fake,
+                          target_lib=_LIBRARY)

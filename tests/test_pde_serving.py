@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cta.pde_cta import coefficient_bounds, pde_refine_reference
-from cta.pde_serving import refine_flat_batch
+from cta.pde_serving import FlatBatch, refine_flat_batch
 
 TYPES = ["diffusion", "wave", "reaction_diffusion", "advection_diffusion"]
 
@@ -48,11 +48,10 @@ def serve_like_a_scheduler(sequences, prompt_lengths, budget, operator, device, 
                 left -= size
         padding = rng.randint(0, 3)  # tokens that pad the batch (a CUDA graph's size)
         flat = torch.stack(tokens + [torch.randn_like(tokens[0])] * padding)
-        output = torch.full_like(flat, float("nan"))
-        refine_flat_batch(flat, output, table, decode_slots=torch.tensor([slots[i] for i in decode],
-                                                                         device=device) if decode else None,
-                          prefill_starts=starts if chunk_of else [], prefill_slots=[slots[i] for i, _ in chunk_of],
-                          prefill_continues=continues, **operator)
+        batch = FlatBatch.of(torch.tensor([slots[i] for i in decode], device=device) if decode else None,
+                             prefill_starts=starts if chunk_of else [], prefill_slots=[slots[i] for i, _ in chunk_of],
+                             prefill_continues=continues)
+        output = refine_flat_batch(flat, table, batch, **operator)
         assert torch.equal(output[len(tokens):], flat[len(tokens):]), "padding tokens pass through"
         for row, i in enumerate(decode):
             outputs[i][done[i]] = output[row]
