@@ -83,37 +83,50 @@ class PatchContext:
         self.site_hooks = []  # LayerSite / OutputSite / ValueSite objects, each with its `handles`
 
     def enter(self, module, args, kwargs):
-        """The base model's forward pre-hook."""
-        mask = self._argument(args, kwargs, "attention_mask", self.mask_position)
-        cache = find_cache(kwargs)
-        if cache is None and self.cache_position is not None and len(args) > self.cache_position:
-            cache = args[self.cache_position]
-        self.cache = cache
+        """The base model's forward pre-hook: this forward's cache (checked), walls and training state."""
         compiling = torch.compiler.is_compiling()
-        if cache is not None and not compiling and self.sites:
-            # A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
-            # Traced, the eager calls before (the prefill) checked the same cache; reading the list of sites would
-            # make every call of the compiled step check each of its entries.
-            check_pde_states(cache, self.sites, self.model_name)
-        elif cache is not None and is_exporting() and self.sites:
-            # torch.export (e.g. transformers' ExecuTorch recipe): the exported cache cannot carry the PDE states.
-            refuse_export_with_cache(self.model_name)
-        position_ids = self._argument(args, kwargs, "position_ids", self.position_ids_position)
         training = module.training and torch.is_grad_enabled()
+        self.cache = cache = self._find_cache(args, kwargs)
+        self._check_cache(cache, compiling)
+        position_ids = self._argument(args, kwargs, "position_ids", self.position_ids_position)
+        mask = self._argument(args, kwargs, "attention_mask", self.mask_position)
         self.walls = SiteWalls.of_forward(mask, position_ids, kwargs.get("cu_seq_lens_q"), cache, self.sharding,
                                           self.model_name, module.training)
         if training and not compiling:  # (traced, a recomputed layer replays the compiled graph, not these hooks)
             self.checkpoint_walls = CheckpointWalls(self.walls, self.checkpoint_walls)
-        packable = position_ids is not None or kwargs.get("cu_seq_lens_q") is not None
-        if training and cache is None and self.sites and training_forward_drops_cache(compiling, packable) \
-                and kwargs.get("use_cache") is None and len(args) <= 1 and self.takes_use_cache:
-            kwargs["use_cache"] = False  # (a training forward decodes nothing)
+        if training and cache is None:
+            self._no_training_cache(args, kwargs, position_ids is not None, compiling)
         # Nothing decodes from the cache of a training forward that starts one (transformers makes one whenever
         # use_cache is on): its sites keep no PDE state there and take their cache-free (fused) path; continuing
         # that cache later raises (no state). A training forward that continues a cache keeps using its state.
         self.stateless = training and (cache is None or (not compiling and int(cache.get_seq_length()) == 0))
         self.active = True
         return args, kwargs
+
+    def _find_cache(self, args, kwargs):
+        cache = find_cache(kwargs)
+        if cache is None and self.cache_position is not None and len(args) > self.cache_position:
+            cache = args[self.cache_position]
+        return cache
+
+    def _check_cache(self, cache, compiling: bool):
+        """A continuation step must find every causal PDE site's state in the cache (never refine statelessly).
+        Traced, the eager calls before (the prefill) checked the same cache; torch.export (e.g. transformers'
+        ExecuTorch recipe) is refused: the exported cache cannot carry the PDE states."""
+        if cache is None or not self.sites:
+            return
+        if not compiling:
+            check_pde_states(cache, self.sites, self.model_name)
+        elif is_exporting():
+            refuse_export_with_cache(self.model_name)
+
+    def _no_training_cache(self, args, kwargs, packable: bool, compiling: bool):
+        """``use_cache=False`` for a training forward given no cache, where transformers would make one it never
+        decodes from (and a caller did not choose)."""
+        packable = packable or kwargs.get("cu_seq_lens_q") is not None
+        if self.sites and training_forward_drops_cache(compiling, packable) and kwargs.get("use_cache") is None \
+                and len(args) <= 1 and self.takes_use_cache:
+            kwargs["use_cache"] = False
 
     @staticmethod
     def _argument(args, kwargs, name, position):

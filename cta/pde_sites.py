@@ -22,6 +22,7 @@ class SiteWalls:
         self._padded = None  # whether the mask has a padding position: asked once per forward, when needed
         self._step_mask = None  # the [batch, 1] mask column of a one-token step, taken once
         self._packed = {}  # length -> PackedRows or None
+        self._shards = {}  # length -> this rank's shards of the sequence (with a sharding)
 
     @classmethod
     def of_forward(cls, attention_mask, position_ids=None, cu_seq_lens=None, cache=None, sharding=None,
@@ -84,9 +85,9 @@ class SiteWalls:
         with the site's state in ``cache``."""
         length = hidden_states.shape[1]
         if self.sharding is not None:
-            shards = self._packed.get(("shards", length))
+            shards = self._shards.get(length)
             if shards is None:
-                shards = self._packed[("shards", length)] = self.sharding.shards(length)
+                shards = self._shards[length] = self.sharding.shards(length)
             mask = self.mask[:, -length:] if self.mask is not None else None
             return refine_sharded(pde, hidden_states, shards, mask, self.position_ids)
         return pde(hidden_states, self.token_mask(length), cache, self.packed(length))
