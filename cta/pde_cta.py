@@ -92,7 +92,8 @@ def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=
     """``"triton"`` or ``"torch"``: the implementation that runs a call (of :func:`pde_refine`, or of
     :func:`pde_decode_update` on ``state``), the one place it is chosen. ``auto`` takes Triton for CUDA tensors where
     it runs; ``triton`` raises where it cannot run, naming the missing requirement. The fused kernels take 1 to
-    ``MAX_FUSED_STEPS`` steps in fp32, bf16 or fp16 (a decode: an fp32 state, eager); the reference runs the rest."""
+    ``MAX_FUSED_STEPS`` steps in fp32, bf16 or fp16 (a decode: an fp32 state with contiguous channels, eager); the
+    PyTorch code runs the rest."""
     if backend == "torch":
         return "torch"
     if backend not in PDE_BACKENDS:
@@ -105,9 +106,10 @@ def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=
         return "torch"
     if not 1 <= steps <= MAX_FUSED_STEPS or hidden_states.dtype not in TRITON_DTYPES:
         return "torch"
-    if state is not None:  # a decode: the kernel writes fp32 level buffers, and is not traced (Inductor fuses ops)
-        level = state if torch.is_tensor(state) else state[0]
-        if level.dtype != torch.float32 or torch.compiler.is_compiling():
+    if state is not None:  # a decode: the kernel writes fp32 level buffers with contiguous channels, and is not traced
+        levels = (state,) if torch.is_tensor(state) else state
+        if (levels[0].dtype != torch.float32 or torch.compiler.is_compiling()
+                or any(level.stride(2) != 1 for level in levels)):
             return "torch"
     return "triton"
 
@@ -351,6 +353,8 @@ class PDERefinement(nn.Module):
 
     def _decode(self, hidden_states, levels, attention_mask):
         """One token ``[batch, 1, channels]``; this site's cached state (one conv state per step) updated in place."""
+        if levels[0].dim() == 4 and levels[0].shape[-1] != 1:  # (a cache that kept several positions: the last)
+            levels = [level[..., -1:] for level in levels]
         # (the CPU cache's rows as one tensor: one read and one write per token; traced, the buffers as they are)
         state = self._state_block(levels) if levels[0].is_cpu and not torch.compiler.is_compiling() else None
         return pde_decode_update(hidden_states, levels if state is None else state, pde_type=self.pde_type,

@@ -248,14 +248,13 @@ _STATE_DTYPES = (torch.float32, torch.float64)
 
 def check_decode_state(state, batch: int, steps: int, channels: int) -> None:
     """Raises unless ``state`` is the fp32 (fp64 for float64 models) ``[batch, steps, channels]`` (or ``[batch, steps,
-    channels, 1]``) with contiguous channels that a decode step reads and writes (one of another shape would be read
-    out of bounds by the kernel)."""
+    channels, 1]``) that a decode step reads and writes (one of another shape would be read out of bounds by the
+    kernel)."""
     shape = (batch, steps, channels)
-    if (not torch.is_tensor(state) or state.shape not in (shape, (*shape, 1)) or state.dtype not in _STATE_DTYPES
-            or state.stride(2) != 1):
+    if not torch.is_tensor(state) or state.shape not in (shape, (*shape, 1)) or state.dtype not in _STATE_DTYPES:
         got = (tuple(state.shape), state.dtype) if torch.is_tensor(state) else type(state)
         raise ValueError(f"`state` must be a float32 (or float64) tensor of shape [batch, steps, channels] = "
-                         f"[{batch}, {steps}, {channels}] with contiguous channels, got {got}.")
+                         f"[{batch}, {steps}, {channels}], got {got}.")
 
 
 def check_decode_levels(levels, batch: int, steps: int, channels: int) -> None:
