@@ -40,7 +40,8 @@ class FlatBatch:
         """The batch of these slots and chunks (host reads happen here, once per step)."""
         decodes = 0 if decode_slots is None else decode_slots.numel()
         lone = int(decode_slots.reshape(-1)[0]) if decodes == 1 and decode_slots.device.type == "cpu" else None
-        return cls(decodes, decode_slots if decodes else None, lone, tuple(int(s) for s in prefill_starts),
+        slots = decode_slots.reshape(-1).long() if decodes else None  # (index_copy_ takes int64 indices)
+        return cls(decodes, slots, lone, tuple(int(s) for s in prefill_starts),
                    tuple(int(s) for s in prefill_slots), tuple(bool(c) for c in prefill_continues))
 
     @property
@@ -54,15 +55,11 @@ def refine_flat_batch(hidden_states: torch.Tensor, states: torch.Tensor, batch: 
     """The refined ``hidden_states`` ``[tokens, channels]`` (tokens outside the batch's sequences unchanged);
     ``states`` updated in place. ``alpha`` / ``beta``: the coefficients, inside the causal scheme's bounds."""
     operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta)
-    if batch.lone_slot is not None and hidden_states.shape[0] == 1:  # (one decoded token: the common step)
-        return pde_decode_update(hidden_states, states[batch.lone_slot:batch.lone_slot + 1], **operator)
+    if batch.decodes == hidden_states.shape[0] and not batch.prefill_slots:  # (decodes alone: the common step)
+        return _decode(hidden_states, states, batch, operator)
     output = hidden_states.clone() if batch.end < hidden_states.shape[0] else torch.empty_like(hidden_states)
-    if batch.lone_slot is not None:
-        output[:1] = pde_decode_update(hidden_states[:1], states[batch.lone_slot:batch.lone_slot + 1], **operator)
-    elif batch.decodes:
-        state = states[batch.decode_slots]  # [decodes, steps, channels], gathered: updated in place, scattered back
-        output[:batch.decodes] = pde_decode_update(hidden_states[:batch.decodes], state, **operator)
-        states[batch.decode_slots] = state
+    if batch.decodes:
+        output[:batch.decodes] = _decode(hidden_states[:batch.decodes], states, batch, operator)
     starts = batch.prefill_starts
     for start, stop, slot, continues in zip(starts, starts[1:], batch.prefill_slots, batch.prefill_continues):
         initial = states[slot].unsqueeze(0) if continues else None
@@ -71,3 +68,13 @@ def refine_flat_batch(hidden_states: torch.Tensor, states: torch.Tensor, batch: 
         output[start:stop] = refined[0]
         states[slot] = final[0]
     return output
+
+
+def _decode(tokens, states, batch, operator):
+    """The batch's decoded tokens refined, their states updated in their slots."""
+    if batch.lone_slot is not None:  # (one sequence on the CPU: its slot as a view, updated in place)
+        return pde_decode_update(tokens, states[batch.lone_slot:batch.lone_slot + 1], **operator)
+    state = states.index_select(0, batch.decode_slots)  # gathered, updated in place, then written back
+    refined = pde_decode_update(tokens, state, **operator)
+    states.index_copy_(0, batch.decode_slots, state)
+    return refined

@@ -110,7 +110,9 @@ def refining_class(module_class: type, placement: str) -> type:
         def forward(self, positions, hidden_states, residual, **kwargs):
             hidden_states, residual = module_class.forward(self, positions, hidden_states, residual, **kwargs)
             refined = getattr(self, site_name)(hidden_states + residual)
-            return torch.zeros_like(refined), refined
+            if self.cta_last_layer:  # (the model's final norm adds a residual: hand it a zero one)
+                return torch.zeros_like(refined), refined
+            return refined, None  # (the next layer starts from it, as the first layer starts from the embeddings)
     else:
         def forward(self, *args, **kwargs):
             return getattr(self, site_name)(module_class.forward(self, *args, **kwargs))
@@ -158,6 +160,7 @@ class CTASitesMixin:
             prefix = ".".join(filter(None, (model_prefix, str(spec.layer_idx), path, name)))
             module.add_module(name, VllmPDESite(spec, hidden_size, prefix))
             module.__class__ = refining_class(type(module), spec.placement)
+            module.cta_last_layer = spec.layer_idx == len(layers) - 1
 
 
 class CTAPatchedLlamaForCausalLM(CTASitesMixin, LlamaForCausalLM, HasInnerState, IsHybrid):
