@@ -151,8 +151,9 @@ def coefficient_bounds(pde_type: str, causal: bool):
 
 
 def _as_coefficient(value, name: str, channels: int, device, interval=None, scheme=None) -> Optional[torch.Tensor]:
-    """``value`` as a 0-d or ``[channels]`` tensor. A Python number outside ``interval`` (that of ``scheme``, a
-    ``(pde_type, causal)``) raises; a tensor's values are not checked (reading them would synchronise)."""
+    """``value`` as a tensor: a scalar (0-d or one element, as a module holds it) or ``[channels]``. A Python number
+    outside ``interval`` (that of ``scheme``, a ``(pde_type, causal)``) raises; a tensor's values are not checked
+    (reading them would synchronise)."""
     if value is None:
         return None
     if not torch.is_tensor(value):
@@ -165,9 +166,7 @@ def _as_coefficient(value, name: str, channels: int, device, interval=None, sche
                              "explicit steps are not stable. Pass a value in that interval.")
         # A fill on the device, not a host-to-device copy: capturable in CUDA graphs, no synchronisation.
         value = torch.full((), float(value), dtype=torch.float64, device=device)  # cast to the compute dtype later
-    if value.dim() == 1 and value.shape[0] == 1:
-        value = value.reshape(())
-    if value.dim() not in (0, 1) or (value.dim() == 1 and value.shape[0] != channels):
+    if value.dim() not in (0, 1) or (value.dim() == 1 and value.shape[0] not in (1, channels)):
         raise ValueError(f"`{name}` must be a scalar or have shape [channels] = [{channels}], "
                          f"got shape {tuple(value.shape)}.")
     if not value.is_floating_point():
