@@ -147,12 +147,13 @@ def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha,
     alpha, beta = project_coefficients(alpha, beta, bounds)
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, initial_state=initial_state,
                   return_final_state=return_final_state)
-    if (backend == "auto" and causal and attention_mask is None and steps and scheme_of(pde_type).filters(True)
+    scheme = scheme_of(pde_type)
+    if (backend == "auto" and causal and attention_mask is None and steps and scheme.filters(True)
             and alpha.numel() == 1 and (beta is None or beta.numel() == 1)
             and hidden_states.device.type == "cpu" and not torch.compiler.is_compiling()
             and not _needs_grad(hidden_states, initial_state, alpha, beta)):
         # the constant-coefficient causal schemes as one banded filter (the CPU, without gradients)
-        c = alpha.item() + (beta.item() if scheme_of(pde_type).advection else 0.0)
+        c = alpha.item() + (beta.item() if scheme.advection else 0.0)
         return filtered_refine(hidden_states, c, **kwargs)
     return reference_refine(hidden_states, causal=causal, attention_mask=attention_mask, **kwargs)
 
