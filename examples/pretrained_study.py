@@ -171,6 +171,14 @@ def cell_key(mode, pde_type=None, init=None) -> str:
     return f"{mode}|{pde_type}|{init}" if pde_type else mode
 
 
+def plan_extends(old: dict, new: dict) -> bool:
+    """Whether the runs of plan ``old`` belong to plan ``new``: the same rates, lengths and block size, and ``new``'s
+    types, inits, modes and seeds include ``old``'s (a study grows cell by cell; its runs stay valid)."""
+    grows = ("types", "inits", "modes", "seeds")
+    return (all(old[k] == new[k] for k in old if k not in grows)
+            and all(set(old[k]) <= set(new[k]) for k in grows))
+
+
 def read_runs(path) -> dict:
     runs = {}
     if os.path.exists(path):
@@ -246,10 +254,11 @@ class Study:
                          settings=self.settings(source, context), plan=self.plan(), command=self.command,
                          torch=torch.__version__, transformers=transformers.__version__)
         old = self.runs.get("meta")
-        if old and (old["tokens"], old["settings"], old["plan"]) != (self.token_counts, self.meta["settings"],
-                                                                       self.meta["plan"]):
+        if old and ((old["tokens"], old["settings"]) != (self.token_counts, self.meta["settings"])
+                    or not plan_extends(old["plan"], self.meta["plan"])):
             raise ValueError(f"{self.runs_path} holds runs of another study (data, settings or plan differ): pass "
-                             "another --output_dir, or the same flags to resume it.")
+                             "another --output_dir, or the same flags to resume it (more --study_types, "
+                             "--study_inits, --modes or --seeds extend it; the rest must stay).")
         if self.runs.get("meta") != self.meta:
             self.record(self.meta)
 

@@ -498,6 +498,20 @@ def test_pretrained_study_smoke(tmp_path):
     assert {k: v for k, v in again.items() if k != "command"} == {k: v for k, v in result.items() if k != "command"}
 
 
+def test_pretrained_study_grows_but_keeps_its_settings():
+    """A study's runs file takes more types, inits, modes or seeds (its runs stay valid); other rates, lengths or
+    block size are another study."""
+    import pretrained_study
+
+    plan = dict(types=["reaction_diffusion"], inits=["identity"], modes=["lora", "lora_pde"], seeds=[0, 1],
+                rates=[0.01, 0.1], lengths=[1024, 4096], block_size=1024)
+    grown = dict(plan, types=["diffusion", "reaction_diffusion"], inits=["identity", "paper"], seeds=[0, 1, 2])
+    assert pretrained_study.plan_extends(plan, plan) and pretrained_study.plan_extends(plan, grown)
+    assert not pretrained_study.plan_extends(grown, plan)  # (fewer cells: not the same study)
+    for change in (dict(rates=[0.01]), dict(lengths=[1024]), dict(block_size=512)):
+        assert not pretrained_study.plan_extends(plan, dict(grown, **change))
+
+
 @pytest.mark.parametrize("name", ["run_classification", "run_clm", "finetune_patched_llama"])
 def test_help_reads_like_transformers_scripts(name, capsys):
     import importlib
