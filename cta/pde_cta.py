@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from .kernels_config import MAX_FUSED_STEPS
+from .kernels_cpu import STATE_DTYPES as CPU_STATE_DTYPES
+from .kernels_cpu import decode_update as cpu_decode_update
+from .kernels_cpu import kernel as cpu_kernel
 from .pde_cache import cached_pde_state, conv_state_block, records_past, store_pde_state
 from .pde_decode import decode_update_torch
 from .pde_filters import filtered_refine
@@ -24,7 +27,7 @@ from .pde_reference import (causal_state_history, pde_decode_step_reference, pde
 from .pde_spec import (COEFFICIENT_BOUNDS, MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, PDE_TYPE_ALIASES,  # noqa
                        PDE_TYPES, WAVE_DAMPING, check_bounds, check_decode_arguments, check_pde_arguments, check_steps,
                        coefficient_bounds, normalize_pde_type, project_coefficient, project_coefficients, scheme_of,
-                       uses_beta)
+                       uses_beta, SCHEMES)
 
 
 # A site's settings after construction (issue 69): ``steps`` and ``backend`` may change, every path reading them at the
@@ -89,15 +92,20 @@ def triton_missing_requirement(tensor: torch.Tensor) -> Optional[str]:
 
 
 def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=None) -> str:
-    """``"triton"`` or ``"torch"``: the implementation that runs a call (of :func:`pde_refine`, or of
+    """``"triton"``, ``"cpu"`` or ``"torch"``: the implementation that runs a call (of :func:`pde_refine`, or of
     :func:`pde_decode_update` on ``state``), the one place it is chosen. ``auto`` takes Triton for CUDA tensors where
-    it runs; ``triton`` raises where it cannot run, naming the missing requirement. The fused kernels take 1 to
+    it runs, and the C++ kernel for an eager CPU decode where it builds; ``triton`` raises where it cannot run, naming
+    the missing requirement. The fused kernels take 1 to
     ``MAX_FUSED_STEPS`` steps in fp32, bf16 or fp16 (a decode: an fp32 state with contiguous channels, eager); the
     PyTorch code runs the rest."""
     if backend == "torch":
         return "torch"
     if backend not in PDE_BACKENDS:
         raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
+    if (backend == "auto" and state is not None and hidden_states.device.type == "cpu"
+            and not torch.compiler.is_compiling()):  # a CPU decode: the C++ kernel where it builds
+        levels = (state,) if isinstance(state, torch.Tensor) else state
+        return "cpu" if levels[0].dtype in CPU_STATE_DTYPES and cpu_kernel() is not None else "torch"
     if backend == "triton":
         missing = triton_missing_requirement(hidden_states)
         if missing is not None:
@@ -107,7 +115,7 @@ def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=
     if not 1 <= steps <= MAX_FUSED_STEPS or hidden_states.dtype not in TRITON_DTYPES:
         return "torch"
     if state is not None:  # a decode: the kernel writes fp32 level buffers with contiguous channels, and is not traced
-        levels = (state,) if torch.is_tensor(state) else state
+        levels = (state,) if isinstance(state, torch.Tensor) else state
         if (levels[0].dtype != torch.float32 or torch.compiler.is_compiling()
                 or any(level.stride(2) != 1 for level in levels)):
             return "torch"
@@ -159,11 +167,12 @@ def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha,
 
 
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(torch.is_tensor(t) and t.requires_grad for t in tensors)
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int, alpha, beta=None,
-                      token_mask: Optional[torch.Tensor] = None, backend: str = "auto", coefficient_bounds=None):
+                      token_mask: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
+                      backend: str = "auto", coefficient_bounds=None):
     """One causal decode step (causal-conv1d's ``update`` beside :func:`pde_refine`'s ``fn``): refines one token per
     sequence and updates ``state`` in place, as :func:`pde_decode_step_reference` does; returns the refined token in
     the input's shape and dtype.
@@ -174,28 +183,44 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
             return_final_state=True)`` returns it; or its ``steps`` level buffers (a transformers cache's conv
             states ``[batch, 1, channels, 1]``, or ``[batch, 1, channels]`` views).
         token_mask: one entry per sequence (0: padding, returned unchanged, leaving a wall as its state).
+        state_indices: ``[batch]`` integers: sequence ``i``'s state is row ``state_indices[i]`` of ``state``
+            (``[rows, steps, channels]``, a serving engine's state table; causal-conv1d's ``conv_state_indices``).
         pde_type, steps, alpha, beta, backend, coefficient_bounds: as :func:`pde_refine`'s.
 
-    CUDA eager: the fused Triton decode kernel. Elsewhere and under ``torch.compile``: plain torch ops
-    (``pde_decode``), which Inductor fuses with the norm that follows (docs/decoding.md)."""
+    CUDA eager: the fused Triton decode kernel. CPU eager: the C++ kernel (``kernels_cpu``, built on first use).
+    Elsewhere, with ``backend="torch"`` and under ``torch.compile``: plain torch ops (``pde_decode``), which Inductor
+    fuses with the norm that follows (docs/decoding.md)."""
     pde_type, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta,
-                                                           token_mask, coefficient_bounds)
+                                                           token_mask, coefficient_bounds, state_indices)
     if steps == 0:
         return hidden_states.clone()
-    if choose_backend(backend, hidden_states, steps, state) == "triton":
+    chosen = choose_backend(backend, hidden_states, steps, state)
+    if chosen == "cpu":
+        scheme = SCHEMES[pde_type]
+        return cpu_decode_update(hidden_states, state, scheme_id=list(SCHEMES).index(scheme.name), advection=scheme.advection,
+                             steps=steps, alpha=alpha, beta=beta, bounds=bounds, token_mask=token_mask,
+                             state_indices=state_indices, module=cpu_kernel())
+    table = state
+    if state_indices is not None:  # the sequences' rows, gathered, updated in place, then written back
+        state = table.index_select(0, state_indices.reshape(-1).long())
+    if chosen == "triton":
         from .triton_cta import launch_decode
 
-        levels = state.split(1, dim=1) if torch.is_tensor(state) else state
-        return launch_decode(hidden_states, levels, alpha, beta, token_mask, pde_type, steps, bounds)
-    if (hidden_states.device.type == "cpu" and alpha.numel() == 1 and (beta is None or beta.numel() == 1)
-            and not torch.compiler.is_compiling()):
-        # On the CPU a value is read without a device synchronisation: scalar coefficients as numbers (one fused op
-        # per step, no tensor product and sum)
-        alpha, beta = _projected_numbers(alpha.item(), None if beta is None else beta.item(), bounds)
+        levels = state.split(1, dim=1) if isinstance(state, torch.Tensor) else state
+        refined = launch_decode(hidden_states, levels, alpha, beta, token_mask, pde_type, steps, bounds)
     else:
-        alpha, beta = project_coefficients(alpha, beta, bounds)
-    return decode_update_torch(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                               token_mask=token_mask)
+        if (hidden_states.device.type == "cpu" and alpha.numel() == 1 and (beta is None or beta.numel() == 1)
+                and not torch.compiler.is_compiling()):
+            # On the CPU a value is read without a device synchronisation: scalar coefficients as numbers (one fused
+            # op per step, no tensor product and sum)
+            alpha, beta = _projected_numbers(alpha.item(), None if beta is None else beta.item(), bounds)
+        else:
+            alpha, beta = project_coefficients(alpha, beta, bounds)
+        refined = decode_update_torch(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
+                                      token_mask=token_mask)
+    if state_indices is not None:
+        table.index_copy_(0, state_indices.reshape(-1).long(), state)
+    return refined
 
 
 def pde_decode_step(*args, **kwargs):
@@ -220,7 +245,7 @@ def _scalar_coefficients_as_one_element(module, state_dict, prefix, *args):
     module holds now (transformers' own loader: ``checkpoint_conversion``)."""
     for name in ("alpha", "beta"):
         value = state_dict.get(prefix + name)
-        if torch.is_tensor(value) and value.dim() == 0:
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
             state_dict[prefix + name] = value.reshape(1)
 
 

@@ -32,7 +32,7 @@ def decode_update_torch(hidden_states: torch.Tensor, state, *, pde_type: str, st
     ``steps`` level buffers ``[batch, 1, channels]`` / ``[batch, 1, channels, positions]`` (the last position is the
     state); fp32 (fp64 for float64 models), the dtype it computes in."""
     # (Each op skipped where it would not change anything: on the CPU every call is host time of a decoded token.)
-    whole = torch.is_tensor(state)
+    whole = isinstance(state, torch.Tensor)
     dtype = state.dtype if whole else state[0].dtype
     batch = hidden_states.shape[0]
     x = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
@@ -42,7 +42,7 @@ def decode_update_torch(hidden_states: torch.Tensor, state, *, pde_type: str, st
     stored = state.unbind(1) if whole else _stored_levels(state)
     valid = None if token_mask is None else token_mask.reshape(batch, *(1,) * (x.dim() - 1)).to(dtype)
     if whole and state.dim() == 4:  # per-channel coefficients [channels] along the block's channel dim
-        alpha, beta = (c.unsqueeze(-1) if torch.is_tensor(c) and c.dim() else c for c in (alpha, beta))
+        alpha, beta = (c.unsqueeze(-1) if isinstance(c, torch.Tensor) and c.dim() else c for c in (alpha, beta))
     levels = _levels(x, stored, scheme_of(pde_type), alpha, beta)
     refined = levels[steps]
     _write_state(state, levels[:steps], valid)
@@ -63,7 +63,7 @@ def _write_state(state, levels, valid):
     (zeros for padded sequences)."""
     if not levels:
         return
-    if not torch.is_tensor(state):
+    if not isinstance(state, torch.Tensor):
         # One write per buffer, at the index it was read: under torch.compile Inductor stores the state from the
         # kernel that refines the token (docs/decoding.md).
         for buffer, level in zip(state, levels):
@@ -78,8 +78,8 @@ def _write_state(state, levels, valid):
 def _levels(x, stored, scheme, alpha, beta):
     """The levels ``[u_0 = x, ..., u_S]`` (each ``[batch, 1, channels]``) of one token: the reference's causal step
     over the ``S`` stored values ``stored`` (``[batch, 1, channels]`` each); ``alpha``, ``beta``: tensors or floats."""
-    if torch.is_tensor(alpha):
-        alpha, beta = alpha.to(x.dtype), (beta.to(x.dtype) if torch.is_tensor(beta) else beta)
+    if isinstance(alpha, torch.Tensor):
+        alpha, beta = alpha.to(x.dtype), (beta.to(x.dtype) if isinstance(beta, torch.Tensor) else beta)
     coefficient = alpha + beta if scheme.advection else alpha
     reaction = scheme.torch_reaction
     # R = sign * b * f(u) with a number b: one fused add instead of a product and a sum (each op is host time here)

@@ -3,8 +3,9 @@
 sequences in one ``[tokens, channels]`` tensor, one-token decodes first, then prefill chunks, and each sequence's
 state ``[steps, channels]`` (fp32) in a slot of a state table ``[slots, steps, channels]``.
 
-* decodes: one :func:`pde_cta.pde_decode_update` for all of them on their gathered states (the fused Triton decode
-  kernel on CUDA), written back to their slots (a lone decode on the CPU: its slot, a view, updated in place);
+* decodes: one :func:`pde_cta.pde_decode_update` for all of them, given their slots (``state_indices``): the C++
+  kernel on the CPU reads and writes the slots in place; the fused Triton decode kernel on CUDA runs on the gathered
+  states, written back;
 * prefill chunks: each refined by :func:`pde_cta.pde_refine` from its slot's state where the chunk continues its
   sequence (chunked prefill, a prefix-cache hit) and from the wall otherwise; the final state is written to the slot.
 
@@ -23,14 +24,12 @@ from .pde_cta import pde_decode_update, pde_refine
 
 @dataclass(frozen=True)
 class FlatBatch:
-    """The sequences of one flat batch. ``decode_slots``: the state slots of the first ``decodes`` tokens (one
-    decoded token each), or None; ``lone_slot``: that slot as a number where the batch decodes one sequence on the
-    CPU (no gather, no scatter). ``prefill_starts``: token offsets of the prefill chunks and the end of the last;
+    """The sequences of one flat batch. ``decode_slots``: the state slots (int64) of the first ``decodes`` tokens (one
+    decoded token each), or None. ``prefill_starts``: token offsets of the prefill chunks and the end of the last;
     ``prefill_slots`` / ``prefill_continues``: each chunk's slot and whether it starts from the slot's state."""
 
     decodes: int = 0
     decode_slots: Optional[torch.Tensor] = None
-    lone_slot: Optional[int] = None
     prefill_starts: Tuple[int, ...] = ()
     prefill_slots: Tuple[int, ...] = ()
     prefill_continues: Tuple[bool, ...] = ()
@@ -39,10 +38,9 @@ class FlatBatch:
     def of(cls, decode_slots: Optional[torch.Tensor], prefill_starts=(), prefill_slots=(), prefill_continues=()):
         """The batch of these slots and chunks (host reads happen here, once per step)."""
         decodes = 0 if decode_slots is None else decode_slots.numel()
-        lone = int(decode_slots.reshape(-1)[0]) if decodes == 1 and decode_slots.device.type == "cpu" else None
-        slots = decode_slots.reshape(-1).long() if decodes else None  # (index_copy_ takes int64 indices)
-        return cls(decodes, slots, lone, tuple(int(s) for s in prefill_starts),
-                   tuple(int(s) for s in prefill_slots), tuple(bool(c) for c in prefill_continues))
+        slots = decode_slots.reshape(-1).long() if decodes else None
+        return cls(decodes, slots, tuple(int(s) for s in prefill_starts), tuple(int(s) for s in prefill_slots),
+                   tuple(bool(c) for c in prefill_continues))
 
     @property
     def end(self) -> int:
@@ -51,15 +49,16 @@ class FlatBatch:
 
 
 def refine_flat_batch(hidden_states: torch.Tensor, states: torch.Tensor, batch: FlatBatch, *, pde_type: str,
-                      steps: int, alpha, beta=None) -> torch.Tensor:
+                      steps: int, alpha, beta=None, coefficient_bounds=None) -> torch.Tensor:
     """The refined ``hidden_states`` ``[tokens, channels]`` (tokens outside the batch's sequences unchanged);
-    ``states`` updated in place. ``alpha`` / ``beta``: the coefficients, inside the causal scheme's bounds."""
-    operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta)
+    ``states`` updated in place. ``alpha`` / ``beta``: the coefficients, projected onto ``coefficient_bounds``."""
+    operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, coefficient_bounds=coefficient_bounds)
     if batch.decodes == hidden_states.shape[0] and not batch.prefill_slots:  # (decodes alone: the common step)
-        return _decode(hidden_states, states, batch, operator)
+        return pde_decode_update(hidden_states, states, state_indices=batch.decode_slots, **operator)
     output = hidden_states.clone() if batch.end < hidden_states.shape[0] else torch.empty_like(hidden_states)
     if batch.decodes:
-        output[:batch.decodes] = _decode(hidden_states[:batch.decodes], states, batch, operator)
+        output[:batch.decodes] = pde_decode_update(hidden_states[:batch.decodes], states,
+                                                   state_indices=batch.decode_slots, **operator)
     starts = batch.prefill_starts
     for start, stop, slot, continues in zip(starts, starts[1:], batch.prefill_slots, batch.prefill_continues):
         initial = states[slot].unsqueeze(0) if continues else None
@@ -68,13 +67,3 @@ def refine_flat_batch(hidden_states: torch.Tensor, states: torch.Tensor, batch: 
         output[start:stop] = refined[0]
         states[slot] = final[0]
     return output
-
-
-def _decode(tokens, states, batch, operator):
-    """The batch's decoded tokens refined, their states updated in their slots."""
-    if batch.lone_slot is not None:  # (one sequence on the CPU: its slot as a view, updated in place)
-        return pde_decode_update(tokens, states[batch.lone_slot:batch.lone_slot + 1], **operator)
-    state = states.index_select(0, batch.decode_slots)  # gathered, updated in place, then written back
-    refined = pde_decode_update(tokens, state, **operator)
-    states.index_copy_(0, batch.decode_slots, state)
-    return refined

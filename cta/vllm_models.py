@@ -95,11 +95,13 @@ def _state_shape(vllm_config):
     return ((specs[0].steps, vllm_config.model_config.hf_config.hidden_size),)
 
 
-def project_site_coefficients(model) -> None:
-    """Every site's loaded coefficients projected onto their bounds (:meth:`VllmPDESite.project_coefficients`)."""
+def prepare_sites(model) -> None:
+    """After the weights load, every site's coefficients projected onto their bounds
+    (:meth:`VllmPDESite.project_coefficients`) and its decode warmed up (:meth:`VllmPDESite.warm_up`)."""
     for module in model.modules():
         if isinstance(module, VllmPDESite):
             module.project_coefficients()
+            module.warm_up()
 
 
 @lru_cache(maxsize=None)  # (one subclass per vLLM module class: a bounded set)
@@ -147,7 +149,7 @@ class CTASitesMixin:
 
     def load_weights(self, weights):
         loaded = super().load_weights(weights)
-        project_site_coefficients(self)
+        prepare_sites(self)
         return loaded
 
     def _add_sites(self, specs, hidden_size):
@@ -198,7 +200,7 @@ class CTAForCausalLM(CTASitesMixin, LlamaForCausalLM, HasInnerState, IsHybrid):
 
     def load_weights(self, weights):
         loaded = AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
-        project_site_coefficients(self)
+        prepare_sites(self)
         return loaded
 
 

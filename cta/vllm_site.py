@@ -23,7 +23,7 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from .pde_cta import PAPER_COEFFICIENTS, coefficient_bounds
+from .pde_cta import PAPER_COEFFICIENTS, coefficient_bounds, pde_decode_update
 from .pde_serving import FlatBatch, refine_flat_batch
 from .site_spec import PDESiteSpec
 
@@ -70,7 +70,10 @@ class VllmPDESite(MambaBase, nn.Module):
         return MambaAttentionBackendEnum.SHORT_CONV  # (its metadata: state indices and prefill starts, all we read)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.ops.cta_vllm.pde_site(hidden_states, self.prefix)
+        # (into a buffer the graph allocates, as vLLM's stateful ops write: a piecewise CUDA graph reads it after)
+        output = torch.empty_like(hidden_states)
+        torch.ops.cta_vllm.pde_site(hidden_states, output, self.prefix)
+        return output
 
     @torch.no_grad()
     def project_coefficients(self) -> None:
@@ -80,6 +83,14 @@ class VllmPDESite(MambaBase, nn.Module):
         self.alpha.clamp_(*self.bounds[0])
         if self.beta is not None:
             self.beta.clamp_(*self.bounds[1])
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """One decode step on a scratch state, before the engine serves: on the CPU it builds the operator's C++
+        decode kernel (``kernels_cpu``; about 30 s, once per machine) while the engine starts, not on a request."""
+        state = torch.zeros(1, self.steps, self.channels, device=self.alpha.device)
+        pde_decode_update(torch.zeros(1, self.channels, device=self.alpha.device), state, pde_type=self.pde_type,
+                          steps=self.steps, alpha=self.alpha, beta=self.beta)
 
     def refine(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The refined ``hidden_states`` ``[tokens, channels]``; the states of the batch's sequences read and written
@@ -109,15 +120,16 @@ def flat_batch(metadata) -> FlatBatch:
 
 
 @eager_break_during_capture
-def _pde_site(hidden_states: torch.Tensor, layer_name: str) -> torch.Tensor:
-    return get_forward_context().no_compile_layers[layer_name].refine(hidden_states)
+def _pde_site(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    output.copy_(get_forward_context().no_compile_layers[layer_name].refine(hidden_states))
 
 
-def _pde_site_fake(hidden_states: torch.Tensor, layer_name: str) -> torch.Tensor:
-    return torch.empty_like(hidden_states)
+def _pde_site_fake(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
+    return None
 
 
 _LIBRARY = torch.library.Library(OP_LIBRARY, "FRAGMENT")  # (the op lives as long as this handle)
-# (the states it writes live in the engine's cache, outside the graph, as vLLM's short convolution's do)
-direct_register_custom_op(op_name="pde_site", op_func=_pde_site, mutates_args=[], fake_impl=_pde_site_fake,
+# (the states it writes live in the engine's cache, outside the graph, as vLLM's short convolution's do; the refined
+# tokens go to `output`, as vLLM's short convolution and attention write theirs)
+direct_register_custom_op(op_name="pde_site", op_func=_pde_site, mutates_args=["output"], fake_impl=_pde_site_fake,
                           target_lib=_LIBRARY)
