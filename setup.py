@@ -25,6 +25,8 @@ setup(
         "accelerate>=1.0",
         "safetensors>=0.4",
         "huggingface_hub>=1.0",
+        # builds the CPU decode kernel on first use (cta/kernels_cpu.py; with a C++ compiler, else torch ops serve)
+        "ninja",
     ],
     extras_require={
         "triton": ["triton>=3.4", "ninja"],
