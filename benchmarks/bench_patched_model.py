@@ -9,7 +9,7 @@ A random-weight Llama (8 x 4096, bf16, sdpa) patched in place (diffusion after e
 again in ``--rounds`` paired rounds of prefill at ``--lengths`` and a training step (order alternating; overhead: the
 median of patched / unpatched - 1; round 1 reads peak memory). Decode: per-token pairs (``results_io.paired_decode``)
 without and with the all-ones mask, a drop in tokens/s [bootstrap 95%]. ``--cpu-decode``: those pairs alone per
-``--pde-types`` on SmolLM2-135M's shape (30 x 576, fp32, one thread, backend ``torch``), with the host µs per site.
+``--pde-types`` on SmolLM2-135M's shape (30 x 576, fp32, one thread, ``--backend``), with the host µs per site.
 """
 
 import argparse
@@ -27,7 +27,7 @@ import torch  # noqa: E402  (after results_io: it puts the repository on the pat
 import transformers  # noqa: E402
 
 from cta.patching_cta import is_patched, patch_model, pde_modules, unpatch_model  # noqa: E402
-from cta.pde_cta import pde_refine, triton_available  # noqa: E402
+from cta.pde_cta import cpu_kernel, pde_refine, triton_available  # noqa: E402
 
 TARGETS = {"prefill_16384": 2.0, "train_step": 5.0}  # (the decode targets are generate()'s)
 
@@ -53,18 +53,17 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.cpu_decode:  # SmolLM2-135M's shape unless given
         p.set_defaults(layers=30, hidden=576, intermediate=1536, vocab=49152, decode_prefill=64, decode_tokens=200,
-                       decode_pair_tokens=300, device="cpu", dtype="float32", backend="torch")
+                       decode_pair_tokens=300, device="cpu", dtype="float32")
         args = p.parse_args(argv)
     return args
 
 
 def cpu_decode(args, build):
-    """Per-token pairs (all-ones mask) of a patched and an unpatched copy per PDE type (``cpu_decode.*``), pooled over
-    ``--processes`` processes taking turns: one process's median read up to 1.5% off another's (its own heap)."""
+    """Per-token pairs (all-ones mask), patched vs unpatched, per type over ``--processes`` (a heap moves one ~1.5%)."""
     torch.set_num_threads(args.threads)
     if args.processes == 0:  # (one process of the run below: its pairs, as JSON to --out)
         unpatched, patched = build(), patch_model(build(), pde_type=args.pde_types, pde_steps=args.steps,
-                                                  placement="block_output", init="paper", backend="torch")
+                                                  placement="block_output", init="paper", backend=args.backend)
         prompt = torch.randint(0, args.vocab, (1, args.decode_prefill), generator=torch.Generator().manual_seed(3))
         pairs = paired_decode(patched, unpatched, prompt, args.decode_tokens, args.decode_pair_tokens, mask=True)
         return json.dump({"sites": len(pde_modules(patched)), "pairs": pairs}, open(args.out, "w"))
@@ -84,16 +83,17 @@ def cpu_decode(args, build):
                          overhead_ci95_percent=[100 * (x - 1) for x in bootstrap_median([p / u for u, p in pairs])],
                          process_overheads_percent=[overhead(part["pairs"]) for part in parts],
                          host_us_per_site=1e6 * statistics.median(p - u for u, p in pairs) / sites, target_percent=7.0))
+    patch = dict(placement="block_output", pde_steps=args.steps, init="paper", backend=args.backend,  # and what ran:
+                 backend_used="cpu kernel" if args.backend == "auto" and cpu_kernel() is not None else "torch")
     info = dict(cpu=platform.processor() or platform.machine(), threads=args.threads, torch=torch.__version__,
                 transformers=transformers.__version__, model=dict(layers=args.layers, hidden=args.hidden,
                                                                   intermediate=args.intermediate, dtype="float32"),
-                patch=dict(placement="block_output", pde_steps=args.steps, init="paper", backend="torch"), rows=rows,
-                command="python benchmarks/bench_patched_model.py " + " ".join(sys.argv[1:]))
+                patch=patch, rows=rows, command="python benchmarks/bench_patched_model.py " + " ".join(sys.argv[1:]))
     lines = [f"# CPU decode: patched Llama vs an unpatched copy ({info['cpu']}, {args.threads} thread)", "",
              f"{args.layers} layers x {args.hidden} hidden, fp32, sdpa; PDE after every block, {args.steps} steps, "
-             "`init=\"paper\"`, backend `torch`. Per-token pairs (each token decoded by both models back to back), "
-             f"pooled over {args.processes} processes per type; overhead: median of patched / unpatched - 1 [bootstrap "
-             f"95%] (each process's). torch {info['torch']}, transformers {info['transformers']}.", "",
+             f"`init=\"paper\"`, backend `{args.backend}` ({patch['backend_used']}). Per-token pairs (both decode each "
+             f"token back to back) of {args.processes} processes per type; overhead: median of patched / unpatched - 1 "
+             f"[bootstrap 95%] (each process's). torch {info['torch']}, transformers {info['transformers']}.", "",
              "| PDE type | unpatched µs/token | patched µs/token | overhead | host µs per site | target |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {r['pde_type']} | {r['unpatched_step_us']:.0f} | {r['patched_step_us']:.0f} | "

@@ -6,11 +6,11 @@ On the CPU a decoded token is host-bound: each torch op of the decode step costs
 in one call: read each sequence's state (a slot of a state table where ``state_indices`` is given, as vLLM keeps it),
 the ``steps`` levels of the scheme's causal recurrence, the state written back, the refined token returned.
 
-* The C++ source is generated from the registered :class:`pde_spec.PDEScheme` s, as the Triton kernels are: the
-  reaction expression (``-b * tanh(u)``) is the same text torch evaluates. The recurrence is
-  :func:`pde_decode.decode_update_torch`'s, with ``torch.lerp``'s formula (``fma`` as ATen's vectorized lerp), so a
-  linear scheme's result equals the torch ops' bit for bit on CPUs with FMA (a reaction's ``tanh`` is libm's, within
-  an ulp of ATen's).
+* The C++ source is generated from the registered :class:`pde_spec.PDEScheme` s without a reaction (diffusion, wave,
+  advection-diffusion), as the Triton kernels are. The recurrence is :func:`pde_decode.decode_update_torch`'s, with
+  ``torch.lerp``'s formula (``fma``, as ATen's vectorized lerp), so the result equals the torch ops' to the last bit or
+  one rounding. A scheme with a reaction keeps the torch ops: libm's scalar ``tanh`` costs more than ATen's vectorized
+  one saves (:func:`pde_cta.choose_backend`).
 * The coefficients are projected onto their bounds inside the call (no clamp op per token).
 * Built on first use with ``torch.utils.cpp_extension`` (about 30 s once; cached by torch, per source and CPU
   capability), vectorized for the CPU torch reports (AVX2 / AVX-512 with FMA). ``CTA_CPU_KERNEL=0`` turns it off;
@@ -19,7 +19,6 @@ the ``steps`` levels of the scheme's causal recurrence, the state written back, 
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import logging
 import os
@@ -157,38 +156,13 @@ _CASE = """      case %(id)d:
         break;"""
 
 
-def _cpp_expression(expression: str) -> str:
-    """A reaction expression in ``u``, ``b``, numbers and ``tanh`` (``PDEScheme.reaction[0]``) as C++ of type T."""
-
-    def emit(node) -> str:
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            return f"({emit(node.left)} {_OPERATORS[type(node.op)]} {emit(node.right)})"
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return f"(-{emit(node.operand)})"
-        if isinstance(node, ast.Name) and node.id in ("u", "b"):
-            return node.id
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return f"T({float(node.value)!r})"
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "tanh"
-                and len(node.args) == 1):
-            return f"std::tanh({emit(node.args[0])})"
-        raise ValueError(f"the CPU decode kernel cannot express {ast.unparse(node)!r} in C++")
-
-    return emit(ast.parse(expression, mode="eval").body)
-
-
-_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
-
-
 def _scheme_struct(index: int, scheme) -> str:
-    """One scheme's causal step ``u_{s+1}(u_s, stored value, w, b)`` in C++: the recurrence of ``pde_decode._levels``
-    (``w`` already ``alpha + beta`` for advection)."""
+    """One linear scheme's causal step ``u_{s+1}(u_s, stored value, w)`` in C++: the recurrence of
+    ``pde_decode._levels`` (``w`` already ``alpha + beta`` for advection)."""
     if scheme.wave:
         body = (f"const T pull = value - old;\n"
                 f"    velocity = first ? w * pull : T({1.0 - WAVE_DAMPING!r}) * velocity + w * pull;\n"
                 f"    return old + velocity;")
-    elif scheme.reaction is not None:
-        body = f"const T u = old;\n    return lerp(old, value, w) + {_cpp_expression(scheme.reaction[0])};"
     else:
         body = "return lerp(old, value, w);"
     return (f"struct Scheme{index} {{  // {scheme.name}\n"
@@ -197,9 +171,11 @@ def _scheme_struct(index: int, scheme) -> str:
 
 
 def cpp_source() -> str:
-    """The kernel's C++ source for the schemes registered now (scheme id = registration index)."""
-    structs = "\n\n".join(_scheme_struct(i, scheme) for i, scheme in enumerate(SCHEMES.values()))
-    cases = "\n".join(_CASE % dict(id=i) for i in range(len(SCHEMES)))
+    """The kernel's C++ source for the registered schemes without a reaction (scheme id = registration index)."""
+    linear = [i for i, scheme in enumerate(SCHEMES.values()) if scheme.reaction is None]
+    schemes = list(SCHEMES.values())
+    structs = "\n\n".join(_scheme_struct(i, schemes[i]) for i in linear)
+    cases = "\n".join(_CASE % dict(id=i) for i in linear)
     return _KERNEL % dict(schemes=structs, cases=cases)
 
 

@@ -91,11 +91,12 @@ def triton_missing_requirement(tensor: torch.Tensor) -> Optional[str]:
     return None
 
 
-def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=None) -> str:
+def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=None, pde_type: str = None) -> str:
     """``"triton"``, ``"cpu"`` or ``"torch"``: the implementation that runs a call (of :func:`pde_refine`, or of
     :func:`pde_decode_update` on ``state``), the one place it is chosen. ``auto`` takes Triton for CUDA tensors where
-    it runs, and the C++ kernel for an eager CPU decode where it builds; ``triton`` raises where it cannot run, naming
-    the missing requirement. The fused kernels take 1 to
+    it runs, and the C++ kernel for an eager CPU decode where it builds (a scheme with a reaction excepted: libm's
+    scalar ``tanh`` there costs more than ATen's vectorized one); ``triton`` raises where it cannot run, naming the
+    missing requirement. The fused kernels take 1 to
     ``MAX_FUSED_STEPS`` steps in fp32, bf16 or fp16 (a decode: an fp32 state with contiguous channels, eager); the
     PyTorch code runs the rest."""
     if backend == "torch":
@@ -103,9 +104,10 @@ def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=
     if backend not in PDE_BACKENDS:
         raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
     if (backend == "auto" and state is not None and hidden_states.device.type == "cpu"
-            and not torch.compiler.is_compiling()):  # a CPU decode: the C++ kernel where it builds
+            and not torch.compiler.is_compiling()):  # a CPU decode: the C++ kernel where it builds and is faster
         levels = (state,) if isinstance(state, torch.Tensor) else state
-        return "cpu" if levels[0].dtype in CPU_STATE_DTYPES and cpu_kernel() is not None else "torch"
+        linear = pde_type is None or SCHEMES[pde_type].reaction is None
+        return "cpu" if levels[0].dtype in CPU_STATE_DTYPES and linear and cpu_kernel() is not None else "torch"
     if backend == "triton":
         missing = triton_missing_requirement(hidden_states)
         if missing is not None:
@@ -194,7 +196,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
                                                            token_mask, coefficient_bounds, state_indices)
     if steps == 0:
         return hidden_states.clone()
-    chosen = choose_backend(backend, hidden_states, steps, state)
+    chosen = choose_backend(backend, hidden_states, steps, state, pde_type)
     if chosen == "cpu":
         scheme = SCHEMES[pde_type]
         return cpu_decode_update(hidden_states, state, scheme_id=list(SCHEMES).index(scheme.name), advection=scheme.advection,
