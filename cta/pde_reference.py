@@ -126,16 +126,24 @@ def reference_refine(hidden_states, *, pde_type, steps, alpha, beta, causal, att
 
 
 def pde_decode_step_reference(hidden_states: torch.Tensor, state: torch.Tensor, *, pde_type: str, steps: int, alpha,
-                              beta=None, token_mask: Optional[torch.Tensor] = None, coefficient_bounds=None):
+                              beta=None, token_mask: Optional[torch.Tensor] = None,
+                              state_indices: Optional[torch.Tensor] = None, coefficient_bounds=None):
     """One causal decode step (the ``update`` to :func:`pde_refine`'s ``fn``, as in causal-conv1d).
 
     ``hidden_states`` is ``[batch, channels]`` (the new token), ``state`` ``[batch, steps, channels]`` fp32 as returned
     by ``pde_refine(..., causal=True, return_final_state=True)``; it is updated in place. ``token_mask``: one entry per
-    sequence (0: padding, returned unchanged). ``coefficient_bounds``: ``((alpha_min, alpha_max), (beta_min,
-    beta_max) | None)`` to clamp the coefficients into first (:class:`PDERefinement`'s projection), or None.
-    Returns the refined token."""
+    sequence (0: padding, returned unchanged). ``state_indices``: the rows of ``state`` (a table) that hold the
+    sequences' states. ``coefficient_bounds``: ``((alpha_min, alpha_max), (beta_min, beta_max) | None)`` to clamp the
+    coefficients into first (:class:`PDERefinement`'s projection), or None. Returns the refined token."""
     pde_type, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta,
-                                                           token_mask, coefficient_bounds)
+                                                           token_mask, coefficient_bounds, state_indices)
+    if state_indices is not None:
+        rows = state_indices.reshape(-1).long()
+        gathered = state.index_select(0, rows)
+        out = pde_decode_step_reference(hidden_states, gathered, pde_type=pde_type, steps=steps, alpha=alpha,
+                                        beta=beta, token_mask=token_mask, coefficient_bounds=bounds)
+        state.index_copy_(0, rows, gathered)
+        return out
     if not torch.is_tensor(state) or state.dim() != 3 or hidden_states.dim() != 2:
         raise ValueError("pde_decode_step_reference takes `hidden_states` [batch, channels] and `state` [batch, steps, "
                          "channels] (cta.pde_decode_update also takes a cache's level buffers).")
