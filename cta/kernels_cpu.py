@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .pde_spec import SCHEMES, WAVE_DAMPING
+from .pde_spec import SCHEMES, WAVE_DAMPING, project_coefficients
 
 logger = logging.getLogger(__name__)
 ENV_SWITCH = "CTA_CPU_KERNEL"
@@ -41,9 +41,9 @@ _KERNEL = r"""
 #include <cmath>
 #include <vector>
 
-// torch.lerp as ATen's vectorized kernel computes it
 #define CTA_INLINE inline __attribute__((always_inline))
 
+// torch.lerp as ATen's vectorized kernel computes it
 template <typename T> static CTA_INLINE T lerp(T a, T b, T w) {
   const T d = b - a, low = std::fma(w, d, a), high = std::fma(w - T(1), d, b);  // (both: a select vectorizes)
   return std::abs(w) < T(0.5) ? low : high;
@@ -225,12 +225,12 @@ def _kernel(schemes: int):
     return _build(cpp_source(), tuple(_compiler_flags()))
 
 
-def decode_update(hidden_states: torch.Tensor, state, *, scheme_id: int, advection: bool, steps: int,
-                  alpha: torch.Tensor, beta: Optional[torch.Tensor], bounds, token_mask: Optional[torch.Tensor] = None,
-                  state_indices: Optional[torch.Tensor] = None, module=None) -> torch.Tensor:
-    """The kernel's call behind :func:`pde_cta.pde_decode_update` (arguments checked there; ``state`` fp32 / fp64 on
-    the CPU, a tensor or its level buffers; ``module``: :func:`kernel`'s, not None). Returns the refined token in the
-    input's shape and dtype."""
+def decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int, alpha: torch.Tensor,
+                  beta: Optional[torch.Tensor], bounds, token_mask: Optional[torch.Tensor] = None,
+                  state_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The kernel's call behind :func:`pde_cta.pde_decode_update` (arguments checked there, ``pde_type`` canonical;
+    ``state`` fp32 / fp64 on the CPU, a tensor or its level buffers; :func:`kernel` built). Returns the refined token in
+    the input's shape and dtype."""
     whole = isinstance(state, torch.Tensor)
     dtype = state.dtype if whole else state[0].dtype
     batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
@@ -240,20 +240,25 @@ def decode_update(hidden_states: torch.Tensor, state, *, scheme_id: int, advecti
     if x.stride(-1) != 1:
         x = x.contiguous()
     if alpha.dtype != dtype:  # (projected in their own dtype first, as the torch step does)
-        from .pde_spec import project_coefficients
-
         alpha, beta = project_coefficients(alpha, beta, bounds)
         alpha, beta, bounds = alpha.to(dtype), (None if beta is None else beta.to(dtype)), None
     a_low, a_high, b_low, b_high = _bounds(bounds)
     mask = None if token_mask is None else token_mask.reshape(batch).to(dtype)
     if state_indices is not None and state_indices.dtype != torch.int64:
         state_indices = state_indices.long()
-    refined = module.decode_update(x, [state] if whole else list(state), whole, state_indices, mask,
-                                   alpha.contiguous(), alpha if beta is None else beta.contiguous(), a_low, a_high,
-                                   b_low, b_high, advection, scheme_id, steps)
+    scheme_id, advection = _scheme_of(pde_type, len(SCHEMES))
+    refined = kernel().decode_update(x, [state] if whole else list(state), whole, state_indices, mask,
+                                     alpha.contiguous(), alpha if beta is None else beta.contiguous(), a_low, a_high,
+                                     b_low, b_high, advection, scheme_id, steps)
     if refined.dtype != hidden_states.dtype:
         refined = refined.to(hidden_states.dtype)
     return refined if refined.dim() == hidden_states.dim() else refined.reshape(hidden_states.shape)
+
+
+@lru_cache(maxsize=None)  # (one entry per registered scheme)
+def _scheme_of(pde_type: str, schemes: int):
+    """``(scheme id, advection)`` of a canonical ``pde_type``: its registration index, as the source numbers it."""
+    return list(SCHEMES).index(pde_type), SCHEMES[pde_type].advection
 
 
 def _bounds(bounds):

@@ -91,7 +91,8 @@ def triton_missing_requirement(tensor: torch.Tensor) -> Optional[str]:
     return None
 
 
-def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=None, pde_type: str = None) -> str:
+def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=None,
+                   pde_type: Optional[str] = None) -> str:
     """``"triton"``, ``"cpu"`` or ``"torch"``: the implementation that runs a call (of :func:`pde_refine`, or of
     :func:`pde_decode_update` on ``state``), the one place it is chosen. ``auto`` takes Triton for CUDA tensors where
     it runs, and the C++ kernel for an eager CPU decode where it builds (a scheme with a reaction excepted: libm's
@@ -198,13 +199,12 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
         return hidden_states.clone()
     chosen = choose_backend(backend, hidden_states, steps, state, pde_type)
     if chosen == "cpu":
-        scheme = SCHEMES[pde_type]
-        return cpu_decode_update(hidden_states, state, scheme_id=list(SCHEMES).index(scheme.name), advection=scheme.advection,
-                             steps=steps, alpha=alpha, beta=beta, bounds=bounds, token_mask=token_mask,
-                             state_indices=state_indices, module=cpu_kernel())
-    table = state
+        return cpu_decode_update(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
+                                 bounds=bounds, token_mask=token_mask, state_indices=state_indices)
+    table, rows = state, None
     if state_indices is not None:  # the sequences' rows, gathered, updated in place, then written back
-        state = table.index_select(0, state_indices.reshape(-1).long())
+        rows = state_indices.reshape(-1).long()
+        state = table.index_select(0, rows)
     if chosen == "triton":
         from .triton_cta import launch_decode
 
@@ -220,8 +220,8 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
             alpha, beta = project_coefficients(alpha, beta, bounds)
         refined = decode_update_torch(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
                                       token_mask=token_mask)
-    if state_indices is not None:
-        table.index_copy_(0, state_indices.reshape(-1).long(), state)
+    if rows is not None:
+        table.index_copy_(0, rows, state)
     return refined
 
 

@@ -250,7 +250,8 @@ def check_decode_state(state, batch: int, steps: int, channels: int) -> None:
     channels, 1]``) that a decode step reads and writes (one of another shape would be read out of bounds by the
     kernel)."""
     shape = (batch, steps, channels)
-    if not isinstance(state, torch.Tensor) or state.shape not in (shape, (*shape, 1)) or state.dtype not in _STATE_DTYPES:
+    if (not isinstance(state, torch.Tensor) or state.shape not in (shape, (*shape, 1))
+            or state.dtype not in _STATE_DTYPES):
         got = (tuple(state.shape), state.dtype) if isinstance(state, torch.Tensor) else type(state)
         raise ValueError(f"`state` must be a float32 (or float64) tensor of shape [batch, steps, channels] = "
                          f"[{batch}, {steps}, {channels}], got {got}.")
@@ -261,10 +262,10 @@ def check_decode_levels(levels, batch: int, steps: int, channels: int) -> None:
     step; or the ``[batch, 1, channels, 1]`` conv states that hold them) that a decode step reads and writes."""
     shapes = ((batch, 1, channels), (batch, 1, channels, 1))
     if (not isinstance(levels, (tuple, list)) or len(levels) != steps
-            or any(not isinstance(level, torch.Tensor) or tuple(level.shape) not in shapes or level.dtype not in _STATE_DTYPES
-                   for level in levels)):
-        got = [(tuple(level.shape), level.dtype) if isinstance(level, torch.Tensor) else type(level) for level in levels] \
-            if isinstance(levels, (tuple, list)) else type(levels)
+            or any(not isinstance(level, torch.Tensor) or tuple(level.shape) not in shapes
+                   or level.dtype not in _STATE_DTYPES for level in levels)):
+        got = [(tuple(level.shape), level.dtype) if isinstance(level, torch.Tensor) else type(level)
+               for level in levels] if isinstance(levels, (tuple, list)) else type(levels)
         raise ValueError(f"The cached PDE state must be {steps} float32 (or float64) tensors of shape [batch, 1, "
                          f"channels] = [{batch}, 1, {channels}], one per step; got {got}.")
 
@@ -276,16 +277,17 @@ def check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta, t
     ``[batch, 1, channels]``; ``state``: ``[batch, steps, channels]`` (or the cache's ``[batch, steps, channels, 1]``
     block), or its ``steps`` level buffers (:func:`check_decode_levels`); with ``state_indices`` (``batch``
     integers), a table ``[rows, steps, channels]`` whose rows they name."""
-    if (not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3) or not hidden_states.is_floating_point()
-            or (hidden_states.dim() == 3 and hidden_states.shape[1] != 1)):
+    if (not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3)
+            or not hidden_states.is_floating_point() or (hidden_states.dim() == 3 and hidden_states.shape[1] != 1)):
         shape = tuple(hidden_states.shape) if isinstance(hidden_states, torch.Tensor) else type(hidden_states)
         raise ValueError("`hidden_states` must be a floating point tensor of shape [batch, channels] or [batch, 1, "
                          f"channels] (one token per sequence), got {shape}.")
     batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
     pde_type, alpha, beta = _check_operator(pde_type, steps, alpha, beta, channels, hidden_states.device, causal=True)
     if state_indices is not None:
-        if (not isinstance(state_indices, torch.Tensor) or state_indices.numel() != batch or state_indices.is_floating_point()
-                or state_indices.is_complex() or state_indices.device != hidden_states.device):
+        if (not isinstance(state_indices, torch.Tensor) or state_indices.numel() != batch
+                or state_indices.is_floating_point() or state_indices.is_complex()
+                or state_indices.device != hidden_states.device):
             got = (tuple(state_indices.shape), state_indices.dtype, str(state_indices.device)) \
                 if isinstance(state_indices, torch.Tensor) else type(state_indices)
             raise ValueError(f"`state_indices` must be {batch} integers (one state row per sequence) on "
