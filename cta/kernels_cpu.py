@@ -6,11 +6,12 @@ On the CPU a decoded token is host-bound: each torch op of the decode step costs
 in one call: read each sequence's state (a slot of a state table where ``state_indices`` is given, as vLLM keeps it),
 the ``steps`` levels of the scheme's causal recurrence, the state written back, the refined token returned.
 
-* The C++ source is generated from the registered :class:`pde_spec.PDEScheme` s without a reaction (diffusion, wave,
-  advection-diffusion), as the Triton kernels are. The recurrence is :func:`pde_decode.decode_update_torch`'s, with
-  ``torch.lerp``'s formula (``fma``, as ATen's vectorized lerp), so the result equals the torch ops' to the last bit or
-  one rounding. A scheme with a reaction keeps the torch ops: libm's scalar ``tanh`` costs more than ATen's vectorized
-  one saves (:func:`pde_cta.choose_backend`).
+* The C++ source is generated from the registered :class:`pde_spec.PDEScheme` s, as the Triton kernels are. The
+  recurrence is :func:`pde_decode.decode_update_torch`'s, with ``torch.lerp``'s formula (``fma``, as ATen's vectorized
+  lerp), so the result equals the torch ops' to the last bit or one rounding. A reaction is written in C++ from its
+  expression (:func:`cpp_reaction`), ``tanh(u)`` computed by ATen's vectorized ``tanh`` once per level for the whole
+  batch (libm's scalar ``tanh`` would cost more than the kernel saves); a reaction it cannot write keeps the torch ops
+  (:func:`runs`).
 * The coefficients are projected onto their bounds inside the call (no clamp op per token).
 * Built on first use with ``torch.utils.cpp_extension`` (about 30 s once; cached by torch, per source and CPU
   capability), vectorized for the CPU torch reports (AVX2 / AVX-512 with FMA). ``CTA_CPU_KERNEL=0`` turns it off;
@@ -19,9 +20,11 @@ the ``steps`` levels of the scheme's causal recurrence, the state written back, 
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import logging
 import os
+import re
 import sys
 import time
 from functools import lru_cache
@@ -49,68 +52,77 @@ template <typename T> static CTA_INLINE T lerp(T a, T b, T w) {
   return std::abs(w) < T(0.5) ? low : high;
 }
 
-// The levels u_1 .. u_S of one sequence (u = x on entry, the refined token on exit); cell s holds the step-s iterate
-// at the previous position and receives u_s. (The stored row is copied to `value` first: the arithmetic loop then
-// reads and writes only local buffers, which the compiler vectorizes without aliasing checks.)
+// Every sequence's levels u_1 .. u_S, level by level: y holds u (x on entry, the refined tokens on exit); cell s of a
+// sequence holds its step-s iterate at the previous position and receives u_s. A scheme whose reaction reads f = tanh(u)
+// gets it from ATen's vectorized tanh, once per level for the whole batch (its result is the torch step's). (The stored
+// row is copied to `value` first: the arithmetic loop then reads and writes only local buffers, which the compiler
+// vectorizes without aliasing checks.)
 template <typename T, typename Scheme, bool PER_CHANNEL>
-static void recurrence(T* __restrict__ u, T* __restrict__ value, T* __restrict__ velocity, T* const* cells,
-                       const int64_t* channel_strides, const T* __restrict__ w, const T* __restrict__ b,
-                       int64_t steps, int64_t channels) {
+static void run(const T* x, int64_t x_stride, at::Tensor& out, const std::vector<T*>& bases,
+                const std::vector<int64_t>& seq, const std::vector<int64_t>& chan, const int64_t* indices,
+                const T* mask, const T* __restrict__ w, const T* __restrict__ b, int64_t batch, int64_t steps,
+                int64_t channels) {
+  T* y = out.data_ptr<T>();
+  at::Tensor tanh_u = Scheme::reads_tanh ? at::empty_like(out) : at::Tensor();
+  const T* f = Scheme::reads_tanh ? tanh_u.data_ptr<T>() : nullptr;
+  std::vector<T> value(channels), velocity(Scheme::wave ? batch * channels : 0);
   const T w0 = w[0], b0 = b[0];
-  for (int64_t s = 0; s < steps; ++s) {
-    T* cell = cells[s];
-    const int64_t stride = channel_strides[s];
-    if (stride == 1) {
-      std::copy(cell, cell + channels, value);
-      std::copy(u, u + channels, cell);
-    } else {
-      for (int64_t c = 0; c < channels; ++c) { value[c] = cell[c * stride]; cell[c * stride] = u[c]; }
-    }
-    const bool first = s == 0;
-    for (int64_t c = 0; c < channels; ++c)
-      u[c] = Scheme::step(u[c], value[c], PER_CHANNEL ? w[c] : w0, PER_CHANNEL ? b[c] : b0, velocity[c], first);
-  }
-}
-
-template <typename T, typename Scheme, bool PER_CHANNEL>
-static void run(const T* x, int64_t x_stride, T* y, const std::vector<T*>& bases, const std::vector<int64_t>& seq,
-                const std::vector<int64_t>& chan, const int64_t* indices, const T* mask,
-                const T* w, const T* b, int64_t batch, int64_t steps, int64_t channels) {
-  std::vector<T> u(channels), value(channels), velocity(channels);
-  std::vector<T*> cells(steps);
   for (int64_t i = 0; i < batch; ++i) {
-    const int64_t slot = indices ? indices[i] : i;
-    for (int64_t s = 0; s < steps; ++s) cells[s] = bases[s] + slot * seq[s];
     const T* xi = x + i * x_stride;
-    T* yi = y + i * channels;
+    std::copy(xi, xi + channels, y + i * channels);
     if (mask && mask[i] == T(0)) {  // padding: returned unchanged, a wall as its state
-      std::copy(xi, xi + channels, yi);
+      const int64_t slot = indices ? indices[i] : i;
       for (int64_t s = 0; s < steps; ++s)
-        for (int64_t c = 0; c < channels; ++c) cells[s][c * chan[s]] = T(0);
-      continue;
+        for (int64_t c = 0; c < channels; ++c) bases[s][slot * seq[s] + c * chan[s]] = T(0);
     }
-    std::copy(xi, xi + channels, u.data());
-    recurrence<T, Scheme, PER_CHANNEL>(u.data(), value.data(), velocity.data(), cells.data(), chan.data(), w, b,
-                                       steps, channels);
-    std::copy(u.begin(), u.end(), yi);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    if (Scheme::reads_tanh) at::tanh_out(tanh_u, out);
+    const bool first = s == 0;
+    for (int64_t i = 0; i < batch; ++i) {
+      if (mask && mask[i] == T(0)) continue;
+      T* __restrict__ u = y + i * channels;
+      T* cell = bases[s] + (indices ? indices[i] : i) * seq[s];
+      const int64_t stride = chan[s];
+      if (stride == 1) {
+        std::copy(cell, cell + channels, value.data());
+        std::copy(u, u + channels, cell);
+      } else {
+        for (int64_t c = 0; c < channels; ++c) { value[c] = cell[c * stride]; cell[c * stride] = u[c]; }
+      }
+      const T* __restrict__ fi = Scheme::reads_tanh ? f + i * channels : nullptr;
+      T* __restrict__ vi = Scheme::wave ? velocity.data() + i * channels : nullptr;
+      const T* __restrict__ v = value.data();
+      for (int64_t c = 0; c < channels; ++c)
+        u[c] = Scheme::step(u[c], v[c], PER_CHANNEL ? w[c] : w0, PER_CHANNEL ? b[c] : b0,
+                            Scheme::wave ? vi[c] : u[c], first, Scheme::reads_tanh ? fi[c] : T(0));
+    }
   }
 }
 
 %(schemes)s
 
-// x: [batch, channels] in the state's dtype, contiguous channels. levels: one tensor [rows, steps, channels(, 1)]
-// (whole) or `steps` tensors [rows, 1, channels(, 1)]. alpha, beta: the raw coefficients (1 or `channels` values,
-// contiguous; beta = alpha where the scheme has none), projected here onto their bounds; advection steps with
-// alpha + beta. Returns the refined tokens [batch, channels].
-at::Tensor decode_update(at::Tensor x, std::vector<at::Tensor> levels, bool whole, c10::optional<at::Tensor> indices,
-                         c10::optional<at::Tensor> mask, at::Tensor alpha, at::Tensor beta, double alpha_low,
-                         double alpha_high, double beta_low, double beta_high, bool advection, int64_t scheme,
-                         int64_t steps) {
-  const int64_t batch = x.size(0), channels = x.size(1);
-  at::Tensor y = at::empty({batch, channels}, x.options());
-  std::vector<int64_t> seq(steps), chan(steps);
+// hidden: [batch, channels] or [batch, 1, channels], any floating dtype (computed in the state's). levels: one tensor
+// [rows, steps, channels(, 1)] (whole) or `steps` tensors [rows, 1, channels(, 1)]. indices: integers, mask: numbers
+// (0: padding), one per sequence. alpha, beta: the raw coefficients (1 or `channels` values; beta = alpha where the
+// scheme has none), in the state's dtype, projected here onto their bounds; advection steps with alpha + beta.
+// Returns the refined tokens in hidden's shape and dtype. (Every conversion is here, not in Python: on the CPU each
+// Python-side op costs a decoded token microseconds.)
+at::Tensor decode_update(at::Tensor hidden, std::vector<at::Tensor> levels, bool whole,
+                         c10::optional<at::Tensor> indices_in, c10::optional<at::Tensor> mask_in, at::Tensor alpha,
+                         at::Tensor beta, double alpha_low, double alpha_high, double beta_low, double beta_high,
+                         bool advection, int64_t scheme, int64_t steps) {
   const at::Tensor& first = levels[0];
-  const int64_t table = first.size(0);
+  const int64_t batch = hidden.size(0), channels = hidden.size(-1), table = first.size(0);
+  at::Tensor x = hidden.reshape({batch, channels}).to(first.scalar_type());
+  if (x.stride(1) != 1) x = x.contiguous();
+  alpha = alpha.contiguous();
+  beta = beta.contiguous();
+  c10::optional<at::Tensor> indices, mask;
+  if (indices_in) indices = indices_in->to(at::kLong).contiguous();
+  if (mask_in) mask = mask_in->reshape({batch}).to(first.scalar_type()).contiguous();
+  at::Tensor y = at::empty({batch, channels}, x.options());  // (u while the levels run)
+  std::vector<int64_t> seq(steps), chan(steps);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "cta_pde_decode_update", [&] {
     std::vector<scalar_t*> bases(steps);
     for (int64_t s = 0; s < steps; ++s) {
@@ -142,41 +154,89 @@ at::Tensor decode_update(at::Tensor x, std::vector<at::Tensor> levels, bool whol
       default: TORCH_CHECK(false, "cta: no CPU decode kernel for scheme ", scheme);
     }
   });
-  return y;
+  return y.to(hidden.scalar_type()).view(hidden.sizes());
 }
 """
 
 _CASE = """      case %(id)d:
         if (per_channel)
-          run<scalar_t, Scheme%(id)d, true>(x.data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(), bases, seq,
-                                            chan, index, keep, wp, bp, batch, steps, channels);
+          run<scalar_t, Scheme%(id)d, true>(x.data_ptr<scalar_t>(), x.stride(0), y, bases, seq, chan, index, keep,
+                                            wp, bp, batch, steps, channels);
         else
-          run<scalar_t, Scheme%(id)d, false>(x.data_ptr<scalar_t>(), x.stride(0), y.data_ptr<scalar_t>(), bases, seq,
-                                             chan, index, keep, wp, bp, batch, steps, channels);
+          run<scalar_t, Scheme%(id)d, false>(x.data_ptr<scalar_t>(), x.stride(0), y, bases, seq, chan, index, keep,
+                                             wp, bp, batch, steps, channels);
         break;"""
 
 
-def _scheme_struct(index: int, scheme) -> str:
-    """One linear scheme's causal step ``u_{s+1}(u_s, stored value, w)`` in C++: the recurrence of
-    ``pde_decode._levels`` (``w`` already ``alpha + beta`` for advection)."""
+def _scheme_struct(index: int, scheme, reaction: Optional[str]) -> str:
+    """One scheme's causal step ``u_{s+1}(u_s, stored value, w, b, f = tanh(u_s))`` in C++: the recurrence of
+    ``pde_decode._levels`` (``w`` already ``alpha + beta`` for advection); ``reaction``: ``R(u, b)`` in C++."""
     if scheme.wave:
         body = (f"const T pull = value - old;\n"
                 f"    velocity = first ? w * pull : T({1.0 - WAVE_DAMPING!r}) * velocity + w * pull;\n"
                 f"    return old + velocity;")
+    elif reaction is not None:  # (the compiler contracts the product and sum to the fma the torch step's add_ is)
+        body = f"const T u = old;\n    (void)u;\n    return lerp(old, value, w) + {reaction};"
     else:
         body = "return lerp(old, value, w);"
+    reads_tanh = "true" if reaction is not None and re.search(r"\bf\b", reaction) else "false"
     return (f"struct Scheme{index} {{  // {scheme.name}\n"
-            f"  template <typename T> static CTA_INLINE T step(T old, T value, T w, T b, T& velocity, bool first) {{\n"
-            f"    (void)b; (void)velocity; (void)first;\n    {body}\n  }}\n}};")
+            f"  static constexpr bool wave = {'true' if scheme.wave else 'false'}, reads_tanh = {reads_tanh};\n"
+            f"  template <typename T>\n"
+            f"  static CTA_INLINE T step(T old, T value, T w, T b, T& velocity, bool first, T f) {{\n"
+            f"    (void)b; (void)velocity; (void)first; (void)f;\n    {body}\n  }}\n}};")
+
+
+_CPP_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
+
+
+def cpp_reaction(expression: str) -> Optional[str]:
+    """A reaction ``R(u, b)`` (``PDEScheme.reaction[0]``) in C++, ``tanh(u)`` read as ``f`` (ATen's tanh of the level,
+    computed once per level), or None where it uses anything else (that scheme keeps the torch ops)."""
+    def emit(node):
+        if isinstance(node, ast.BinOp) and type(node.op) in _CPP_OPERATORS:
+            return f"({emit(node.left)} {_CPP_OPERATORS[type(node.op)]} {emit(node.right)})"
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return f"(-{emit(node.operand)})"
+        if isinstance(node, ast.Name) and node.id in ("u", "b"):
+            return node.id
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return f"T({float(node.value)!r})"
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "tanh"
+                and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Name)
+                and node.args[0].id == "u"):
+            return "f"
+        raise ValueError(ast.dump(node))
+
+    try:
+        return emit(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _kernel_schemes() -> dict:
+    """scheme id -> its reaction in C++ (None: linear) for the registered schemes the kernel runs."""
+    schemes = {}
+    for index, scheme in enumerate(SCHEMES.values()):
+        reaction = None if scheme.reaction is None else cpp_reaction(scheme.reaction[0])
+        if scheme.reaction is None or reaction is not None:
+            schemes[index] = reaction
+    return schemes
 
 
 def cpp_source() -> str:
-    """The kernel's C++ source for the registered schemes without a reaction (scheme id = registration index)."""
-    linear = [i for i, scheme in enumerate(SCHEMES.values()) if scheme.reaction is None]
+    """The kernel's C++ source for the registered schemes it runs (scheme id = registration index)."""
     schemes = list(SCHEMES.values())
-    structs = "\n\n".join(_scheme_struct(i, schemes[i]) for i in linear)
-    cases = "\n".join(_CASE % dict(id=i) for i in linear)
+    covered = _kernel_schemes()
+    structs = "\n\n".join(_scheme_struct(i, schemes[i], reaction) for i, reaction in covered.items())
+    cases = "\n".join(_CASE % dict(id=i) for i in covered)
     return _KERNEL % dict(schemes=structs, cases=cases)
+
+
+def runs(pde_type: str) -> bool:
+    """Whether the kernel has a step for canonical ``pde_type`` (a reaction it cannot write in C++ keeps the torch
+    ops)."""
+    return _scheme_of(pde_type, len(SCHEMES))[2]
 
 
 def _compiler_flags() -> list:
@@ -233,32 +293,20 @@ def decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: i
     the input's shape and dtype."""
     whole = isinstance(state, torch.Tensor)
     dtype = state.dtype if whole else state[0].dtype
-    batch, channels = hidden_states.shape[0], hidden_states.shape[-1]
-    x = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(batch, channels)
-    if x.dtype != dtype:
-        x = x.to(dtype)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     if alpha.dtype != dtype:  # (projected in their own dtype first, as the torch step does)
         alpha, beta = project_coefficients(alpha, beta, bounds)
         alpha, beta, bounds = alpha.to(dtype), (None if beta is None else beta.to(dtype)), None
-    a_low, a_high, b_low, b_high = _bounds(bounds)
-    mask = None if token_mask is None else token_mask.reshape(batch).to(dtype)
-    if state_indices is not None and state_indices.dtype != torch.int64:
-        state_indices = state_indices.long()
-    scheme_id, advection = _scheme_of(pde_type, len(SCHEMES))
-    refined = kernel().decode_update(x, [state] if whole else list(state), whole, state_indices, mask,
-                                     alpha.contiguous(), alpha if beta is None else beta.contiguous(), a_low, a_high,
-                                     b_low, b_high, advection, scheme_id, steps)
-    if refined.dtype != hidden_states.dtype:
-        refined = refined.to(hidden_states.dtype)
-    return refined if refined.dim() == hidden_states.dim() else refined.reshape(hidden_states.shape)
+    scheme_id, advection, _ = _scheme_of(pde_type, len(SCHEMES))
+    return kernel().decode_update(hidden_states, [state] if whole else list(state), whole, state_indices, token_mask,
+                                  alpha, alpha if beta is None else beta, *_bounds(bounds), advection, scheme_id, steps)
 
 
 @lru_cache(maxsize=None)  # (one entry per registered scheme)
 def _scheme_of(pde_type: str, schemes: int):
-    """``(scheme id, advection)`` of a canonical ``pde_type``: its registration index, as the source numbers it."""
-    return list(SCHEMES).index(pde_type), SCHEMES[pde_type].advection
+    """``(scheme id, advection, in the kernel)`` of a canonical ``pde_type``: its registration index, as the source
+    numbers it."""
+    index = list(SCHEMES).index(pde_type)
+    return index, SCHEMES[pde_type].advection, index in _kernel_schemes()
 
 
 def _bounds(bounds):

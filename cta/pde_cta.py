@@ -18,6 +18,7 @@ from .kernels_config import MAX_FUSED_STEPS
 from .kernels_cpu import STATE_DTYPES as CPU_STATE_DTYPES
 from .kernels_cpu import decode_update as cpu_decode_update
 from .kernels_cpu import kernel as cpu_kernel
+from .kernels_cpu import runs as cpu_kernel_runs
 from .pde_cache import cached_pde_state, conv_state_block, records_past, store_pde_state
 from .pde_decode import decode_update_torch
 from .pde_filters import filtered_refine
@@ -95,11 +96,10 @@ def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=
                    pde_type: Optional[str] = None) -> str:
     """``"triton"``, ``"cpu"`` or ``"torch"``: the implementation that runs a call (of :func:`pde_refine`, or of
     :func:`pde_decode_update` on ``state``), the one place it is chosen. ``auto`` takes Triton for CUDA tensors where
-    it runs, and the C++ kernel for an eager CPU decode where it builds (a scheme with a reaction excepted: libm's
-    scalar ``tanh`` there costs more than ATen's vectorized one); ``triton`` raises where it cannot run, naming the
-    missing requirement. The fused kernels take 1 to
-    ``MAX_FUSED_STEPS`` steps in fp32, bf16 or fp16 (a decode: an fp32 state with contiguous channels, eager); the
-    PyTorch code runs the rest."""
+    it runs, and the C++ kernel for an eager CPU decode where it builds and has the scheme
+    (:func:`kernels_cpu.runs`); ``triton`` raises where it cannot run, naming the missing requirement. The fused
+    kernels take 1 to ``MAX_FUSED_STEPS`` steps in fp32, bf16 or fp16 (a decode: an fp32 state with contiguous
+    channels, eager); the PyTorch code runs the rest."""
     if backend == "torch":
         return "torch"
     if backend not in PDE_BACKENDS:
@@ -107,8 +107,8 @@ def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=
     if (backend == "auto" and state is not None and hidden_states.device.type == "cpu"
             and not torch.compiler.is_compiling()):  # a CPU decode: the C++ kernel where it builds and is faster
         levels = (state,) if isinstance(state, torch.Tensor) else state
-        linear = pde_type is None or SCHEMES[pde_type].reaction is None
-        return "cpu" if levels[0].dtype in CPU_STATE_DTYPES and linear and cpu_kernel() is not None else "torch"
+        written = pde_type is None or cpu_kernel_runs(pde_type)
+        return "cpu" if levels[0].dtype in CPU_STATE_DTYPES and written and cpu_kernel() is not None else "torch"
     if backend == "triton":
         missing = triton_missing_requirement(hidden_states)
         if missing is not None:

@@ -11,7 +11,7 @@ import torch
 import cta.kernels_cpu as kernels_cpu
 from cta.pde_cta import choose_backend, coefficient_bounds, pde_decode_step_reference, pde_decode_update
 
-TYPES = ["diffusion", "wave", "advection_diffusion"]  # (the linear schemes: a reaction keeps the torch ops)
+TYPES = ["diffusion", "wave", "reaction_diffusion", "advection_diffusion"]
 
 pytestmark = pytest.mark.skipif(kernels_cpu.kernel() is None,
                                 reason="the CPU decode kernel does not build here (no C++ compiler)")
@@ -128,11 +128,14 @@ def test_off_switch_and_a_failed_build_leave_the_torch_step(monkeypatch, caplog)
         kernels_cpu._build.cache_clear()
 
 
-def test_the_kernel_covers_the_linear_schemes():
-    """Each registered scheme without a reaction has its step in the source; a reaction scheme's decode stays on the
-    torch ops (libm's scalar tanh costs more than the kernel saves)."""
+def test_the_kernel_covers_every_scheme_it_can_write():
+    """Each registered scheme has its step in the source (a reaction in u, b and tanh(u), the tanh computed by ATen once
+    per level); a reaction the kernel cannot write in C++ leaves that scheme on the torch ops."""
     source = kernels_cpu.cpp_source()
-    assert source.count("struct Scheme") == len(TYPES) and "tanh" not in source
+    assert source.count("struct Scheme") == len(TYPES) and "reads_tanh = true" in source
+    assert kernels_cpu.cpp_reaction("-b * tanh(u)") == "((-b) * f)"
+    assert kernels_cpu.cpp_reaction("b * u * (1 - u)") == "((b * u) * (T(1.0) - u))"
+    for unwritten in ("b * sin(u)", "b * tanh(2 * u)", "b ** 2", "u[0]"):
+        assert kernels_cpu.cpp_reaction(unwritten) is None, unwritten
     tokens, state = torch.randn(2, 8), torch.randn(2, 2, 8)
-    assert choose_backend("auto", tokens, 2, state, "reaction_diffusion") == "torch"
     assert [choose_backend("auto", tokens, 2, state, t) for t in TYPES] == ["cpu"] * len(TYPES)

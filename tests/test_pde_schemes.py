@@ -1,6 +1,6 @@
 """A PDE scheme registered at test time (diffusion with a decay term, ``u += a lap(u) - b u``) runs everywhere the
 built-in ones do, from its one definition (``pde_spec.PDEScheme``): the reference takes the rule it states, and the
-decode step (torch recurrence, its linear map, the Triton decode kernel), the bidirectional and causal Triton forward
+decode step (torch recurrence, the C++ CPU decode kernel, the Triton decode kernel), the bidirectional and causal Triton forward
 and backward (interpreter on CPU; streamed states included) and cached generation all agree with the reference."""
 
 from triton_testing import DEVICE, needs_kernels  # (first: sets up Triton's interpreter before triton is imported)
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import cta  # noqa: E402
-from cta import pde_spec  # noqa: E402
+from cta import kernels_cpu, pde_spec  # noqa: E402
 from cta.pde_decode import decode_update_torch as pde_decode_update  # noqa: E402
 from cta.pde_reference import pde_decode_step_reference, pde_refine_reference  # noqa: E402
 
@@ -74,7 +74,7 @@ def test_decode_steps_continue_the_sequence(scalar):
     full = pde_refine_reference(x, pde_type=DECAY.name, steps=steps, alpha=alpha, beta=beta, causal=True)
     _, state = pde_refine_reference(x[:, :prefix], pde_type=DECAY.name, steps=steps, alpha=alpha, beta=beta,
                                     causal=True, return_final_state=True)
-    states = {name: state.clone() for name in ("recurrence", "entry", "reference", "triton", "numbers")}
+    states = {name: state.clone() for name in ("recurrence", "entry", "reference", "triton", "numbers", "cpu")}
     assert DECAY.torch_reaction_factor[0] == -1.0
     kernels = _triton()
     for t in range(prefix, x.shape[1]):
@@ -90,6 +90,10 @@ def test_decode_steps_continue_the_sequence(scalar):
         if scalar:
             outs["numbers"] = pde_decode_update(token, states["numbers"], pde_type=DECAY.name, steps=steps,
                                                 alpha=float(alpha), beta=float(beta))
+        if kernels_cpu.kernel() is not None:  # (a kernel generated with this scheme's step: "-b * u" in C++)
+            assert cta.pde_cta.choose_backend("auto", token, steps, states["cpu"], DECAY.name) == "cpu"
+            outs["cpu"] = cta.pde_decode_update(token, states["cpu"], pde_type=DECAY.name, steps=steps, alpha=alpha,
+                                                beta=beta)
         if kernels is not None:  # (on DEVICE: CUDA in a GPU run)
             state_on_device = states["triton"].to(DEVICE)
             outs["triton"] = cta.pde_decode_update(
