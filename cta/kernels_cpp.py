@@ -33,6 +33,7 @@ import time
 import torch
 
 from .kernels_config import MAX_FUSED_STEPS
+from .kernels_cpu import wait_for_build_lock
 from .kernels_jit import INTERPRET, current_stream
 from .kernels_launch import forward_arguments, launch_backward, launch_forward, streaming_backward_arguments
 from .pde_spec import SCHEMES, check_attention_mask, coefficient_bounds
@@ -54,7 +55,6 @@ PLANS_PER_TABLE = 1024
 _WARNED = set()  # (warnings given once per process: _warn_once)
 _BETA_GRAD = {"none": 0, "kernel": 1, "zeros": 2}  # (site_launch.cpp's BetaGrad)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-STALE_LOCK_SECONDS = 300  # (a build takes 20-35 s on the machines measured: docs/kernels.md)
 
 
 def build():
@@ -67,7 +67,7 @@ def build():
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), python, name)
     os.makedirs(directory, exist_ok=True)
-    _wait_for_the_lock(os.path.join(directory, "lock"))
+    wait_for_build_lock(os.path.join(directory, "lock"), "the C++ PDE site launcher")
     # (-O2: torch's JIT build passes no optimisation flag; unoptimised, a call cost 3-10x its time, most inside a model)
     module = load(name, [SOURCE], extra_cflags=["-O2"], extra_ldflags=["-ldl"], build_directory=directory,
                   verbose=False)
@@ -75,31 +75,6 @@ def build():
         logger.warning("cta: built the C++ PDE site launcher in %.0f s (once per machine and torch version; "
                        "CTA_CPP_LAUNCH=0 turns it off).", time.perf_counter() - start)
     return module
-
-
-def _wait_for_the_lock(lock, stale_after=STALE_LOCK_SECONDS, poll=1.0):
-    """Waits while another process builds (its ``lock`` file in the build directory). torch waits on that file without
-    end and without a word, so a build interrupted earlier (a Ctrl-C during the first step) would hang every later
-    run: a lock older than any build takes is removed, with a warning."""
-    warned = False
-    while True:
-        try:
-            age = time.time() - os.path.getmtime(lock)
-        except OSError:
-            return  # (no lock: nobody is building)
-        if age > stale_after:
-            logger.warning("cta: removing %s, left %.0f s ago by a build of the C++ PDE site launcher that did not "
-                           "finish (an interrupted process); building it again.", lock, age)
-            try:
-                os.remove(lock)
-            except FileNotFoundError:
-                pass
-            return
-        if not warned and age > 30:
-            logger.warning("cta: waiting for another process building the C++ PDE site launcher (%s); a lock older "
-                           "than %.0f s is taken for an interrupted build and removed.", lock, stale_after)
-            warned = True
-        time.sleep(poll)
 
 
 def _warn_once(kind, message, *args):

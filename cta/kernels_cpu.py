@@ -156,6 +156,40 @@ at::Tensor decode_update(at::Tensor hidden, std::vector<at::Tensor> levels, bool
   });
   return y.to(hidden.scalar_type()).view(hidden.sizes());
 }
+
+// The causal filter schemes' prefill (pde_filters): out[b, t] = sum_k taps[S][k] x[b, t - k] over k <= t, accumulated
+// in the order of the torch ops it replaces (x * taps[0], then one fused multiply-add per tap: ATen's vectorized add_
+// with alpha), in one pass over x instead of one per tap; and, where `final_state`, the levels 0 .. S-1 at the last
+// position (level s: taps[s]), as [batch, S, channels]. x: [batch, length, channels], fp32 or fp64, length > S.
+std::vector<at::Tensor> causal_filter(at::Tensor x, std::vector<std::vector<double>> taps, bool final_state) {
+  x = x.contiguous();
+  const int64_t batch = x.size(0), length = x.size(1), channels = x.size(2);
+  const int64_t steps = static_cast<int64_t>(taps.size()) - 1;
+  at::Tensor out = at::empty_like(x);
+  at::Tensor state = final_state ? at::empty({batch, steps, channels}, x.options()) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "cta_causal_filter", [&] {
+    // one output row from the rows at and before xt: level `level`'s taps, k <= reach
+    auto filtered = [&](const scalar_t* __restrict__ xt, scalar_t* __restrict__ o, int64_t level, int64_t reach) {
+      const std::vector<double>& w = taps[level];
+      const scalar_t w0 = scalar_t(w[0]);
+      for (int64_t c = 0; c < channels; ++c) o[c] = xt[c] * w0;
+      for (int64_t k = 1; k <= std::min(reach, level); ++k) {
+        const scalar_t* __restrict__ xk = xt - k * channels;
+        const scalar_t wk = scalar_t(w[k]);
+        for (int64_t c = 0; c < channels; ++c) o[c] = std::fma(xk[c], wk, o[c]);
+      }
+    };
+    for (int64_t b = 0; b < batch; ++b) {
+      const scalar_t* xb = x.data_ptr<scalar_t>() + b * length * channels;
+      scalar_t* ob = out.data_ptr<scalar_t>() + b * length * channels;
+      for (int64_t t = 0; t < length; ++t) filtered(xb + t * channels, ob + t * channels, steps, t);
+      for (int64_t s = 0; final_state && s < steps; ++s)
+        filtered(xb + (length - 1) * channels, state.data_ptr<scalar_t>() + (b * steps + s) * channels, s,
+                 length - 1);
+    }
+  });
+  return {out, state};
+}
 """
 
 _CASE = """      case %(id)d:
@@ -250,18 +284,51 @@ def _compiler_flags() -> list:
     return flags
 
 
+STALE_LOCK_SECONDS = 300  # (a build takes 20-40 s on the machines measured)
+
+
+def wait_for_build_lock(lock: str, what: str, stale_after: float = STALE_LOCK_SECONDS, poll: float = 1.0) -> None:
+    """Waits while another process builds ``what`` (its ``lock`` file in the build directory). torch waits on that file
+    without end and without a word, so a build interrupted earlier (a Ctrl-C during the first step) would hang every
+    later run: a lock older than any build takes is removed, with a warning."""
+    warned = False
+    while True:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            return  # (no lock: nobody is building)
+        if age > stale_after:
+            logger.warning("cta: removing %s, left %.0f s ago by a build of %s that did not finish (an interrupted "
+                           "process); building it again.", lock, age, what)
+            try:
+                os.remove(lock)
+            except FileNotFoundError:
+                pass
+            return
+        if not warned and age > 30:
+            logger.warning("cta: waiting for another process building %s (%s); a lock older than %.0f s is taken for "
+                           "an interrupted build and removed.", what, lock, stale_after)
+            warned = True
+        time.sleep(poll)
+
+
 @lru_cache(maxsize=4)
 def _build(source: str, flags: tuple):
     """The extension module of ``source`` (built once per source and flags; torch caches the build on disk), or None
     with a warning where it cannot build."""
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import get_default_build_root, load_inline
 
     digest = hashlib.sha256((source + repr(flags) + torch.__version__).encode()).hexdigest()[:12]
+    name = f"cta_cpu_decode_{digest}"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), python, name)
     start = time.time()
     logger.info("cta: building the CPU decode kernel (once, about 30 s; %s=0 skips it)", ENV_SWITCH)
     try:
-        module = load_inline(f"cta_cpu_decode_{digest}", cpp_sources=source, functions=["decode_update"],
-                             extra_cflags=list(flags), verbose=False)
+        os.makedirs(directory, exist_ok=True)
+        wait_for_build_lock(os.path.join(directory, "lock"), "the CPU decode kernel")
+        module = load_inline(name, cpp_sources=source, functions=["decode_update", "causal_filter"],
+                             extra_cflags=list(flags), build_directory=directory, verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: the torch ops serve
         logger.warning("cta: the CPU decode kernel did not build (%s: %s); decoding with torch ops instead (set "
                        "%s=0 to skip the attempt).", type(error).__name__, str(error).splitlines()[0][:200],

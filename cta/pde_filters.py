@@ -7,6 +7,8 @@ the CPU path of ``pde_refine`` where no gradient is asked, in a few large ops in
 ``s`` at position ``i`` is ``sum_k C(s, k) c^k (1 - c)^(s-k) x[i-k]``. The zero-inflow wall at the start is zero
 padding. A stored initial state (entry ``s``: level ``s`` at the position before the first) reaches level ``s' > s`` only
 at positions ``< s' - s``, so it changes the first ``S`` positions alone: those are the reference's, computed on them.
+Where the CPU kernel builds (``kernels_cpu``), the filter and the final state are one C++ pass over the tokens with the
+same arithmetic as the torch ops (``CTA_CPU_KERNEL=0``: the torch ops).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from math import comb
 
 import torch
 
+from .kernels_cpu import kernel as cpu_kernel
 from .pde_reference import reference_refine
 
 
@@ -45,16 +48,19 @@ def filtered_refine(hidden_states: torch.Tensor, c: float, *, pde_type: str, ste
                                 return_final_state=return_final_state)
     dtype = torch.promote_types(hidden_states.dtype, torch.float32)
     u = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
-    taps = _level_taps(c, steps)[steps]
-    out = u * taps[0]
-    for k in range(1, steps + 1):
-        out[:, k:].add_(u[:, :-k], alpha=taps[k])
+    kernel = cpu_kernel() if u.is_cpu else None
+    if kernel is not None:  # (one pass over the tokens, the same arithmetic as the ops below)
+        out, final_state = kernel.causal_filter(u, _level_taps(c, steps), return_final_state)
+    else:
+        taps = _level_taps(c, steps)[steps]
+        out = u * taps[0]
+        for k in range(1, steps + 1):
+            out[:, k:].add_(u[:, :-k], alpha=taps[k])
+        final_state = torch.matmul(_final_state_map(c, steps, dtype), u[:, length - steps - 1:]) \
+            if return_final_state else None
     if initial_state is not None:
         out[:, :steps] = reference_refine(u[:, :steps], pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
                                           causal=True, attention_mask=None, initial_state=initial_state,
                                           return_final_state=False)
     out = out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
-    if not return_final_state:
-        return out
-    return out, torch.matmul(_final_state_map(c, steps, dtype), u[:, length - steps - 1:])
-
+    return (out, final_state) if return_final_state else out

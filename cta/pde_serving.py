@@ -55,15 +55,17 @@ def refine_flat_batch(hidden_states: torch.Tensor, states: torch.Tensor, batch: 
     operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, coefficient_bounds=coefficient_bounds)
     if batch.decodes == hidden_states.shape[0] and not batch.prefill_slots:  # (decodes alone: the common step)
         return pde_decode_update(hidden_states, states, state_indices=batch.decode_slots, **operator)
-    output = hidden_states.clone() if batch.end < hidden_states.shape[0] else torch.empty_like(hidden_states)
+    pieces = []  # the refined tokens in their order (one piece, a lone prefill chunk: returned as it is)
     if batch.decodes:
-        output[:batch.decodes] = pde_decode_update(hidden_states[:batch.decodes], states,
-                                                   state_indices=batch.decode_slots, **operator)
+        pieces.append(pde_decode_update(hidden_states[:batch.decodes], states, state_indices=batch.decode_slots,
+                                        **operator))
     starts = batch.prefill_starts
     for start, stop, slot, continues in zip(starts, starts[1:], batch.prefill_slots, batch.prefill_continues):
         initial = states[slot].unsqueeze(0) if continues else None
         refined, final = pde_refine(hidden_states[start:stop].unsqueeze(0), causal=True, initial_state=initial,
                                     return_final_state=True, **operator)
-        output[start:stop] = refined[0]
+        pieces.append(refined[0])
         states[slot] = final[0]
-    return output
+    if batch.end < hidden_states.shape[0]:  # (tokens that pad the batch: unchanged)
+        pieces.append(hidden_states[batch.end:])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from cta import kernels_cpp
+from cta import kernels_cpp, kernels_cpu
 
 
 @pytest.fixture(scope="module")
@@ -172,17 +172,17 @@ def test_a_lock_left_by_an_interrupted_build_is_removed(tmp_path, caplog):
     import time
 
     lock = tmp_path / "lock"
-    kernels_cpp._wait_for_the_lock(str(lock))  # (no lock: returns at once)
+    kernels_cpu.wait_for_build_lock(str(lock), "a kernel")  # (no lock: returns at once)
     lock.touch()
     os.utime(lock, (time.time() - 400, time.time() - 400))
-    with caplog.at_level("WARNING", logger=kernels_cpp.__name__):
-        kernels_cpp._wait_for_the_lock(str(lock), stale_after=300, poll=0.01)
+    with caplog.at_level("WARNING", logger=kernels_cpu.__name__):
+        kernels_cpu.wait_for_build_lock(str(lock), "a kernel", stale_after=300, poll=0.01)
     assert not lock.exists() and "did not finish" in caplog.text
     lock.touch()  # another process building: it removes its own lock when done
     owner = threading.Timer(0.3, lock.unlink)
     owner.start()
     start = time.perf_counter()
-    kernels_cpp._wait_for_the_lock(str(lock), stale_after=300, poll=0.01)
+    kernels_cpu.wait_for_build_lock(str(lock), "a kernel", stale_after=300, poll=0.01)
     owner.join()
     assert time.perf_counter() - start >= 0.25 and not lock.exists()
 

@@ -1,5 +1,6 @@
 """The CPU filter path of ``pde_refine`` (cta/pde_filters.py): the constant-coefficient causal schemes as one banded
-filter, taken where no gradient is asked, equal the readable reference; where a gradient is asked, the reference
+filter (the C++ kernel's single pass, or torch ops where it is off), taken where no gradient is asked, equal the
+readable reference; where a gradient is asked, the reference
 runs."""
 
 from unittest import mock
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import cta.pde_cta as operator
+import cta.pde_filters as filters
 from cta.pde_cta import pde_refine, pde_refine_reference
 
 STEPS = 4
@@ -16,7 +18,12 @@ STEPS = 4
 @pytest.mark.parametrize("pde_type,beta", [("diffusion", None), ("advection_diffusion", 0.2)])
 @pytest.mark.parametrize("length", [1, STEPS - 1, STEPS, STEPS + 1, 37])
 @pytest.mark.parametrize("with_state", [False, True])
-def test_the_banded_filter_equals_the_reference(pde_type, beta, length, with_state):
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu kernel", "torch ops"])
+def test_the_banded_filter_equals_the_reference(pde_type, beta, length, with_state, cpu_kernel, monkeypatch):
+    if not cpu_kernel:
+        monkeypatch.setattr(filters, "cpu_kernel", lambda: None)
+    elif filters.cpu_kernel() is None:
+        pytest.skip("the CPU kernel does not build here (no C++ compiler)")
     generator = torch.Generator().manual_seed(length)
     x = torch.randn(2, length, 16, generator=generator, dtype=torch.float64).to(torch.float32)
     state = torch.randn(2, STEPS, 16, generator=generator) if with_state else None
