@@ -134,9 +134,8 @@ def pyplot():
         print("matplotlib not installed: no plot")
 
 
-def plot_rounds(path: str, title: str, series: dict, target=None) -> None:
-    """A strip plot of per-round overheads (%): ``series`` maps a label to ``(rounds, median, [low, high])``, drawn as
-    the rounds' dots, the median and its 95% interval; ``target`` a dashed line. Writes ``path`` (PNG)."""
+def plot_rounds(path: str, title: str, series: dict, target=None, ylabel="decode-step overhead per round (%)") -> None:
+    """``path`` (PNG): ``series`` label -> ``(rounds, median, [low, high])`` in %, dots and 95% interval; ``target``."""
     plt = pyplot()
     if plt is None:
         return
@@ -146,13 +145,14 @@ def plot_rounds(path: str, title: str, series: dict, target=None) -> None:
         ax.scatter(jitter, rounds, s=8, alpha=0.45, color="tab:blue")
         ax.errorbar([i], [median], yerr=[[median - low], [high - median]], fmt="o", color="k", capsize=6)
         ax.annotate(f"{median:+.2f}%", (i + 0.18, median), fontsize=8, va="center")
-    if target is not None:
-        ax.axhline(target, color="tab:red", linestyle="--", linewidth=1, label=f"target {target:g}%")
+    for i, label in enumerate(series if target is not None else ()):  # (dashed; a dict: each label's own target)
+        ax.hlines(target[label] if isinstance(target, dict) else target, i - 0.4, i + 0.4, color="tab:red",
+                  linestyle="--", linewidth=1, label="target" if i == 0 else None)
         ax.legend(fontsize=8, loc="upper right")
     ax.axhline(0, color="0.6", linewidth=0.8)
     ax.set_xticks(range(len(series)), list(series), fontsize=8)
     ax.set_xlim(-0.6, len(series) - 0.2)
-    ax.set_ylabel("decode-step overhead per round (%)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
