@@ -27,13 +27,12 @@ import logging
 import os
 import re
 import struct
-import sys
 import time
 
 import torch
 
 from .kernels_config import MAX_FUSED_STEPS
-from .kernels_cpu import wait_for_build_lock
+from .kernels_cpu import build_directory
 from .kernels_jit import INTERPRET, current_stream
 from .kernels_launch import forward_arguments, launch_backward, launch_forward, streaming_backward_arguments
 from .pde_spec import SCHEMES, check_attention_mask, coefficient_bounds
@@ -59,15 +58,12 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def build():
     """Builds (or loads torch's cached build of) ``csrc/site_launch.cpp``; raises where it cannot."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+    from torch.utils.cpp_extension import load
 
     start = time.perf_counter()
     # (torch's build cache is keyed on the sources and flags, not torch's version: a build per version, no stale ABI)
     name = "cta_site_launch_" + re.sub(r"\W", "_", torch.__version__)
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), python, name)
-    os.makedirs(directory, exist_ok=True)
-    wait_for_build_lock(os.path.join(directory, "lock"), "the C++ PDE site launcher")
+    directory = build_directory(name, "the C++ PDE site launcher")
     # (-O2: torch's JIT build passes no optimisation flag; unoptimised, a call cost 3-10x its time, most inside a model)
     module = load(name, [SOURCE], extra_cflags=["-O2"], extra_ldflags=["-ldl"], build_directory=directory,
                   verbose=False)

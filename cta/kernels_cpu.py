@@ -312,23 +312,32 @@ def wait_for_build_lock(lock: str, what: str, stale_after: float = STALE_LOCK_SE
         time.sleep(poll)
 
 
+def build_directory(name: str, what: str) -> str:
+    """The folder torch builds extension ``name`` in (under ``TORCH_EXTENSIONS_DIR``, torch's own setting, else its
+    default root), made, once no other process is building ``what`` there (:func:`wait_for_build_lock`)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), python, name)
+    os.makedirs(directory, exist_ok=True)
+    wait_for_build_lock(os.path.join(directory, "lock"), what)
+    return directory
+
+
 @lru_cache(maxsize=4)
 def _build(source: str, flags: tuple):
     """The extension module of ``source`` (built once per source and flags; torch caches the build on disk), or None
     with a warning where it cannot build."""
-    from torch.utils.cpp_extension import get_default_build_root, load_inline
+    from torch.utils.cpp_extension import load_inline
 
     digest = hashlib.sha256((source + repr(flags) + torch.__version__).encode()).hexdigest()[:12]
     name = f"cta_cpu_decode_{digest}"
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    directory = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root(), python, name)
     start = time.time()
     logger.info("cta: building the CPU decode kernel (once, about 30 s; %s=0 skips it)", ENV_SWITCH)
     try:
-        os.makedirs(directory, exist_ok=True)
-        wait_for_build_lock(os.path.join(directory, "lock"), "the CPU decode kernel")
         module = load_inline(name, cpp_sources=source, functions=["decode_update", "causal_filter"],
-                             extra_cflags=list(flags), build_directory=directory, verbose=False)
+                             extra_cflags=list(flags), verbose=False,
+                             build_directory=build_directory(name, "the CPU decode kernel"))
     except Exception as error:  # no compiler, no ninja, a failed build: the torch ops serve
         logger.warning("cta: the CPU decode kernel did not build (%s: %s); decoding with torch ops instead (set "
                        "%s=0 to skip the attempt).", type(error).__name__, str(error).splitlines()[0][:200],
