@@ -54,9 +54,9 @@ template <typename T> static CTA_INLINE T lerp(T a, T b, T w) {
 
 // Every sequence's levels u_1 .. u_S, level by level: y holds u (x on entry, the refined tokens on exit); cell s of a
 // sequence holds its step-s iterate at the previous position and receives u_s. A scheme whose reaction reads f = tanh(u)
-// gets it from ATen's vectorized tanh, once per level for the whole batch (its result is the torch step's). (The stored
-// row is copied to `value` first: the arithmetic loop then reads and writes only local buffers, which the compiler
-// vectorizes without aliasing checks.)
+// gets it from ATen's vectorized tanh, once per level for the whole batch (its result is the torch step's). A cell with
+// contiguous channels is swapped and stepped in one pass (a served token's states are cold: each pass over them
+// costs); a strided one (a transformers cache's view) is copied to `value` first.
 template <typename T, typename Scheme, bool PER_CHANNEL>
 static void run(const T* x, int64_t x_stride, at::Tensor& out, const std::vector<T*>& bases,
                 const std::vector<int64_t>& seq, const std::vector<int64_t>& chan, const int64_t* indices,
@@ -84,14 +84,19 @@ static void run(const T* x, int64_t x_stride, at::Tensor& out, const std::vector
       T* __restrict__ u = y + i * channels;
       T* cell = bases[s] + (indices ? indices[i] : i) * seq[s];
       const int64_t stride = chan[s];
-      if (stride == 1) {
-        std::copy(cell, cell + channels, value.data());
-        std::copy(u, u + channels, cell);
-      } else {
-        for (int64_t c = 0; c < channels; ++c) { value[c] = cell[c * stride]; cell[c * stride] = u[c]; }
-      }
       const T* __restrict__ fi = Scheme::reads_tanh ? f + i * channels : nullptr;
       T* __restrict__ vi = Scheme::wave ? velocity.data() + i * channels : nullptr;
+      if (stride == 1) {  // (the cell and the tokens never overlap: one pass swaps the row and steps)
+        T* __restrict__ stored = cell;
+        for (int64_t c = 0; c < channels; ++c) {
+          const T old = u[c], previous = stored[c];
+          stored[c] = old;
+          u[c] = Scheme::step(old, previous, PER_CHANNEL ? w[c] : w0, PER_CHANNEL ? b[c] : b0,
+                              Scheme::wave ? vi[c] : u[c], first, Scheme::reads_tanh ? fi[c] : T(0));
+        }
+        continue;
+      }
+      for (int64_t c = 0; c < channels; ++c) { value[c] = cell[c * stride]; cell[c * stride] = u[c]; }
       const T* __restrict__ v = value.data();
       for (int64_t c = 0; c < channels; ++c)
         u[c] = Scheme::step(u[c], v[c], PER_CHANNEL ? w[c] : w0, PER_CHANNEL ? b[c] : b0,
@@ -114,13 +119,19 @@ at::Tensor decode_update(at::Tensor hidden, std::vector<at::Tensor> levels, bool
                          bool advection, int64_t scheme, int64_t steps) {
   const at::Tensor& first = levels[0];
   const int64_t batch = hidden.size(0), channels = hidden.size(-1), table = first.size(0);
-  at::Tensor x = hidden.reshape({batch, channels}).to(first.scalar_type());
+  // (each conversion only where it changes something: a dispatched no-op costs a served token microseconds per site)
+  at::Tensor x = hidden.dim() == 2 ? hidden : hidden.reshape({batch, channels});
+  if (x.scalar_type() != first.scalar_type()) x = x.to(first.scalar_type());
   if (x.stride(1) != 1) x = x.contiguous();
   alpha = alpha.contiguous();
   beta = beta.contiguous();
   c10::optional<at::Tensor> indices, mask;
-  if (indices_in) indices = indices_in->to(at::kLong).contiguous();
-  if (mask_in) mask = mask_in->reshape({batch}).to(first.scalar_type()).contiguous();
+  if (indices_in) indices = indices_in->scalar_type() == at::kLong ? indices_in->contiguous()
+                                                                    : indices_in->to(at::kLong).contiguous();
+  if (mask_in) {
+    at::Tensor m = mask_in->dim() == 1 ? *mask_in : mask_in->reshape({batch});
+    mask = (m.scalar_type() == first.scalar_type() ? m : m.to(first.scalar_type())).contiguous();
+  }
   at::Tensor y = at::empty({batch, channels}, x.options());  // (u while the levels run)
   std::vector<int64_t> seq(steps), chan(steps);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "cta_pde_decode_update", [&] {
@@ -154,7 +165,8 @@ at::Tensor decode_update(at::Tensor hidden, std::vector<at::Tensor> levels, bool
       default: TORCH_CHECK(false, "cta: no CPU decode kernel for scheme ", scheme);
     }
   });
-  return y.to(hidden.scalar_type()).view(hidden.sizes());
+  if (y.scalar_type() != hidden.scalar_type()) y = y.to(hidden.scalar_type());
+  return hidden.dim() == 2 ? y : y.view(hidden.sizes());
 }
 
 // The causal filter schemes' prefill (pde_filters): out[b, t] = sum_k taps[S][k] x[b, t - k] over k <= t, accumulated
@@ -372,9 +384,9 @@ def decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: i
     if alpha.dtype != dtype:  # (projected in their own dtype first, as the torch step does)
         alpha, beta = project_coefficients(alpha, beta, bounds)
         alpha, beta, bounds = alpha.to(dtype), (None if beta is None else beta.to(dtype)), None
-    scheme_id, advection, _ = _scheme_of(pde_type, len(SCHEMES))
     return kernel().decode_update(hidden_states, [state] if whole else list(state), whole, state_indices, token_mask,
-                                  alpha, alpha if beta is None else beta, *_bounds(bounds), advection, scheme_id, steps)
+                                  alpha, alpha if beta is None else beta, *_call_constants(pde_type, bounds,
+                                                                                           len(SCHEMES)), steps)
 
 
 @lru_cache(maxsize=None)  # (one entry per registered scheme)
@@ -385,12 +397,15 @@ def _scheme_of(pde_type: str, schemes: int):
     return index, SCHEMES[pde_type].advection, index in _kernel_schemes()
 
 
-def _bounds(bounds):
-    """``(alpha_low, alpha_high, beta_low, beta_high)`` as numbers (infinite where unbounded)."""
+@lru_cache(maxsize=64)  # (a model's sites share a few settings)
+def _call_constants(pde_type: str, bounds, schemes: int):
+    """The kernel's trailing arguments but ``steps``: ``(alpha_low, alpha_high, beta_low, beta_high, advection, scheme
+    id)``, the bounds as numbers (infinite where unbounded)."""
+    scheme_id, advection, _ = _scheme_of(pde_type, schemes)
     if bounds is None:
-        return _UNBOUNDED
+        return (*_UNBOUNDED, advection, scheme_id)
     alpha, beta = bounds
-    return (alpha[0], alpha[1]) + (_UNBOUNDED[:2] if beta is None else (beta[0], beta[1]))
+    return (alpha[0], alpha[1], *(_UNBOUNDED[:2] if beta is None else (beta[0], beta[1])), advection, scheme_id)
 
 
 _UNBOUNDED = (-float("inf"), float("inf"), -float("inf"), float("inf"))

@@ -106,9 +106,9 @@ def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=
         raise ValueError(f"`backend` must be one of {PDE_BACKENDS}, got {backend!r}.")
     if (backend == "auto" and state is not None and hidden_states.device.type == "cpu"
             and not torch.compiler.is_compiling()):  # a CPU decode: the C++ kernel where it builds and is faster
-        levels = (state,) if isinstance(state, torch.Tensor) else state
-        written = pde_type is None or cpu_kernel_runs(pde_type)
-        return "cpu" if levels[0].dtype in CPU_STATE_DTYPES and written and cpu_kernel() is not None else "torch"
+        level = state if isinstance(state, torch.Tensor) else state[0]
+        written = level.dtype in CPU_STATE_DTYPES and (pde_type is None or cpu_kernel_runs(pde_type))
+        return "cpu" if written and cpu_kernel() is not None else "torch"
     if backend == "triton":
         missing = triton_missing_requirement(hidden_states)
         if missing is not None:

@@ -52,9 +52,10 @@ def refine_flat_batch(hidden_states: torch.Tensor, states: torch.Tensor, batch: 
                       steps: int, alpha, beta=None, coefficient_bounds=None) -> torch.Tensor:
     """The refined ``hidden_states`` ``[tokens, channels]`` (tokens outside the batch's sequences unchanged);
     ``states`` updated in place. ``alpha`` / ``beta``: the coefficients, projected onto ``coefficient_bounds``."""
-    operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, coefficient_bounds=coefficient_bounds)
     if batch.decodes == hidden_states.shape[0] and not batch.prefill_slots:  # (decodes alone: the common step)
-        return pde_decode_update(hidden_states, states, state_indices=batch.decode_slots, **operator)
+        return pde_decode_update(hidden_states, states, state_indices=batch.decode_slots, pde_type=pde_type,
+                                 steps=steps, alpha=alpha, beta=beta, coefficient_bounds=coefficient_bounds)
+    operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, coefficient_bounds=coefficient_bounds)
     pieces = []  # the refined tokens in their order (one piece, a lone prefill chunk: returned as it is)
     if batch.decodes:
         pieces.append(pde_decode_update(hidden_states[:batch.decodes], states, state_indices=batch.decode_slots,

@@ -50,6 +50,7 @@ class VllmPDESite(MambaBase, nn.Module):
             self.beta = nn.Parameter(torch.full(shape, float(beta), dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("beta", None)
+        self.operator = dict(pde_type=self.pde_type, steps=self.steps, alpha=self.alpha, beta=self.beta)
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -83,6 +84,7 @@ class VllmPDESite(MambaBase, nn.Module):
         self.alpha.clamp_(*self.bounds[0])
         if self.beta is not None:
             self.beta.clamp_(*self.bounds[1])
+        self.operator = dict(pde_type=self.pde_type, steps=self.steps, alpha=self.alpha, beta=self.beta)
 
     @torch.no_grad()
     def warm_up(self) -> None:
@@ -92,15 +94,13 @@ class VllmPDESite(MambaBase, nn.Module):
         pde_decode_update(torch.zeros(1, self.channels, device=self.alpha.device), state, pde_type=self.pde_type,
                           steps=self.steps, alpha=self.alpha, beta=self.beta)
 
-    def refine(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def refine(self, hidden_states: torch.Tensor, attn_metadata) -> torch.Tensor:
         """The refined ``hidden_states`` ``[tokens, channels]``; the states of the batch's sequences read and written
-        (:func:`pde_serving.refine_flat_batch`)."""
-        metadata = get_forward_context().attn_metadata
-        metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        (:func:`pde_serving.refine_flat_batch`). ``attn_metadata``: the step's (vLLM's forward context)."""
+        metadata = attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
         if metadata is None:  # the memory-profiling run: no sequences, no states
-            return hidden_states.clone()
-        return refine_flat_batch(hidden_states, self.kv_cache[0], flat_batch(metadata), pde_type=self.pde_type,
-                                 steps=self.steps, alpha=self.alpha, beta=self.beta)
+            return hidden_states
+        return refine_flat_batch(hidden_states, self.kv_cache[0], flat_batch(metadata), **self.operator)
 
 
 def flat_batch(metadata) -> FlatBatch:
@@ -121,7 +121,8 @@ def flat_batch(metadata) -> FlatBatch:
 
 @eager_break_during_capture
 def _pde_site(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
-    output.copy_(get_forward_context().no_compile_layers[layer_name].refine(hidden_states))
+    context = get_forward_context()
+    output.copy_(context.no_compile_layers[layer_name].refine(hidden_states, context.attn_metadata))
 
 
 def _pde_site_fake(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
