@@ -29,7 +29,7 @@ GPU = "NVIDIA_H200"  # the kernel sweep
 # The model-level files of the current code (public decode path): prefill, training step and generate(); the H200's
 # patched_model file predates the removal of the private decode fast path (commit 3cc1b57).
 MODEL_GPU = "NVIDIA_H100_80GB_HBM3"
-GENERATE_GPU = "NVIDIA_H100_80GB_HBM3"  # (the 50-round run; an earlier 9-round H200 run: generate_NVIDIA_H200.md)
+GENERATE_GPU = "NVIDIA_H100_80GB_HBM3"  # (the H100 run; the H200's: generate_NVIDIA_H200.md)
 COMPILED_TARGET = 4.0  # SPEC §6: compiled generate() per decode step
 MISSING = "—"
 
@@ -235,7 +235,7 @@ def overhead_line():
                 items.append(f"{mode} `generate()` per decode step on the {generate['gpu']} ({', '.join(cells)}"
                              f"{target})")
         for batch, kernels in (generate.get("step_kernels") or {}).items():  # {batch: {unpatched / variant: ...}}
-            base, patched = kernels["unpatched"], kernels[generate["decode_step"]]
+            base, patched = kernels["unpatched"], kernels[generate.get("decode_step", "patched")]
             items.append(f"compiled decode step at batch {batch} {base['kernels']:.0f} -> {patched['kernels']:.0f} "
                          f"kernels, GPU time {100 * (patched['gpu_us'] / base['gpu_us'] - 1):+.2f}%")
     else:
