@@ -148,6 +148,7 @@ def plot_rounds(path: str, title: str, series: dict, target=None, ylabel="decode
     for i, label in enumerate(series if target is not None else ()):  # (dashed; a dict: each label's own target)
         ax.hlines(target[label] if isinstance(target, dict) else target, i - 0.4, i + 0.4, color="tab:red",
                   linestyle="--", linewidth=1, label="target" if i == 0 else None)
+    if target is not None:
         ax.legend(fontsize=8, loc="upper right")
     ax.axhline(0, color="0.6", linewidth=0.8)
     ax.set_xticks(range(len(series)), list(series), fontsize=8)

@@ -65,7 +65,7 @@ static void run(const T* x, int64_t x_stride, at::Tensor& out, const std::vector
   T* y = out.data_ptr<T>();
   at::Tensor tanh_u = Scheme::reads_tanh ? at::empty_like(out) : at::Tensor();
   const T* f = Scheme::reads_tanh ? tanh_u.data_ptr<T>() : nullptr;
-  std::vector<T> value(channels), velocity(Scheme::wave ? batch * channels : 0);
+  std::vector<T> value, velocity(Scheme::wave ? batch * channels : 0);  // (value: strided cells only)
   const T w0 = w[0], b0 = b[0];
   for (int64_t i = 0; i < batch; ++i) {
     const T* xi = x + i * x_stride;
@@ -96,6 +96,7 @@ static void run(const T* x, int64_t x_stride, at::Tensor& out, const std::vector
         }
         continue;
       }
+      value.resize(channels);
       for (int64_t c = 0; c < channels; ++c) { value[c] = cell[c * stride]; cell[c * stride] = u[c]; }
       const T* __restrict__ v = value.data();
       for (int64_t c = 0; c < channels; ++c)
