@@ -112,12 +112,13 @@ static void run(const T* x, int64_t x_stride, at::Tensor& out, const std::vector
 // [rows, steps, channels(, 1)] (whole) or `steps` tensors [rows, 1, channels(, 1)]. indices: integers, mask: numbers
 // (0: padding), one per sequence. alpha, beta: the raw coefficients (1 or `channels` values; beta = alpha where the
 // scheme has none), in the state's dtype, projected here onto their bounds; advection steps with alpha + beta.
-// Returns the refined tokens in hidden's shape and dtype. (Every conversion is here, not in Python: on the CPU each
-// Python-side op costs a decoded token microseconds.)
+// Returns the refined tokens in hidden's shape and dtype, written into `out_in` where given (hidden's shape and dtype,
+// not overlapping it). (Every conversion is here, not in Python: on the CPU each Python-side op costs a decoded token
+// microseconds.)
 at::Tensor decode_update(at::Tensor hidden, std::vector<at::Tensor> levels, bool whole,
                          c10::optional<at::Tensor> indices_in, c10::optional<at::Tensor> mask_in, at::Tensor alpha,
                          at::Tensor beta, double alpha_low, double alpha_high, double beta_low, double beta_high,
-                         bool advection, int64_t scheme, int64_t steps) {
+                         bool advection, int64_t scheme, int64_t steps, c10::optional<at::Tensor> out_in) {
   const at::Tensor& first = levels[0];
   const int64_t batch = hidden.size(0), channels = hidden.size(-1), table = first.size(0);
   // (each conversion only where it changes something: a dispatched no-op costs a served token microseconds per site)
@@ -133,7 +134,9 @@ at::Tensor decode_update(at::Tensor hidden, std::vector<at::Tensor> levels, bool
     at::Tensor m = mask_in->dim() == 1 ? *mask_in : mask_in->reshape({batch});
     mask = (m.scalar_type() == first.scalar_type() ? m : m.to(first.scalar_type())).contiguous();
   }
-  at::Tensor y = at::empty({batch, channels}, x.options());  // (u while the levels run)
+  // (u while the levels run: the caller's buffer where it can hold it, a served site's output)
+  const bool direct = out_in && out_in->scalar_type() == x.scalar_type() && out_in->is_contiguous();
+  at::Tensor y = direct ? out_in->view({batch, channels}) : at::empty({batch, channels}, x.options());
   std::vector<int64_t> seq(steps), chan(steps);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "cta_pde_decode_update", [&] {
     std::vector<scalar_t*> bases(steps);
@@ -166,6 +169,10 @@ at::Tensor decode_update(at::Tensor hidden, std::vector<at::Tensor> levels, bool
       default: TORCH_CHECK(false, "cta: no CPU decode kernel for scheme ", scheme);
     }
   });
+  if (out_in) {
+    if (!direct) out_in->copy_(y.view(hidden.sizes()));
+    return *out_in;
+  }
   if (y.scalar_type() != hidden.scalar_type()) y = y.to(hidden.scalar_type());
   return hidden.dim() == 2 ? y : y.view(hidden.sizes());
 }
@@ -174,11 +181,13 @@ at::Tensor decode_update(at::Tensor hidden, std::vector<at::Tensor> levels, bool
 // in the order of the torch ops it replaces (x * taps[0], then one fused multiply-add per tap: ATen's vectorized add_
 // with alpha), in one pass over x instead of one per tap; and, where `final_state`, the levels 0 .. S-1 at the last
 // position (level s: taps[s]), as [batch, S, channels]. x: [batch, length, channels], fp32 or fp64, length > S.
-std::vector<at::Tensor> causal_filter(at::Tensor x, std::vector<std::vector<double>> taps, bool final_state) {
+// out_in: where given, the output (x's shape and dtype, contiguous, not overlapping x).
+std::vector<at::Tensor> causal_filter(at::Tensor x, std::vector<std::vector<double>> taps, bool final_state,
+                                      c10::optional<at::Tensor> out_in) {
   x = x.contiguous();
   const int64_t batch = x.size(0), length = x.size(1), channels = x.size(2);
   const int64_t steps = static_cast<int64_t>(taps.size()) - 1;
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = out_in ? *out_in : at::empty_like(x);
   at::Tensor state = final_state ? at::empty({batch, steps, channels}, x.options()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "cta_causal_filter", [&] {
     // one output row from the rows at and before xt: level `level`'s taps, k <= reach
@@ -376,10 +385,10 @@ def _kernel(schemes: int):
 
 def decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int, alpha: torch.Tensor,
                   beta: Optional[torch.Tensor], bounds, token_mask: Optional[torch.Tensor] = None,
-                  state_indices: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  state_indices: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The kernel's call behind :func:`pde_cta.pde_decode_update` (arguments checked there, ``pde_type`` canonical;
     ``state`` fp32 / fp64 on the CPU, a tensor or its level buffers; :func:`kernel` built). Returns the refined token in
-    the input's shape and dtype."""
+    the input's shape and dtype (``out``, where given)."""
     whole = isinstance(state, torch.Tensor)
     dtype = state.dtype if whole else state[0].dtype
     if alpha.dtype != dtype:  # (projected in their own dtype first, as the torch step does)
@@ -387,7 +396,7 @@ def decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: i
         alpha, beta, bounds = alpha.to(dtype), (None if beta is None else beta.to(dtype)), None
     return kernel().decode_update(hidden_states, [state] if whole else list(state), whole, state_indices, token_mask,
                                   alpha, alpha if beta is None else beta, *_call_constants(pde_type, bounds,
-                                                                                           len(SCHEMES)), steps)
+                                                                                           len(SCHEMES)), steps, out)
 
 
 @lru_cache(maxsize=None)  # (one entry per registered scheme)

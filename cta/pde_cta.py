@@ -26,9 +26,9 @@ from .pde_reference import (causal_state_history, pde_decode_step_reference, pde
                             reference_refine)
 # (the operator's public names are re-exported here too)
 from .pde_spec import (COEFFICIENT_BOUNDS, MAX_PDE_STEPS, PAPER_COEFFICIENTS, PDE_BACKENDS, PDE_TYPE_ALIASES,  # noqa
-                       PDE_TYPES, WAVE_DAMPING, check_bounds, check_decode_arguments, check_pde_arguments, check_steps,
-                       coefficient_bounds, normalize_pde_type, project_coefficient, project_coefficients, scheme_of,
-                       uses_beta, SCHEMES)
+                       PDE_TYPES, WAVE_DAMPING, check_bounds, check_decode_arguments, check_out, check_pde_arguments,
+                       check_steps, coefficient_bounds, normalize_pde_type, project_coefficient, project_coefficients,
+                       scheme_of, uses_beta, written_into, SCHEMES)
 
 
 # A site's settings after construction (issue 69): ``steps`` and ``backend`` may change, every path reading them at the
@@ -127,7 +127,7 @@ def choose_backend(backend: str, hidden_states: torch.Tensor, steps: int, state=
 
 def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha, beta=None, causal: bool = False,
                attention_mask: Optional[torch.Tensor] = None, initial_state: Optional[torch.Tensor] = None,
-               return_final_state: bool = False, backend: str = "auto", coefficient_bounds=None):
+               return_final_state: bool = False, backend: str = "auto", coefficient_bounds=None, out=None):
     """Refines ``hidden_states`` ``[batch, seq, channels]`` with ``steps`` explicit steps of the PDE ``pde_type``
     (causal-conv1d's ``fn``; one token at a time: :func:`pde_decode_update`).
 
@@ -143,6 +143,8 @@ def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha,
             naming the missing requirement, where it cannot run).
         coefficient_bounds: ``((alpha_min, alpha_max), (beta_min, beta_max) | None)``: ``alpha`` / ``beta`` are raw
             values projected onto them, gradient passed straight through (:class:`PDERefinement`'s parameters).
+        out: a tensor like ``hidden_states`` (not sharing its memory) that receives the refined tokens and is
+            returned (no gradient; a serving engine's output buffer).
 
     A Python-number ``alpha`` / ``beta`` outside its stable interval (``coefficient_bounds``) raises a ValueError;
     tensors are checked for shape and dtype, not range-checked (reading values would synchronise with the device).
@@ -150,23 +152,24 @@ def pde_refine(hidden_states: torch.Tensor, *, pde_type: str, steps: int, alpha,
     pde_type, alpha, beta = check_pde_arguments(hidden_states, pde_type, steps, alpha, beta, attention_mask,
                                                 initial_state, causal)
     bounds = check_bounds(coefficient_bounds)
+    needs_grad = _needs_grad(hidden_states, initial_state, alpha, beta)
+    check_out(out, hidden_states, needs_grad)
     if choose_backend(backend, hidden_states, steps) == "triton":
         from .triton_cta import refine
 
-        return refine(hidden_states, alpha, beta, attention_mask, initial_state, pde_type, steps,
-                      bool(causal), bool(return_final_state), bounds)
+        return written_into(refine(hidden_states, alpha, beta, attention_mask, initial_state, pde_type, steps,
+                                   bool(causal), bool(return_final_state), bounds), out)
     alpha, beta = project_coefficients(alpha, beta, bounds)
     kwargs = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, initial_state=initial_state,
                   return_final_state=return_final_state)
     scheme = scheme_of(pde_type)
     if (backend == "auto" and causal and attention_mask is None and steps and scheme.filters(True)
             and alpha.numel() == 1 and (beta is None or beta.numel() == 1)
-            and hidden_states.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not _needs_grad(hidden_states, initial_state, alpha, beta)):
+            and hidden_states.device.type == "cpu" and not torch.compiler.is_compiling() and not needs_grad):
         # the constant-coefficient causal schemes as one banded filter (the CPU, without gradients)
         c = alpha.item() + (beta.item() if scheme.advection else 0.0)
-        return filtered_refine(hidden_states, c, **kwargs)
-    return reference_refine(hidden_states, causal=causal, attention_mask=attention_mask, **kwargs)
+        return filtered_refine(hidden_states, c, out=out, **kwargs)
+    return written_into(reference_refine(hidden_states, causal=causal, attention_mask=attention_mask, **kwargs), out)
 
 
 def _needs_grad(*tensors) -> bool:
@@ -175,7 +178,7 @@ def _needs_grad(*tensors) -> bool:
 
 def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, steps: int, alpha, beta=None,
                       token_mask: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
-                      backend: str = "auto", coefficient_bounds=None):
+                      backend: str = "auto", coefficient_bounds=None, out=None):
     """One causal decode step (causal-conv1d's ``update`` beside :func:`pde_refine`'s ``fn``): refines one token per
     sequence and updates ``state`` in place, as :func:`pde_decode_step_reference` does; returns the refined token in
     the input's shape and dtype.
@@ -188,19 +191,20 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
         token_mask: one entry per sequence (0: padding, returned unchanged, leaving a wall as its state).
         state_indices: ``[batch]`` integers: sequence ``i``'s state is row ``state_indices[i]`` of ``state``
             (``[rows, steps, channels]``, a serving engine's state table; causal-conv1d's ``conv_state_indices``).
-        pde_type, steps, alpha, beta, backend, coefficient_bounds: as :func:`pde_refine`'s.
+        pde_type, steps, alpha, beta, backend, coefficient_bounds, out: as :func:`pde_refine`'s.
 
     CUDA eager: the fused Triton decode kernel. CPU eager: the C++ kernel (``kernels_cpu``, built on first use).
     Elsewhere, with ``backend="torch"`` and under ``torch.compile``: plain torch ops (``pde_decode``), which Inductor
     fuses with the norm that follows (docs/decoding.md)."""
     pde_type, alpha, beta, bounds = check_decode_arguments(hidden_states, state, pde_type, steps, alpha, beta,
                                                            token_mask, coefficient_bounds, state_indices)
+    check_out(out, hidden_states, False)
     if steps == 0:
-        return hidden_states.clone()
+        return hidden_states.clone() if out is None else out.copy_(hidden_states)
     chosen = choose_backend(backend, hidden_states, steps, state, pde_type)
     if chosen == "cpu":
         return cpu_decode_update(hidden_states, state, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                                 bounds=bounds, token_mask=token_mask, state_indices=state_indices)
+                                 bounds=bounds, token_mask=token_mask, state_indices=state_indices, out=out)
     table, rows = state, None
     if state_indices is not None:  # the sequences' rows, gathered, updated in place, then written back
         rows = state_indices.reshape(-1).long()
@@ -222,7 +226,7 @@ def pde_decode_update(hidden_states: torch.Tensor, state, *, pde_type: str, step
                                       token_mask=token_mask)
     if rows is not None:
         table.index_copy_(0, rows, state)
-    return refined
+    return written_into(refined, out)
 
 
 def pde_decode_step(*args, **kwargs):

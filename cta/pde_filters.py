@@ -20,6 +20,7 @@ import torch
 
 from .kernels_cpu import kernel as cpu_kernel
 from .pde_reference import reference_refine
+from .pde_spec import written_into
 
 
 @lru_cache(maxsize=256)  # (a pure function of the coefficient's value: served coefficients keep theirs)
@@ -37,30 +38,32 @@ def _final_state_map(c: float, steps: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def filtered_refine(hidden_states: torch.Tensor, c: float, *, pde_type: str, steps: int, alpha, beta,
-                    initial_state, return_final_state: bool):
+                    initial_state, return_final_state: bool, out=None):
     """:func:`pde_reference.pde_refine_reference` of a causal filter scheme with the scalar effective coefficient
     ``c`` (the arguments checked, no attention mask); ``alpha`` / ``beta`` are passed on to the reference for the
-    positions an initial state reaches."""
+    positions an initial state reaches. ``out``: where given (checked), the refined tokens are written there."""
     batch, length, channels = hidden_states.shape
     if length <= steps:  # (every position within reach of the initial state: the reference, on a few tokens)
-        return reference_refine(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
-                                attention_mask=None, initial_state=initial_state,
-                                return_final_state=return_final_state)
+        return written_into(reference_refine(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
+                                         causal=True, attention_mask=None, initial_state=initial_state,
+                                         return_final_state=return_final_state), out)
     dtype = torch.promote_types(hidden_states.dtype, torch.float32)
     u = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
     kernel = cpu_kernel() if u.is_cpu else None
     if kernel is not None:  # (one pass over the tokens, the same arithmetic as the ops below)
-        out, final_state = kernel.causal_filter(u, _level_taps(c, steps), return_final_state)
+        direct = out if out is not None and out.dtype == dtype and out.is_contiguous() else None
+        out_u, final_state = kernel.causal_filter(u, _level_taps(c, steps), return_final_state, direct)
     else:
         taps = _level_taps(c, steps)[steps]
-        out = u * taps[0]
+        out_u = u * taps[0]
         for k in range(1, steps + 1):
-            out[:, k:].add_(u[:, :-k], alpha=taps[k])
+            out_u[:, k:].add_(u[:, :-k], alpha=taps[k])
         final_state = torch.matmul(_final_state_map(c, steps, dtype), u[:, length - steps - 1:]) \
             if return_final_state else None
     if initial_state is not None:
-        out[:, :steps] = reference_refine(u[:, :steps], pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                                          causal=True, attention_mask=None, initial_state=initial_state,
-                                          return_final_state=False)
-    out = out if out.dtype == hidden_states.dtype else out.to(hidden_states.dtype)
-    return (out, final_state) if return_final_state else out
+        out_u[:, :steps] = reference_refine(u[:, :steps], pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
+                                            causal=True, attention_mask=None, initial_state=initial_state,
+                                            return_final_state=False)
+    refined = out_u if out_u.dtype == hidden_states.dtype else out_u.to(hidden_states.dtype)
+    return written_into((refined, final_state) if return_final_state else refined, out)
+

@@ -49,24 +49,24 @@ class FlatBatch:
 
 
 def refine_flat_batch(hidden_states: torch.Tensor, states: torch.Tensor, batch: FlatBatch, *, pde_type: str,
-                      steps: int, alpha, beta=None, coefficient_bounds=None) -> torch.Tensor:
-    """The refined ``hidden_states`` ``[tokens, channels]`` (tokens outside the batch's sequences unchanged);
-    ``states`` updated in place. ``alpha`` / ``beta``: the coefficients, projected onto ``coefficient_bounds``."""
-    if batch.decodes == hidden_states.shape[0] and not batch.prefill_slots:  # (decodes alone: the common step)
-        return pde_decode_update(hidden_states, states, state_indices=batch.decode_slots, pde_type=pde_type,
-                                 steps=steps, alpha=alpha, beta=beta, coefficient_bounds=coefficient_bounds)
+                      steps: int, alpha, beta=None, coefficient_bounds=None, out: Optional[torch.Tensor] = None
+                      ) -> torch.Tensor:
+    """The refined ``hidden_states`` ``[tokens, channels]`` (tokens outside the batch's sequences unchanged), in
+    ``out`` where given (the engine's output buffer: no second copy); ``states`` updated in place. ``alpha`` /
+    ``beta``: the coefficients, projected onto ``coefficient_bounds``."""
     operator = dict(pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, coefficient_bounds=coefficient_bounds)
-    pieces = []  # the refined tokens in their order (one piece, a lone prefill chunk: returned as it is)
+    if batch.decodes == hidden_states.shape[0] and not batch.prefill_slots:  # (decodes alone: the common step)
+        return pde_decode_update(hidden_states, states, state_indices=batch.decode_slots, out=out, **operator)
+    out = torch.empty_like(hidden_states) if out is None else out
     if batch.decodes:
-        pieces.append(pde_decode_update(hidden_states[:batch.decodes], states, state_indices=batch.decode_slots,
-                                        **operator))
+        pde_decode_update(hidden_states[:batch.decodes], states, state_indices=batch.decode_slots,
+                          out=out[:batch.decodes], **operator)
     starts = batch.prefill_starts
     for start, stop, slot, continues in zip(starts, starts[1:], batch.prefill_slots, batch.prefill_continues):
         initial = states[slot].unsqueeze(0) if continues else None
-        refined, final = pde_refine(hidden_states[start:stop].unsqueeze(0), causal=True, initial_state=initial,
-                                    return_final_state=True, **operator)
-        pieces.append(refined[0])
+        _, final = pde_refine(hidden_states[start:stop].unsqueeze(0), causal=True, initial_state=initial,
+                              return_final_state=True, out=out[start:stop].unsqueeze(0), **operator)
         states[slot] = final[0]
     if batch.end < hidden_states.shape[0]:  # (tokens that pad the batch: unchanged)
-        pieces.append(hidden_states[batch.end:])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        out[batch.end:] = hidden_states[batch.end:]
+    return out

@@ -242,6 +242,33 @@ def check_bounds(bounds):
     return pairs
 
 
+def check_out(out, hidden_states: torch.Tensor, needs_grad: bool) -> None:
+    """Raises unless ``out`` is None or a tensor like ``hidden_states`` (shape, dtype, device) that does not share its
+    memory (the kernels read tokens that ``out`` already holds refined) and no gradient is asked (as torch's ``out=``)."""
+    if out is None:
+        return
+    if (not isinstance(out, torch.Tensor) or out.shape != hidden_states.shape or out.dtype != hidden_states.dtype
+            or out.device != hidden_states.device):
+        got = (tuple(out.shape), out.dtype, str(out.device)) if isinstance(out, torch.Tensor) else type(out)
+        raise ValueError(f"`out` must be a tensor like `hidden_states` ({tuple(hidden_states.shape)}, "
+                         f"{hidden_states.dtype}, {hidden_states.device}), got {got}.")
+    if out.untyped_storage().data_ptr() == hidden_states.untyped_storage().data_ptr():
+        raise ValueError("`out` must not share memory with `hidden_states`: pass a separate buffer, or no `out`.")
+    if needs_grad:
+        raise ValueError("`out` is for inference: its result has no gradient. Call without `out` where the inputs or "
+                         "coefficients require grad.")
+
+
+def written_into(result, out):
+    """``result`` (the refined tokens, or the pair with the final state) with its tokens in ``out``, where given."""
+    if out is None:
+        return result
+    refined = result[0] if isinstance(result, tuple) else result
+    if refined.data_ptr() != out.data_ptr():
+        out.copy_(refined)
+    return (out, result[1]) if isinstance(result, tuple) else out
+
+
 _STATE_DTYPES = (torch.float32, torch.float64)
 
 

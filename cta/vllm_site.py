@@ -94,13 +94,15 @@ class VllmPDESite(MambaBase, nn.Module):
         pde_decode_update(torch.zeros(1, self.channels, device=self.alpha.device), state, pde_type=self.pde_type,
                           steps=self.steps, alpha=self.alpha, beta=self.beta)
 
-    def refine(self, hidden_states: torch.Tensor, attn_metadata) -> torch.Tensor:
-        """The refined ``hidden_states`` ``[tokens, channels]``; the states of the batch's sequences read and written
-        (:func:`pde_serving.refine_flat_batch`). ``attn_metadata``: the step's (vLLM's forward context)."""
+    def refine(self, hidden_states: torch.Tensor, attn_metadata, output: torch.Tensor) -> None:
+        """Writes the refined ``hidden_states`` ``[tokens, channels]`` into ``output``; the states of the batch's
+        sequences read and written (:func:`pde_serving.refine_flat_batch`). ``attn_metadata``: the step's (vLLM's
+        forward context)."""
         metadata = attn_metadata.get(self.prefix) if isinstance(attn_metadata, dict) else None
         if metadata is None:  # the memory-profiling run: no sequences, no states
-            return hidden_states
-        return refine_flat_batch(hidden_states, self.kv_cache[0], flat_batch(metadata), **self.operator)
+            output.copy_(hidden_states)
+        else:
+            refine_flat_batch(hidden_states, self.kv_cache[0], flat_batch(metadata), out=output, **self.operator)
 
 
 def flat_batch(metadata) -> FlatBatch:
@@ -122,7 +124,7 @@ def flat_batch(metadata) -> FlatBatch:
 @eager_break_during_capture
 def _pde_site(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:
     context = get_forward_context()
-    output.copy_(context.no_compile_layers[layer_name].refine(hidden_states, context.attn_metadata))
+    context.no_compile_layers[layer_name].refine(hidden_states, context.attn_metadata, output)
 
 
 def _pde_site_fake(hidden_states: torch.Tensor, output: torch.Tensor, layer_name: str) -> None:

@@ -296,14 +296,57 @@ def test_entry_points_share_one_signature():
     # the bounds a module's raw coefficients are projected onto (the decode reference takes the bounds too).
     import inspect
 
-    def parameters(function, extra=("backend", "coefficient_bounds")):
+    def parameters(function, extra=("backend", "coefficient_bounds", "out")):
         return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()
                 if p.name not in extra]
 
     assert parameters(pde_refine) == parameters(pde_refine_reference)
     assert parameters(pde_cta.pde_decode_update) == parameters(pde_decode_step_reference)
-    assert [name for name in inspect.signature(pde_cta.pde_decode_update).parameters][-2:] == \
-        ["backend", "coefficient_bounds"]
+    for entry_point in (pde_refine, pde_cta.pde_decode_update):
+        assert [name for name in inspect.signature(entry_point).parameters][-3:] == \
+            ["backend", "coefficient_bounds", "out"]
+
+
+@pytest.mark.parametrize("pde_type", PDE_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_receives_what_each_entry_point_returns(pde_type, dtype):
+    """``out=`` (a serving engine's output buffer) holds exactly the result without it, on every CPU path (the
+    banded filter, the reference, the C++ decode kernel with and without state rows), and is what is returned."""
+    generator = torch.Generator().manual_seed(PDE_TYPES.index(pde_type))
+    beta = 0.05 if pde_cta.uses_beta(pde_type) else None
+    x = torch.randn(2, 9, 8, generator=generator).to(dtype)
+    for initial, causal in ((None, False), (None, True), (torch.randn(2, 3, 8, generator=generator), True)):
+        arguments = dict(pde_type=pde_type, steps=3, alpha=0.1, beta=beta, causal=causal, initial_state=initial,
+                         return_final_state=causal)
+        expected = pde_refine(x, **arguments)
+        out = torch.full_like(x, float("nan"))
+        got = pde_refine(x, out=out, **arguments)
+        assert (got[0] if causal else got) is out
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    table = torch.randn(5, 3, 8, generator=generator)
+    for indices in (None, torch.tensor([4, 1])):
+        state = table[:2].clone() if indices is None else table.clone()
+        token = x[:, 0]
+        expected = pde_cta.pde_decode_update(token, state.clone(), pde_type=pde_type, steps=3, alpha=0.1, beta=beta,
+                                             state_indices=indices)
+        out = torch.full_like(token, float("nan"))
+        got = pde_cta.pde_decode_update(token, state, pde_type=pde_type, steps=3, alpha=0.1, beta=beta,
+                                        state_indices=indices, out=out)
+        assert got is out
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+def test_a_bad_out_is_refused_naming_it():
+    x = torch.randn(2, 6, 4)
+    arguments = dict(pde_type="diffusion", steps=1, alpha=0.1, causal=True)
+    for out in (torch.empty(2, 5, 4), torch.empty(2, 6, 4, dtype=torch.float64), x, x[:, :]):
+        with pytest.raises(ValueError, match="`out`"):
+            pde_refine(x, out=out, **arguments)
+    with pytest.raises(ValueError, match="`out` is for inference"):
+        pde_refine(x.requires_grad_(), out=torch.empty(2, 6, 4), **arguments)
+    with pytest.raises(ValueError, match="`out`"):
+        pde_cta.pde_decode_update(x[:, 0].detach(), torch.zeros(2, 1, 4), pde_type="diffusion", steps=1, alpha=0.1,
+                                  out=torch.empty(3, 4))
 
 
 def test_old_decode_name_warns_and_forwards():

@@ -51,7 +51,9 @@ def serve_like_a_scheduler(sequences, prompt_lengths, budget, operator, device, 
         batch = FlatBatch.of(torch.tensor([slots[i] for i in decode], device=device) if decode else None,
                              prefill_starts=starts if chunk_of else [], prefill_slots=[slots[i] for i, _ in chunk_of],
                              prefill_continues=continues)
-        output = refine_flat_batch(flat, table, batch, **operator)
+        out = torch.full_like(flat, float("nan")) if rng.random() < 0.5 else None  # (an engine's output buffer)
+        output = refine_flat_batch(flat, table, batch, out=out, **operator)
+        assert out is None or output is out
         assert torch.equal(output[len(tokens):], flat[len(tokens):]), "padding tokens pass through"
         for row, i in enumerate(decode):
             outputs[i][done[i]] = output[row]
