@@ -44,9 +44,10 @@ def filtered_refine(hidden_states: torch.Tensor, c: float, *, pde_type: str, ste
     positions an initial state reaches. ``out``: where given (checked), the refined tokens are written there."""
     batch, length, channels = hidden_states.shape
     if length <= steps:  # (every position within reach of the initial state: the reference, on a few tokens)
-        return written_into(reference_refine(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta,
-                                         causal=True, attention_mask=None, initial_state=initial_state,
-                                         return_final_state=return_final_state), out)
+        refined = reference_refine(hidden_states, pde_type=pde_type, steps=steps, alpha=alpha, beta=beta, causal=True,
+                                   attention_mask=None, initial_state=initial_state,
+                                   return_final_state=return_final_state)
+        return written_into(refined, out)
     dtype = torch.promote_types(hidden_states.dtype, torch.float32)
     u = hidden_states if hidden_states.dtype == dtype else hidden_states.to(dtype)
     kernel = cpu_kernel() if u.is_cpu else None
@@ -66,4 +67,3 @@ def filtered_refine(hidden_states: torch.Tensor, c: float, *, pde_type: str, ste
                                             return_final_state=False)
     refined = out_u if out_u.dtype == hidden_states.dtype else out_u.to(hidden_states.dtype)
     return written_into((refined, final_state) if return_final_state else refined, out)
-
