@@ -50,7 +50,7 @@ class VllmPDESite(MambaBase, nn.Module):
             self.beta = nn.Parameter(torch.full(shape, float(beta), dtype=torch.float32), requires_grad=False)
         else:
             self.register_parameter("beta", None)
-        self.operator = dict(pde_type=self.pde_type, steps=self.steps, alpha=self.alpha, beta=self.beta)
+        self._bind_operator()
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -84,6 +84,11 @@ class VllmPDESite(MambaBase, nn.Module):
         self.alpha.clamp_(*self.bounds[0])
         if self.beta is not None:
             self.beta.clamp_(*self.bounds[1])
+        self._bind_operator()
+
+    def _bind_operator(self) -> None:
+        """The operator's keyword arguments, kept for every call (bound again after a load: a loader may replace the
+        parameters)."""
         self.operator = dict(pde_type=self.pde_type, steps=self.steps, alpha=self.alpha, beta=self.beta)
 
     @torch.no_grad()
@@ -91,8 +96,7 @@ class VllmPDESite(MambaBase, nn.Module):
         """One decode step on a scratch state, before the engine serves: on the CPU it builds the operator's C++
         decode kernel (``kernels_cpu``; about 30 s, once per machine) while the engine starts, not on a request."""
         state = torch.zeros(1, self.steps, self.channels, device=self.alpha.device)
-        pde_decode_update(torch.zeros(1, self.channels, device=self.alpha.device), state, pde_type=self.pde_type,
-                          steps=self.steps, alpha=self.alpha, beta=self.beta)
+        pde_decode_update(torch.zeros(1, self.channels, device=self.alpha.device), state, **self.operator)
 
     def refine(self, hidden_states: torch.Tensor, attn_metadata, output: torch.Tensor) -> None:
         """Writes the refined ``hidden_states`` ``[tokens, channels]`` into ``output``; the states of the batch's
