@@ -565,7 +565,7 @@ def card_results(result) -> dict | None:
         f"{'SMOKE RUN, not a result: ' if settings['smoke'] else ''}Fine-tuned from {settings['model']} on "
         f"{result['data'].split(' (')[0]}, train split ({settings['max_steps']} steps x {settings['batch_size']} "
         f"blocks of {settings['block_size']} tokens = {settings['tokens_per_run']:,} tokens), "
-        f"{'bf16 mixed precision' if settings['bf16'] else 'fp32'} on {', '.join(settings['device'])}; the LoRA + PDE "
+        f"{'bf16 mixed precision' if settings['bf16'] else 'fp32'} on {run['device']}; the LoRA + PDE "
         f"run with the lowest validation perplexity ({valid:.3f}) of the study "
         f"(`examples/finetune_patched_llama.py --study pretrained`). Test perplexity per token of the base model's "
         f"tokenizer, the test split cut into blocks of each length; mean ± sample std over seeds.")

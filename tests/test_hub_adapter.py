@@ -293,6 +293,19 @@ def test_card_reads_the_result_file_of_its_adapter(adapters, tmp_path, capsys):
         hub_adapter.render_adapter_card(source, base_model=BASE_ID, results=results)
 
 
+def test_the_committed_study_card_reads_the_committed_result_file():
+    """results/pretrained_finetune_adapter/README.md (the SmolLM2 study's exported adapter card) carries the numbers,
+    description and model-index of results/pretrained_finetune.json's card_results, for the adapter it names."""
+    root = Path(__file__).resolve().parents[1] / "results"
+    block = json.loads((root / "pretrained_finetune.json").read_text())["card_results"]
+    card = ModelCard.load(str(root / "pretrained_finetune_adapter" / "README.md"))
+    assert block["description"] in card.text and block["adapter_sha256"] in card.text
+    for row in block["rows"]:
+        assert "| " + " | ".join(str(cell) for cell in row) + " |" in card.text, row
+    indexed = {(e.metric_name, e.metric_value) for e in card.data.eval_results}
+    assert indexed == {(e["metric_name"], e["metric_value"]) for e in block["model_index"]}
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Push, card, help
 # ---------------------------------------------------------------------------------------------------------------------
