@@ -142,8 +142,8 @@ def site_chain(device, dtype, hidden, calls, rounds, sites=8):
     times = {name: [] for name in chains}
     for _ in range(rounds + 1):  # (paired: the chains take turns; the first round warms up)
         for name, ops in chains.items():
-            kernels_cpp.set_enabled(name != "pde_site_python_launch")
-            times[name].append(clocked(lambda: [run(ops) for _ in range(calls)]) / calls)
+            with kernels_cpp.python_launch() if name == "pde_site_python_launch" else contextlib.nullcontext():
+                times[name].append(clocked(lambda: [run(ops) for _ in range(calls)]) / calls)
     mul = times.pop("torch_mul")[1:]
     per_site = {name: statistics.median((a - b) / sites * 1e6 for a, b in zip(t[1:], mul)) for name, t in times.items()}
     return {"sites": sites, "over_torch_mul_us": per_site, "torch_mul_us": 1e6 * statistics.median(mul) / sites}

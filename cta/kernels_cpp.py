@@ -23,6 +23,9 @@ each new plan is still checked against the Python path). A table keeps at most :
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import logging
 import os
 import re
@@ -40,9 +43,8 @@ from .pde_spec import SCHEMES, check_attention_mask, coefficient_bounds
 logger = logging.getLogger(__name__)
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "site_launch.cpp")
-_EXTENSION = []  # [the built module, or None]
-_ENABLED = [True]  # (set_enabled)
-_TABLES = {}  # (pde, steps, causal, bounds) -> PlanTable, or None without the extension
+# Whether eager calls may take the launcher (off inside `python_launch()`; per thread and task, like grad mode).
+_LAUNCHER_ON = contextvars.ContextVar("cta_cpp_launcher_on", default=True)
 # The Triton releases (major.minor) the launcher has run with on a GPU: tests/test_gpu_cpp_launch.py passed on 3.6
 # (torch 2.11's). Others take the Python path unless CTA_CPP_LAUNCH=1 (raise this as a GPU run on a new one passes).
 TESTED_TRITON = ("3.6",)
@@ -51,7 +53,9 @@ TESTED_TRITON = ("3.6",)
 # synchronisation). 1024 keeps every plan of a run with dynamic padding (issue 69: 251 lengths in 300 steps, a plan
 # per length and site metadata) and bounds a long run over unbounded shapes at a few MB per configuration.
 PLANS_PER_TABLE = 1024
-_WARNED = set()  # (warnings given once per process: _warn_once)
+# Site configurations (pde, steps, causal, bounds) with a plan table: a model has a handful; a process that builds
+# many models with other settings evicts the least recently used table (its plans are made again when needed).
+TABLES = 256
 _BETA_GRAD = {"none": 0, "kernel": 1, "zeros": 2}  # (site_launch.cpp's BetaGrad)
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -73,10 +77,10 @@ def build():
     return module
 
 
-def _warn_once(kind, message, *args):
-    """``message`` as a warning the first time ``kind`` comes up in this process, at DEBUG level after."""
-    logger.log(logging.DEBUG if kind in _WARNED else logging.WARNING, message, *args)
-    _WARNED.add(kind)
+@functools.lru_cache(maxsize=64)
+def _warn_once(message, *args):
+    """``message % args`` as a warning, once per process for each distinct message and arguments."""
+    logger.warning(message, *args)
 
 
 def triton_release() -> str | None:
@@ -98,43 +102,57 @@ def untested_triton() -> str | None:
             "Triton's launch internals, which a release may change)")
 
 
+@functools.lru_cache(maxsize=1)
 def extension():
     """The built C++ module, or None (turned off, an untested Triton, or it did not build: the reason is logged
-    once)."""
-    if not _EXTENSION:
-        module = None
-        if os.environ.get("CTA_CPP_LAUNCH", "") != "0" and os.path.exists(SOURCE) and not INTERPRET:
-            untested = untested_triton()
-            if untested is not None:
-                _warn_once("untested triton", "cta: the C++ PDE site launcher is off: %s. Eager CUDA sites launch "
-                           "from Python (more host time per site and training step; the same results). "
-                           "CTA_CPP_LAUNCH=1 runs it anyway (each new plan is still checked against the Python path).",
-                           untested)
-            else:
-                try:
-                    module = build()
-                except Exception as error:  # (no compiler, no Python headers, an old torch, ...)
-                    logger.warning("cta: the C++ PDE site launcher did not build (%s); eager CUDA sites launch from "
-                                   "Python (more host time per site and training step).", error)
-        _EXTENSION.append(module)
-    return _EXTENSION[0]
+    once). Built or loaded once per process."""
+    if os.environ.get("CTA_CPP_LAUNCH", "") == "0" or not os.path.exists(SOURCE) or INTERPRET:
+        return None
+    untested = untested_triton()
+    if untested is not None:
+        logger.warning("cta: the C++ PDE site launcher is off: %s. Eager CUDA sites launch from Python (more host "
+                       "time per site and training step; the same results). CTA_CPP_LAUNCH=1 runs it anyway (each "
+                       "new plan is still checked against the Python path).", untested)
+        return None
+    try:
+        return build()
+    except Exception as error:  # (no compiler, no Python headers, an old torch, ...)
+        logger.warning("cta: the C++ PDE site launcher did not build (%s); eager CUDA sites launch from Python (more "
+                       "host time per site and training step).", error)
+        return None
 
 
-def set_enabled(enabled: bool):
-    """Turns the C++ launcher on or off for the calls that follow (off: every call takes the Python path; tests and
+@functools.lru_cache(maxsize=TABLES)
+def plan_table(config):
+    """The plan table of the site configuration ``config`` ``(pde, steps, causal, bounds)`` (its plans, one per
+    input metadata, are added as calls come), or None without the extension."""
+    module = extension()
+    return module.PlanTable(PLANS_PER_TABLE) if module is not None else None
+
+
+@contextlib.contextmanager
+def python_launch():
+    """Eager calls inside take the Python path, not the C++ launcher (in this thread or task; tests and
     ``benchmarks/bench_train_step.py`` compare the two)."""
-    _ENABLED[0] = bool(enabled)
+    token = _LAUNCHER_ON.set(False)
+    try:
+        yield
+    finally:
+        _LAUNCHER_ON.reset(token)
 
 
 def refine_planned(config, x, alpha, beta, mask):
     """``x`` refined by the site ``config`` ``(pde, steps, causal, bounds)`` through its C++ plan (differentiable in
     ``x``, ``alpha`` and ``beta``), or None where the Python path serves this call."""
-    table = _TABLES.get(config)
-    if table is not None and _ENABLED[0]:  # (the common call: one dictionary lookup, then C++)
-        out = _EXTENSION[0].refine(table, x, alpha, beta, mask)  # (False: the Python path serves, e.g. a tangent)
-        if out is not None:
-            return out if out is not False else None
-    return _refine_unplanned(config, x, alpha, beta, mask)
+    if not _LAUNCHER_ON.get():
+        return None
+    table = plan_table(config)
+    if table is None:
+        return None
+    out = extension().refine(table, x, alpha, beta, mask)  # (None: no plan yet; False: the Python path serves)
+    if out is None and _planned(table, config, x, alpha, beta, mask):
+        out = extension().refine(table, x, alpha, beta, mask)
+    return out if torch.is_tensor(out) else None
 
 
 def forward_planned(config, x, alpha, beta, mask):
@@ -154,34 +172,22 @@ def backward_planned(config, gy, x, alpha, beta, mask):
 def _through_plan(config, launch, x, alpha, beta, mask):
     """``launch(table)`` on the table of ``config``, the call's metadata planned (and checked) first where it has no
     plan yet: what the launch returns (None or False where the Python path serves)."""
-    table = _TABLES.get(config)
-    out = launch(table) if table is not None and _ENABLED[0] else None
-    if out is None and _planned_table(config, x, alpha, beta, mask) is not None:
-        out = launch(_TABLES[config])
+    table = plan_table(config) if _LAUNCHER_ON.get() else None
+    if table is None:
+        return None
+    out = launch(table)
+    if out is None and _planned(table, config, x, alpha, beta, mask):
+        out = launch(table)
     return out
 
 
-def _refine_unplanned(config, x, alpha, beta, mask):
-    """A call :func:`refine_planned` found no plan for (a new site configuration or new metadata): the table made,
-    the call planned (and checked)."""
-    table = _planned_table(config, x, alpha, beta, mask)
-    out = _EXTENSION[0].refine(table, x, alpha, beta, mask) if table is not None else None
-    return out if torch.is_tensor(out) else None
-
-
-def _planned_table(config, x, alpha, beta, mask):
-    """The table of ``config`` once this call's metadata is planned (or refused), or None where nothing can plan it
-    (the launcher off or not built, inference mode, a CUDA graph's capture)."""
-    if not _ENABLED[0] or torch.is_inference_mode_enabled():  # (inference tensors: the Python path, as tested)
-        return None
-    table = _TABLES.get(config, False)
-    if table is False:
-        module = extension()
-        table = _TABLES[config] = module.PlanTable(PLANS_PER_TABLE) if module is not None else None
-    if table is None or not _may_plan():  # (the caller found no plan for this metadata: none to look up again)
-        return None
+def _planned(table, config, x, alpha, beta, mask) -> bool:
+    """Whether this call's metadata, which ``table`` has no plan for, was planned (or refused) now; False where it
+    cannot be (inference mode, a CUDA graph's capture)."""
+    if torch.is_inference_mode_enabled() or not _may_plan():  # (inference tensors: the Python path, as tested)
+        return False
     _add_plan(table, config, x, alpha, beta, mask)
-    return table
+    return True
 
 
 def _may_plan() -> bool:
@@ -219,16 +225,17 @@ def _add_plan(table, config, x, alpha, beta, mask):
             reason = _plan(table, key, config, x, alpha, beta, mask)
         except Exception as error:  # (a Triton whose launch ABI the plan does not know)
             reason = f"planning failed: {error}"
-            _warn_once("planning failed", "cta: the C++ PDE site launcher cannot plan a call (%s); such calls take "
-                       "the Python path (warned once).", error)
+            _warn_once("cta: the C++ PDE site launcher cannot plan a call (%s); such calls take the Python path.",
+                       str(error))
     if reason is not None:
         table.refuse(key)
         logger.debug("cta: %s call %s takes the Python path: %s", pde, tuple(x.shape), reason)
         return
     if not _agrees_with_python(table, key, config, x, alpha, beta, mask):
         table.refuse(key)
-        _warn_once("disagreed", "cta: the C++ PDE site launcher disagreed with the Python path on a %s call %s; "
-                   "calls it disagrees on take the Python path (warned once).", pde, tuple(x.shape))
+        logger.debug("cta: the C++ PDE site launcher disagreed on a %s call %s.", pde, tuple(x.shape))
+        _warn_once("cta: the C++ PDE site launcher disagreed with the Python path on a %s call; calls it disagrees "
+                   "on take the Python path.", pde)
 
 
 def _plan(table, key, config, x, alpha, beta, mask):

@@ -93,16 +93,22 @@ def test_a_table_keeps_its_capacity_evicting_the_least_recently_used():
     assert module.refine(single, x[6], alpha, None, None) is False and len(single) == 1
 
 
-def test_an_untested_triton_turns_the_launcher_off_with_one_warning(monkeypatch, caplog):
+@pytest.fixture
+def fresh_launcher():
+    """The launcher's process caches (the built module, the plan tables) emptied before and after the test."""
+    caches = (kernels_cpp.extension, kernels_cpp.plan_table)
+    [cache.cache_clear() for cache in caches]
+    yield
+    [cache.cache_clear() for cache in caches]
+
+
+def test_an_untested_triton_turns_the_launcher_off_with_one_warning(monkeypatch, caplog, fresh_launcher):
     """On a Triton release outside ``TESTED_TRITON`` the launcher is not built: every call, whatever its shape, takes
     the Python path, and one warning says why; ``CTA_CPP_LAUNCH=1`` builds it anyway, ``=0`` turns it off quietly."""
     monkeypatch.setattr(kernels_cpp, "INTERPRET", False)  # (the CPU tests run Triton's interpreter: no launcher)
     monkeypatch.setattr(kernels_cpp, "build", lambda: "built")
     monkeypatch.setattr(kernels_cpp, "triton_release", lambda: "9.1")
     monkeypatch.delenv("CTA_CPP_LAUNCH", raising=False)
-    monkeypatch.setattr(kernels_cpp, "_WARNED", set())
-    monkeypatch.setattr(kernels_cpp, "_EXTENSION", [])
-    monkeypatch.setattr(kernels_cpp, "_TABLES", {})
     alpha = torch.full((1,), 0.1)
     with caplog.at_level("DEBUG", logger=kernels_cpp.__name__):
         for config in (("diffusion", 2, True, None), ("diffusion", 3, True, None)):
@@ -115,12 +121,12 @@ def test_an_untested_triton_turns_the_launcher_off_with_one_warning(monkeypatch,
     assert kernels_cpp.extension() is None
     for setting, built in (("1", "built"), ("0", None)):
         monkeypatch.setenv("CTA_CPP_LAUNCH", setting)
-        monkeypatch.setattr(kernels_cpp, "_EXTENSION", [])
+        kernels_cpp.extension.cache_clear()
         assert kernels_cpp.extension() == built
     monkeypatch.delenv("CTA_CPP_LAUNCH")
     for release in kernels_cpp.TESTED_TRITON:
         monkeypatch.setattr(kernels_cpp, "triton_release", lambda: release)
-        monkeypatch.setattr(kernels_cpp, "_EXTENSION", [])
+        kernels_cpp.extension.cache_clear()
         assert kernels_cpp.extension() == "built"
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
 

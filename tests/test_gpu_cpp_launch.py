@@ -17,15 +17,19 @@ requires_cuda = pytest.mark.skipif(
 
 @pytest.fixture
 def python_path():
-    """A context that runs its calls on the Python path (the launcher off), restoring it after."""
-    class Switch:
-        def __enter__(self):
-            kernels_cpp.set_enabled(False)
+    """A context (``with python_path():``) whose calls take the Python path (the launcher off)."""
+    return kernels_cpp.python_launch
 
-        def __exit__(self, *exc):
-            kernels_cpp.set_enabled(True)
-    yield Switch()
-    kernels_cpp.set_enabled(True)
+
+@pytest.fixture
+def fresh_tables():
+    """Empties the launcher's plan tables and its warnings given (call it after changing a setting they read); they
+    are emptied again after the test."""
+    def clear():
+        kernels_cpp.plan_table.cache_clear()
+        kernels_cpp._warn_once.cache_clear()
+    yield clear
+    clear()
 
 
 def _run(module, x, mask, gy_of=lambda y: y):
@@ -56,7 +60,7 @@ def test_planned_call_equals_the_python_path(pde_type, causal, per_channel, dtyp
     # a gradient with other strides than the output's (the C++ backward copies it into the planned layout)
     for gy_of in (lambda y: y, lambda y: y.transpose(0, 1)):
         y, grads, node = _run(module, x, mask, gy_of)
-        with python_path:
+        with python_path():
             y_py, grads_py, node_py = _run(module, x, mask, gy_of)
         assert "SiteRefine" in node and "SiteRefine" not in node_py
         assert torch.equal(y, y_py)
@@ -105,7 +109,7 @@ def test_another_stream_and_a_cuda_graph_get_their_own_workspace(python_path):
         static_y.sum().backward()
     graph.replay()
     torch.cuda.synchronize()
-    with python_path:
+    with python_path():
         leaf = x.clone().requires_grad_()
         expected = module(leaf)
         expected.sum().backward()
@@ -131,7 +135,7 @@ def test_a_plan_made_inside_an_activation_checkpoint(use_reentrant, python_path)
 
     got = run()
     assert "SiteRefine" in module(x.clone().requires_grad_()).grad_fn.name()
-    with python_path:
+    with python_path():
         want = run()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-6)
@@ -145,7 +149,7 @@ def test_bf16_parameters_get_a_plan(python_path):
     module = PDERefinement(192, "diffusion", steps=4, causal=True, per_channel=True).cuda().to(torch.bfloat16)
     x = torch.randn(4, 257, 192, device="cuda", dtype=torch.bfloat16)
     y, grads, node = _run(module, x, None)
-    with python_path:
+    with python_path():
         y_py, grads_py, _ = _run(module, x, None)
     assert "SiteRefine" in node and torch.equal(y, y_py) and torch.equal(grads[0], grads_py[0])
     torch.testing.assert_close(grads[1], grads_py[1], rtol=3e-2, atol=1e-3)
@@ -179,7 +183,7 @@ def test_the_hand_written_node_keeps_autograd_s_guarantees(python_path):
     module(x.detach()).sum().backward()
     planned = module.alpha.grad.clone()
     module.zero_grad()
-    with python_path:
+    with python_path():
         module(x.detach()).sum().backward()
     torch.testing.assert_close(planned, module.alpha.grad, rtol=1e-4, atol=1e-6)
     # saved-tensor hooks (activation offloading, checkpointing) see the node's saved operands
@@ -207,10 +211,10 @@ def test_a_compiled_call_launches_the_plans(python_path):
     compiled = torch.compile(module, fullgraph=True)
     y, grads, _ = _run(compiled, x, mask)
     # the op's plan (the coefficient projected in the graph, so the configuration has no bounds) serves this metadata
-    table = kernels_cpp._TABLES[(module.pde_type, module.steps, module.causal, None)]
+    table = kernels_cpp.plan_table((module.pde_type, module.steps, module.causal, None))
     alpha = module.alpha.detach().clamp(*module.alpha_bounds)
     assert torch.equal(table.forward(x, alpha, None, mask), y)
-    with python_path:
+    with python_path():
         y_py, grads_py, _ = _run(compiled, x, mask)
     assert torch.equal(y, y_py) and torch.equal(grads[0], grads_py[0])
     torch.testing.assert_close(grads[1], grads_py[1], rtol=1e-4, atol=1e-6)
@@ -223,10 +227,10 @@ def test_making_a_plan_leaves_the_random_stream_alone():
     module = PDERefinement(80, "diffusion", steps=3, causal=True, alpha=0.1).cuda()
     x = torch.randn(2, 29, 80, device="cuda", requires_grad=True)  # (a shape no other test plans)
     config = (module.pde_type, module.steps, module.causal, module.bounds)
-    plans = len(kernels_cpp._TABLES[config]) if config in kernels_cpp._TABLES else 0
+    plans = len(kernels_cpp.plan_table(config))
     state = torch.cuda.get_rng_state()
     assert "SiteRefine" in module(x).grad_fn.name()
-    assert len(kernels_cpp._TABLES[config]) == plans + 1 and torch.equal(torch.cuda.get_rng_state(), state)
+    assert len(kernels_cpp.plan_table(config)) == plans + 1 and torch.equal(torch.cuda.get_rng_state(), state)
 
 
 @requires_cuda
@@ -287,7 +291,7 @@ def test_a_setting_changed_after_construction_takes_its_own_plan(pde_type, pytho
         # covers, so that call takes the Python path)
         mixed = change == "alpha per channel" and live.beta is not None
         assert ("SiteRefine" in node) == (backend != "torch" and not mixed), change
-        with python_path:
+        with python_path():
             y_fresh, grads_fresh, _ = _run(fresh, x, None)
         torch.testing.assert_close(y, y_fresh, rtol=1e-5, atol=1e-6, msg=change)
         for got, want in zip(grads, grads_fresh):
@@ -295,26 +299,26 @@ def test_a_setting_changed_after_construction_takes_its_own_plan(pde_type, pytho
 
 
 @requires_cuda
-def test_an_evicted_plan_serves_its_pending_backward_and_is_made_again(monkeypatch, python_path):
+def test_an_evicted_plan_serves_its_pending_backward_and_is_made_again(monkeypatch, python_path, fresh_tables):
     """Tables keep ``PLANS_PER_TABLE`` plans (here 2): a call's backward still runs after its plan was evicted (the
     node holds it), and the evicted metadata gets a new, checked plan."""
     monkeypatch.setattr(kernels_cpp, "PLANS_PER_TABLE", 2)
-    monkeypatch.setattr(kernels_cpp, "_TABLES", {})
+    fresh_tables()
     module = PDERefinement(48, "diffusion", steps=3, causal=True, alpha=0.2, per_channel=True).cuda()
     inputs = [torch.randn(2, n, 48, device="cuda", requires_grad=True) for n in (11, 12, 13, 11)]
     outputs = [module(x) for x in inputs]  # (the third evicts the first's plan; the fourth makes it again)
-    table = kernels_cpp._TABLES[(module.pde_type, module.steps, module.causal, module.bounds)]
+    table = kernels_cpp.plan_table((module.pde_type, module.steps, module.causal, module.bounds))
     assert len(table) == 2 and all("SiteRefine" in y.grad_fn.name() for y in outputs)
     for x, y in zip(inputs, outputs):
         y.square().sum().backward()
-        with python_path:
+        with python_path():
             leaf = x.detach().clone().requires_grad_()
             module(leaf).square().sum().backward()
         assert torch.equal(x.grad, leaf.grad)
 
 
 @requires_cuda
-def test_a_plan_that_misreads_a_coefficient_is_refused_at_the_identity_init(monkeypatch, caplog):
+def test_a_plan_that_misreads_a_coefficient_is_refused_at_the_identity_init(monkeypatch, caplog, fresh_tables):
     """A plan whose alpha and beta slots are swapped (what a changed launch ABI could do) agrees with the Python path
     at the identity init (both 0): the check runs at coefficients that move the stencil, so it is refused, with one
     warning, and the call takes the Python path."""
@@ -328,8 +332,7 @@ def test_a_plan_that_misreads_a_coefficient_is_refused_at_the_identity_init(monk
         return (*spec[:4], slots)
 
     monkeypatch.setattr(kernels_cpp, "_launch_spec", swapped)
-    monkeypatch.setattr(kernels_cpp, "_TABLES", {})
-    monkeypatch.setattr(kernels_cpp, "_WARNED", set())
+    fresh_tables()
     module = PDERefinement(64, "advection_diffusion", steps=2, causal=True, alpha=0.0, beta=0.0).cuda()
     with caplog.at_level("WARNING", logger=kernels_cpp.__name__):
         for n in (17, 18):
