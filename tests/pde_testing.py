@@ -1,4 +1,5 @@
-"""What the model tests share: PDE coefficients moved off their initial values."""
+"""What the model tests share: PDE coefficients moved off their initial values, activation checkpointing turned on
+under the installed transformers' name."""
 
 import torch
 
@@ -17,4 +18,15 @@ def randomize_pde(model, seed=0, margin=0.0):
                         low, high = bounds
                         draw = torch.rand(param.shape, generator=generator)
                         param.copy_((low + (high - low) * (margin + (1 - 2 * margin) * draw)).to(param.device))
+    return model
+
+
+def enable_checkpointing(model, use_reentrant=None):
+    """Turns on activation checkpointing (transformers 5.25's ``activation_checkpointing_enable``; the older releases
+    of the tested range have only ``gradient_checkpointing_enable``, which 5.25 deprecates); returns ``model``."""
+    kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(kwargs)
     return model

@@ -7,6 +7,7 @@ import torch
 
 import cta
 from cta import PDE_TYPES, CTAConfig, CTAForCausalLM
+from cta.pde_cache import CACHE_ARGUMENT
 
 pytestmark = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(
@@ -86,7 +87,7 @@ def test_patched_decode_is_exact_and_keeps_hooks():
         cache = model(ids[:, :first], use_cache=True).past_key_values
         for t in range(first, last):
             mask = torch.ones(2, t + 1, dtype=torch.long, device="cuda") if t % 2 else None
-            step = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True, attention_mask=mask).logits[:, -1]
+            step = model(ids[:, t:t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True, attention_mask=mask).logits[:, -1]
             torch.testing.assert_close(step, full[:, t], rtol=1e-4, atol=1e-4)
 
     with torch.no_grad():
@@ -99,7 +100,7 @@ def test_patched_decode_is_exact_and_keeps_hooks():
         cache = model(ids[:, :6], use_cache=True).past_key_values
         for t in range(6, 9):
             del received[:]
-            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True, output_hidden_states=True)
+            out = model(ids[:, t:t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True, output_hidden_states=True)
             torch.testing.assert_close(out.logits[:, -1], full[:, t], rtol=1e-4, atol=1e-4)
             for k, layer_input in enumerate(received):
                 torch.testing.assert_close(out.hidden_states[k], layer_input, rtol=0, atol=0)
@@ -168,7 +169,6 @@ def test_no_host_device_synchronisation_in_a_patched_decode_step():
     an attention mask: with one, transformers' own mask builder synchronises, in the unpatched model too.)"""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cta.pde_cache import CACHE_ARGUMENT
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -26,6 +26,7 @@ from transformers.utils import ModelOutput
 
 from cta import CTAConfig, CTAForCausalLM, CTAForSequenceClassification, CTAModel
 from cta.pde_cache import CACHE_ARGUMENT
+from pde_testing import enable_checkpointing
 
 WORDS = ["[PAD]", "[BOS]", "[EOS]", "[UNK]"] + [f"w{i}" for i in range(57)]
 VOCAB = len(WORDS)
@@ -124,7 +125,7 @@ def test_gradient_checkpointing_same_gradients(kind):
         model = build(kind)
         model.train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model, use_reentrant=False)
             # (transformers 5.24 renamed the property, the old name warning; 5.14 has only the old one)
             assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
         model(ids, attention_mask=mask, labels=labels).loss.backward()

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 import cta
 from cta import PDE_TYPES, CTAConfig, CTAForCausalLM, CTAForSequenceClassification, CTAModel
 from cta.pde_cache import CACHE_ARGUMENT
-from pde_testing import randomize_pde
+from pde_testing import enable_checkpointing, randomize_pde
 
 DECODER_PLACEMENTS = ["embedding", "value", "attention_output", "mlp_output", "block_output", "attention_matrix"]
 
@@ -188,7 +188,7 @@ def test_generation_with_cache_is_exact(pde_type, placement):
     pieces = []
     bounds = [0, 4, 7] + list(range(8, with_cache.shape[1] + 1))
     for start, end in zip(bounds[:-1], bounds[1:]):
-        out = model(input_ids=with_cache[:, start:end], attention_mask=full_mask[:, :end], past_key_values=cache,
+        out = model(input_ids=with_cache[:, start:end], attention_mask=full_mask[:, :end], **{CACHE_ARGUMENT: cache},
                     use_cache=True)
         pieces.append(out.logits)
     stepped = torch.cat(pieces, 1)
@@ -200,7 +200,7 @@ def test_plain_dynamic_cache_gets_a_clear_error():
     model = make_lm("diffusion", "block_output")
     cache = DynamicCache()
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
-        model(torch.randint(0, 61, (1, 4)), past_key_values=cache, use_cache=True)
+        model(torch.randint(0, 61, (1, 4)), **{CACHE_ARGUMENT: cache}, use_cache=True)
 
 
 def test_the_pde_states_of_a_cache_are_checked_once_it_holds_them(monkeypatch):
@@ -211,13 +211,13 @@ def test_the_pde_states_of_a_cache_are_checked_once_it_holds_them(monkeypatch):
     model = make_lm("diffusion", ["value", "block_output"])
     ids = torch.randint(0, 61, (1, 5))
     cache = DynamicCache(config=model.config)
-    model(ids[:, :4], past_key_values=cache, use_cache=True)
+    model(ids[:, :4], **{CACHE_ARGUMENT: cache}, use_cache=True)
     assert model.model.pde_sites.checked is None  # (the prefill started an empty cache)
-    model(ids[:, 4:], past_key_values=cache, use_cache=True)
+    model(ids[:, 4:], **{CACHE_ARGUMENT: cache}, use_cache=True)
     assert model.model.pde_sites.checked() is cache
     looked_up = []
     monkeypatch.setattr(pde_cache, "_state_layer", lambda *args: looked_up.append(args))
-    model(ids[:, 4:], past_key_values=cache, use_cache=True)
+    model(ids[:, 4:], **{CACHE_ARGUMENT: cache}, use_cache=True)
     assert not looked_up
     with pytest.raises(ValueError, match="DynamicCache\\(config=model.config\\)"):
         model.model.layers[0].block_output_pde(torch.randn(1, 1, 32), cache=DynamicCache())
@@ -322,7 +322,7 @@ def test_gradient_checkpointing_gives_same_gradients():
     model(ids, labels=ids).loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.train()
     model(ids, labels=ids).loss.backward()
     for name, param in model.named_parameters():

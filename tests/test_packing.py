@@ -11,7 +11,7 @@ import cta
 from cta import PDE_TYPES
 from cta.patching_cta import patch_model
 from cta.pde_packing import PackedRows, sequence_starts
-from pde_testing import randomize_pde
+from pde_testing import enable_checkpointing, randomize_pde
 
 VOCAB = 64
 LENGTHS = (5, 3, 7)
@@ -167,7 +167,7 @@ def test_training_keeps_packed_rows_apart_with_the_default_use_cache(kind, check
     model = model_of(kind, "reaction_diffusion").train()
     model.config.use_cache = True
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     seqs = sequences(2)
     model(**packed_batch(seqs)).loss.backward()
     packed = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

@@ -23,9 +23,10 @@ from cta.patching_cta import (
     pde_parameter_names,
     unpatch_model,
 )
+from cta.pde_cache import CACHE_ARGUMENT
 from remote_code_env import run_in_clean_env
 from shared_data import STORIES260K
-from pde_testing import randomize_pde as randomize_interior
+from pde_testing import enable_checkpointing, randomize_pde as randomize_interior
 
 STORIES = STORIES260K  # (shipped in examples/demo_data: tests/shared_data.py)
 
@@ -236,7 +237,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(arch, reentrant):
     if arch in ENCODERS:
         mask = mask.flip(-1)
     twin = copy.deepcopy(model)
-    twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(twin, use_reentrant=reentrant)
     grads = []
     for m in (model, twin):
         m.train()
@@ -277,7 +278,7 @@ def test_a_recomputation_never_takes_another_forwards_walls(reentrant):
     raises. A forward whose outputs were released without a backward (a loop that skips a step) is no rival, nor is
     one with the same mask."""
     model = patch_model(tiny_model("llama"), pde_steps=2, placement=["mlp_output"], init="paper")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    enable_checkpointing(model, use_reentrant=reentrant)
     model.train()
     ids, mask = batch(pad=4)
     other = mask.clone()
@@ -438,7 +439,7 @@ def test_cached_decoding_is_exact(arch, placement):
     with torch.no_grad():
         for start, end in [(0, 4), (4, 7)] + [(t, t + 1) for t in range(7, 11)]:
             out = model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], position_ids=pos[:, start:end],
-                        past_key_values=cache, use_cache=True)
+                        **{CACHE_ARGUMENT: cache}, use_cache=True)
             cache = out.past_key_values
             steps.append(out.logits)
     stepped = torch.cat(steps, dim=1)
@@ -476,11 +477,11 @@ def test_training_forward_keeps_no_pde_state_in_a_cache_it_starts():
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
     started = model(input_ids=ids, use_cache=True).past_key_values
     with pytest.raises(ValueError, match="no PDE state .* keeps no PDE state in a cache it starts"):
-        model(input_ids=ids[:, :1], past_key_values=started, use_cache=True)
+        model(input_ids=ids[:, :1], **{CACHE_ARGUMENT: started}, use_cache=True)
     with torch.no_grad():
         full = model(input_ids=ids, use_cache=False).logits
         prefix = model(input_ids=ids[:, :6], use_cache=True).past_key_values
-    continued = model(input_ids=ids[:, 6:], past_key_values=prefix, use_cache=True).logits
+    continued = model(input_ids=ids[:, 6:], **{CACHE_ARGUMENT: prefix}, use_cache=True).logits
     assert continued.requires_grad
     torch.testing.assert_close(continued, full[:, 6:], atol=1e-5, rtol=0)
 
@@ -692,9 +693,9 @@ def test_patched_decoder_static_cache_and_compiled_decode(pde_type, per_channel)
         full = model(ids).logits
         for step in (model.forward, compiled):
             cache = StaticCache(config=model.config, max_cache_len=16)
-            logits = [model(ids[:, :6], past_key_values=cache, use_cache=True).logits]
+            logits = [model(ids[:, :6], **{CACHE_ARGUMENT: cache}, use_cache=True).logits]
             for t in range(6, 10):  # with the attention mask generate() passes at every step
-                logits.append(step(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True,
+                logits.append(step(input_ids=ids[:, t:t + 1], **{CACHE_ARGUMENT: cache}, use_cache=True,
                                    attention_mask=torch.ones(1, t + 1, dtype=torch.long, device=device)).logits)
             torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-5)
 
