@@ -133,7 +133,8 @@ def plan_table(config):
 @contextlib.contextmanager
 def python_launch():
     """Eager calls inside take the Python path, not the C++ launcher (in this thread or task; tests and
-    ``benchmarks/bench_train_step.py`` compare the two)."""
+    ``benchmarks/bench_train_step.py`` compare the two). A compiled graph's backward, which autograd runs in a thread
+    of its own on CUDA, may still take a plan: a plan gives the Python path's output and input gradient bitwise."""
     token = _LAUNCHER_ON.set(False)
     try:
         yield
