@@ -131,6 +131,36 @@ def test_an_untested_triton_turns_the_launcher_off_with_one_warning(monkeypatch,
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
 
 
+def test_each_new_metadata_is_planned_once_and_the_switch_bypasses_the_launcher(table, monkeypatch, fresh_launcher):
+    """``refine_planned``'s dispatch with the real tables (planning itself needs CUDA: here it refuses, which sends a
+    call to the Python path as a failed check does): a new metadata is planned once, then found; each site
+    configuration has its own table, kept across calls; inside ``python_launch()`` and in inference mode nothing
+    is planned, and every call returns None (the Python path)."""
+    module = kernels_cpp.build()
+    monkeypatch.setattr(kernels_cpp, "extension", lambda: module)
+    planned = []
+
+    def refuse(table, config, x, alpha, beta, mask):
+        planned.append((config, tuple(x.shape)))
+        table.refuse(table.key(x, alpha, beta, mask))
+
+    monkeypatch.setattr(kernels_cpp, "_add_plan", refuse)
+    monkeypatch.setattr(kernels_cpp, "_may_plan", lambda: True)  # (no CUDA stream here to ask)
+    alpha = torch.full((1,), 0.1)
+    configs = [("diffusion", 2, True, None), ("diffusion", 3, True, None)]
+    calls = [(config, n) for config in configs for n in (5, 6, 5, 6)]
+    with kernels_cpp.python_launch():
+        assert all(kernels_cpp.refine_planned(c, torch.randn(1, n, 16), alpha, None, None) is None for c, n in calls)
+    with torch.inference_mode():
+        assert all(kernels_cpp.refine_planned(c, torch.randn(1, n, 16), alpha, None, None) is None for c, n in calls)
+    assert planned == []
+    assert all(kernels_cpp.refine_planned(c, torch.randn(1, n, 16), alpha, None, None) is None for c, n in calls)
+    assert planned == [(c, (1, n, 16)) for c in configs for n in (5, 6)]
+    tables = [kernels_cpp.plan_table(c) for c in configs]
+    assert tables[0] is not tables[1] and [len(t) for t in tables] == [2, 2]
+    assert kernels_cpp.plan_table.cache_info().maxsize == kernels_cpp.TABLES
+
+
 def test_the_installed_triton_release_is_read():
     triton = pytest.importorskip("triton")
     release = kernels_cpp.triton_release()
