@@ -313,7 +313,7 @@ def stencil_coefficient(c, bounds, fractions):
     buffer = torch.empty(n + 16 // size, dtype=c.dtype, device=c.device)  # (allocations are 16-byte aligned)
     start = (c.data_ptr() % 16) // size
     out = buffer[start:start + n].view(c.shape)  # (c is contiguous: _why_not_planned)
-    out.copy_(low + (high - low) * steps)
+    out.copy_((low + (high - low) * steps).view(c.shape))  # (c may be 0-d: a functional call's scalar tensor)
     return out
 
 

@@ -72,7 +72,7 @@ def test_a_table_keeps_its_capacity_evicting_the_least_recently_used():
     plans too: on CPU they are what a table can hold. A pending backward keeps an evicted plan alive: the GPU test.)"""
     module = kernels_cpp.build()
     assert module.PlanTable(kernels_cpp.PLANS_PER_TABLE).capacity == kernels_cpp.PLANS_PER_TABLE == 1024
-    with pytest.raises(RuntimeError, match="at least one plan"):
+    with pytest.raises(ValueError, match="at least one plan"):
         module.PlanTable(0)
     table, alpha = module.PlanTable(3), torch.full((1,), 0.1)
     x = {n: torch.randn(1, n, 16) for n in range(1, 8)}
@@ -159,6 +159,18 @@ def test_each_new_metadata_is_planned_once_and_the_switch_bypasses_the_launcher(
     tables = [kernels_cpp.plan_table(c) for c in configs]
     assert tables[0] is not tables[1] and [len(t) for t in tables] == [2, 2]
     assert kernels_cpp.plan_table.cache_info().maxsize == kernels_cpp.TABLES
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,)])
+def test_the_check_coefficients_keep_the_metadata_of_the_call_s(shape):
+    """A new plan is checked at coefficients with the call's metadata (its key): shape (0-d too, a functional call's
+    scalar tensor), dtype and address modulo 16, at values inside the bounds that differ across elements."""
+    c = torch.zeros(17)[1:1 + (shape[0] if shape else 1)].view(shape)  # (an address that is not 16-byte aligned)
+    out = kernels_cpp.stencil_coefficient(c, (0.0, 0.5), (0.35, 0.75))
+    assert out.shape == c.shape and out.dtype == c.dtype and out.data_ptr() % 16 == c.data_ptr() % 16
+    expected = 0.5 * torch.linspace(0.35, 0.75, c.numel(), dtype=torch.float64) if c.numel() > 1 else \
+        torch.tensor([0.175], dtype=torch.float64)
+    torch.testing.assert_close(out.reshape(-1).double(), expected)
 
 
 def test_the_installed_triton_release_is_read():

@@ -298,9 +298,7 @@ at::Tensor refine_with(const Plan& plan, const at::Tensor& x, const at::Tensor& 
 // back). Training with dynamic padding sees a metadata per length.
 class PlanTable {
  public:
-  explicit PlanTable(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) {
-    TORCH_CHECK(capacity >= 1, "cta: a plan table holds at least one plan, got capacity ", capacity);
-  }
+  explicit PlanTable(int64_t capacity) : capacity_(static_cast<size_t>(capacity)) {}
 
   // The refined tensor, None where no plan was made for this metadata yet, False where the Python path serves it; an
   // absent beta or mask is an undefined tensor. (Called through `refine_fast`, the module's `refine`.)
@@ -472,7 +470,14 @@ PyMethodDef fast_functions[] = {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<PlanTable>(m, "PlanTable")
-      .def(py::init<int64_t>(), py::arg("capacity"))
+      // (checked before construction: a c10::Error thrown from a bound constructor crashed torch 2.11's Python 3.12)
+      .def(py::init([](int64_t capacity) {
+             if (capacity < 1)
+               throw py::value_error("cta: a plan table holds at least one plan, got capacity " +
+                                     std::to_string(capacity));
+             return std::make_unique<PlanTable>(capacity);
+           }),
+           py::arg("capacity"))
       .def("forward", &PlanTable::forward)
       .def("backward", &PlanTable::backward)
       .def("key", &PlanTable::key)
